@@ -1,0 +1,94 @@
+"""One optimizer per server process, shared by every trainer.
+
+``DistributedOptimizer`` builds an optimizer per trainer on each server; its default TorchScript path
+loses concurrent updates and each instance keeps its own state. ``ServerOptimizer`` is the class
+trainers hand to ``DistributedOptimizer``: not being a stock optimizer, it takes the locked
+``_LocalOptimizer`` path, and instead of owning state it forwards to the server's one
+``SharedOptimizer``. So every update is applied, one at a time, to one optimizer state.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+import torch
+
+
+def make_optimizer(kind: str, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    # Both accept sparse embedding gradients; Adam's fused kernels do not.
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    raise ValueError(f"unknown optimizer {kind!r}")
+
+
+def grad_sq_norm(grads: list[torch.Tensor]) -> float:
+    total = 0.0
+    for g in grads:
+        values = g.coalesce().values() if g.is_sparse else g
+        total += float(values.pow(2).sum())
+    return total
+
+
+class SharedOptimizer:
+    """The server's optimizer and the lock that orders its steps against parameter reads."""
+
+    def __init__(self, params: list[torch.nn.Parameter], kind: str, lr: float,
+                 on_step: Optional[Callable[[int], None]] = None) -> None:
+        self.lock = threading.Lock()
+        self.params = params
+        self.optimizer = make_optimizer(kind, params, lr)
+        self._on_step = on_step
+
+    def step(self) -> None:
+        with self.lock:
+            rows = sum(p.grad._nnz() for p in self.params if p.grad is not None and p.grad.is_sparse)
+            self.optimizer.step()
+            # A parameter this context did not touch must not see the previous context's gradient.
+            for p in self.params:
+                p.grad = None
+        if self._on_step is not None:
+            self._on_step(rows)
+
+    def snapshot(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Consistent copies: never half-way through another trainer's update."""
+        with self.lock:
+            return [t.detach().clone() for t in tensors]
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_param: dict[int, SharedOptimizer] = {}
+
+    def register(self, shared: SharedOptimizer) -> None:
+        with self._lock:
+            for p in shared.params:
+                self._by_param[id(p)] = shared
+
+    def unregister(self, shared: SharedOptimizer) -> None:
+        with self._lock:
+            for p in shared.params:
+                self._by_param.pop(id(p), None)
+
+    def find(self, params: list[torch.Tensor]) -> SharedOptimizer:
+        with self._lock:
+            found = {id(self._by_param.get(id(p))) for p in params}
+            shared = self._by_param.get(id(params[0])) if params else None
+        if shared is None or len(found) != 1:
+            raise RuntimeError("ServerOptimizer got parameters this server does not host")
+        return shared
+
+
+REGISTRY = _Registry()
+
+
+class ServerOptimizer:
+    """The optimizer class trainers pass to DistributedOptimizer (constructed on each server)."""
+
+    def __init__(self, params: list[torch.Tensor], **_ignored: object) -> None:
+        self._shared = REGISTRY.find(list(params))
+
+    def step(self) -> None:
+        self._shared.step()

@@ -1,0 +1,193 @@
+"""The parameter server's RPC surface.
+
+``ParameterServer``'s public methods listed in ``RPC_METHODS`` are the whole remote interface;
+trainers reach them only through ``ps/stub.py``, which calls the module-level ``call``. Every input is
+validated: a bad request raises ``BadRequest`` back to its caller and the server keeps serving.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+from ps.messages import ShardInfo
+from ps.modules import DecoderShard, EmbeddingShard, init_decoder, init_embedding, init_lstm_layer
+from ps.optim import REGISTRY, SharedOptimizer, grad_sq_norm
+from ps.sharding import ShardPlan
+from services.config import ModelConfig
+from services.errors import BadRequest, NotReady
+from services.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+RPC_METHODS = ("info", "param_rrefs", "lookup", "dense_params", "decode", "grad_sq_norm", "scale_grads")
+_CONTEXTS_KEPT = 4  # a trainer has at most one or two contexts open; older ones it released itself
+
+
+class ParameterServer:
+    def __init__(self, name: str, shard: int, num_shards: int, model: ModelConfig, metrics: Metrics) -> None:
+        self.name, self.shard, self.model = name, shard, model
+        self.plan = ShardPlan(num_shards, model.ntoken)
+        self.metrics = metrics
+        rows = self.plan.global_ids(shard)
+        self.embedding = EmbeddingShard(init_embedding(model)[rows].clone())
+        w, b = init_decoder(model)
+        self.decoder = DecoderShard(w[rows].clone(), b[rows].clone())
+        self.layers = tuple(self.plan.layers_of(shard, model.nlayers))
+        self.dense = torch.nn.ParameterDict({
+            n: torch.nn.Parameter(t) for layer in self.layers for n, t in init_lstm_layer(model, layer).items()})
+        params = [self.embedding.weight, self.decoder.weight, self.decoder.bias, *self.dense.values()]
+        self.optimizer = SharedOptimizer(params, model.optimizer, model.lr, on_step=self._stepped)
+        REGISTRY.register(self.optimizer)
+        self._contexts: dict[str, collections.deque] = {}
+        self._contexts_lock = threading.Lock()
+
+    def close(self) -> None:
+        REGISTRY.unregister(self.optimizer)
+
+    def _stepped(self, rows: int) -> None:
+        self.metrics.optimizer_steps.inc()
+        self.metrics.rows_updated.inc(rows)
+
+    # --- the RPC surface ---------------------------------------------------------------------------
+    def info(self) -> ShardInfo:
+        return ShardInfo(self.name, self.shard, self.plan.num_shards, self.model.model_dump(),
+                         self.plan.rows(self.shard), self.layers)
+
+    def param_rrefs(self) -> list[rpc.RRef]:
+        return [rpc.RRef(p) for p in self.optimizer.params]
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows [n, emsize] of global ``ids`` [n] that this shard owns."""
+        self._check_ids(ids, "ids")
+        with self.optimizer.lock:  # rows are read whole, never mid-update
+            rows = self.embedding(self.plan.to_local(ids))
+        self.metrics.rows_looked_up.inc(ids.numel())
+        return rows
+
+    def dense_params(self) -> dict[str, torch.Tensor]:
+        """This shard's LSTM weights; computing with them records the way back for gradients."""
+        with self.optimizer.lock:
+            return {n: p.clone() for n, p in self.dense.items()}
+
+    def decode(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token of ``h`` [N, nhid]: this shard's log-sum-exp and its target logit (0 if not owned)."""
+        if not isinstance(h, torch.Tensor) or h.dtype != torch.float32 or h.dim() != 2 or h.size(1) != self.model.nhid:
+            raise BadRequest(f"h must be a float32 tensor [N, {self.model.nhid}], got {_describe(h)}")
+        self._check_ids(targets, "targets", any_shard=True)
+        if targets.numel() != h.size(0):
+            raise BadRequest(f"targets has {targets.numel()} entries for {h.size(0)} rows of h")
+        owned = (self.plan.owner(targets) == self.shard)
+        local = torch.where(owned, self.plan.to_local(targets), torch.zeros_like(targets))
+        w, b = self.optimizer.snapshot([self.decoder.weight, self.decoder.bias])
+        with torch.set_grad_enabled(h.requires_grad):
+            return self.decoder.partials(h, local, owned.to(h.dtype), w, b)
+
+    def grad_sq_norm(self, context_id: int) -> float:
+        return grad_sq_norm(list(self._context_grads(context_id).values()))
+
+    def scale_grads(self, context_id: int, coef: float) -> None:
+        if not isinstance(coef, float) or not (0.0 <= coef <= 1.0):
+            raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
+        for g in self._context_grads(context_id).values():
+            g.mul_(coef)  # the very tensors DistributedOptimizer.step will apply
+
+    # --- bookkeeping ---------------------------------------------------------------------------------
+    def remember_context(self, caller: str) -> None:
+        try:
+            cid = dist_autograd._current_context()._context_id()
+        except RuntimeError:
+            return  # not called inside a distributed autograd context
+        with self._contexts_lock:
+            recent = self._contexts.setdefault(caller, collections.deque(maxlen=_CONTEXTS_KEPT))
+            if cid not in recent:
+                recent.append(cid)
+
+    def forget(self, caller: str) -> None:
+        """Free what a departed trainer left behind (its autograd contexts would otherwise leak)."""
+        with self._contexts_lock:
+            ids = self._contexts.pop(caller, ())
+        released = 0
+        for cid in ids:
+            try:
+                dist_autograd._release_context(cid)
+                released += 1
+            except Exception:
+                pass  # already released by the trainer itself
+        if released:
+            log.info("released %d autograd context(s) left by %s", released, caller)
+
+    def _context_grads(self, context_id: int) -> dict:
+        if not isinstance(context_id, int):
+            raise BadRequest(f"context_id must be an int, got {type(context_id).__name__}")
+        try:
+            return dist_autograd.get_gradients(context_id)
+        except RuntimeError as exc:
+            raise BadRequest(f"unknown autograd context {context_id}: {str(exc).splitlines()[0]}") from None
+
+    def _check_ids(self, ids: Any, what: str, any_shard: bool = False) -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise BadRequest(f"{what} must be an int64 tensor [n], got {_describe(ids)}")
+        if ids.numel() == 0:
+            raise BadRequest(f"{what} is empty")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.model.ntoken:
+            raise BadRequest(f"{what} out of range: [{lo}, {hi}] not within [0, {self.model.ntoken})")
+        if not any_shard and bool((self.plan.owner(ids) != self.shard).any()):
+            raise BadRequest(f"{what} holds ids that shard {self.shard} of {self.plan.num_shards} does not own")
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor {list(x.shape)}"
+    return type(x).__name__
+
+
+class _Hosted:
+    """The server this process hosts, for the RPC entry point; set once at start, cleared at stop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._server: Optional[ParameterServer] = None
+
+    def set(self, server: Optional[ParameterServer]) -> None:
+        with self._lock:
+            self._server = server
+
+    def get(self) -> ParameterServer:
+        with self._lock:
+            if self._server is None:
+                raise NotReady("this parameter server is not serving yet")
+            return self._server
+
+
+HOSTED = _Hosted()
+
+
+def call(caller: str, method: str, *args: Any) -> Any:
+    """The one RPC entry point: ``method`` of the hosted server, timed, counted and guarded."""
+    server = HOSTED.get()
+    if method not in RPC_METHODS:
+        raise BadRequest(f"unknown method {method!r}; the service offers {', '.join(RPC_METHODS)}")
+    fn: Callable[..., Any] = getattr(server, method)
+    server.remember_context(caller)
+    started = time.perf_counter()
+    ok = False
+    try:
+        result = fn(*args)
+        ok = True
+        return result
+    except BadRequest as exc:
+        log.warning("bad %s request from %s: %s", method, caller, exc)
+        raise
+    except TypeError as exc:  # wrong number of arguments
+        log.warning("bad %s request from %s: %s", method, caller, exc)
+        raise BadRequest(f"{method}: {exc}") from None
+    finally:
+        server.metrics.observe_request(method, time.perf_counter() - started, ok)

@@ -1,0 +1,87 @@
+"""The trainer-side client of the parameter servers: the only place trainers touch RPC.
+
+It hides the fan-out: a lookup deduplicates ids, asks every owning shard in parallel and reassembles
+the batch; a decode asks every shard for its partials in parallel. Called inside a distributed
+autograd context, everything it returns carries the way back for gradients.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.optim import DistributedOptimizer
+
+from ps import service
+from ps.messages import ShardInfo
+from ps.modules import combine_partials
+from ps.optim import ServerOptimizer
+from ps.sharding import ShardPlan
+from services.config import ModelConfig
+from services.errors import PeerUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class PsClient:
+    def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:
+        self.me, self.ps_names, self.timeout = me, ps_names, timeout
+        infos: list[ShardInfo] = [f.wait() for f in [self._async(n, "info") for n in ps_names]]
+        for k, info in enumerate(infos):
+            if info.shard != k or info.num_shards != len(ps_names):
+                raise PeerUnavailable(f"{ps_names[k]} serves shard {info.shard} of {info.num_shards}, "
+                                      f"expected shard {k} of {len(ps_names)}: check --num-ps everywhere")
+            if info.model != infos[0].model:
+                raise PeerUnavailable(f"{ps_names[k]} hosts a different model than {ps_names[0]}")
+        self.model = ModelConfig.model_validate(infos[0].model)
+        self.plan = ShardPlan(len(ps_names), self.model.ntoken)
+        self.layer_owner = {layer: self.plan.layer_owner(layer) for layer in range(self.model.nlayers)}
+        self._dense_shards = sorted(set(self.layer_owner.values()))
+        rrefs = [f.wait() for f in [self._async(n, "param_rrefs") for n in ps_names]]
+        self.param_rrefs = [r for shard in rrefs for r in shard]
+
+    def _async(self, ps: str, method: str, *args: Any) -> torch.futures.Future:
+        return rpc.rpc_async(ps, service.call, args=(self.me, method, *args), timeout=self.timeout)
+
+    def optimizer(self) -> DistributedOptimizer:
+        return DistributedOptimizer(ServerOptimizer, self.param_rrefs)
+
+    def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Embeddings of ``ids`` [...] -> [..., emsize], and the LSTM weights, in one parallel round."""
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        parts = [(pos, self._async(self.ps_names[k], "lookup", shard_ids))
+                 for k, (pos, shard_ids) in enumerate(self.plan.partition(unique)) if pos.numel()]
+        dense = [self._async(self.ps_names[k], "dense_params") for k in self._dense_shards]
+        rows = torch.cat([f.wait() for _, f in parts])               # [unique, emsize], shard order
+        order = torch.cat([pos for pos, _ in parts])
+        by_unique = rows[torch.argsort(order)]                      # back to torch.unique's order
+        weights: dict[str, torch.Tensor] = {}
+        for f in dense:
+            weights.update(f.wait())
+        return by_unique[inverse].view(*ids.shape, self.model.emsize), weights
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of ``h`` [N, nhid] against ``targets`` [N], computed by the shards."""
+        futs = [self._async(n, "decode", h, targets) for n in self.ps_names]
+        results = [f.wait() for f in futs]
+        return combine_partials([r[0] for r in results], [r[1] for r in results])
+
+    def clip_(self, context_id: int, max_norm: float) -> float:
+        """Global gradient-norm clipping over every shard's gradients in ``context_id``."""
+        sq = sum(f.wait() for f in [self._async(n, "grad_sq_norm", context_id) for n in self.ps_names])
+        norm = float(sq) ** 0.5
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for f in [self._async(n, "scale_grads", context_id, float(coef)) for n in self.ps_names]:
+                f.wait()
+        return norm
+
+
+def new_context() -> Any:
+    return dist_autograd.context()
+
+
+def backward(context_id: int, loss: torch.Tensor) -> None:
+    dist_autograd.backward(context_id, [loss])

@@ -1,0 +1,1 @@
+"""``rpcps bench``: benchmarks that print JSON; never asserted as timed tests."""

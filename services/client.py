@@ -1,0 +1,65 @@
+"""HTTP client of a sidecar, used by the CLI, the launcher and tests."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import httpx
+
+
+class SidecarError(RuntimeError):
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(f"{url}: HTTP {status}: {message}")
+        self.status = status
+
+
+class SidecarClient:
+    def __init__(self, base_url: str, token: Optional[str] = None, timeout: float = 10.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "SidecarClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        r = self._http.request(method, path, **kw)
+        if r.status_code >= 400:
+            try:
+                msg = r.json().get("error", r.text)
+            except ValueError:
+                msg = r.text
+            raise SidecarError(self.base_url + path, r.status_code, msg)
+        return r.json()
+
+    def ready(self) -> bool:
+        try:
+            return self._http.get("/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def status(self) -> dict:
+        return self._json("GET", "/status")
+
+    def start_episode(self, steps: Optional[int] = None, episodes: Optional[int] = None) -> dict:
+        body = {k: v for k, v in {"steps": steps, "episodes": episodes}.items() if v is not None}
+        return self._json("POST", "/episode/start", json=body)
+
+    def stop_episode(self) -> dict:
+        return self._json("POST", "/episode/stop")
+
+    def checkpoint(self) -> dict:
+        return self._json("POST", "/checkpoint")
+
+    def checkpoints(self) -> dict:
+        return self._json("GET", "/checkpoints")
+
+    def metrics(self) -> str:
+        r = self._http.get("/metrics")
+        r.raise_for_status()
+        return r.text

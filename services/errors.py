@@ -1,0 +1,37 @@
+"""Domain exceptions.
+
+Each takes a single message string: torch RPC re-raises a remote exception on the caller as
+``exception_type(message)``, so single-argument exceptions arrive as the same type.
+"""
+
+
+class RpcpsError(Exception):
+    """Base of every error rpcps raises on purpose."""
+
+
+class ConfigError(RpcpsError):
+    """A flag or environment variable is invalid; the message names it."""
+
+
+class BadRequest(RpcpsError):
+    """A caller sent something a server cannot serve (wrong dtype, shape or id range)."""
+
+
+class NotReady(RpcpsError):
+    """The role has not joined the cluster or does not hold its model yet."""
+
+
+class EpisodeConflict(RpcpsError):
+    """An episode was started while one runs, or stopped while none does."""
+
+
+class JoinRefused(RpcpsError):
+    """The leader refused a join (for instance, the name belongs to a live member)."""
+
+
+class PeerUnavailable(RpcpsError):
+    """A peer that this role needs is gone or unreachable."""
+
+
+class NotSupported(RpcpsError):
+    """The role does not offer this operation."""

@@ -1,0 +1,73 @@
+"""Role state and the status board that /status, /readyz and the metrics read.
+
+The work loop, RPC handler threads and the sidecar thread all touch the board, so every read and
+write goes through one lock and readers get a copy.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from typing import Any
+
+
+class RoleState(str, enum.Enum):
+    STARTING = "starting"      # process up, not yet in the RPC group
+    JOINING = "joining"        # waiting for the leader / peers
+    IDLE = "idle"              # joined and ready; waiting for an episode
+    RUNNING = "running"        # an episode (or serving, for servers) is under way
+    STOPPING = "stopping"      # shutting down
+    FAILED = "failed"          # unrecoverable; the process is about to exit
+
+
+READY_STATES = {RoleState.IDLE, RoleState.RUNNING}
+
+
+class StatusBoard:
+    def __init__(self, role: str, name: str) -> None:
+        self._lock = threading.Lock()
+        self._role, self._name = role, name
+        self._state = RoleState.STARTING
+        self._reason = "starting"
+        self._fields: dict[str, Any] = {}
+        self._beat = time.monotonic()
+
+    def set_state(self, state: RoleState, reason: str = "") -> None:
+        with self._lock:
+            self._state, self._reason = state, reason or state.value
+            self._beat = time.monotonic()
+
+    @property
+    def state(self) -> RoleState:
+        with self._lock:
+            return self._state
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self._fields.update(fields)
+            self._beat = time.monotonic()
+
+    def heartbeat(self) -> None:
+        with self._lock:
+            self._beat = time.monotonic()
+
+    def seconds_since_beat(self) -> float:
+        with self._lock:
+            return time.monotonic() - self._beat
+
+    def ready(self) -> tuple[bool, str]:
+        with self._lock:
+            return self._state in READY_STATES, self._reason
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"role": self._role, "name": self._name, "state": self._state.value,
+                    "reason": self._reason, **{k: _copy(v) for k, v in self._fields.items()}}
+
+
+def _copy(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _copy(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_copy(x) for x in v]
+    return v

@@ -1,0 +1,289 @@
+"""Who is in the RPC group, and the leader's repair of it.
+
+torch RPC's dynamic groups have no failure detector: one crashed member, or one failed join, wedges
+every later join and leave (``../shared/research/torch-rpc-facts.md`` Q1/Q2). ps0, which hosts the
+rendezvous store, therefore leads membership:
+
+* joiners queue a request in the store and wait for the leader's answer before ``init_rpc``; the
+  leader first probes every member and evicts the dead, so a join never meets a dead peer, and it
+  refuses a name that a live member holds (instead of letting torch wedge the group);
+* every ``probe_interval`` it probes members and evicts one after ``probe_failures`` misses;
+* a leaving member asks the leader to remove it (one code path with eviction), then shuts down
+  locally, so a leave never blocks on another member;
+* a membership token held too long by a non-member (a joiner that died mid-join) is forced free.
+
+This module is the only user of torch's private membership internals (``agent.store``, the
+``names/_ALL_WORKER_INFOS`` key, ``_update_group_membership``); they are pinned to torch 2.13.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch.distributed.rpc as rpc
+
+from services.errors import JoinRefused
+from services.names import LEADER
+
+log = logging.getLogger(__name__)
+
+JOIN_QUEUE = "rpcps/join_queue"
+RANK_COUNTER = "rpcps/next_rank"
+MAX_RANK = 32767  # torch's worker-id limit; ranks are never reused, so this bounds joins per store life
+_TOKEN = "RpcGroupManagementToken"
+_MEMBERS_KEY = "names/_ALL_WORKER_INFOS"
+
+
+def approval_key(rank: int) -> str:
+    return f"rpcps/join_answer/{rank}"
+
+
+def noop() -> None:
+    """Liveness probe target."""
+
+
+def current_members() -> list[str]:
+    return sorted(w.name for w in rpc._get_current_rpc_agent().get_worker_infos())
+
+
+class _Local:
+    """The process's Membership, reachable by the RPC entry points below."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._membership: Optional[Membership] = None
+
+    def set(self, m: Optional["Membership"]) -> None:
+        with self._lock:
+            self._membership = m
+
+    def get(self) -> "Membership":
+        with self._lock:
+            if self._membership is None:
+                raise RuntimeError("no membership in this process")
+            return self._membership
+
+
+_LOCAL = _Local()
+
+
+def _forget_remote(worker_info: Any) -> None:
+    """Run on every member when the leader removes ``worker_info``."""
+    _LOCAL.get()._forget(worker_info)
+
+
+def _request_leave(name: str) -> None:
+    """Run on the leader when ``name`` leaves voluntarily."""
+    _LOCAL.get().remove({name}, reason="left")
+
+
+class Membership:
+    """Every member has one; only the leader's runs the watchdog."""
+
+    def __init__(self, me: str, *, probe_interval: float = 1.0, probe_failures: int = 2,
+                 on_evicted: Optional[Callable[[], None]] = None) -> None:
+        self.me = me
+        self.is_leader = me == LEADER
+        self._probe_interval = probe_interval
+        self._probe_failures = probe_failures
+        self._on_evicted = on_evicted
+        self._listeners: list[Callable[[str], None]] = []
+        self._listeners_lock = threading.Lock()
+        self._op_lock = threading.Lock()  # one removal at a time (watchdog vs. leave requests)
+        self._misses: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._store: Any = None  # the leader's plain client of the rendezvous store
+        self._token_seen: tuple[str, float] = ("", 0.0)
+        self.token_stuck_after = 15.0
+
+    # --- every member -------------------------------------------------------------------------
+    def add_listener(self, fn: Callable[[str], None]) -> None:
+        """``fn(name)`` runs whenever a member is removed from this process's view."""
+        with self._listeners_lock:
+            self._listeners.append(fn)
+
+    def members(self) -> list[str]:
+        return current_members()
+
+    def _forget(self, worker_info: Any) -> None:
+        agent = rpc._get_current_rpc_agent()
+        if worker_info.name in {w.name for w in agent.get_worker_infos()}:
+            agent._update_group_membership(worker_info, [], {}, False)
+        self._notify(worker_info.name)
+
+    def _notify(self, name: str) -> None:
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            try:
+                fn(name)
+            except Exception:  # a listener's failure must not stop the others or the watchdog
+                log.exception("membership listener failed for %s", name)
+
+    def install(self) -> None:
+        _LOCAL.set(self)
+
+    def uninstall(self) -> None:
+        _LOCAL.set(None)
+
+    # --- leader ---------------------------------------------------------------------------------
+    def start_leader(self, store: Any) -> None:
+        assert self.is_leader
+        self._store = store
+        self._thread = threading.Thread(target=self._watch, name="membership", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def _watch(self) -> None:
+        next_probe = time.monotonic() + self._probe_interval
+        while not self._stop.is_set():
+            try:
+                self._answer_joins()
+                if time.monotonic() >= next_probe:
+                    next_probe = time.monotonic() + self._probe_interval
+                    self._probe_round()
+                    self._repair_token()
+            except Exception:  # the watchdog must survive any single failure
+                if self._stop.is_set():
+                    return
+                log.exception("membership watchdog error")
+            self._stop.wait(0.05)
+
+    def _answer_joins(self) -> None:
+        while self._store.queue_len(JOIN_QUEUE) > 0:
+            req = json.loads(self._store.queue_pop(JOIN_QUEUE, False))
+            name, rank = req["name"], int(req["rank"])
+            answer = self._admit(name)
+            log.info("join request %s (rank %d): %s", name, rank, answer)
+            self._store.set(approval_key(rank), answer)
+
+    def _admit(self, name: str) -> str:
+        # A join contacts every member; make sure each one answers first.
+        dead = {n for n, ok in self._probe(self._others()).items() if not ok}
+        if dead:
+            self.remove(dead, reason="unreachable before a join")
+        if name in self._others():
+            return f"refused: the name {name} belongs to a live member"
+        return "ok"
+
+    def _others(self) -> list[str]:
+        return [n for n in current_members() if n != self.me]
+
+    def _probe(self, names: list[str], timeout: float = 2.0) -> dict[str, bool]:
+        futs = {}
+        for n in names:
+            try:
+                futs[n] = rpc.rpc_async(n, noop, timeout=timeout)
+            except Exception:
+                futs[n] = None
+        result = {}
+        for n, f in futs.items():
+            try:
+                if f is None:
+                    raise RuntimeError("send failed")
+                f.wait()
+                result[n] = True
+            except Exception:
+                result[n] = False
+        return result
+
+    def _probe_round(self) -> None:
+        results = self._probe(self._others())
+        dead = set()
+        for n, ok in results.items():
+            self._misses[n] = 0 if ok else self._misses.get(n, 0) + 1
+            if self._misses[n] >= self._probe_failures:
+                dead.add(n)
+        for n in list(self._misses):
+            if n not in results:
+                del self._misses[n]
+        if dead:
+            self.remove(dead, reason=f"missed {self._probe_failures} liveness probes")
+
+    def _repair_token(self) -> None:
+        """A joiner that died holding the group token would block every later join and leave."""
+        store = rpc._get_current_rpc_agent().store
+        holder = store.get(_TOKEN).decode()  # exists since ps0's own join
+        if not holder:
+            self._token_seen = ("", 0.0)
+            return
+        seen, since = self._token_seen
+        if seen != holder:
+            self._token_seen = (holder, time.monotonic())
+        elif time.monotonic() - since > self.token_stuck_after:
+            log.warning("membership token held by %r for %.0fs; forcing it free", holder, self.token_stuck_after)
+            store.set(holder, "Done")
+            store.compare_set(_TOKEN, holder, "")
+            self._token_seen = ("", 0.0)
+
+    def remove(self, names: set[str], reason: str) -> None:
+        """Take the group token, drop ``names`` (and any half-joined leftovers) from the store's
+        member list and from every live member's view, then give the token back."""
+        with self._op_lock:
+            agent = rpc._get_current_rpc_agent()
+            store = agent.store
+            infos = {w.name: w for w in agent.get_worker_infos()}
+            mine = f"Token_for_{self.me}_evict"
+            self._acquire_token(store, mine)
+            try:
+                listed = [e for e in store.get(_MEMBERS_KEY).decode().split(",") if e]
+                # An entry the leader never heard of, while we hold the token, is a joiner that died
+                # mid-join: the next joiner would try to reach it and fail.
+                drop = [e for e in listed if e.rsplit("-", 1)[0] in names or e.rsplit("-", 1)[0] not in infos]
+                store.set(_MEMBERS_KEY, "".join(e + "," for e in listed if e not in drop))
+                gone = [infos[n] for n in names if n in infos and n != self.me]
+                for info in gone:
+                    agent._update_group_membership(info, [], {}, False)
+                survivors = [n for n in infos if n != self.me and n not in names]
+                for info in gone:
+                    for n in survivors:
+                        try:
+                            rpc.rpc_sync(n, _forget_remote, args=(info,), timeout=5)
+                        except Exception as exc:
+                            log.warning("could not tell %s that %s is gone: %s", n, info.name, str(exc).splitlines()[0])
+            finally:
+                store.set(_TOKEN, "")
+                store.set(mine, "Done")
+            for info in gone:
+                self._misses.pop(info.name, None)
+                log.info("removed %s from the group (%s)", info.name, reason)
+                self._notify(info.name)
+                if reason != "left" and self._on_evicted is not None:
+                    self._on_evicted()
+            for e in drop:
+                if e.rsplit("-", 1)[0] not in infos:
+                    log.warning("dropped half-joined member %s from the store", e)
+
+    def _acquire_token(self, store: Any, mine: str, stuck_after: float = 15.0) -> None:
+        holder_since: dict[str, float] = {}
+        while True:
+            cur = store.compare_set(_TOKEN, "", mine).decode()
+            if cur == mine:
+                return
+            first = holder_since.setdefault(cur, time.monotonic())
+            if time.monotonic() - first > stuck_after:
+                log.warning("membership token held by %r for %.0fs; forcing it free", cur, stuck_after)
+                store.set(cur, "Done")
+                store.compare_set(_TOKEN, cur, "")
+            time.sleep(0.05)
+
+
+def request_leave(me: str, timeout: float = 5.0) -> None:
+    """Ask the leader to remove this member; best effort (the watchdog evicts it anyway)."""
+    try:
+        rpc.rpc_sync(LEADER, _request_leave, args=(me,), timeout=timeout)
+    except Exception as exc:
+        log.warning("leader did not confirm the leave (%s); it will evict us by probe", str(exc).splitlines()[0])
+
+
+def check_answer(answer: str, name: str) -> None:
+    if answer != "ok":
+        raise JoinRefused(f"the leader refused {name}: {answer}")

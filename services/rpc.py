@@ -1,0 +1,77 @@
+"""The only module that starts and stops torch RPC.
+
+ps0 joins as rank 0 and so hosts the rendezvous store. Everyone else takes a never-used rank from a
+counter in that store (a reused rank hits stale pipes), queues a join request, and calls
+``init_rpc`` only once the leader has answered (see ``services/membership.py``).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from typing import Optional
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from services import membership
+from services.errors import JoinRefused
+from services.names import LEADER
+
+log = logging.getLogger(__name__)
+
+
+class RpcEndpoint:
+    def __init__(self, name: str, master_addr: str, master_port: int, *, rpc_timeout: float = 60.0,
+                 join_timeout: float = 300.0, num_worker_threads: int = 16) -> None:
+        self.name = name
+        self._addr, self._port = master_addr, master_port
+        self._rpc_timeout, self._join_timeout = rpc_timeout, join_timeout
+        self._threads = num_worker_threads
+        self.rank: Optional[int] = None
+        self.store: Optional[dist.TCPStore] = None  # plain client of the rendezvous store
+        self.joined = False
+
+    def _options(self) -> rpc.TensorPipeRpcBackendOptions:
+        return rpc.TensorPipeRpcBackendOptions(
+            num_worker_threads=self._threads,
+            rpc_timeout=self._rpc_timeout,
+            init_method=f"tcp://{self._addr}:{self._port}",
+        )
+
+    def _client(self) -> dist.TCPStore:
+        # A client constructed before ps0 is up retries until the timeout, so roles may start in any order.
+        return dist.TCPStore(self._addr, self._port, is_master=False,
+                             timeout=datetime.timedelta(seconds=self._join_timeout))
+
+    def join(self) -> None:
+        if self.name == LEADER:
+            self.rank = 0
+            rpc.init_rpc(self.name, rank=0, world_size=None, rpc_backend_options=self._options())
+            self.store = self._client()
+        else:
+            self.store = self._client()
+            self.rank = int(self.store.add(membership.RANK_COUNTER, 1))
+            if self.rank > membership.MAX_RANK:
+                raise JoinRefused(f"no RPC ranks left in this store's life (>{membership.MAX_RANK} joins); restart ps0")
+            self.store.queue_push(membership.JOIN_QUEUE, json.dumps({"name": self.name, "rank": self.rank}))
+            key = membership.approval_key(self.rank)
+            log.info("asking %s to admit %s (rank %d)", LEADER, self.name, self.rank)
+            self.store.wait([key], datetime.timedelta(seconds=self._join_timeout))
+            membership.check_answer(self.store.get(key).decode(), self.name)
+            rpc.init_rpc(self.name, rank=self.rank, world_size=None, rpc_backend_options=self._options())
+        self.joined = True
+        log.info("joined the RPC group as %s (rank %d) via %s:%d", self.name, self.rank, self._addr, self._port)
+
+    def leave(self) -> None:
+        """Leave without blocking on any other member: the leader removes us, then we stop locally."""
+        if not self.joined:
+            return
+        self.joined = False
+        if self.name != LEADER:
+            membership.request_leave(self.name)
+        try:
+            rpc.shutdown(graceful=False)
+        except Exception as exc:
+            log.warning("rpc shutdown: %s", exc)
+        log.info("left the RPC group")

@@ -1,0 +1,90 @@
+"""The one ``main`` every role shares.
+
+Main thread: signals and supervision. Role thread: ``role.run()`` (join, then serve or train).
+Sidecar thread: HTTP. On SIGTERM/SIGINT the role is asked to stop at a step boundary and given a
+bounded grace; RPC is always shut down (an exception with RPC still up can abort the interpreter).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable, Protocol
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from services.config import CommonConfig
+from services.http_server import SidecarServer
+from services.lifecycle import RoleState
+from services.log import init_logging
+from services.metrics import Metrics
+from services.sidecar import create_app
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE = 7.0  # seconds a role gets to reach a step boundary; leaves room inside a 10 s budget
+
+
+class Role(Protocol):
+    role: str
+    board: Any
+
+    def run(self) -> None: ...
+    def request_stop(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def run_role(cfg: CommonConfig, factory: Callable[[CommonConfig, Metrics], Role]) -> int:
+    init_logging(cfg.name, cfg.log_level)
+    torch.set_num_threads(cfg.threads)
+    registry = CollectorRegistry()
+    role = factory(cfg, Metrics(registry, factory.role, cfg.name))  # type: ignore[attr-defined]
+    token = cfg.control_token.get_secret_value() if cfg.control_token else None
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def work() -> None:
+        try:
+            role.run()
+        except BaseException as exc:  # reported by the main thread
+            failure.append(exc)
+        finally:
+            stop.set()
+
+    sidecar = SidecarServer(create_app(role, registry, token), cfg.sidecar_host, cfg.sidecar_port).start()
+    log.info("%s %s: sidecar %s", role.role, cfg.name, sidecar.url)
+    worker = threading.Thread(target=work, name="role", daemon=True)
+    worker.start()
+    while not stop.wait(0.5):
+        pass
+    role.request_stop()
+    worker.join(STOP_GRACE)
+    code = 0
+    if failure:
+        exc = failure[0]
+        log.error("%s failed: %s: %s", cfg.name, type(exc).__name__, exc, exc_info=exc)
+        role.board.set_state(RoleState.FAILED, f"{type(exc).__name__}: {exc}")
+        code = 1
+    try:
+        role.close()
+    except Exception:
+        log.exception("error while closing")
+    sidecar.stop()
+    if worker.is_alive():
+        # Stuck in a blocking wait torch cannot interrupt (a store wait, an RPC to a dead peer).
+        log.warning("role thread did not stop within %.0fs; exiting anyway", STOP_GRACE)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+    log.info("%s stopped (exit %d)", cfg.name, code)
+    return code

@@ -1,0 +1,1 @@
+"""The trainer role (word-level LSTM language model) and its data."""

@@ -1,0 +1,5 @@
+import sys
+
+from services.cli import main
+
+main(["trainer", *sys.argv[1:]])

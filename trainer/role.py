@@ -1,0 +1,215 @@
+"""The trainer role: joins the cluster, then runs language-model episodes on request.
+
+Threads: the role thread (``run``) joins and trains; the sidecar thread calls the control methods,
+which only post requests under ``_lock`` and read the status board.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Optional
+
+from ps.stub import PsClient
+from services.config import TrainerConfig
+from services.control import EpisodeStart
+from services.errors import EpisodeConflict, NotReady, NotSupported, PeerUnavailable
+from services.lifecycle import RoleState, StatusBoard
+from services.membership import Membership, current_members
+from services.metrics import Metrics
+from services.names import parse_name, ps_names
+from services.rpc import RpcEndpoint
+from trainer.data import BatchStream, Corpus, batchify, share
+from trainer.loop import EvalResult, TrainLoop
+from trainer.model import DistributedLM
+
+log = logging.getLogger(__name__)
+
+HEALTHY_SILENCE = 120.0  # seconds the role thread may go without a sign of life
+
+
+class TrainerRole:
+    role = "trainer"
+
+    def __init__(self, cfg: TrainerConfig, metrics: Metrics) -> None:
+        self.cfg, self.metrics = cfg, metrics
+        self.board = StatusBoard(self.role, cfg.name)
+        self.endpoint = RpcEndpoint(cfg.name, cfg.master_addr, cfg.master_port,
+                                    rpc_timeout=cfg.rpc_timeout, join_timeout=cfg.join_timeout)
+        self.membership = Membership(cfg.name)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pending: Optional[EpisodeStart] = EpisodeStart(steps=cfg.steps) if cfg.start else None
+        self._running = False
+        self._stop_episode = False
+        self._stopping = False
+        self._episodes = 0
+        self._steps = 0
+        metrics.init_trainer()
+
+    # --- Controllable ------------------------------------------------------------------------------
+    def healthy(self) -> tuple[bool, str]:
+        silent = self.board.seconds_since_beat()
+        if self.board.state == RoleState.FAILED:
+            return False, "failed"
+        if silent > HEALTHY_SILENCE:
+            return False, f"no progress for {silent:.0f}s"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        return self.board.ready()
+
+    def status(self) -> dict[str, Any]:
+        return self.board.snapshot()
+
+    def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
+        if request.episodes is not None:
+            raise EpisodeConflict("a language-model trainer counts episodes in steps; send {\"steps\": N}")
+        with self._lock:
+            if not self.board.ready()[0]:
+                raise NotReady(f"trainer not ready: {self.board.ready()[1]}")
+            if self._running or self._pending is not None:
+                raise EpisodeConflict("an episode is already running; stop it first")
+            self._pending = request
+            self._wake.notify_all()
+        return {"started": True, "steps": request.steps}
+
+    def stop_episode(self) -> dict[str, Any]:
+        with self._lock:
+            if self._pending is not None and not self._running:
+                self._pending = None
+                return {"stopping": False, "cancelled": True}
+            if not self._running:
+                raise EpisodeConflict("no episode is running")
+            self._stop_episode = True
+        return {"stopping": True, "at_step": self._steps}
+
+    def checkpoint(self) -> dict[str, Any]:
+        raise NotSupported("cluster checkpoints are not implemented yet")
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        raise NotSupported("cluster checkpoints are not implemented yet")
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._stop_episode = True
+            self._wake.notify_all()
+
+    def run(self) -> None:
+        cfg = self.cfg
+        corpus = Corpus.load(cfg.data, synthetic_tokens=cfg.synthetic_tokens, seed=cfg.seed)
+        index = parse_name(cfg.name).index % cfg.num_trainers
+        train = batchify(share(corpus.train, index, cfg.num_trainers), cfg.batch_size)
+        heldout = None
+        if corpus.heldout is not None:
+            heldout = share(corpus.heldout, index, cfg.num_trainers)
+            if cfg.eval_tokens is not None:
+                heldout = heldout[: max(cfg.eval_tokens // cfg.num_trainers, cfg.eval_batch_size * 2)]
+        log.info("data: %s; share %d of %d: %d training tokens", corpus.description, index, cfg.num_trainers, train.numel())
+
+        self.board.set_state(RoleState.JOINING, "joining the RPC group")
+        self.membership.install()
+        self.endpoint.join()
+        servers = ps_names(cfg.num_ps)
+        self._wait_for(servers)
+        client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
+        if corpus.ntoken > client.model.ntoken:
+            raise PeerUnavailable(f"the corpus has {corpus.ntoken} word types but the servers' model only "
+                                  f"{client.model.ntoken} rows; start the servers with --data or a larger --ntoken")
+        loop = TrainLoop(DistributedLM(client, cfg.dropout), client.optimizer(), BatchStream(train, cfg.bptt),
+                         cfg, self.metrics)
+        self.metrics.up.set(1)
+        self.board.update(step=0, episode=None, episodes_completed=0, members=current_members(),
+                          model=client.model.model_dump(), data=corpus.description)
+        self.board.set_state(RoleState.IDLE, "waiting for an episode")
+        while True:
+            request = self._next_episode()
+            if request is None:
+                return
+            self._run_episode(loop, request, heldout)
+
+    def close(self) -> None:
+        self.metrics.up.set(0)
+        self.board.set_state(RoleState.STOPPING, "stopping")
+        self.endpoint.leave()
+        self.membership.uninstall()
+
+    def _wait_for(self, servers: list[str]) -> None:
+        deadline = time.monotonic() + self.cfg.join_timeout
+        while True:
+            missing = sorted(set(servers) - set(current_members()))
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise PeerUnavailable(f"servers {missing} did not join within {self.cfg.join_timeout:.0f}s")
+            self.board.set_state(RoleState.JOINING, f"waiting for {', '.join(missing)}")
+            with self._lock:
+                if self._stopping:
+                    raise PeerUnavailable("stopped while waiting for the servers")
+                self._wake.wait(0.2)
+
+    def _next_episode(self) -> Optional[EpisodeStart]:
+        with self._lock:
+            while self._pending is None and not self._stopping:
+                self._wake.wait(1.0)
+                self.board.heartbeat()
+            if self._stopping:
+                return None
+            request, self._pending = self._pending, None
+            self._running, self._stop_episode = True, False
+            return request
+
+    def _run_episode(self, loop: TrainLoop, request: EpisodeStart, heldout) -> None:
+        self._episodes += 1
+        target = request.steps
+        episode = {"id": self._episodes, "step": 0, "steps": target, "done": False}
+        self.board.update(episode=dict(episode))
+        self.board.set_state(RoleState.RUNNING, f"episode {self._episodes}")
+        log.info("episode %d: %s steps", self._episodes, target or "unbounded")
+        recent = deque(maxlen=20)
+        first_loss = None
+        timed_tokens, timed_seconds = 0, 0.0
+        last_log = time.monotonic()
+        try:
+            while target is None or episode["step"] < target:
+                with self._lock:
+                    if self._stop_episode:
+                        break
+                r = loop.step()
+                self._steps += 1
+                episode["step"] += 1
+                first_loss = r.loss if first_loss is None else first_loss
+                recent.append(r.loss)
+                if episode["step"] > 1:  # the first step pays connection set-up; leave it out of throughput
+                    timed_tokens += r.tokens
+                    timed_seconds += r.seconds
+                tps = timed_tokens / timed_seconds if timed_seconds else r.tokens / r.seconds
+                self.metrics.tokens_per_second.set(tps)
+                self.board.update(step=self._steps, episode=dict(episode), loss=r.loss,
+                                  loss_avg=sum(recent) / len(recent), loss_first=first_loss,
+                                  tokens_per_s=tps, grad_norm=r.grad_norm,
+                                  step_seconds={k: round(v, 6) for k, v in r.phases.items()})
+                if time.monotonic() - last_log >= self.cfg.log_interval:
+                    last_log = time.monotonic()
+                    log.info("step %d | loss %.3f | %.0f tokens/s", self._steps, sum(recent) / len(recent), tps)
+            with self._lock:
+                shutting_down = self._stopping
+            if heldout is not None and not shutting_down and episode["step"] > 0:
+                self.board.update(evaluating=True)
+                result: EvalResult = loop.evaluate(heldout, should_stop=lambda: self._stopping)
+                self.metrics.eval_loss.set(result.loss)
+                self.board.update(evaluating=False, eval={"loss_sum": result.loss_sum, "tokens": result.tokens,
+                                                          "loss": result.loss, "ppl": result.ppl})
+                log.info("episode %d held-out share: loss %.3f ppl %.1f over %d tokens",
+                         self._episodes, result.loss, result.ppl, result.tokens)
+        finally:
+            episode["done"] = True
+            self.metrics.episodes.inc()
+            self.board.update(episode=dict(episode), episodes_completed=self._episodes)
+            with self._lock:
+                self._running = False
+            self.board.set_state(RoleState.IDLE, "waiting for an episode")
+            log.info("episode %d done after %d steps", self._episodes, episode["step"])
