@@ -26,7 +26,7 @@ from services.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-RPC_METHODS = ("info", "param_rrefs", "lookup", "dense_params", "decode", "grad_sq_norm", "scale_grads")
+RPC_METHODS = ("info", "param_rrefs", "lookup", "dense_params", "decode", "grad_sq_norm", "scale_grads", "parameters")
 _CONTEXTS_KEPT = 4  # a trainer has at most one or two contexts open; older ones it released itself
 
 
@@ -63,6 +63,12 @@ class ParameterServer:
     def param_rrefs(self) -> list[rpc.RRef]:
         return [rpc.RRef(p) for p in self.optimizer.params]
 
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """A consistent copy of every parameter this shard holds (no autograd history)."""
+        names = ["embedding.weight", "decoder.weight", "decoder.bias", *self.dense.keys()]
+        tensors = [self.embedding.weight, self.decoder.weight, self.decoder.bias, *self.dense.values()]
+        return dict(zip(names, self.optimizer.snapshot(tensors)))
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows [n, emsize] of global ``ids`` [n] that this shard owns."""
         self._check_ids(ids, "ids")
@@ -86,7 +92,9 @@ class ParameterServer:
         owned = (self.plan.owner(targets) == self.shard)
         local = torch.where(owned, self.plan.to_local(targets), torch.zeros_like(targets))
         w, b = self.optimizer.snapshot([self.decoder.weight, self.decoder.bias])
-        with torch.set_grad_enabled(h.requires_grad):
+        # Outside a distributed autograd context (evaluation) nothing will ever call backward:
+        # skip saving the [N, rows] probabilities.
+        with torch.set_grad_enabled(_in_autograd_context()):
             return self.decoder.partials(h, local, owned.to(h.dtype), w, b)
 
     def grad_sq_norm(self, context_id: int) -> float:
@@ -100,10 +108,9 @@ class ParameterServer:
 
     # --- bookkeeping ---------------------------------------------------------------------------------
     def remember_context(self, caller: str) -> None:
-        try:
-            cid = dist_autograd._current_context()._context_id()
-        except RuntimeError:
-            return  # not called inside a distributed autograd context
+        if not _in_autograd_context():
+            return
+        cid = dist_autograd._current_context()._context_id()
         with self._contexts_lock:
             recent = self._contexts.setdefault(caller, collections.deque(maxlen=_CONTEXTS_KEPT))
             if cid not in recent:
@@ -141,6 +148,14 @@ class ParameterServer:
             raise BadRequest(f"{what} out of range: [{lo}, {hi}] not within [0, {self.model.ntoken})")
         if not any_shard and bool((self.plan.owner(ids) != self.shard).any()):
             raise BadRequest(f"{what} holds ids that shard {self.shard} of {self.plan.num_shards} does not own")
+
+
+def _in_autograd_context() -> bool:
+    try:
+        dist_autograd._current_context()
+        return True
+    except RuntimeError:
+        return False
 
 
 def _describe(x: Any) -> str:

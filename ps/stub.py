@@ -6,6 +6,7 @@ autograd context, everything it returns carries the way back for gradients.
 """
 from __future__ import annotations
 
+import ast
 import logging
 from typing import Any
 
@@ -20,15 +21,39 @@ from ps.modules import combine_partials
 from ps.optim import ServerOptimizer
 from ps.sharding import ShardPlan
 from services.config import ModelConfig
-from services.errors import PeerUnavailable
+from services.errors import BadRequest, NotReady, PeerUnavailable
 
 log = logging.getLogger(__name__)
+
+_DOMAIN_ERRORS = {cls.__name__: cls for cls in (BadRequest, NotReady)}
+
+
+def wait(fut: torch.futures.Future) -> Any:
+    """``fut.wait()``, with a server's domain error raised again as its own type.
+
+    A failed ``rpc_async`` surfaces as RuntimeError("<Type>: On WorkerInfo(...):\n<repr>\n<traceback>").
+    """
+    try:
+        return fut.wait()
+    except RuntimeError as exc:
+        head, _, rest = str(exc).partition(": On WorkerInfo")
+        cls = _DOMAIN_ERRORS.get(head)
+        if cls is None:
+            raise
+        where, _, body = rest.partition(":\n")
+        representation = body.split("\n", 1)[0]
+        try:
+            message = ast.literal_eval(representation[len(head) + 1:-1])
+        except (ValueError, SyntaxError):
+            message = representation
+        name = where.rsplit("name=", 1)[-1].rstrip(")")
+        raise cls(f"{name}: {message}") from None
 
 
 class PsClient:
     def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:
         self.me, self.ps_names, self.timeout = me, ps_names, timeout
-        infos: list[ShardInfo] = [f.wait() for f in [self._async(n, "info") for n in ps_names]]
+        infos: list[ShardInfo] = [wait(f) for f in [self._async(n, "info") for n in ps_names]]
         for k, info in enumerate(infos):
             if info.shard != k or info.num_shards != len(ps_names):
                 raise PeerUnavailable(f"{ps_names[k]} serves shard {info.shard} of {info.num_shards}, "
@@ -39,11 +64,15 @@ class PsClient:
         self.plan = ShardPlan(len(ps_names), self.model.ntoken)
         self.layer_owner = {layer: self.plan.layer_owner(layer) for layer in range(self.model.nlayers)}
         self._dense_shards = sorted(set(self.layer_owner.values()))
-        rrefs = [f.wait() for f in [self._async(n, "param_rrefs") for n in ps_names]]
+        rrefs = [wait(f) for f in [self._async(n, "param_rrefs") for n in ps_names]]
         self.param_rrefs = [r for shard in rrefs for r in shard]
 
     def _async(self, ps: str, method: str, *args: Any) -> torch.futures.Future:
         return rpc.rpc_async(ps, service.call, args=(self.me, method, *args), timeout=self.timeout)
+
+    def call(self, ps: str, method: str, *args: Any) -> Any:
+        """One method of one server, synchronously."""
+        return wait(self._async(ps, method, *args))
 
     def optimizer(self) -> DistributedOptimizer:
         return DistributedOptimizer(ServerOptimizer, self.param_rrefs)
@@ -54,28 +83,28 @@ class PsClient:
         parts = [(pos, self._async(self.ps_names[k], "lookup", shard_ids))
                  for k, (pos, shard_ids) in enumerate(self.plan.partition(unique)) if pos.numel()]
         dense = [self._async(self.ps_names[k], "dense_params") for k in self._dense_shards]
-        rows = torch.cat([f.wait() for _, f in parts])               # [unique, emsize], shard order
+        rows = torch.cat([wait(f) for _, f in parts])               # [unique, emsize], shard order
         order = torch.cat([pos for pos, _ in parts])
         by_unique = rows[torch.argsort(order)]                      # back to torch.unique's order
         weights: dict[str, torch.Tensor] = {}
         for f in dense:
-            weights.update(f.wait())
+            weights.update(wait(f))
         return by_unique[inverse].view(*ids.shape, self.model.emsize), weights
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of ``h`` [N, nhid] against ``targets`` [N], computed by the shards."""
         futs = [self._async(n, "decode", h, targets) for n in self.ps_names]
-        results = [f.wait() for f in futs]
+        results = [wait(f) for f in futs]
         return combine_partials([r[0] for r in results], [r[1] for r in results])
 
     def clip_(self, context_id: int, max_norm: float) -> float:
         """Global gradient-norm clipping over every shard's gradients in ``context_id``."""
-        sq = sum(f.wait() for f in [self._async(n, "grad_sq_norm", context_id) for n in self.ps_names])
+        sq = sum(wait(f) for f in [self._async(n, "grad_sq_norm", context_id) for n in self.ps_names])
         norm = float(sq) ** 0.5
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for f in [self._async(n, "scale_grads", context_id, float(coef)) for n in self.ps_names]:
-                f.wait()
+                wait(f)
         return norm
 
 

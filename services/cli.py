@@ -144,3 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as exc:
         print(f"rpcps {cmd}: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

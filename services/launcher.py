@@ -114,10 +114,7 @@ class Launcher:
                                        logs / f"{name}.log"))
 
     def _spawn(self, m: Member) -> None:
-        with open(m.log_path, "ab") as logf:
-            m.proc = subprocess.Popen([sys.executable, "-m", m.module, *m.argv], stdout=logf,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        m.proc = spawn_role(m.module, m.argv, m.log_path)
         log.info("started %s (pid %d), log %s", m.name, m.proc.pid, m.log_path)
 
     # --- running -------------------------------------------------------------------------------------
@@ -251,26 +248,40 @@ class Launcher:
         tmp.replace(path)
 
     def _stop_all(self) -> None:
-        """Trainers first, then the other servers, ps0 (the store host) last; SIGKILL past the deadline."""
-        deadline = time.monotonic() + STOP_TIMEOUT
+        """Trainers first, then the other servers, ps0 (the store host) last."""
         waves = [self._trainers(), [m for m in self.members if m.module == "ps" and m.name != "ps0"],
                  [m for m in self.members if m.name == "ps0"]]
-        for i, wave in enumerate(waves):
-            live = [m for m in wave if m.proc is not None and m.proc.poll() is None]
-            for m in live:
-                m.proc.send_signal(signal.SIGTERM)
-            wave_deadline = min(deadline, time.monotonic() + STOP_TIMEOUT * (i + 1) / len(waves) + 2)
-            for m in live:
-                try:
-                    m.proc.wait(max(0.0, wave_deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in time; killing it", m.name)
-                    m.proc.kill()
-                    m.proc.wait()
-        for m in self.members:
-            if m.proc is not None and m.proc.poll() is None:
-                m.proc.kill()
-                m.proc.wait()
+        stop_in_waves([[(m.name, m.proc) for m in w if m.proc is not None] for w in waves], STOP_TIMEOUT)
+
+
+def spawn_role(module: str, argv: list[str], log_path: Path, env: Optional[dict] = None) -> subprocess.Popen:
+    """Start ``python -m module argv`` in its own session, output appended to ``log_path``."""
+    with open(log_path, "ab") as logf:
+        return subprocess.Popen([sys.executable, "-m", module, *argv], stdout=logf, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+
+
+def stop_in_waves(waves: list[list[tuple[str, subprocess.Popen]]], timeout: float) -> None:
+    """SIGTERM each wave and wait for it before the next; SIGKILL whatever outlives the deadline."""
+    deadline = time.monotonic() + timeout
+    for i, wave in enumerate(waves):
+        live = [(n, p) for n, p in wave if p.poll() is None]
+        for _, p in live:
+            p.send_signal(signal.SIGTERM)
+        wave_deadline = min(deadline, time.monotonic() + timeout * (i + 1) / len(waves) + 2)
+        for name, p in live:
+            try:
+                p.wait(max(0.0, wave_deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", name)
+                p.kill()
+                p.wait()
+    for wave in waves:
+        for _, p in wave:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def _flags(cfg: UpConfig, fields: tuple[str, ...]) -> list[str]:

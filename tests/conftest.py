@@ -1,0 +1,13 @@
+import pytest
+
+from tests.support.cluster import Processes
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Owner of every process a test starts; stops them all, even when the test fails."""
+    owner = Processes(tmp_path)
+    try:
+        yield owner
+    finally:
+        owner.stop_all()

@@ -1,0 +1,74 @@
+"""`rpcps up` supervises: a trainer killed with SIGKILL is restarted, servers stay up and training
+goes on; SIGTERM then stops everything within 10 s with exit code 0 and no process left."""
+import os
+import signal
+import time
+
+import pytest
+
+from services.client import SidecarClient
+from tests.support.upcli import UpProcess
+from tests.support.wait import wait_until
+
+SMALL = ["--emsize", "32", "--nhid", "32", "--batch-size", "10", "--bptt", "20", "--progress-interval", "1",
+         "--synthetic-tokens", "50000"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.fixture
+def up(tmp_path):
+    proc = UpProcess(tmp_path, *SMALL)
+    yield proc
+    proc.kill()
+
+
+def trainer_status(url: str) -> dict:
+    with SidecarClient(url, timeout=2.0) as c:
+        return c.status()
+
+
+def test_trainer_sigkill_is_survived_and_restarted(up):
+    started = up.wait_event("started", 120)
+    urls = started["sidecars"]
+    wait_until(lambda: trainer_status(urls["trainer1"]).get("step", 0) >= 20, 90, "trainer1 at step 20")
+    first_loss = trainer_status(urls["trainer1"])["loss_first"]
+    old_pid = up.cluster()["pids"]["trainer1"]
+
+    os.kill(old_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    restart = up.wait_event("restart", 30, name="trainer1")
+    assert restart["exit_code"] == -signal.SIGKILL
+
+    # Servers stay up and answer; the leader evicts the dead member.
+    for ps in ("ps0", "ps1"):
+        with SidecarClient(urls[ps], timeout=2.0) as c:
+            assert c.status()["state"] == "running"
+    wait_until(lambda: up.cluster()["pids"]["trainer1"] != old_pid, 10, "a new trainer1 process")
+
+    # The new trainer1 joins and trains from the servers' current (already trained) parameters.
+    def retrained():
+        s = trainer_status(urls["trainer1"])
+        return s if s.get("state") == "running" and s.get("step", 0) >= 10 else None
+    s = wait_until(retrained, 90, "the restarted trainer1 training")
+    rejoin_seconds = time.monotonic() - killed_at
+    assert s["loss_first"] < first_loss - 0.3, (s["loss_first"], first_loss)
+    later = wait_until(lambda: trainer_status(urls["trainer0"]), 10, "trainer0 status")
+    assert later["loss_avg"] < first_loss - 0.3
+    print(f"trainer1 back at step 10 {rejoin_seconds:.1f}s after SIGKILL")
+
+    # Clean stop: exit 0 within 10 s, a done summary, and no process left behind.
+    pids = list(up.cluster()["pids"].values())
+    t0 = time.monotonic()
+    code = up.terminate(timeout=15)
+    assert code == 0, up.logs()
+    assert time.monotonic() - t0 < 10.5
+    done = up.wait_event("done", 5)
+    assert done["restarts"] == 1
+    assert not [p for p in pids if _alive(p)]

@@ -1,0 +1,159 @@
+"""A scripted trainer for integration tests: joins the real cluster as a real RPC member, drives the
+servers through the real stub, and prints one JSON line with what it observed.
+
+    python -m tests.support.driver equivalence|hammer|inspect|bad --name trainerN --num-ps K --master-port P
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ps import service
+from ps.sharding import ShardPlan
+from ps.stub import PsClient, backward, new_context, wait
+from services.config import TrainerConfig
+from services.log import init_logging
+from services.membership import Membership, current_members
+from services.names import ps_names
+from services.rpc import RpcEndpoint
+from tests.support.wait import wait_until
+from trainer.data import BatchStream
+from trainer.loop import TrainLoop
+from trainer.model import DistributedLM, LocalLM, init_hidden
+
+
+def full_parameters(client: PsClient) -> dict[str, torch.Tensor]:
+    """Reassemble the whole model's parameters from every shard."""
+    m, plan = client.model, client.plan
+    full = {"embedding.weight": torch.empty(m.ntoken, m.emsize), "decoder.weight": torch.empty(m.ntoken, m.nhid),
+            "decoder.bias": torch.empty(m.ntoken)}
+    for k, name in enumerate(client.ps_names):
+        part = client.call(name, "parameters")
+        rows = plan.global_ids(k)
+        for key in ("embedding.weight", "decoder.weight", "decoder.bias"):
+            full[key][rows] = part.pop(key)
+        full.update({f"lstm.{n}": t for n, t in part.items()})
+    return full
+
+
+def local_parameters(model: LocalLM) -> dict[str, torch.Tensor]:
+    out = {"embedding.weight": model.embedding.weight, "decoder.weight": model.decoder.weight,
+           "decoder.bias": model.decoder.bias}
+    out.update({f"lstm.{n}": p for n, p in model.body.lstm.named_parameters()})
+    return {k: v.detach() for k, v in out.items()}
+
+
+def equivalence(client: PsClient, args: argparse.Namespace) -> dict:
+    cfg = TrainerConfig(name=args.name, num_ps=args.num_ps, batch_size=4, bptt=5, dropout=0.0, clip=args.clip)
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, client.model.ntoken, (cfg.bptt * args.steps + 1, cfg.batch_size), generator=g)
+    dist_loop = TrainLoop(DistributedLM(client, 0.0), client.optimizer(), BatchStream(data, cfg.bptt), cfg)
+    local = LocalLM(client.model, 0.0)
+    local_stream, hidden = BatchStream(data, cfg.bptt), init_hidden(client.model, cfg.batch_size)
+    initial = full_parameters(client)
+    initial_diff = _max_diffs(initial, local_parameters(local))
+    losses = []
+    for _ in range(args.steps):
+        d = dist_loop.step()
+        x, y, _ = local_stream.next()
+        loss, hidden = local.train_step(x, y, hidden, cfg.clip)
+        losses.append([d.loss, loss])
+    final = full_parameters(client)
+    return {"losses": losses, "initial_diff": initial_diff, "param_diff": _max_diffs(final, local_parameters(local)),
+            "update_size": _max_diffs(final, initial)}
+
+
+def _max_diffs(a: dict, b: dict) -> dict:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return {k: float((a[k] - b[k]).abs().max()) for k in a}
+
+
+def hammer(client: PsClient, args: argparse.Namespace) -> dict:
+    """Steps whose gradients do not depend on the parameters, so the exact end state is known."""
+    optimizer = client.optimizer()
+    ids, targets = hammer_batch(client.model.ntoken)
+    h = torch.ones(targets.numel(), client.model.nhid)
+    for _ in range(args.steps):
+        with new_context() as cid:
+            emb, weights = client.fetch(ids)
+            parts = [client._async(n, "decode", h, targets) for n in client.ps_names]
+            # Only the target logits: their gradient is one-hot, whatever the parameters are.
+            loss = emb.sum() + sum(w.sum() for w in weights.values()) + sum(wait(f)[1].sum() for f in parts)
+            backward(cid, loss)
+            optimizer.step(cid)
+    return {"steps": args.steps}
+
+
+def hammer_batch(ntoken: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([[0, 1, 1], [2, 3, 5]]) % ntoken           # repeated id: gradient 2 on row 1
+    targets = torch.tensor([1, 2, 2, 3, 7, 7, 7]) % ntoken
+    return ids, targets
+
+
+def inspect(client: PsClient, args: argparse.Namespace) -> dict:
+    torch.save(full_parameters(client), args.out)
+    return {"saved": args.out, "members": current_members()}
+
+
+def bad(client: PsClient, args: argparse.Namespace) -> dict:
+    ps, m = client.ps_names[0], client.model
+    cases = {
+        "float ids": ("lookup", torch.tensor([0.0, 1.0])),
+        "2-d ids": ("lookup", torch.zeros(2, 2, dtype=torch.long)),
+        "negative id": ("lookup", torch.tensor([-1])),
+        "id past vocab": ("lookup", torch.tensor([m.ntoken + 5])),
+        "id of another shard": ("lookup", torch.tensor([1])) if len(client.ps_names) > 1 else ("lookup", torch.tensor([], dtype=torch.long)),
+        "empty ids": ("lookup", torch.tensor([], dtype=torch.long)),
+        "not a tensor": ("lookup", [0, 2]),
+        "h wrong width": ("decode", torch.zeros(3, m.nhid + 1), torch.tensor([0, 1, 2])),
+        "targets length": ("decode", torch.zeros(3, m.nhid), torch.tensor([0, 1])),
+        "target out of range": ("decode", torch.zeros(2, m.nhid), torch.tensor([0, m.ntoken])),
+        "unknown context": ("grad_sq_norm", 123456789),
+        "unknown method": ("drop_table",),
+        "missing argument": ("lookup",),
+    }
+    results = {}
+    for case, (method, *a) in cases.items():
+        try:
+            client.call(ps, method, *a)
+            results[case] = {"error": None}
+        except Exception as exc:
+            results[case] = {"error": type(exc).__name__, "message": str(exc).splitlines()[0]}
+    # ...and the server still answers a good request.
+    rows = client.call(ps, "lookup", torch.tensor([0, 2 * len(client.ps_names)]))
+    return {"cases": results, "good_rows": list(rows.shape)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=("equivalence", "hammer", "inspect", "bad"))
+    p.add_argument("--name", required=True)
+    p.add_argument("--num-ps", type=int, required=True)
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--clip", type=float, default=0.25)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    init_logging(args.name, "warning")
+    torch.set_num_threads(1)
+    membership = Membership(args.name)
+    membership.install()
+    endpoint = RpcEndpoint(args.name, "127.0.0.1", args.master_port, join_timeout=60)
+    endpoint.join()
+    try:
+        servers = ps_names(args.num_ps)
+        wait_until(lambda: set(servers) <= set(current_members()), 60, "servers in the group")
+        client = PsClient(args.name, servers)
+        result = {"equivalence": equivalence, "hammer": hammer, "inspect": inspect, "bad": bad}[args.mode](client, args)
+        del client
+    finally:
+        endpoint.leave()
+    print(json.dumps(result))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

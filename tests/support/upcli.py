@@ -1,0 +1,87 @@
+"""``rpcps up`` as a user runs it: a real subprocess whose JSON lines the test reads as they come."""
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from tests.support.wait import wait_until
+
+
+class UpProcess:
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.state_dir = tmp / "state"
+        argv = [sys.executable, "-m", "services.cli", "up", "--json", "--state-dir", str(self.state_dir),
+                "--checkpoint-dir", str(tmp / "ckpt"), *args]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True, cwd=tmp)
+        self.events: list[dict] = []
+        self._lines: queue.Queue = queue.Queue()
+        self._stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr), daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def drain(self) -> list[dict]:
+        while True:
+            try:
+                line = self._lines.get_nowait()
+            except queue.Empty:
+                return self.events
+            try:
+                self.events.append(json.loads(line))
+            except ValueError:
+                raise AssertionError(f"rpcps up --json printed a non-JSON line: {line!r}") from None
+
+    def wait_event(self, kind: str, timeout: float, **match) -> dict:
+        def find():
+            if self.proc.poll() is not None:
+                self.drain()
+            for e in self.drain():
+                if e.get("event") == kind and all(e.get(k) == v for k, v in match.items()):
+                    return e
+            if self.proc.poll() is not None:
+                raise AssertionError(f"rpcps up exited {self.proc.returncode} without a {kind} event; "
+                                     f"events {self.events}; stderr {''.join(self._stderr)[-3000:]}")
+            return None
+        return wait_until(find, timeout, f"a {kind} event from rpcps up", interval=0.2)
+
+    def cluster(self) -> dict:
+        return json.loads((self.state_dir / "cluster.json").read_text())
+
+    def logs(self) -> str:
+        out = []
+        for f in sorted((self.state_dir / "logs").glob("*.log")):
+            out.append(f"--- {f.name}\n{f.read_text(errors='replace')[-2500:]}")
+        return "\n".join(out)
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Last resort in finalisers: the launcher and every role it recorded."""
+        pids = []
+        try:
+            pids = list(self.cluster()["pids"].values())
+        except Exception:
+            pass
+        for pid in [self.proc.pid, *pids]:
+            try:
+                import os
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
