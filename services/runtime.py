@@ -44,10 +44,12 @@ def run_role(cfg: CommonConfig, factory: Callable[[CommonConfig, Metrics], Role]
     role = factory(cfg, Metrics(registry, factory.role, cfg.name))  # type: ignore[attr-defined]
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
     stop = threading.Event()
+    signalled = threading.Event()
     failure: list[BaseException] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
         log.info("received %s; stopping", signal.Signals(signum).name)
+        signalled.set()
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -70,7 +72,10 @@ def run_role(cfg: CommonConfig, factory: Callable[[CommonConfig, Metrics], Role]
     role.request_stop()
     worker.join(STOP_GRACE)
     code = 0
-    if failure:
+    if failure and signalled.is_set():
+        # Asked to stop; what broke on the way out (e.g. a peer already gone) is not a failure.
+        log.warning("while stopping: %s: %s", type(failure[0]).__name__, str(failure[0]).splitlines()[0])
+    elif failure:
         exc = failure[0]
         log.error("%s failed: %s: %s", cfg.name, type(exc).__name__, exc, exc_info=exc)
         role.board.set_state(RoleState.FAILED, f"{type(exc).__name__}: {exc}")

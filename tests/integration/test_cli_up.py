@@ -1,0 +1,82 @@
+"""The README's commands as a user runs them: `rpcps up`, `rpcps status`, `rpcps episode`."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.cluster import WIKITEXT
+from tests.support.upcli import UpProcess
+from tests.support.wait import wait_until
+
+FAST = ["--emsize", "32", "--nhid", "32", "--batch-size", "10", "--bptt", "20", "--progress-interval", "1"]
+
+
+def cli(tmp_path, *args, env=None):
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def cleanup():
+    started = []
+    yield started.append
+    for up in started:
+        up.kill()
+
+
+@pytest.mark.skipif(not WIKITEXT.is_dir(), reason="shared WikiText-2 not present")
+def test_up_steps_on_wikitext2_loss_falls_and_reports_perplexity(tmp_path, cleanup):
+    up = UpProcess(tmp_path, "--steps", "40", "--data", str(WIKITEXT), "--eval-tokens", "4000", *FAST)
+    cleanup(up)
+    started = up.wait_event("started", 120)
+    assert set(started["sidecars"]) == {"ps0", "ps1", "trainer0", "trainer1"}
+
+    status = cli(tmp_path, "status", "--state-dir", str(up.state_dir))
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.strip().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("ps0") and "trainer1" in status.stdout
+
+    done = up.wait_event("done", 300)
+    assert up.proc.wait(15) == 0, up.logs()
+    progress = [e for e in up.events if e["event"] == "progress"]
+    assert progress and all({"step", "loss", "tokens_per_s"} <= set(e) for e in progress)
+    assert done["steps"] == 40 and done["tokens_per_s"] > 0
+    assert done["loss_first"] > math.log(18000)        # starts near uniform over WikiText-2's vocabulary
+    assert done["loss_last"] < done["loss_first"] - 1.0, done
+    assert done["val_tokens"] >= 3000 and 1 < done["val_ppl"] < math.exp(done["loss_first"])
+
+
+def test_episode_stop_and_start_from_the_cli(tmp_path, cleanup):
+    up = UpProcess(tmp_path, *FAST, "--synthetic-tokens", "20000")
+    cleanup(up)
+    up.wait_event("started", 120)
+    state = ["--state-dir", str(up.state_dir)]
+
+    def trainers():
+        r = cli(tmp_path, "status", "--json", *state)
+        rows = json.loads(r.stdout)
+        return [rows["trainer0"], rows["trainer1"]]
+
+    wait_until(lambda: all(t.get("step", 0) >= 2 for t in trainers()), 60, "training")
+    r = cli(tmp_path, "episode", "stop", *state)
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: all(t["state"] == "idle" for t in trainers()), 60, "trainers idle")
+    r = cli(tmp_path, "episode", "start", "--steps", "3", *state)
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: all((t.get("episode") or {}).get("id") == 2 and t["episode"]["done"] for t in trainers()),
+               60, "second episode of 3 steps done")
+    assert all(t["episode"]["step"] == 3 for t in trainers())
+    assert up.terminate() == 0
+    assert up.wait_event("done", 5)["steps"] == 3
+
+
+def test_human_progress_output(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--steps", "3", "--ps", "1", "--trainers", "1",
+                        "--state-dir", str(tmp_path / "s"), *FAST, "--synthetic-tokens", "5000"],
+                       capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.strip().splitlines()
+    assert out[0].startswith("started ps0 http://") and out[-1].startswith("done: 3 steps | loss ")

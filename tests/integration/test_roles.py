@@ -1,0 +1,130 @@
+"""Each role run alone, as containers and other hosts run them: start order, episodes over HTTP,
+metrics accepted by promtool, the control token, and SIGTERM with a dead peer."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.client import SidecarError
+from tests.support.cluster import SMALL_MODEL
+from tests.support.wait import wait_until
+
+MODEL = {**SMALL_MODEL, "ntoken": 1000}  # the built-in corpus has 1000 word types
+TRAINER = {"batch_size": 4, "bptt": 5, "num_trainers": 1, "synthetic_tokens": 5000, "log_interval": 1}
+
+
+def episode(role):
+    with role.client(timeout=2.0) as c:
+        s = c.status()
+    return s.get("state"), s.get("episode") or {}
+
+
+def test_trainer_started_first_waits_then_trains_episodes_on_request(procs):
+    # The trainer comes up before any server: it waits for ps0's store, then for both servers.
+    trainer = procs.start("trainer", "trainer0", 2, **TRAINER)
+    wait_until(lambda: episode(trainer)[0] == "joining", 60, "trainer joining")
+    with trainer.client() as c:
+        with pytest.raises(SidecarError) as e:
+            c.start_episode(steps=3)
+        assert e.value.status == 503
+    procs.start_servers(2, **MODEL)
+    procs.wait_ready(trainer)
+    assert episode(trainer)[0] == "idle"
+
+    with trainer.client() as c:
+        c.start_episode(steps=5)
+        with pytest.raises(SidecarError) as e:
+            c.start_episode(steps=5)
+        assert e.value.status == 409
+    wait_until(lambda: episode(trainer)[1].get("done") and episode(trainer)[0] == "idle", 60, "episode of 5 done")
+    assert episode(trainer)[1]["step"] == 5
+
+    with trainer.client() as c:
+        c.start_episode()                      # unbounded
+        wait_until(lambda: episode(trainer)[1].get("step", 0) >= 3, 60, "unbounded episode under way")
+        c.stop_episode()
+    state, ep = wait_until(lambda: episode(trainer)[0] == "idle" and episode(trainer), 60, "stopped at a step boundary")
+    assert ep["steps"] is None and ep["done"] and ep["step"] >= 3
+    with trainer.client() as c:
+        with pytest.raises(SidecarError) as e:
+            c.stop_episode()
+        assert e.value.status == 409
+        assert c.status()["eval"]["tokens"] > 0          # the synthetic corpus has a held-out split
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_every_role_metrics_pass_promtool(procs):
+    servers = procs.start_servers(2, **MODEL)
+    trainer = procs.start("trainer", "trainer0", 2, start=True, steps=3, **TRAINER)
+    procs.wait_ready(trainer)
+    wait_until(lambda: episode(trainer)[1].get("done"), 60, "episode done")
+    for role in [*servers, trainer]:
+        with role.client() as c:
+            text = c.metrics()
+        check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert check.returncode == 0, f"{role.name}: {check.stdout}{check.stderr}"
+        assert f'name="{role.name}"' in text
+    with trainer.client() as c:
+        text = c.metrics()
+    assert 'rpcps_trainer_steps_total{name="trainer0",role="trainer"} 3.0' in text
+    with servers[0].client() as c:
+        text = c.metrics()
+    assert "rpcps_ps_rows_looked_up_total" in text and 'method="decode"' in text
+
+
+def test_control_token_required_when_set(procs):
+    servers = procs.start_servers(1, **MODEL)
+    trainer = procs.start("trainer", "trainer0", 1, env={"RPCPS_CONTROL_TOKEN": "t0ken"}, **TRAINER)
+    procs.wait_ready(trainer)
+    with trainer.client() as c:
+        with pytest.raises(SidecarError) as e:
+            c.start_episode(steps=2)
+        assert e.value.status == 401
+        assert c.status()["state"] == "idle"             # GETs stay open
+    with trainer.client(token="t0ken") as c:
+        assert c.start_episode(steps=2)["started"]
+    del servers
+
+
+def test_servers_stop_cleanly_on_sigterm_right_after_a_trainer_died(procs):
+    ps0, ps1 = procs.start_servers(2, **MODEL)
+    trainer = procs.start("trainer", "trainer0", 2, start=True, **TRAINER)
+    procs.wait_ready(trainer)
+    wait_until(lambda: episode(trainer)[1].get("step", 0) >= 2, 60, "training")
+    trainer.proc.send_signal(signal.SIGKILL)
+    trainer.proc.wait(10)
+    for role in (ps1, ps0):  # before the leader has even evicted the dead trainer
+        t0 = time.monotonic()
+        role.proc.send_signal(signal.SIGTERM)
+        code = role.proc.wait(15)
+        assert time.monotonic() - t0 < 10, role.name
+        assert code == 0, role.log_text()[-2000:]
+
+
+def test_trainer_that_loses_a_server_exits_for_its_supervisor(procs):
+    ps0, ps1 = procs.start_servers(2, **MODEL)
+    trainer = procs.start("trainer", "trainer0", 2, start=True, **TRAINER)
+    procs.wait_ready(trainer)
+    wait_until(lambda: episode(trainer)[1].get("step", 0) >= 2, 60, "training")
+    ps1.proc.send_signal(signal.SIGKILL)
+    code = trainer.proc.wait(15)
+    assert code == 1
+    assert "failed" in trainer.log_text() and "ps1" in trainer.log_text()
+    t0 = time.monotonic()
+    ps0.proc.send_signal(signal.SIGTERM)
+    assert ps0.proc.wait(15) == 0 and time.monotonic() - t0 < 10
+
+
+def test_bad_flag_or_variable_is_refused_at_start(tmp_path):
+    for argv, env, needle in ([["ps", "--num-ps", "0"], {}, "flag --num-ps"],
+                              [["trainer", "--name", "trainer-1"], {}, "flag --name"],
+                              [["trainer"], {"RPCPS_BATCH_SIZE": "big"}, "RPCPS_BATCH_SIZE"],
+                              [["up", "--steps", "-3"], {}, "flag --steps"]):
+        r = subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True,
+                           env={**os.environ, **env}, cwd=tmp_path, timeout=60)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert needle in r.stderr and "invalid configuration" in r.stderr, r.stderr

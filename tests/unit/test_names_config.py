@@ -1,0 +1,55 @@
+import pytest
+
+from services.config import ConfigError, PsConfig, TrainerConfig, UpConfig, load
+from services.names import format_name, parse_name
+
+
+@pytest.mark.parametrize("name", ["ps0", "ps12", "trainer3", "observer0", "agent"])
+def test_valid_names_round_trip(name):
+    parsed = parse_name(name)
+    assert format_name(parsed.role, parsed.index) == name
+
+
+@pytest.mark.parametrize("name", ["ps-1", "trainer", "agent0", "worker1", "PS0", "trainer_1", ""])
+def test_invalid_names_are_refused(name):
+    with pytest.raises(ValueError):
+        parse_name(name)
+
+
+def test_flags_win_over_environment_and_torch_variables_are_read():
+    cfg = load(TrainerConfig, {"batch_size": "8"}, {"RPCPS_BATCH_SIZE": "4", "RPCPS_BPTT": "7",
+                                                    "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"})
+    assert (cfg.batch_size, cfg.bptt, cfg.master_addr, cfg.master_port) == (8, 7, "10.0.0.5", 1234)
+
+
+def test_bad_values_name_their_source():
+    with pytest.raises(ConfigError) as e:
+        load(TrainerConfig, {"steps": "many"}, {"RPCPS_DROPOUT": "1.5"})
+    msg = str(e.value)
+    assert "flag --steps" in msg and "'many'" in msg
+    assert "environment variable RPCPS_DROPOUT" in msg
+
+
+def test_name_must_fit_the_role_and_the_cluster():
+    with pytest.raises(ConfigError, match="not a ps name"):
+        load(PsConfig, {"name": "trainer0"}, {})
+    with pytest.raises(ConfigError, match="num_ps > 2"):
+        load(PsConfig, {"name": "ps2", "num_ps": "2"}, {})
+    with pytest.raises(ConfigError, match="no '-'"):
+        load(TrainerConfig, {"name": "trainer-1"}, {})
+
+
+def test_bad_master_port_is_refused():
+    with pytest.raises(ConfigError, match="MASTER_PORT"):
+        load(PsConfig, {}, {"MASTER_PORT": "70000"})
+
+
+def test_unknown_rpcps_variable_only_warns(caplog):
+    cfg = load(UpConfig, {}, {"RPCPS_NOT_A_SETTING": "1", "RPCPS_JSON": "true"})
+    assert cfg.as_json is True
+    assert "RPCPS_NOT_A_SETTING" in caplog.text
+
+
+def test_control_token_is_secret():
+    cfg = load(PsConfig, {}, {"RPCPS_CONTROL_TOKEN": "s3cret"})
+    assert "s3cret" not in repr(cfg) and cfg.control_token.get_secret_value() == "s3cret"

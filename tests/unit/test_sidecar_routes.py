@@ -1,0 +1,89 @@
+import asyncio
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.metrics import Metrics
+from services.sidecar import create_app
+from tests.support.fakes import FakeControl
+
+
+def request(app, method, path, **kw):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.request(method, path, **kw)
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def control():
+    return FakeControl()
+
+
+@pytest.fixture
+def registry():
+    r = CollectorRegistry()
+    m = Metrics(r, "trainer", "trainer0")
+    m.init_trainer()
+    m.steps.inc(3)
+    return r
+
+
+def test_probes_and_status(control, registry):
+    app = create_app(control, registry)
+    assert request(app, "GET", "/healthz").status_code == 200
+    assert request(app, "GET", "/readyz").status_code == 200
+    control.is_ready = False
+    r = request(app, "GET", "/readyz")
+    assert r.status_code == 503 and r.json()["reason"] == "joining"
+    assert request(app, "GET", "/status").json()["name"] == "trainer0"
+
+
+def test_episode_control_maps_domain_errors(control, registry):
+    app = create_app(control, registry)
+    r = request(app, "POST", "/episode/start", json={"steps": 5})
+    assert r.status_code == 200 and control.calls == [("start", 5)]
+    r = request(app, "POST", "/episode/start", json={"steps": 5})
+    assert r.status_code == 409 and "already running" in r.json()["error"]
+    assert request(app, "POST", "/episode/stop").status_code == 200
+    assert request(app, "POST", "/episode/stop").status_code == 409
+    assert request(app, "POST", "/episode/start").status_code == 200   # no body: unbounded
+    assert control.calls[-1] == ("start", None)
+
+
+def test_malformed_bodies_are_422_json(control, registry):
+    app = create_app(control, registry)
+    for body in ({"steps": 0}, {"steps": "x"}, {"stepz": 3}):
+        r = request(app, "POST", "/episode/start", json=body)
+        assert r.status_code == 422 and r.json()["error"].startswith("invalid request"), body
+    r = request(app, "POST", "/episode/start", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert control.calls == []
+
+
+def test_token_guards_posts_only(control, registry):
+    app = create_app(control, registry, token="s3cret")
+    assert request(app, "POST", "/episode/start", json={"steps": 1}).status_code == 401
+    assert request(app, "POST", "/episode/start", json={"steps": 1},
+                   headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert control.calls == []
+    assert request(app, "POST", "/episode/start", json={"steps": 1},
+                   headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    for path in ("/healthz", "/readyz", "/metrics", "/status"):
+        assert request(app, "GET", path).status_code == 200, path
+
+
+def test_not_supported_is_501(control, registry):
+    r = request(create_app(control, registry), "POST", "/checkpoint")
+    assert r.status_code == 501 and r.json()["type"] == "NotSupported"
+
+
+def test_metrics_exposition_names_and_labels(control, registry):
+    r = request(create_app(control, registry), "GET", "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = [l for l in r.text.splitlines() if l and not l.startswith("#")]
+    assert samples and all(l.startswith("rpcps_") for l in samples)
+    assert all('role="trainer"' in l and 'name="trainer0"' in l for l in samples)
+    assert 'rpcps_trainer_steps_total{name="trainer0",role="trainer"} 3.0' in r.text
+    assert 'rpcps_trainer_step_seconds_count{name="trainer0",phase="backward",role="trainer"} 0.0' in r.text
