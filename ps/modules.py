@@ -6,6 +6,7 @@ cluster starts from exactly the parameters of the one-process model (``trainer/m
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 
 import torch
@@ -54,6 +55,35 @@ class EmbeddingShard(nn.Module):
         return F.embedding(local_ids, self.weight, sparse=True)
 
 
+class BufferPool:
+    """Reuses the large [tokens, rows] buffers of SoftmaxPartials between calls.
+
+    glibc serves allocations over 32 MB with mmap/munmap, so a fresh 46 MB buffer per call costs
+    thousands of page faults and cross-core TLB shootdowns; reuse costs nothing. A buffer whose
+    backward never comes (its trainer died) is simply garbage-collected.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._keep = keep
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        need = rows * cols
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= need]
+            if fits:
+                base = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                return base[:need].view(rows, cols)
+        return torch.empty(need).view(rows, cols)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        base = buffer._base if buffer._base is not None else buffer
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(base.view(-1))
+
+
 class SoftmaxPartials(torch.autograd.Function):
     """One shard's share of a softmax cross-entropy over a vocabulary split across shards.
 
@@ -61,26 +91,38 @@ class SoftmaxPartials(torch.autograd.Function):
     owns the target (0 elsewhere); the trainer combines them into the loss, so no [tokens, vocab]
     tensor crosses RPC. ``weight_snapshot``/``bias_snapshot`` are private copies: other trainers'
     optimizer steps change the live parameters in place between this forward and its backward.
+
+    The [tokens, rows] buffer is memory-bound work, so it is touched as few times as possible, in
+    place: logits, then exp(logits - max), kept for backward with its row sums.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, weight_snapshot, bias_snapshot, local_target, owned):
-        logits = torch.addmm(bias_snapshot, h, weight_snapshot.t())          # [N, rows]
-        lse = torch.logsumexp(logits, dim=1)                                 # [N]
-        target_logit = logits.gather(1, local_target.unsqueeze(1)).squeeze(1) * owned
-        probs = logits.sub_(lse.unsqueeze(1)).exp_()  # reuse the logits buffer: halves peak memory
-        ctx.save_for_backward(h, weight_snapshot, probs, local_target, owned)
+    def forward(ctx, h, weight, bias, weight_snapshot, bias_snapshot, local_target, owned, pool, needs_backward):
+        buf = pool.take(h.size(0), weight_snapshot.size(0))
+        torch.mm(h, weight_snapshot.t(), out=buf).add_(bias_snapshot)       # logits [N, rows]
+        target_logit = buf.gather(1, local_target.unsqueeze(1)).squeeze(1) * owned
+        row_max = buf.amax(dim=1)
+        buf.sub_(row_max.unsqueeze(1)).exp_()                                 # e = exp(logits - max)
+        row_sum = buf.sum(dim=1)
+        lse = row_max + row_sum.log()
+        if not needs_backward:  # evaluation: nothing will come back for the buffer
+            pool.give(buf)
+            return lse, target_logit
+        ctx.save_for_backward(h, weight_snapshot, local_target, owned, row_sum)
+        ctx.buf, ctx.pool = buf, pool
         return lse, target_logit
 
     @staticmethod
     def backward(ctx, grad_lse, grad_target):
-        h, weight, probs, local_target, owned = ctx.saved_tensors
-        grad_logits = probs.mul_(grad_lse.unsqueeze(1))  # probs is not needed after this
+        h, weight, local_target, owned, row_sum = ctx.saved_tensors
+        grad_logits = ctx.buf.mul_((grad_lse / row_sum).unsqueeze(1))         # softmax * dL/dlse
         grad_logits.scatter_add_(1, local_target.unsqueeze(1), (grad_target * owned).unsqueeze(1))
         grad_h = grad_logits @ weight
         grad_weight = grad_logits.t() @ h
         grad_bias = grad_logits.sum(0)
-        return grad_h, grad_weight, grad_bias, None, None, None, None
+        ctx.pool.give(ctx.buf)
+        ctx.buf = None
+        return grad_h, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 class DecoderShard(nn.Module):
@@ -88,10 +130,12 @@ class DecoderShard(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight)  # [rows, nhid]
         self.bias = nn.Parameter(bias)      # [rows]
+        self.pool = BufferPool()
 
     def partials(self, h: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor,
                  weight_snapshot: torch.Tensor, bias_snapshot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return SoftmaxPartials.apply(h, self.weight, self.bias, weight_snapshot, bias_snapshot, local_target, owned)
+        return SoftmaxPartials.apply(h, self.weight, self.bias, weight_snapshot, bias_snapshot, local_target, owned,
+                                     self.pool, torch.is_grad_enabled())
 
 
 def combine_partials(lse_parts: list[torch.Tensor], target_parts: list[torch.Tensor]) -> torch.Tensor:

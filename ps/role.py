@@ -33,7 +33,8 @@ class PsRole:
         self.cfg, self.metrics = cfg, metrics
         self.board = StatusBoard(self.role, cfg.name)
         self.endpoint = RpcEndpoint(cfg.name, cfg.master_addr, cfg.master_port,
-                                    rpc_timeout=cfg.rpc_timeout, join_timeout=cfg.join_timeout)
+                                    rpc_timeout=cfg.rpc_timeout, join_timeout=cfg.join_timeout,
+                                    transport=cfg.rpc_transport)
         self.membership = Membership(cfg.name, probe_interval=cfg.probe_interval,
                                      probe_failures=cfg.probe_failures,
                                      on_evicted=metrics.members_evicted.inc)

@@ -55,6 +55,8 @@ class CommonConfig(_Base):
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads (1 is steadiest on small hosts)")
     rpc_timeout: float = Field(60.0, gt=0, description="seconds before an RPC fails")
     join_timeout: float = Field(300.0, gt=0, description="seconds to wait for the cluster when joining")
+    rpc_transport: Literal["uv", "shm"] = Field(
+        "uv", description="TensorPipe transport: uv (TCP) or shm (lower latency, but busy-polls a core)")
 
     @field_validator("name")
     @classmethod
@@ -117,6 +119,7 @@ class TrainerConfig(CommonConfig):
     synthetic_tokens: int = Field(200_000, ge=1000, description="size of the built-in corpus")
     seed: int = Field(1111, description="seed of dropout and the synthetic corpus")
     log_interval: float = Field(10.0, gt=0, description="seconds between progress lines in the log")
+    warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of its tokens/s")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
@@ -199,7 +202,9 @@ class UpConfig(_Base):
     clip: float = Field(0.25, ge=0, description="global gradient-norm clip (0: off)")
     eval_tokens: Optional[int] = Field(None, ge=1, description="cap on held-out tokens evaluated per episode")
     synthetic_tokens: int = Field(200_000, ge=1000, description="size of the built-in corpus")
+    warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of tokens/s")
     threads: int = Field(1, ge=1, description="torch threads per process")
+    rpc_transport: Literal["uv", "shm"] = Field("uv", description="TensorPipe transport of every role")
     master_addr: str = Field("127.0.0.1", description="address of the rendezvous store (ps0)")
     master_port: int = Field(0, ge=0, le=65535, description="rendezvous port (0: a free port)")
     sidecar_host: str = Field("127.0.0.1", description="address the sidecars bind")

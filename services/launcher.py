@@ -28,9 +28,11 @@ from services.names import format_name
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
+STATUS_POLL = 1.0  # seconds between status polls of the trainers
 _PS_FLAGS = ("emsize", "nhid", "nlayers", "optimizer", "lr", "seed")
-_TRAINER_FLAGS = ("batch_size", "bptt", "dropout", "clip", "eval_tokens", "synthetic_tokens", "seed", "data")
-_COMMON_FLAGS = ("threads", "log_level", "checkpoint_dir", "sidecar_host")
+_TRAINER_FLAGS = ("batch_size", "bptt", "dropout", "clip", "eval_tokens", "synthetic_tokens", "seed", "data",
+                  "warmup_steps")
+_COMMON_FLAGS = ("threads", "log_level", "checkpoint_dir", "sidecar_host", "rpc_transport")
 
 
 def free_port() -> int:
@@ -156,6 +158,7 @@ class Launcher:
 
     def _supervise(self) -> int:
         next_report = time.monotonic() + self.cfg.progress_interval
+        next_poll = 0.0
         while not self._stop.is_set():
             for m in self.members:
                 code = m.proc.poll()
@@ -166,9 +169,11 @@ class Launcher:
                     return 1
                 if not self._restart(m, code):
                     return 1
-            self._poll_trainers()
-            if self.cfg.steps and self._all_done():
-                return 0
+            if time.monotonic() >= next_poll:  # statuses once a second; liveness every tick
+                next_poll = time.monotonic() + STATUS_POLL
+                self._poll_trainers()
+                if self.cfg.steps and self._all_done():
+                    return 0
             if time.monotonic() >= next_report:
                 next_report += self.cfg.progress_interval
                 self.emit(self._progress())
@@ -225,12 +230,20 @@ class Launcher:
         evals = [s["eval"] for s in st if s.get("eval")]
         val_tokens = sum(e["tokens"] for e in evals)
         val_loss = sum(e["loss_sum"] for e in evals) / val_tokens if val_tokens else None
+        windows = [s["timed"] for s in st if (s.get("timed") or {}).get("tokens")]
+        if windows and len(windows) == len(st):
+            # Total tokens over the union of the trainers' timed windows: summing per-trainer rates
+            # would count the stretches where one trainer ran alone as if both did.
+            span = max(w["end"] for w in windows) - min(w["start"] for w in windows)
+            tokens_per_s = sum(w["tokens"] for w in windows) / span if span > 0 else 0.0
+        else:
+            tokens_per_s = sum(s.get("tokens_per_s") or 0.0 for s in st)
         return {"event": "done",
                 "steps": min(((s.get("episode") or {}).get("step") or 0) for s in st) if st else 0,
                 "total_steps": sum(s.get("step") or 0 for s in st),
                 "loss_first": sum(firsts) / len(firsts) if firsts else None,
                 "loss_last": sum(lasts) / len(lasts) if lasts else None,
-                "tokens_per_s": sum(s.get("tokens_per_s") or 0.0 for s in st),
+                "tokens_per_s": tokens_per_s,
                 "val_loss": val_loss, "val_ppl": math.exp(val_loss) if val_loss is not None else None,
                 "val_tokens": val_tokens,
                 "restarts": sum(len(m.restarts) for m in self._trainers())}

@@ -36,7 +36,8 @@ class TrainerRole:
         self.cfg, self.metrics = cfg, metrics
         self.board = StatusBoard(self.role, cfg.name)
         self.endpoint = RpcEndpoint(cfg.name, cfg.master_addr, cfg.master_port,
-                                    rpc_timeout=cfg.rpc_timeout, join_timeout=cfg.join_timeout)
+                                    rpc_timeout=cfg.rpc_timeout, join_timeout=cfg.join_timeout,
+                                    transport=cfg.rpc_transport)
         self.membership = Membership(cfg.name)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -172,25 +173,28 @@ class TrainerRole:
         recent = deque(maxlen=20)
         first_loss = None
         timed_tokens, timed_seconds = 0, 0.0
+        timed = {"tokens": 0, "start": None, "end": None}  # wall clock, comparable across trainers
         last_log = time.monotonic()
         try:
             while target is None or episode["step"] < target:
                 with self._lock:
                     if self._stop_episode:
                         break
+                started = time.time()
                 r = loop.step()
                 self._steps += 1
                 episode["step"] += 1
                 first_loss = r.loss if first_loss is None else first_loss
                 recent.append(r.loss)
-                if episode["step"] > 1:  # the first step pays connection set-up; leave it out of throughput
+                if episode["step"] > self.cfg.warmup_steps:  # warm-up pays connection set-up and allocation
                     timed_tokens += r.tokens
                     timed_seconds += r.seconds
+                    timed = {"tokens": timed_tokens, "start": timed["start"] or started, "end": time.time()}
                 tps = timed_tokens / timed_seconds if timed_seconds else r.tokens / r.seconds
                 self.metrics.tokens_per_second.set(tps)
                 self.board.update(step=self._steps, episode=dict(episode), loss=r.loss,
                                   loss_avg=sum(recent) / len(recent), loss_first=first_loss,
-                                  tokens_per_s=tps, grad_norm=r.grad_norm,
+                                  tokens_per_s=tps, grad_norm=r.grad_norm, timed=dict(timed),
                                   step_seconds={k: round(v, 6) for k, v in r.phases.items()})
                 if time.monotonic() - last_log >= self.cfg.log_interval:
                     last_log = time.monotonic()

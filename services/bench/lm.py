@@ -1,5 +1,142 @@
-"""placeholder, replaced below"""
-def add_arguments(p):
-    pass
-def run(args):
+"""``rpcps bench lm``: language-model tokens/s three ways, side by side in one run.
+
+(a) ``local``: the same model in one process, no RPC, torch using every core;
+(b) ``seed``: the seed tutorial's design (logits over RPC, one server, one trainer);
+(c) ``rpcps``: ``rpcps up`` with two servers and two trainers on this machine.
+
+Each variant runs in its own processes, one after the other, ``--rounds`` times (a b c a b c …);
+ratios are taken within a round and the median reported. Prints JSON lines, the last one the summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_DATA = Path("../shared/datasets/wikitext-2")
+WIKITEXT2_NTOKEN = 33_278  # WikiText-2's full (train+valid+test) vocabulary, the classic example's size
+TARGETS = {"rpcps_vs_local": 0.9, "rpcps_vs_seed": 1.5}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="JSON lines only (the default output is JSON too)")
+    p.add_argument("--data", type=Path, default=None,
+                   help=f"WikiText-style folder (default: {DEFAULT_DATA} if present, else the synthetic corpus)")
+    p.add_argument("--ntoken", type=int, default=WIKITEXT2_NTOKEN, help="vocabulary rows")
+    p.add_argument("--steps", type=int, default=30, help="steps per trainer, warm-up included")
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of tokens/s")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of a, b, c")
+    p.add_argument("--variants", default="local,seed,rpcps", help="comma-separated subset to run")
+
+
+def _model_args(args: argparse.Namespace) -> dict:
+    return {"ntoken": args.ntoken, "emsize": 200, "nhid": 200, "nlayers": 2, "dropout": 0.2, "bptt": 35,
+            "batch_size": 20, "steps": args.steps, "warmup": args.warmup}
+
+
+def _tokens(data: Path | None, ntoken: int):
+    from trainer.data import Corpus
+    corpus = Corpus.load(data)
+    if corpus.ntoken > ntoken:
+        raise SystemExit(f"--ntoken {ntoken} is smaller than the corpus vocabulary {corpus.ntoken}")
+    return corpus.train
+
+
+def bench_local(args: dict, data: Path | None) -> dict:
+    """One process, every core: the reference throughput."""
+    import torch
+    from services.config import ModelConfig
+    from trainer.data import BatchStream, batchify
+    from trainer.model import LocalLM, init_hidden
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_cfg = ModelConfig(ntoken=args["ntoken"], emsize=args["emsize"], nhid=args["nhid"], nlayers=args["nlayers"])
+    model = LocalLM(model_cfg, args["dropout"])
+    stream = BatchStream(batchify(_tokens(data, args["ntoken"]), args["batch_size"]), args["bptt"])
+    hidden = init_hidden(model_cfg, args["batch_size"])
+    times, loss = [], None
+    for _ in range(args["steps"]):
+        x, y, _ = stream.next()
+        t0 = time.perf_counter()
+        loss, hidden = model.train_step(x, y, hidden, clip=0.25)
+        times.append(time.perf_counter() - t0)
+    timed = times[args["warmup"]:]
+    return {"tokens_per_s": x.numel() * len(timed) / sum(timed), "steps": len(timed), "threads": torch.get_num_threads(),
+            "step_s_median": statistics.median(timed), "loss_last": loss}
+
+
+def bench_seed(args: dict, data: Path | None) -> dict:
+    from services.bench.seed import run_seed
+    from services.launcher import free_port
+    from trainer.data import batchify
+
+    tokens = batchify(_tokens(data, args["ntoken"]), args["batch_size"])
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_seed(tokens, {**args, "threads": 1}, free_port(), str(Path(tmp) / "seed.json"))
+
+
+def bench_rpcps(args: dict, data: Path | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [sys.executable, "-m", "services.cli", "up", "--json", "--ps", "2", "--trainers", "2",
+                "--steps", str(args["steps"]), "--warmup-steps", str(args["warmup"]), "--ntoken", str(args["ntoken"]),
+                "--eval-tokens", "1", "--state-dir", str(Path(tmp) / "state"), "--progress-interval", "30",
+                "--checkpoint-dir", str(Path(tmp) / "ckpt")]
+        if data is not None:
+            argv += ["--data", str(data)]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+        lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        done = [e for e in lines if e.get("event") == "done"]
+        if r.returncode != 0 or not done:
+            raise RuntimeError(f"rpcps up failed ({r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}")
+        d = done[-1]
+        return {"tokens_per_s": d["tokens_per_s"], "steps": d["steps"], "servers": 2, "trainers": 2,
+                "loss_last": d["loss_last"]}
+
+
+VARIANTS = {"local": bench_local, "seed": bench_seed, "rpcps": bench_rpcps}
+
+
+def _run_variant(name: str, args: dict, data: Path | None) -> dict:
+    """Each variant in a fresh interpreter, so thread settings and allocations never leak between them."""
+    argv = [sys.executable, "-m", "services.bench.lm", name, json.dumps(args), str(data) if data else ""]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"variant {name} failed: {r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(ns: argparse.Namespace) -> int:
+    data = ns.data if ns.data is not None else (DEFAULT_DATA if DEFAULT_DATA.is_dir() else None)
+    args = _model_args(ns)
+    names = [v for v in ns.variants.split(",") if v]
+    rounds = []
+    for i in range(ns.rounds):
+        result = {}
+        for name in names:
+            result[name] = _run_variant(name, args, data)
+            print(json.dumps({"bench": "lm", "round": i, "variant": name, **result[name]}), flush=True)
+        rounds.append(result)
+    ratios = {}
+    for key, (num, den) in {"rpcps_vs_local": ("rpcps", "local"), "rpcps_vs_seed": ("rpcps", "seed")}.items():
+        pairs = [r[num]["tokens_per_s"] / r[den]["tokens_per_s"] for r in rounds if num in r and den in r]
+        if pairs:
+            ratios[key] = statistics.median(pairs)
+    results = {n: {"tokens_per_s": statistics.median(r[n]["tokens_per_s"] for r in rounds), "runs": [r[n] for r in rounds]}
+               for n in names}
+    summary = {"bench": "lm", "results": results, "ratios": ratios, "targets": TARGETS,
+               "met": {k: ratios[k] >= v for k, v in TARGETS.items() if k in ratios},
+               "config": {**args, "data": str(data) if data else "synthetic", "rounds": ns.rounds,
+                          "cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
+    print(json.dumps(summary), flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    variant, raw, data_arg = sys.argv[1], sys.argv[2], sys.argv[3]
+    print(json.dumps(VARIANTS[variant](json.loads(raw), Path(data_arg) if data_arg else None)))

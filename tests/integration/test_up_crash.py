@@ -37,8 +37,11 @@ def trainer_status(url: str) -> dict:
 def test_trainer_sigkill_is_survived_and_restarted(up):
     started = up.wait_event("started", 120)
     urls = started["sidecars"]
-    wait_until(lambda: trainer_status(urls["trainer1"]).get("step", 0) >= 20, 90, "trainer1 at step 20")
-    first_loss = trainer_status(urls["trainer1"])["loss_first"]
+    # Train until the shared model has clearly learned something, so a fresh trainer can tell.
+    def learned():
+        s = trainer_status(urls["trainer1"])
+        return s.get("loss_avg") is not None and s["loss_avg"] < s["loss_first"] - 0.8 and s
+    first_loss = wait_until(learned, 180, "trainer1's loss to fall by 0.8")["loss_first"]
     old_pid = up.cluster()["pids"]["trainer1"]
 
     os.kill(old_pid, signal.SIGKILL)
@@ -58,7 +61,7 @@ def test_trainer_sigkill_is_survived_and_restarted(up):
         return s if s.get("state") == "running" and s.get("step", 0) >= 10 else None
     s = wait_until(retrained, 90, "the restarted trainer1 training")
     rejoin_seconds = time.monotonic() - killed_at
-    assert s["loss_first"] < first_loss - 0.3, (s["loss_first"], first_loss)
+    assert s["loss_first"] < first_loss - 0.5, (s["loss_first"], first_loss)
     later = wait_until(lambda: trainer_status(urls["trainer0"]), 10, "trainer0 status")
     assert later["loss_avg"] < first_loss - 0.3
     print(f"trainer1 back at step 10 {rejoin_seconds:.1f}s after SIGKILL")

@@ -54,3 +54,17 @@ def test_softmax_partials_equal_cross_entropy_and_its_gradients(shards):
     for k, d in enumerate(decoders):
         assert torch.allclose(d.weight.grad, ref_w.grad[plan.global_ids(k)], atol=1e-6)
         assert torch.allclose(d.bias.grad, ref_b.grad[plan.global_ids(k)], atol=1e-6)
+
+
+def test_buffer_pool_reuses_by_size_and_never_hands_out_one_buffer_twice():
+    from ps.modules import BufferPool
+
+    pool = BufferPool(keep=2)
+    a, b = pool.take(10, 10), pool.take(25, 10)
+    pool.give(a)
+    pool.give(b)
+    c = pool.take(5, 10)                      # the smallest that fits: a's storage
+    d = pool.take(20, 10)                     # b's
+    assert c.data_ptr() == a.data_ptr() and d.data_ptr() == b.data_ptr()
+    e = pool.take(5, 10)                      # none free: a new one
+    assert e.data_ptr() not in (c.data_ptr(), d.data_ptr())
