@@ -44,9 +44,7 @@ class PsRole:
 
     # --- Controllable ------------------------------------------------------------------------------
     def healthy(self) -> tuple[bool, str]:
-        if self.board.state == RoleState.FAILED:
-            return False, "failed"
-        return True, "ok"
+        return self.board.healthy()
 
     def ready(self) -> tuple[bool, str]:
         return self.board.ready()

@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--state-dir", default=".rpcps", help="where `rpcps up` wrote cluster.json")
         sp.add_argument("--json", action="store_true", help="print JSON")
 
-    sidecar_flags(st := sub.add_parser("status", help="one line per role"))
+    sidecar_flags(sub.add_parser("status", help="one line per role"))
     ck = sub.add_parser("checkpoint", help="take a cluster checkpoint")
     sidecar_flags(ck)
     ck.add_argument("--list", action="store_true", help="list the checkpoints on disk instead")
@@ -48,7 +48,6 @@ def _parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from services.bench.lm import add_arguments
     add_arguments(bench_sub.add_parser("lm", help="tokens/s: one process vs the seed design vs rpcps"))
-    del st
     return p
 
 

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from services.client import SidecarClient
 from services.config import UpConfig
@@ -116,7 +116,9 @@ class Launcher:
                                        logs / f"{name}.log"))
 
     def _spawn(self, m: Member) -> None:
-        m.proc = spawn_role(m.module, m.argv, m.log_path)
+        # The token travels in the environment: argv is visible to every user of the machine.
+        env = {"RPCPS_CONTROL_TOKEN": self._token} if self._token else None
+        m.proc = spawn_role(m.module, m.argv, m.log_path, env)
         log.info("started %s (pid %d), log %s", m.name, m.proc.pid, m.log_path)
 
     # --- running -------------------------------------------------------------------------------------

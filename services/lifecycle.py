@@ -47,17 +47,19 @@ class StatusBoard:
             self._fields.update(fields)
             self._beat = time.monotonic()
 
-    def heartbeat(self) -> None:
-        with self._lock:
-            self._beat = time.monotonic()
-
-    def seconds_since_beat(self) -> float:
-        with self._lock:
-            return time.monotonic() - self._beat
-
     def ready(self) -> tuple[bool, str]:
         with self._lock:
             return self._state in READY_STATES, self._reason
+
+    def healthy(self, max_silence: float = 120.0) -> tuple[bool, str]:
+        """Liveness: not failed, and the role's loop has shown a sign of life recently."""
+        with self._lock:
+            if self._state == RoleState.FAILED:
+                return False, f"failed: {self._reason}"
+            silent = time.monotonic() - self._beat
+        if silent > max_silence:
+            return False, f"no sign of life for {silent:.0f}s"
+        return True, "ok"
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from ps.stub import PsClient
 from services.config import TrainerConfig
 from services.control import EpisodeStart
-from services.errors import EpisodeConflict, NotReady, NotSupported, PeerUnavailable
+from services.errors import BadRequest, EpisodeConflict, NotReady, NotSupported, PeerUnavailable
 from services.lifecycle import RoleState, StatusBoard
 from services.membership import Membership, current_members
 from services.metrics import Metrics
@@ -25,8 +25,6 @@ from trainer.loop import EvalResult, TrainLoop
 from trainer.model import DistributedLM
 
 log = logging.getLogger(__name__)
-
-HEALTHY_SILENCE = 120.0  # seconds the role thread may go without a sign of life
 
 
 class TrainerRole:
@@ -51,12 +49,7 @@ class TrainerRole:
 
     # --- Controllable ------------------------------------------------------------------------------
     def healthy(self) -> tuple[bool, str]:
-        silent = self.board.seconds_since_beat()
-        if self.board.state == RoleState.FAILED:
-            return False, "failed"
-        if silent > HEALTHY_SILENCE:
-            return False, f"no progress for {silent:.0f}s"
-        return True, "ok"
+        return self.board.healthy()
 
     def ready(self) -> tuple[bool, str]:
         return self.board.ready()
@@ -66,7 +59,7 @@ class TrainerRole:
 
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
         if request.episodes is not None:
-            raise EpisodeConflict("a language-model trainer counts episodes in steps; send {\"steps\": N}")
+            raise BadRequest("a language-model trainer counts episodes in steps; send {\"steps\": N}")
         with self._lock:
             if not self.board.ready()[0]:
                 raise NotReady(f"trainer not ready: {self.board.ready()[1]}")
@@ -132,6 +125,11 @@ class TrainerRole:
                 return
             self._run_episode(loop, request, heldout)
 
+    def _report_members(self) -> None:
+        members = current_members()
+        self.metrics.members.set(len(members))
+        self.board.update(members=members)
+
     def close(self) -> None:
         self.metrics.up.set(0)
         self.board.set_state(RoleState.STOPPING, "stopping")
@@ -156,7 +154,7 @@ class TrainerRole:
         with self._lock:
             while self._pending is None and not self._stopping:
                 self._wake.wait(1.0)
-                self.board.heartbeat()
+                self._report_members()
             if self._stopping:
                 return None
             request, self._pending = self._pending, None
@@ -198,6 +196,7 @@ class TrainerRole:
                                   step_seconds={k: round(v, 6) for k, v in r.phases.items()})
                 if time.monotonic() - last_log >= self.cfg.log_interval:
                     last_log = time.monotonic()
+                    self._report_members()
                     log.info("step %d | loss %.3f | %.0f tokens/s", self._steps, sum(recent) / len(recent), tps)
             with self._lock:
                 shutting_down = self._stopping

@@ -67,7 +67,7 @@ def bench_local(args: dict, data: Path | None) -> dict:
         loss, hidden = model.train_step(x, y, hidden, clip=0.25)
         times.append(time.perf_counter() - t0)
     timed = times[args["warmup"]:]
-    return {"tokens_per_s": x.numel() * len(timed) / sum(timed), "steps": len(timed), "threads": torch.get_num_threads(),
+    return {"tokens_per_s": x.numel() * len(timed) / sum(timed), "timed_steps": len(timed), "threads": torch.get_num_threads(),
             "step_s_median": statistics.median(timed), "loss_last": loss}
 
 
@@ -95,8 +95,8 @@ def bench_rpcps(args: dict, data: Path | None) -> dict:
         if r.returncode != 0 or not done:
             raise RuntimeError(f"rpcps up failed ({r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}")
         d = done[-1]
-        return {"tokens_per_s": d["tokens_per_s"], "steps": d["steps"], "servers": 2, "trainers": 2,
-                "loss_last": d["loss_last"]}
+        return {"tokens_per_s": d["tokens_per_s"], "timed_steps": d["steps"] - args["warmup"], "servers": 2,
+                "trainers": 2, "loss_last": d["loss_last"]}
 
 
 VARIANTS = {"local": bench_local, "seed": bench_seed, "rpcps": bench_rpcps}

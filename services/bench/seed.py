@@ -81,7 +81,7 @@ def _run_trainer(data: torch.Tensor, args: dict) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
     timed = times[args["warmup"]:]
-    return {"tokens_per_s": bptt * batch * len(timed) / sum(timed), "steps": len(timed),
+    return {"tokens_per_s": bptt * batch * len(timed) / sum(timed), "timed_steps": len(timed),
             "step_s_median": sorted(timed)[len(timed) // 2], "loss_last": losses[-1]}
 
 

@@ -90,11 +90,17 @@ def test_control_token_required_when_set(procs):
     del servers
 
 
-def test_servers_stop_cleanly_on_sigterm_right_after_a_trainer_died(procs):
+def training_cluster(procs):
+    """Two servers and one trainer that has taken a few steps."""
     ps0, ps1 = procs.start_servers(2, **MODEL)
     trainer = procs.start("trainer", "trainer0", 2, start=True, **TRAINER)
     procs.wait_ready(trainer)
     wait_until(lambda: episode(trainer)[1].get("step", 0) >= 2, 60, "training")
+    return ps0, ps1, trainer
+
+
+def test_servers_stop_cleanly_on_sigterm_right_after_a_trainer_died(procs):
+    ps0, ps1, trainer = training_cluster(procs)
     trainer.proc.send_signal(signal.SIGKILL)
     trainer.proc.wait(10)
     for role in (ps1, ps0):  # before the leader has even evicted the dead trainer
@@ -106,10 +112,7 @@ def test_servers_stop_cleanly_on_sigterm_right_after_a_trainer_died(procs):
 
 
 def test_trainer_that_loses_a_server_exits_for_its_supervisor(procs):
-    ps0, ps1 = procs.start_servers(2, **MODEL)
-    trainer = procs.start("trainer", "trainer0", 2, start=True, **TRAINER)
-    procs.wait_ready(trainer)
-    wait_until(lambda: episode(trainer)[1].get("step", 0) >= 2, 60, "training")
+    ps0, ps1, trainer = training_cluster(procs)
     ps1.proc.send_signal(signal.SIGKILL)
     code = trainer.proc.wait(15)
     assert code == 1

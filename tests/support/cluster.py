@@ -79,21 +79,8 @@ class Processes:
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- {role.name} log ---\n{role.log_text()[-3000:]}") from None
 
-    def run_driver(self, mode: str, name: str, num_ps: int, timeout: float = 120.0, **args) -> dict:
-        """Run tests/support/driver.py as a real RPC member; return the JSON it prints last."""
-        argv = [sys.executable, "-m", "tests.support.driver", mode, "--name", name, "--num-ps", str(num_ps),
-                "--master-port", str(self.master_port)]
-        for k, v in args.items():
-            argv += ["--" + k.replace("_", "-"), str(v)]
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        self.roles.append(Role(name, proc, None, self.tmp / f"{name}.driver"))
-        out, err = proc.communicate(timeout=timeout)
-        if proc.returncode != 0:
-            raise AssertionError(f"driver {mode} exited {proc.returncode}:\n{err[-4000:]}")
-        return json.loads(out.strip().splitlines()[-1])
-
     def spawn_driver(self, mode: str, name: str, num_ps: int, **args) -> subprocess.Popen:
+        """Start tests/support/driver.py as a real RPC member (reaped with everything else)."""
         argv = [sys.executable, "-m", "tests.support.driver", mode, "--name", name, "--num-ps", str(num_ps),
                 "--master-port", str(self.master_port)]
         for k, v in args.items():
@@ -102,6 +89,14 @@ class Processes:
                                 start_new_session=True)
         self.roles.append(Role(name, proc, None, self.tmp / f"{name}.driver"))
         return proc
+
+    def run_driver(self, mode: str, name: str, num_ps: int, timeout: float = 120.0, **args) -> dict:
+        """Run a driver to the end; return the JSON it prints last."""
+        proc = self.spawn_driver(mode, name, num_ps, **args)
+        out, err = proc.communicate(timeout=timeout)
+        if proc.returncode != 0:
+            raise AssertionError(f"driver {mode} exited {proc.returncode}:\n{err[-4000:]}")
+        return json.loads(out.strip().splitlines()[-1])
 
     def stop_all(self) -> None:
         trainers = [(r.name, r.proc) for r in self.roles if not r.name.startswith("ps")]

@@ -11,8 +11,6 @@ import sys
 
 import torch
 
-from ps import service
-from ps.sharding import ShardPlan
 from ps.stub import PsClient, backward, new_context, wait
 from services.config import TrainerConfig
 from services.log import init_logging
