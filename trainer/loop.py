@@ -53,7 +53,9 @@ class TrainLoop:
         phases: dict[str, float] = {}
         t0 = time.perf_counter()
         with new_context() as context_id:
-            loss, hidden = self.model(x, y, self.hidden)
+            emb, weights = self.model.fetch(x)
+            t_fetch = time.perf_counter()
+            loss, hidden = self.model.compute(emb, weights, y, self.hidden)
             t1 = time.perf_counter()
             backward(context_id, loss)
             t2 = time.perf_counter()
@@ -62,7 +64,7 @@ class TrainLoop:
             self.optimizer.step(context_id)
             t4 = time.perf_counter()
         self.hidden = (hidden[0].detach(), hidden[1].detach())
-        phases.update(forward=t1 - t0, backward=t2 - t1, clip=t3 - t2, optimize=t4 - t3, total=t4 - t0)
+        phases.update(fetch=t_fetch - t0, forward=t1 - t_fetch, backward=t2 - t1, clip=t3 - t2, optimize=t4 - t3, total=t4 - t0)
         result = StepResult(float(loss.detach()), x.numel(), t4 - t0, norm, phases)
         if self.metrics is not None:
             for phase, seconds in phases.items():

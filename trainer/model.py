@@ -54,10 +54,17 @@ class DistributedLM(nn.Module):
         for p in self.body.parameters():
             p.requires_grad_(False)  # a skeleton only: the weights used are the servers'
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor, hidden: Hidden) -> tuple[torch.Tensor, Hidden]:
-        emb, weights = self.client.fetch(ids)
+    def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The servers' current embeddings of ``ids`` and LSTM weights."""
+        return self.client.fetch(ids)
+
+    def compute(self, emb: torch.Tensor, weights: dict[str, torch.Tensor], targets: torch.Tensor,
+                hidden: Hidden) -> tuple[torch.Tensor, Hidden]:
         out, hidden = self.body.run(emb, hidden, weights)
         return self.client.loss(out, targets.reshape(-1)), hidden
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, hidden: Hidden) -> tuple[torch.Tensor, Hidden]:
+        return self.compute(*self.fetch(ids), targets, hidden)
 
 
 class LocalLM(nn.Module):
