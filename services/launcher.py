@@ -66,7 +66,9 @@ def _human(e: dict) -> str:
     if kind == "progress":
         per = " ".join(f"{n} {s}" for n, s in e["trainers"].items())
         loss = "-" if e["loss"] is None else f"{e['loss']:.3f}"
-        return f"step {e['step']}{'/' + str(e['steps']) if e.get('steps') else ''} | loss {loss} | {e['tokens_per_s']:.0f} tokens/s | {per}"
+        evaluating = " | evaluating the held-out split" if e.get("evaluating") else ""
+        return (f"step {e['step']}{'/' + str(e['steps']) if e.get('steps') else ''} | loss {loss} | "
+                f"{e['tokens_per_s']:.0f} tokens/s | {per}{evaluating}")
     if kind == "restart":
         return f"{e['name']} exited with code {e['exit_code']}; restarting ({e['restarts']} in the window)"
     if kind == "done":
@@ -223,7 +225,8 @@ class Launcher:
         return {"event": "progress", "step": min(steps) if steps else 0, "steps": self.cfg.steps,
                 "loss": sum(losses) / len(losses) if losses else None,
                 "tokens_per_s": sum(s.get("tokens_per_s") or 0.0 for s in st if s.get("state") == "running"),
-                "trainers": {m.name: (s.get("episode") or {}).get("step", 0) for m, s in zip(self._trainers(), st)}}
+                "trainers": {m.name: (s.get("episode") or {}).get("step", 0) for m, s in zip(self._trainers(), st)},
+                "evaluating": [m.name for m, s in zip(self._trainers(), st) if s.get("evaluating")]}
 
     def _summary(self) -> dict:
         st = [self._last_status.get(m.name, {}) for m in self._trainers()]
