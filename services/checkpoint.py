@@ -1,0 +1,236 @@
+"""Checkpoints on disk: ``<dir>/step-<step>/`` with one file per shard or trainer and a
+``manifest.json`` written last.
+
+Every file is written beside its final name, fsynced and renamed; the manifest (sizes and sha256 of
+every file, plus whatever the caller describes: cluster shape, model) is written the same way, last.
+A folder without a valid manifest does not exist for restore. Files load with
+``torch.load(weights_only=True)``, so loading never runs code from the file. No RPC here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_FOLDER = re.compile(r"^step-(\d+)$")
+_FILE = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be written, found or trusted."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    created: float
+    files: dict[str, FileEntry]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "step": self.step, "path": str(self.path), "created": self.created,
+                "size_bytes": self.size, "files": sorted(self.files)}
+
+
+class _HashingWriter:
+    """A file object that hashes what passes through it, so nothing is read back to checksum it."""
+
+    def __init__(self, f) -> None:
+        self._f, self.sha = f, hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.sha.update(view)
+        self.size += view.nbytes
+        return self._f.write(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write) -> FileEntry:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        w = _HashingWriter(f)
+        write(w)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return FileEntry(path.name, w.size, w.sha.hexdigest())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class CheckpointStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def folder(self, step: int) -> Path:
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"checkpoint step must be an int >= 0, got {step!r}")
+        return self.root / f"step-{step}"
+
+    # --- writing -------------------------------------------------------------------------------------
+    def prepare(self, step: int) -> Path:
+        """The folder for ``step``, emptied of any leftover of an interrupted write."""
+        path = self.folder(step)
+        if (path / MANIFEST).exists():
+            raise CheckpointError(f"checkpoint {path.name} already exists")
+        if path.exists():
+            shutil.rmtree(path)  # no manifest: the remains of a write that never finished
+        path.mkdir(parents=True)
+        _fsync_dir(self.root)
+        return path
+
+    def write_file(self, step: int, name: str, obj: Any) -> FileEntry:
+        if not _FILE.match(name) or name == MANIFEST:
+            raise CheckpointError(f"invalid checkpoint file name {name!r}")
+        return _atomic_write(self.folder(step) / name, lambda f: torch.save(obj, f))
+
+    def commit(self, step: int, entries: list[FileEntry], meta: Optional[dict[str, Any]] = None) -> CheckpointInfo:
+        """Write the manifest: from this moment on the checkpoint exists."""
+        path = self.folder(step)
+        for e in entries:
+            on_disk = path / e.name
+            if not on_disk.is_file() or on_disk.stat().st_size != e.size:
+                raise CheckpointError(f"{on_disk} is missing or not {e.size} bytes; not committing")
+        manifest = {"format": FORMAT, "step": step, "created": time.time(),
+                    "files": {e.name: {"size": e.size, "sha256": e.sha256} for e in entries}, "meta": meta or {}}
+        body = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        _atomic_write(path / MANIFEST, lambda f: f.write(body))
+        return self._info(path, manifest)
+
+    # --- reading -------------------------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        """Checkpoints with a readable manifest whose files exist at their sizes, newest first."""
+        found = []
+        for path in self._folders():
+            try:
+                found.append(self._read(path, verify_hashes=False))
+            except CheckpointError as exc:
+                log.info("not a checkpoint: %s", exc)
+        return found
+
+    def latest_valid(self) -> Optional[CheckpointInfo]:
+        """The newest checkpoint whose every file matches its checksum; older ones as fallback."""
+        for path in self._folders():
+            try:
+                return self._read(path, verify_hashes=True)
+            except CheckpointError as exc:
+                log.warning("skipping %s: %s", path.name, exc)
+        return None
+
+    def resolve(self, ref: str) -> CheckpointInfo:
+        """A checkpoint named by id (``step-N``) or path; nothing outside the checkpoint folder."""
+        root = self.root.resolve()
+        candidate = Path(ref)
+        path = (candidate if candidate.is_absolute() else root / candidate).resolve()
+        if path.parent != root or not _FOLDER.match(path.name):
+            raise CheckpointError(f"{ref!r} is not a checkpoint folder inside {root}")
+        return self._read(path, verify_hashes=True)
+
+    def load_file(self, info: CheckpointInfo, name: str) -> Any:
+        entry = info.files.get(name)
+        if entry is None:
+            raise CheckpointError(f"{info.id} has no file {name!r} (it has {sorted(info.files)})")
+        return torch.load(info.path / name, weights_only=True, map_location="cpu")
+
+    def prune(self, keep: int) -> list[Path]:
+        """Remove all but the newest ``keep`` valid checkpoints, and leftovers older than the newest."""
+        if keep < 1:
+            raise CheckpointError(f"keep must be >= 1, got {keep}")
+        valid = self.list()
+        if not valid:
+            return []
+        keep_paths = {c.path for c in valid[:keep]}
+        newest = valid[0].step
+        removed = []
+        for path in self._folders():
+            step = int(_FOLDER.match(path.name).group(1))
+            if path in keep_paths or step >= newest:
+                continue  # never touch anything as new as the newest complete checkpoint
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        return removed
+
+    def _folders(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        folders = [p for p in self.root.iterdir() if p.is_dir() and _FOLDER.match(p.name)]
+        return sorted(folders, key=lambda p: int(_FOLDER.match(p.name).group(1)), reverse=True)
+
+    def _read(self, path: Path, verify_hashes: bool) -> CheckpointInfo:
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path.name} has no manifest (an unfinished write)") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path.name}: unreadable manifest ({exc})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+            raise CheckpointError(f"{path.name}: manifest is not a format-{FORMAT} rpcps manifest")
+        if manifest.get("step") != int(_FOLDER.match(path.name).group(1)):
+            raise CheckpointError(f"{path.name}: manifest says step {manifest.get('step')!r}")
+        info = self._info(path, manifest)
+        for e in info.files.values():
+            f = path / e.name
+            if not _FILE.match(e.name) or not f.is_file():
+                raise CheckpointError(f"{path.name}: file {e.name} is missing")
+            if f.stat().st_size != e.size:
+                raise CheckpointError(f"{path.name}: {e.name} is {f.stat().st_size} bytes, manifest says {e.size}")
+            if verify_hashes and _sha256(f) != e.sha256:
+                raise CheckpointError(f"{path.name}: {e.name} does not match its sha256")
+        return info
+
+    @staticmethod
+    def _info(path: Path, manifest: dict) -> CheckpointInfo:
+        try:
+            files = {n: FileEntry(n, int(v["size"]), str(v["sha256"])) for n, v in manifest["files"].items()}
+            return CheckpointInfo(int(manifest["step"]), path, float(manifest["created"]), files,
+                                  dict(manifest.get("meta") or {}))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path.name}: malformed manifest ({exc})") from None
