@@ -12,3 +12,4 @@ class ShardInfo:
     model: dict          # ModelConfig as a dict: trainers take the model's shape from the servers
     rows: int            # vocabulary rows this shard owns
     layers: tuple[int, ...]  # LSTM layers this shard owns
+    steps: int = 0           # updates applied so far (continues across restores)

@@ -40,11 +40,13 @@ class SharedOptimizer:
         self.params = params
         self.optimizer = make_optimizer(kind, params, lr)
         self._on_step = on_step
+        self.steps = 0  # updates applied: the cluster's step, the same on every server at a pause
 
     def step(self) -> None:
         with self.lock:
             rows = sum(p.grad._nnz() for p in self.params if p.grad is not None and p.grad.is_sparse)
             self.optimizer.step()
+            self.steps += 1
             # A parameter this context did not touch must not see the previous context's gradient.
             for p in self.params:
                 p.grad = None
@@ -55,6 +57,21 @@ class SharedOptimizer:
         """Consistent copies: never half-way through another trainer's update."""
         with self.lock:
             return [t.detach().clone() for t in tensors]
+
+    def state_copy(self) -> tuple[int, list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """(steps, parameters, per-parameter optimizer state), all private copies, taken at once."""
+        with self.lock:
+            params = [p.detach().clone() for p in self.params]
+            state = [{k: v.clone() for k, v in self.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+                     for p in self.params]
+            return self.steps, params, state
+
+    def load_state(self, steps: int, state: list[dict[str, torch.Tensor]]) -> None:
+        with self.lock:
+            self.steps = steps
+            for p, s in zip(self.params, state):
+                if s:
+                    self.optimizer.state[p] = {k: v.clone() for k, v in s.items()}
 
 
 class _Registry:

@@ -17,9 +17,10 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from ps.messages import ShardInfo
-from ps.modules import DecoderShard, EmbeddingShard, init_decoder, init_embedding, init_lstm_layer
+from ps.modules import DecoderShard, EmbeddingShard, init_decoder, init_embedding, init_lstm_layer, lstm_param_names
 from ps.optim import REGISTRY, SharedOptimizer, grad_sq_norm
 from ps.sharding import ShardPlan
+from ps.state import export_shard, gather_shard
 from services.config import ModelConfig
 from services.errors import BadRequest, NotReady
 from services.metrics import Metrics
@@ -31,22 +32,46 @@ _CONTEXTS_KEPT = 4  # a trainer has at most one or two contexts open; older ones
 
 
 class ParameterServer:
-    def __init__(self, name: str, shard: int, num_shards: int, model: ModelConfig, metrics: Metrics) -> None:
+    def __init__(self, name: str, shard: int, num_shards: int, model: ModelConfig, metrics: Metrics,
+                 restore: Optional[list[dict[str, Any]]] = None) -> None:
+        """``restore``: the shard states of a checkpoint (any number of shards) to start from."""
         self.name, self.shard, self.model = name, shard, model
         self.plan = ShardPlan(num_shards, model.ntoken)
         self.metrics = metrics
-        rows = self.plan.global_ids(shard)
-        self.embedding = EmbeddingShard(init_embedding(model)[rows].clone())
-        w, b = init_decoder(model)
-        self.decoder = DecoderShard(w[rows].clone(), b[rows].clone())
         self.layers = tuple(self.plan.layers_of(shard, model.nlayers))
-        self.dense = torch.nn.ParameterDict({
-            n: torch.nn.Parameter(t) for layer in self.layers for n, t in init_lstm_layer(model, layer).items()})
-        params = [self.embedding.weight, self.decoder.weight, self.decoder.bias, *self.dense.values()]
+        dense_names = [n for layer in self.layers for n in lstm_param_names(layer)]
+        if restore is None:
+            values = self._initial_values(dense_names)
+            optim_state, steps = {}, 0
+        else:
+            values, optim_state, steps = gather_shard(restore, self.plan, shard, self.layers, dense_names)
+        self.embedding = EmbeddingShard(values["embedding.weight"])
+        self.decoder = DecoderShard(values["decoder.weight"], values["decoder.bias"])
+        self.dense = torch.nn.ParameterDict({n: torch.nn.Parameter(values[n]) for n in dense_names})
+        self.param_names = ["embedding.weight", "decoder.weight", "decoder.bias", *dense_names]
+        # In param_names order (a ParameterDict does not keep ours).
+        params = [self.embedding.weight, self.decoder.weight, self.decoder.bias, *(self.dense[n] for n in dense_names)]
         self.optimizer = SharedOptimizer(params, model.optimizer, model.lr, on_step=self._stepped)
+        self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.param_names])
         REGISTRY.register(self.optimizer)
         self._contexts: dict[str, collections.deque] = {}
         self._contexts_lock = threading.Lock()
+
+    def _initial_values(self, dense_names: list[str]) -> dict[str, torch.Tensor]:
+        rows = self.plan.global_ids(self.shard)
+        w, b = init_decoder(self.model)
+        values = {"embedding.weight": init_embedding(self.model)[rows].clone(),
+                  "decoder.weight": w[rows].clone(), "decoder.bias": b[rows].clone()}
+        for layer in self.layers:
+            values.update(init_lstm_layer(self.model, layer))
+        return values
+
+    def export_state(self) -> dict[str, Any]:
+        """This shard for a checkpoint: parameters, optimizer state and step, copied at one instant."""
+        steps, params, state = self.optimizer.state_copy()
+        return export_shard(self.shard, self.plan, self.model.model_dump(), steps,
+                            dict(zip(self.param_names, params)),
+                            {n: s for n, s in zip(self.param_names, state) if s})
 
     def close(self) -> None:
         REGISTRY.unregister(self.optimizer)
@@ -58,16 +83,14 @@ class ParameterServer:
     # --- the RPC surface ---------------------------------------------------------------------------
     def info(self) -> ShardInfo:
         return ShardInfo(self.name, self.shard, self.plan.num_shards, self.model.model_dump(),
-                         self.plan.rows(self.shard), self.layers)
+                         self.plan.rows(self.shard), self.layers, self.optimizer.steps)
 
     def param_rrefs(self) -> list[rpc.RRef]:
         return [rpc.RRef(p) for p in self.optimizer.params]
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """A consistent copy of every parameter this shard holds (no autograd history)."""
-        names = ["embedding.weight", "decoder.weight", "decoder.bias", *self.dense.keys()]
-        tensors = [self.embedding.weight, self.decoder.weight, self.decoder.bias, *self.dense.values()]
-        return dict(zip(names, self.optimizer.snapshot(tensors)))
+        return dict(zip(self.param_names, self.optimizer.snapshot(self.optimizer.params)))
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows [n, emsize] of global ``ids`` [n] that this shard owns."""
@@ -80,7 +103,7 @@ class ParameterServer:
     def dense_params(self) -> dict[str, torch.Tensor]:
         """This shard's LSTM weights; computing with them records the way back for gradients."""
         with self.optimizer.lock:
-            return {n: p.clone() for n, p in self.dense.items()}
+            return {n: p.clone() for n, p in zip(self.param_names[3:], self.optimizer.params[3:])}
 
     def decode(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token of ``h`` [N, nhid]: this shard's log-sum-exp and its target logit (0 if not owned)."""
