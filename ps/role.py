@@ -5,11 +5,15 @@ import logging
 import threading
 from typing import Any
 
+from pathlib import Path
+
 from ps import service
 from ps.service import ParameterServer
+from services import checkpointing
+from services.checkpoint import CheckpointStore, FileEntry
 from services.config import ModelConfig, PsConfig
 from services.control import EpisodeStart
-from services.errors import NotSupported
+from services.errors import NotReady, NotSupported
 from services.lifecycle import RoleState, StatusBoard
 from services.membership import Membership, current_members
 from services.metrics import Metrics
@@ -18,6 +22,8 @@ from services.rpc import RpcEndpoint
 from trainer.data import vocab_size
 
 log = logging.getLogger(__name__)
+
+FINAL_CHECKPOINT_SECONDS = 5.0  # inside the 10 s a stop may take
 
 
 def model_config(cfg: PsConfig) -> ModelConfig:
@@ -39,6 +45,11 @@ class PsRole:
                                      probe_failures=cfg.probe_failures,
                                      on_evicted=metrics.members_evicted.inc)
         self.server: ParameterServer | None = None
+        self.store = CheckpointStore(cfg.checkpoint_dir)
+        self.coordinator: checkpointing.Coordinator | None = None
+        self._periodic: checkpointing.Periodic | None = None
+        self._snapshots: dict[str, dict] = {}
+        self._snapshots_lock = threading.Lock()
         self._stop = threading.Event()
         metrics.init_ps()
 
@@ -59,10 +70,39 @@ class PsRole:
         raise NotSupported("parameter servers have no episodes; stop them on the trainers")
 
     def checkpoint(self) -> dict[str, Any]:
-        raise NotSupported("cluster checkpoints are not implemented yet")
+        if self.coordinator is not None:
+            result = self.coordinator.take()
+        elif self.endpoint.joined:
+            result = checkpointing.ask_coordinator("take")
+        else:
+            raise NotReady("not joined yet")
+        self.board.update(last_checkpoint={k: result[k] for k in ("id", "step", "path")})
+        return result
 
     def list_checkpoints(self) -> list[dict[str, Any]]:
-        raise NotSupported("cluster checkpoints are not implemented yet")
+        return [c.describe() for c in self.store.list()]
+
+    # --- checkpoint participant (called by the coordinator) --------------------------------------------
+    def ckpt_snapshot(self, cid: str) -> int:
+        state = self.server.export_state()
+        with self._snapshots_lock:
+            self._snapshots[cid] = state
+        return state["steps"]
+
+    def ckpt_write(self, cid: str, root: str, step: int) -> FileEntry:
+        with self._snapshots_lock:
+            state = self._snapshots[cid]
+        return CheckpointStore(Path(root)).write_file(step, f"{self.cfg.name}.pt", state)
+
+    def ckpt_discard(self, cid: str) -> None:
+        with self._snapshots_lock:
+            self._snapshots.pop(cid, None)
+
+    def ckpt_pause(self, cid: str, timeout: float) -> dict[str, Any]:
+        raise NotSupported("servers are not paused; trainers are")
+
+    def ckpt_resume(self, cid: str) -> None:
+        raise NotSupported("servers are not paused; trainers are")
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -71,8 +111,12 @@ class PsRole:
     def run(self) -> None:
         model = model_config(self.cfg)
         shard = parse_name(self.cfg.name).index
+        resumed, restore = checkpointing.load_restore(self.store, self.cfg.resume, self.cfg.resume_from,
+                                                      model.model_dump(), shard, self.cfg.num_ps)
         # Build before joining: once trainers can see this server, it must be able to answer.
-        self.server = ParameterServer(self.cfg.name, shard, self.cfg.num_ps, model, self.metrics)
+        self.server = ParameterServer(self.cfg.name, shard, self.cfg.num_ps, model, self.metrics, restore=restore)
+        if resumed is not None:
+            self.board.update(resumed_from={"id": resumed.id, "step": resumed.step, "path": str(resumed.path)})
         info = self.server.info()
         log.info("shard %d of %d: %d vocabulary rows, LSTM layers %s, model %s",
                  shard, self.cfg.num_ps, info.rows, list(info.layers), model.model_dump())
@@ -82,22 +126,58 @@ class PsRole:
         self.board.set_state(RoleState.JOINING, "joining the RPC group")
         self.membership.add_listener(self.server.forget)
         self.membership.install()
+        checkpointing.PARTICIPANT.set(self)
         self.endpoint.join()
         if self.membership.is_leader:
             self.membership.start_leader(self.endpoint.store)
+            self.coordinator = checkpointing.Coordinator(
+                self.store, self.cfg.num_ps, {"model": model.model_dump()}, self.cfg.keep_checkpoints,
+                local=self, resumed=resumed)
+            checkpointing.COORDINATOR.set(self.coordinator)
+            self._periodic = checkpointing.Periodic(self.checkpoint, lambda: self.server.optimizer.steps,
+                                                    self.cfg.checkpoint_every_steps,
+                                                    self.cfg.checkpoint_every_seconds).start()
         self.metrics.up.set(1)
         self.board.set_state(RoleState.RUNNING, "serving")
         while not self._stop.wait(1.0):
             members = current_members()
             self.metrics.members.set(len(members))
-            self.board.update(members=members)
+            self.board.update(members=members, steps=self.server.optimizer.steps)
 
     def close(self) -> None:
         self.metrics.up.set(0)
         self.board.set_state(RoleState.STOPPING, "stopping")
+        if self._periodic is not None:
+            self._periodic.stop()
+        self._final_checkpoint()
         self.membership.stop()
         self.endpoint.leave()
         self.membership.uninstall()
         service.HOSTED.set(None)
+        checkpointing.PARTICIPANT.set(None)
+        checkpointing.COORDINATOR.set(None)
         if self.server is not None:
             self.server.close()
+
+    def _final_checkpoint(self) -> None:
+        """ps0, on its way out: keep what was trained since the last checkpoint, within a bound."""
+        c = self.coordinator
+        if c is None or self.server is None or (c.latest is not None and c.latest.step == self.server.optimizer.steps):
+            return
+        if self.server.optimizer.steps == 0:
+            return
+        done = threading.Event()
+
+        def take() -> None:
+            try:
+                result = c.take()
+                log.info("final checkpoint %s", result["id"])
+            except Exception as exc:  # noqa: BLE001 - the previous checkpoint stays the valid one
+                log.warning("final checkpoint failed: %s", exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=take, name="final-checkpoint", daemon=True).start()
+        if not done.wait(FINAL_CHECKPOINT_SECONDS):
+            log.warning("final checkpoint still running after %.0fs; leaving it unfinished "
+                        "(the previous checkpoint stays the newest valid one)", FINAL_CHECKPOINT_SECONDS)

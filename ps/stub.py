@@ -6,7 +6,6 @@ autograd context, everything it returns carries the way back for gradients.
 """
 from __future__ import annotations
 
-import ast
 import logging
 from typing import Any
 
@@ -21,34 +20,10 @@ from ps.modules import combine_partials
 from ps.optim import ServerOptimizer
 from ps.sharding import ShardPlan
 from services.config import ModelConfig
-from services.errors import BadRequest, NotReady, PeerUnavailable
+from services.errors import PeerUnavailable
+from services.rpc import wait
 
 log = logging.getLogger(__name__)
-
-_DOMAIN_ERRORS = {cls.__name__: cls for cls in (BadRequest, NotReady)}
-
-
-def wait(fut: torch.futures.Future) -> Any:
-    """``fut.wait()``, with a server's domain error raised again as its own type.
-
-    A failed ``rpc_async`` surfaces as RuntimeError("<Type>: On WorkerInfo(...):\n<repr>\n<traceback>").
-    """
-    try:
-        return fut.wait()
-    except RuntimeError as exc:
-        head, _, rest = str(exc).partition(": On WorkerInfo")
-        cls = _DOMAIN_ERRORS.get(head)
-        if cls is None:
-            raise
-        where, _, body = rest.partition(":\n")
-        representation = body.split("\n", 1)[0]
-        try:
-            message = ast.literal_eval(representation[len(head) + 1:-1])
-        except (ValueError, SyntaxError):
-            message = representation
-        name = where.rsplit("name=", 1)[-1].rstrip(")")
-        raise cls(f"{name}: {message}") from None
-
 
 class PsClient:
     def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:

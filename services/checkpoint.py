@@ -21,16 +21,14 @@ from typing import Any, Optional
 
 import torch
 
+from services.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 _FOLDER = re.compile(r"^step-(\d+)$")
 _FILE = re.compile(r"^[A-Za-z0-9_.]+$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be written, found or trusted."""
 
 
 @dataclass(frozen=True)

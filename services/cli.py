@@ -99,9 +99,10 @@ def _status(args: argparse.Namespace) -> int:
     return code
 
 
-def _each(args: argparse.Namespace, roles: tuple[str, ...], call) -> int:
+def _each(args: argparse.Namespace, roles: tuple[str, ...], call, first_only: bool = False) -> int:
     code = 0
-    for name, url in _sidecars(args, roles).items():
+    targets = list(_sidecars(args, roles).items())
+    for name, url in targets[:1] if first_only else targets:
         try:
             with _client(url) as c:
                 print(json.dumps({name: call(c)}))
@@ -136,7 +137,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 sys.exit(_each(args, ("trainer", "agent"), lambda c: c.start_episode(steps=args.steps)))
             sys.exit(_each(args, ("trainer", "agent"), lambda c: c.stop_episode()))
         if cmd == "checkpoint":
-            sys.exit(_each(args, ("ps",), (lambda c: c.checkpoints()) if args.list else (lambda c: c.checkpoint())))
+            # One sidecar is enough: whichever is asked, ps0 takes one checkpoint of the whole cluster.
+            sys.exit(_each(args, ("ps",), (lambda c: c.checkpoints()) if args.list else (lambda c: c.checkpoint()),
+                           first_only=True))
         if cmd == "bench":
             from services.bench.lm import run
             sys.exit(run(args))

@@ -35,3 +35,11 @@ class PeerUnavailable(RpcpsError):
 
 class NotSupported(RpcpsError):
     """The role does not offer this operation."""
+
+
+class CheckpointInProgress(RpcpsError):
+    """A checkpoint was requested while another one is being taken."""
+
+
+class CheckpointError(RpcpsError):
+    """A checkpoint cannot be written, found or trusted."""

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
 STATUS_POLL = 1.0  # seconds between status polls of the trainers
-_PS_FLAGS = ("emsize", "nhid", "nlayers", "optimizer", "lr", "seed")
+FINAL_CHECKPOINT_TIMEOUT = 30.0
+_PS_FLAGS = ("emsize", "nhid", "nlayers", "optimizer", "lr", "seed", "resume_from", "keep_checkpoints",
+             "checkpoint_every_steps", "checkpoint_every_seconds")
 _TRAINER_FLAGS = ("batch_size", "bptt", "dropout", "clip", "eval_tokens", "synthetic_tokens", "seed", "data",
                   "warmup_steps")
 _COMMON_FLAGS = ("threads", "log_level", "checkpoint_dir", "sidecar_host", "rpc_transport")
@@ -108,7 +110,7 @@ class Launcher:
                     "--master-addr", cfg.master_addr, "--master-port", str(self.master_port)]
             argv += _flags(cfg, _COMMON_FLAGS)
             if is_ps:
-                argv += ["--ntoken", str(ntoken)] + _flags(cfg, _PS_FLAGS)
+                argv += ["--ntoken", str(ntoken), "--resume" if cfg.resume else "--no-resume"] + _flags(cfg, _PS_FLAGS)
             else:
                 argv += ["--num-trainers", str(cfg.trainers), "--start"] + _flags(cfg, _TRAINER_FLAGS)
                 if cfg.steps:
@@ -136,6 +138,8 @@ class Launcher:
                        "master_port": self.master_port, "logs": str(self.cfg.state_dir / "logs")})
             code = self._supervise()
             self._poll_trainers()
+            if self.cfg.final_checkpoint and code == 0:
+                self._final_checkpoint()
             self.emit(self._summary())
             return code
         finally:
@@ -252,6 +256,16 @@ class Launcher:
                 "val_loss": val_loss, "val_ppl": math.exp(val_loss) if val_loss is not None else None,
                 "val_tokens": val_tokens,
                 "restarts": sum(len(m.restarts) for m in self._trainers())}
+
+    def _final_checkpoint(self) -> None:
+        """Before stopping anything, so the trainers' positions are in it too."""
+        leader = next(m for m in self.members if m.name == "ps0")
+        try:
+            with SidecarClient(leader.url, token=self._token, timeout=FINAL_CHECKPOINT_TIMEOUT) as c:
+                result = c.checkpoint()
+            self.emit({"event": "checkpoint", "id": result["id"], "step": result["step"], "path": result["path"]})
+        except Exception as exc:  # noqa: BLE001 - stopping must go on; the previous checkpoint stays valid
+            self._fail(f"final checkpoint failed: {exc}")
 
     def _fail(self, message: str) -> None:
         log.error("%s", message)

@@ -17,9 +17,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from services.control import Controllable, EpisodeStart
-from services.errors import BadRequest, EpisodeConflict, NotReady, NotSupported, RpcpsError
+from services.errors import (BadRequest, CheckpointError, CheckpointInProgress, EpisodeConflict, NotReady,
+                             NotSupported, PeerUnavailable, RpcpsError)
 
-_STATUS = {BadRequest: 400, EpisodeConflict: 409, NotReady: 503, NotSupported: 501}
+_STATUS = {BadRequest: 400, EpisodeConflict: 409, CheckpointInProgress: 409, NotReady: 503, NotSupported: 501,
+           PeerUnavailable: 503, CheckpointError: 500}
 
 
 class Unauthorized(RpcpsError):

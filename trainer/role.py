@@ -12,6 +12,7 @@ from collections import deque
 from typing import Any, Optional
 
 from ps.stub import PsClient
+from services import checkpointing
 from services.config import TrainerConfig
 from services.control import EpisodeStart
 from services.errors import BadRequest, EpisodeConflict, NotReady, NotSupported, PeerUnavailable
@@ -45,6 +46,11 @@ class TrainerRole:
         self._stopping = False
         self._episodes = 0
         self._steps = 0
+        self._pause_requested = False
+        self._paused = False       # held at a step boundary for a checkpoint
+        self._evaluating = False   # evaluation changes neither parameters nor position: as good as paused
+        self._loop: Optional[TrainLoop] = None
+        self._data_description = ""
         metrics.init_trainer()
 
     # --- Controllable ------------------------------------------------------------------------------
@@ -80,10 +86,65 @@ class TrainerRole:
         return {"stopping": True, "at_step": self._steps}
 
     def checkpoint(self) -> dict[str, Any]:
-        raise NotSupported("cluster checkpoints are not implemented yet")
+        if not self.endpoint.joined:
+            raise NotReady("not joined yet")
+        return checkpointing.ask_coordinator("take")
 
     def list_checkpoints(self) -> list[dict[str, Any]]:
-        raise NotSupported("cluster checkpoints are not implemented yet")
+        if not self.endpoint.joined:
+            raise NotReady("not joined yet")
+        return checkpointing.ask_coordinator("listing", timeout=30)
+
+    # --- checkpoint participant (called by the coordinator on ps0) ----------------------------------------
+    def ckpt_pause(self, cid: str, timeout: float) -> dict[str, Any]:
+        """Hold training at the next step boundary and describe where this trainer is."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            if self._loop is None:
+                raise NotReady("not training yet")
+            self._pause_requested = True
+            self._wake.notify_all()
+            while self._running and not (self._paused or self._evaluating):
+                if not self._wake.wait(max(0.0, deadline - time.monotonic())):
+                    self._pause_requested = False
+                    self._wake.notify_all()
+                    raise checkpointing.CheckpointError(f"{self.cfg.name} did not reach a step boundary in {timeout:.0f}s")
+            return self._position()
+
+    def ckpt_resume(self, cid: str) -> None:
+        with self._lock:
+            self._pause_requested = False
+            self._wake.notify_all()
+
+    def ckpt_snapshot(self, cid: str) -> int:
+        raise NotSupported("trainers hold no parameters")
+
+    def ckpt_write(self, cid: str, root: str, step: int):
+        raise NotSupported("trainers hold no parameters")
+
+    def ckpt_discard(self, cid: str) -> None:
+        pass
+
+    def _position(self) -> dict[str, Any]:
+        loop = self._loop
+        return {"name": self.cfg.name, "num_trainers": self.cfg.num_trainers, "data": self._data_description,
+                "position": loop.stream.position, "epoch": loop.stream.epoch,
+                "hidden": [loop.hidden[0].clone(), loop.hidden[1].clone()], "steps": self._steps}
+
+    def _restore_position(self, loop: TrainLoop) -> None:
+        state = checkpointing.ask_coordinator("trainer_state", self.cfg.name, timeout=60)
+        if state is None:
+            return
+        if state["num_trainers"] != self.cfg.num_trainers or state["data"] != self._data_description:
+            log.warning("%s holds a position for %d trainers on %r; starting this share from its beginning",
+                        state["checkpoint"], state["num_trainers"], state["data"])
+            return
+        loop.stream.position, loop.stream.epoch = int(state["position"]), int(state["epoch"])
+        if tuple(state["hidden"][0].shape) == tuple(loop.hidden[0].shape):
+            loop.hidden = (state["hidden"][0], state["hidden"][1])
+        self._steps = int(state["steps"])
+        log.info("resumed position from %s: token row %d, epoch %d, step %d",
+                 state["checkpoint"], loop.stream.position, loop.stream.epoch, self._steps)
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -103,9 +164,11 @@ class TrainerRole:
             if cfg.eval_tokens is not None:
                 heldout = heldout[: max(cfg.eval_tokens // cfg.num_trainers, cfg.eval_batch_size * 2)]
         log.info("data: %s; share %d of %d: %d training tokens", corpus.description, index, cfg.num_trainers, train.numel())
+        self._data_description = corpus.description
 
         self.board.set_state(RoleState.JOINING, "joining the RPC group")
         self.membership.install()
+        checkpointing.PARTICIPANT.set(self)
         self.endpoint.join()
         servers = ps_names(cfg.num_ps)
         self._wait_for(servers)
@@ -115,8 +178,11 @@ class TrainerRole:
                                   f"{client.model.ntoken} rows; start the servers with --data or a larger --ntoken")
         loop = TrainLoop(DistributedLM(client, cfg.dropout), client.optimizer(), BatchStream(train, cfg.bptt),
                          cfg, self.metrics)
+        self._restore_position(loop)
+        with self._lock:
+            self._loop = loop
         self.metrics.up.set(1)
-        self.board.update(step=0, episode=None, episodes_completed=0, members=current_members(),
+        self.board.update(step=self._steps, episode=None, episodes_completed=0, members=current_members(),
                           model=client.model.model_dump(), data=corpus.description)
         self.board.set_state(RoleState.IDLE, "waiting for an episode")
         while True:
@@ -124,6 +190,14 @@ class TrainerRole:
             if request is None:
                 return
             self._run_episode(loop, request, heldout)
+
+    def _hold_while_paused(self) -> None:
+        """At a step boundary, with ``_lock`` held: wait out a checkpoint's pause."""
+        while self._pause_requested and not self._stopping:
+            self._paused = True
+            self._wake.notify_all()
+            self._wake.wait(1.0)
+        self._paused = False
 
     def _report_members(self) -> None:
         members = current_members()
@@ -133,6 +207,7 @@ class TrainerRole:
     def close(self) -> None:
         self.metrics.up.set(0)
         self.board.set_state(RoleState.STOPPING, "stopping")
+        checkpointing.PARTICIPANT.set(None)
         self.endpoint.leave()
         self.membership.uninstall()
 
@@ -176,6 +251,7 @@ class TrainerRole:
         try:
             while target is None or episode["step"] < target:
                 with self._lock:
+                    self._hold_while_paused()
                     if self._stop_episode:
                         break
                 started = time.time()
@@ -202,7 +278,14 @@ class TrainerRole:
                 shutting_down = self._stopping
             if heldout is not None and not shutting_down and episode["step"] > 0:
                 self.board.update(evaluating=True)
-                result: EvalResult = loop.evaluate(heldout, should_stop=lambda: self._stopping)
+                with self._lock:
+                    self._evaluating = True
+                    self._wake.notify_all()
+                try:
+                    result: EvalResult = loop.evaluate(heldout, should_stop=lambda: self._stopping)
+                finally:
+                    with self._lock:
+                        self._evaluating = False
                 self.metrics.eval_loss.set(result.loss)
                 self.board.update(evaluating=False, eval={"loss_sum": result.loss_sum, "tokens": result.tokens,
                                                           "loss": result.loss, "ppl": result.ppl})

@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from ps.stub import PsClient, backward, new_context, wait
+from ps.stub import PsClient, backward, new_context
+from services.rpc import wait
 from services.config import TrainerConfig
 from services.log import init_logging
 from services.membership import Membership, current_members

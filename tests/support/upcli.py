@@ -14,6 +14,7 @@ from tests.support.wait import wait_until
 
 class UpProcess:
     def __init__(self, tmp: Path, *args: str) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
         self.state_dir = tmp / "state"
         argv = [sys.executable, "-m", "services.cli", "up", "--json", "--state-dir", str(self.state_dir),
                 "--checkpoint-dir", str(tmp / "ckpt"), *args]
@@ -55,6 +56,9 @@ class UpProcess:
 
     def cluster(self) -> dict:
         return json.loads((self.state_dir / "cluster.json").read_text())
+
+    def full_logs(self) -> str:
+        return "\n".join(f.read_text(errors="replace") for f in sorted((self.state_dir / "logs").glob("*.log")))
 
     def logs(self) -> str:
         out = []

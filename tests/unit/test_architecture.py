@@ -11,6 +11,7 @@ RPC_SEAMS = {
     "services/membership.py",   # the group's membership (private torch internals)
     "ps/service.py",            # the server side of the PS interface
     "ps/stub.py",               # the client side of the PS interface
+    "services/checkpointing.py",  # the checkpoint protocol between ps0 and every member
     "services/bench/seed.py",   # the seed design, kept verbatim as the benchmark's baseline
 }
 RPC_MODULES = {"torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim"}

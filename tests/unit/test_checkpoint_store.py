@@ -4,7 +4,8 @@ import os
 import pytest
 import torch
 
-from services.checkpoint import MANIFEST, CheckpointError, CheckpointStore
+from services.checkpoint import MANIFEST, CheckpointStore
+from services.errors import CheckpointError
 
 
 def save(store, step, tensors, meta=None):

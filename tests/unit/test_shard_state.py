@@ -57,3 +57,13 @@ def test_missing_shard_or_other_model_is_refused():
         gather_shard(states[:2], ShardPlan(2, NTOKEN), 0, (0,), ["weight_ih_l0"])
     with pytest.raises(ValueError, match="vocabulary rows"):
         gather_shard(states, ShardPlan(2, NTOKEN + 1), 0, (0,), ["weight_ih_l0"])
+
+
+def test_same_shape_restores_from_the_shards_own_file_alone():
+    params, optim = full_model()
+    states = shard_states(2)
+    plan = ShardPlan(2, NTOKEN)
+    p, o, steps = gather_shard([states[1]], plan, 1, (1,), ["weight_ih_l1"])
+    rows = plan.global_ids(1)
+    assert steps == 42 and torch.equal(p["decoder.bias"], params["decoder.bias"][rows])
+    assert torch.equal(o["embedding.weight"]["sum"], optim["embedding.weight"]["sum"][rows])

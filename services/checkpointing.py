@@ -1,0 +1,253 @@
+"""Consistent cluster checkpoints: the whole protocol, in one place.
+
+ps0 coordinates (it already leads membership). One checkpoint:
+
+1. pause every trainer at its next step boundary; each answers with its position in its data;
+2. every server copies its shard (parameters, optimizer state, step) at that quiet instant;
+3. resume the trainers: training stops only for steps 1-3;
+4. every server writes its copy, the coordinator writes the trainers' positions, and the manifest
+   is written last (``services/checkpoint.py``), so a crash at any moment leaves the previous
+   checkpoint the newest valid one.
+
+Any sidecar's ``POST /checkpoint`` ends up in ``Coordinator.take`` on ps0. Checkpoint folders are
+written by every server, so the checkpoint directory must be one shared folder (true of ``rpcps up``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional, Protocol
+
+import torch.distributed.rpc as rpc
+
+from services.checkpoint import CheckpointInfo, CheckpointStore, FileEntry
+from services.errors import CheckpointError, CheckpointInProgress, NotReady
+from services.membership import current_members
+from services.names import LEADER, parse_name, ps_names
+from services.rpc import wait
+
+log = logging.getLogger(__name__)
+
+PAUSE_TIMEOUT = 60.0       # a trainer reaches a step boundary well within this
+TAKE_TIMEOUT = 600.0       # a whole checkpoint, as seen by a member that asked ps0 for one
+
+
+class Participant(Protocol):
+    """What a member offers the coordinator. Servers implement snapshot/write/discard, trainers
+    pause/resume; the other methods raise NotSupported."""
+
+    def ckpt_pause(self, cid: str, timeout: float) -> dict[str, Any]: ...
+    def ckpt_resume(self, cid: str) -> None: ...
+    def ckpt_snapshot(self, cid: str) -> int: ...
+    def ckpt_write(self, cid: str, root: str, step: int) -> FileEntry: ...
+    def ckpt_discard(self, cid: str) -> None: ...
+
+
+class _Slot:
+    """A process-wide reference set once by the role (for the RPC entry points)."""
+
+    def __init__(self, what: str) -> None:
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._what = what
+
+    def set(self, value: Any) -> None:
+        with self._lock:
+            self._value = value
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._value is None:
+                raise NotReady(f"no {self._what} in this process yet")
+            return self._value
+
+
+PARTICIPANT = _Slot("checkpoint participant")
+COORDINATOR = _Slot("checkpoint coordinator")
+_PARTICIPANT_METHODS = ("ckpt_pause", "ckpt_resume", "ckpt_snapshot", "ckpt_write", "ckpt_discard")
+_COORDINATOR_METHODS = ("take", "listing", "trainer_state")
+
+
+def _participant_call(method: str, *args: Any) -> Any:
+    if method not in _PARTICIPANT_METHODS:
+        raise CheckpointError(f"unknown participant method {method!r}")
+    return getattr(PARTICIPANT.get(), method)(*args)
+
+
+def _coordinator_call(method: str, *args: Any) -> Any:
+    if method not in _COORDINATOR_METHODS:
+        raise CheckpointError(f"unknown coordinator method {method!r}")
+    return getattr(COORDINATOR.get(), method)(*args)
+
+
+def ask_coordinator(method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
+    """From any member: run ``method`` on ps0's coordinator."""
+    return wait(rpc.rpc_async(LEADER, _coordinator_call, args=(method, *args), timeout=timeout))
+
+
+class Coordinator:
+    def __init__(self, store: CheckpointStore, num_ps: int, meta: dict[str, Any], keep: int,
+                 local: Participant, resumed: Optional[CheckpointInfo] = None) -> None:
+        self.store, self.num_ps, self.meta, self.keep = store, num_ps, meta, keep
+        self._local = local            # ps0's own participant: called directly, not over RPC
+        self._lock = threading.Lock()
+        self.latest = resumed
+        self.last_pause_seconds: Optional[float] = None
+
+    # --- asked over RPC or HTTP ----------------------------------------------------------------------
+    def take(self) -> dict[str, Any]:
+        if not self._lock.acquire(blocking=False):
+            raise CheckpointInProgress("a checkpoint is being taken; ask again when it has finished")
+        try:
+            return self._take()
+        finally:
+            self._lock.release()
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [c.describe() for c in self.store.list()]
+
+    def trainer_state(self, name: str) -> Optional[dict[str, Any]]:
+        """The position ``name`` had in the newest checkpoint this cluster knows, if it was there."""
+        info = self.latest
+        if info is None or f"{name}.pt" not in info.files:
+            return None
+        return {"checkpoint": info.id, **self.store.load_file(info, f"{name}.pt")}
+
+    # --- the protocol ----------------------------------------------------------------------------------
+    def _call(self, member: str, method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
+        if member == LEADER:
+            return getattr(self._local, method)(*args)
+        return wait(rpc.rpc_async(member, _participant_call, args=(method, *args), timeout=timeout))
+
+    def _on_all(self, members: list[str], method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> dict[str, Any]:
+        with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+            futures = {m: pool.submit(self._call, m, method, *args, timeout=timeout) for m in members}
+            return {m: f.result() for m, f in futures.items()}
+
+    def _take(self) -> dict[str, Any]:
+        members = current_members()
+        servers = ps_names(self.num_ps)
+        missing = sorted(set(servers) - set(members))
+        if missing:
+            raise NotReady(f"cannot checkpoint without {', '.join(missing)}")
+        trainers = [m for m in members if parse_name(m).role == "trainer"]
+        cid = uuid.uuid4().hex
+        try:
+            return self._take_with(cid, servers, trainers)
+        finally:
+            self._on_all(servers, "ckpt_discard", cid)
+
+    def _take_with(self, cid: str, servers: list[str], trainers: list[str]) -> dict[str, Any]:
+        started = time.monotonic()
+        paused: dict[str, dict] = {}
+        try:
+            for name, result in self._pause(trainers, cid).items():
+                if isinstance(result, Exception):
+                    log.warning("checkpoint without %s: %s", name, result)
+                else:
+                    paused[name] = result
+            steps = self._on_all(servers, "ckpt_snapshot", cid)
+        finally:
+            if paused:
+                self._on_all(list(paused), "ckpt_resume", cid)
+            pause_seconds = time.monotonic() - started
+        distinct = set(steps.values())
+        if len(distinct) != 1:
+            raise CheckpointError(f"servers disagree on the step while paused: {steps}")
+        step = distinct.pop()
+        if self.latest is not None and self.latest.step == step and self.latest.path.exists():
+            return {**self.latest.describe(), "pause_seconds": pause_seconds, "new": False}
+        self.store.prepare(step)
+        entries: list[FileEntry] = list(self._on_all(
+            servers, "ckpt_write", cid, str(self.store.root.resolve()), step).values())
+        for name, state in paused.items():
+            entries.append(self.store.write_file(step, f"{name}.pt", state))
+        meta = {**self.meta, "num_ps": self.num_ps, "trainers": sorted(paused), "pause_seconds": pause_seconds}
+        info = self.store.commit(step, entries, meta)
+        self.latest, self.last_pause_seconds = info, pause_seconds
+        removed = self.store.prune(self.keep)
+        log.info("checkpoint %s: %d files, %.1f MB, training paused %.3fs%s", info.id, len(info.files),
+                 info.size / 1e6, pause_seconds, f"; removed {[p.name for p in removed]}" if removed else "")
+        return {**info.describe(), "pause_seconds": pause_seconds, "new": True}
+
+    def _pause(self, trainers: list[str], cid: str) -> dict[str, Any]:
+        """Pause every trainer; a trainer that cannot be paused (gone) is reported, not fatal."""
+        out: dict[str, Any] = {}
+        with ThreadPoolExecutor(max_workers=max(1, len(trainers))) as pool:
+            futures = {t: pool.submit(self._call, t, "ckpt_pause", cid, PAUSE_TIMEOUT, timeout=PAUSE_TIMEOUT + 10)
+                       for t in trainers}
+            for t, f in futures.items():
+                try:
+                    out[t] = f.result()
+                except Exception as exc:  # noqa: BLE001 - a dead trainer must not block the checkpoint
+                    out[t] = exc
+        return out
+
+
+class Periodic:
+    """Takes a checkpoint every N steps and/or M seconds (ps0). Survives any single failure."""
+
+    def __init__(self, take: Callable[[], dict], steps_now: Callable[[], int], every_steps: Optional[int],
+                 every_seconds: Optional[float]) -> None:
+        self._take, self._steps_now = take, steps_now
+        self._every_steps, self._every_seconds = every_steps, every_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="checkpoints", daemon=True)
+
+    def start(self) -> "Periodic":
+        if self._every_steps or self._every_seconds:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        last_time, last_steps = time.monotonic(), self._steps_now()
+        while not self._stop.wait(0.5):
+            due_steps = self._every_steps and self._steps_now() - last_steps >= self._every_steps
+            due_time = self._every_seconds and time.monotonic() - last_time >= self._every_seconds
+            if not (due_steps or due_time) or self._steps_now() == last_steps:
+                continue
+            try:
+                result = self._take()
+                last_time, last_steps = time.monotonic(), result["step"]
+            except CheckpointInProgress:
+                pass
+            except Exception:  # keep the schedule alive; the next period tries again
+                log.exception("periodic checkpoint failed")
+                last_time = time.monotonic()
+
+
+def load_restore(store: CheckpointStore, resume: bool, resume_from: Optional[str],
+                 model: dict[str, Any], shard: int, num_ps: int) -> tuple[Optional[CheckpointInfo], Optional[list]]:
+    """The checkpoint a server starts from, and the shard states it needs from it (None: fresh)."""
+    if resume_from:
+        info = store.resolve(resume_from)
+    elif resume:
+        info = store.latest_valid()
+    else:
+        return None, None
+    if info is None:
+        log.info("no valid checkpoint in %s; starting fresh", store.root)
+        return None, None
+    saved = info.meta.get("model", {})
+    for key in ("ntoken", "emsize", "nhid", "nlayers", "optimizer"):
+        if saved.get(key) != model.get(key):
+            raise CheckpointError(f"{info.id} was taken with {key}={saved.get(key)!r}, this server has "
+                                  f"{model.get(key)!r}; start with matching flags, --resume-from another, or --no-resume")
+    old = int(info.meta.get("num_ps", 0))
+    names = [f"ps{k}.pt" for k in range(old)]
+    if old == num_ps:
+        names = [f"ps{shard}.pt"]  # same shape: this shard's own file is all it needs
+    else:
+        log.info("resharding %s from %d to %d servers", info.id, old, num_ps)
+    states = [store.load_file(info, n) for n in names]
+    log.info("resuming from %s (step %d)", info.id, info.step)
+    return info, states
+

@@ -1,0 +1,89 @@
+"""Cluster checkpoints with real processes and real files: taken during training over HTTP,
+resumed on the next start (same and different numbers of servers), exact continuation."""
+import json
+
+import pytest
+
+from services.checkpoint import CheckpointStore
+from tests.support.upcli import UpProcess
+from tests.support.wait import wait_until
+
+FAST = ["--emsize", "32", "--nhid", "32", "--batch-size", "10", "--bptt", "20", "--progress-interval", "1",
+        "--synthetic-tokens", "50000"]
+
+
+def run_up(tmp_path, *args, timeout=180):
+    """One `rpcps up --json` to its end in ``tmp_path`` (the checkpoint dir is tmp_path/ckpt)."""
+    up = UpProcess(tmp_path, *FAST, *args)
+    try:
+        done = up.wait_event("done", timeout)
+        assert up.proc.wait(15) == 0, up.logs()
+        return up, done
+    finally:
+        up.kill()
+
+
+def test_checkpoint_during_training_then_resume(tmp_path):
+    up = UpProcess(tmp_path, *FAST)
+    try:
+        urls = up.wait_event("started", 120)["sidecars"]
+        from services.client import SidecarClient
+        with SidecarClient(urls["trainer1"], timeout=5) as c:
+            def learned():
+                s = c.status()
+                return s.get("loss_avg") is not None and s["loss_avg"] < s["loss_first"] - 0.5
+            wait_until(learned, 180, "the loss to fall by 0.5")
+            first = c.checkpoint()                       # any sidecar can ask
+        assert first["new"] and first["pause_seconds"] < 5
+        assert sorted(first["files"]) == ["ps0.pt", "ps1.pt", "trainer0.pt", "trainer1.pt"]
+        with SidecarClient(urls["ps1"], timeout=5) as c:
+            wait_until(lambda: c.status().get("steps", 0) > first["step"], 30, "more steps")
+            second = c.checkpoint()
+            listing = c.checkpoints()["checkpoints"]
+        assert second["step"] > first["step"]
+        assert [x["step"] for x in listing][:2] == [second["step"], first["step"]]
+        manifest = json.loads((tmp_path / "ckpt" / second["id"] / "manifest.json").read_text())
+        assert set(manifest["files"]) == set(second["files"]) and manifest["meta"]["num_ps"] == 2
+        assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in manifest["files"].values())
+        assert up.terminate() == 0
+        final = up.wait_event("checkpoint", 5)           # SIGTERM: a final checkpoint first
+        assert final["step"] >= second["step"]
+        stopped = up.wait_event("done", 5)
+    finally:
+        up.kill()
+
+    # The next start resumes from the newest: the loss goes on from where it was.
+    resumed_up, resumed = run_up(tmp_path, "--steps", "5")
+    logs = resumed_up.full_logs()
+    assert f"resuming from {final['id']}" in logs and "resumed position from" in logs
+    assert resumed["total_steps"] > final["step"] // 2
+    fresh_up, fresh = run_up(tmp_path / "fresh", "--steps", "5")
+    assert abs(resumed["loss_first"] - stopped["loss_last"]) < 0.3, (resumed, stopped)
+    assert resumed["loss_first"] < fresh["loss_first"] - 0.4, (resumed, fresh)
+
+
+@pytest.mark.parametrize("before,after", [(2, 3), (3, 1)])
+def test_resume_into_a_different_number_of_servers(tmp_path, before, after):
+    _, first = run_up(tmp_path, "--ps", str(before), "--steps", "150")
+    store = CheckpointStore(tmp_path / "ckpt")
+    saved = store.latest_valid()
+    assert saved.meta["num_ps"] == before and len([f for f in saved.files if f.startswith("ps")]) == before
+    up, second = run_up(tmp_path, "--ps", str(after), "--steps", "5")
+    assert f"resharding {saved.id} from {before} to {after} servers" in up.full_logs()
+    # A fresh model starts at ln(1000) = 6.91; the resharded one where the last run ended.
+    assert abs(second["loss_first"] - first["loss_last"]) < 0.1, (first, second)
+    assert second["loss_first"] < first["loss_first"] - 0.2, (first, second)
+    assert store.latest_valid().meta["num_ps"] == after
+
+
+def test_restored_training_gives_the_same_losses_as_training_straight_on(tmp_path):
+    common = ["--trainers", "1", "--dropout", "0", "--eval-tokens", "100"]
+    _, straight = run_up(tmp_path / "straight", *common, "--steps", "20", "--no-resume")
+    # 10 steps, a checkpoint at the stop, then 10 more from it: the last 10 losses must match.
+    run_up(tmp_path / "split", *common, "--steps", "10")
+    _, continued = run_up(tmp_path / "split", *common, "--steps", "10")
+    _, first_half = run_up(tmp_path / "half", *common, "--steps", "10", "--no-resume")
+    # loss_last is the mean of (at most) the last 20 step losses of the episode.
+    straight_tail = (straight["loss_last"] * 20 - first_half["loss_last"] * 10) / 10
+    assert continued["loss_last"] == pytest.approx(straight_tail, rel=1e-5)
+    assert continued["total_steps"] == 20
