@@ -2,7 +2,8 @@
 
 Roles run as ``python -m ps`` / ``python -m trainer`` in their own sessions (so a terminal's Ctrl-C
 reaches only the launcher, which then stops trainers first and ps0, the store host, last). A trainer
-that dies is restarted, at a bounded rate; a server that dies ends the run.
+or a server other than ps0 that dies is restarted, at a bounded rate (a server reloads its shard from
+the newest checkpoint); ps0, which hosts the rendezvous store, ending ends the run.
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ class Launcher:
                 code = m.proc.poll()
                 if code is None:
                     continue
-                if m.module == "ps":
+                if m.name == "ps0":
+                    # ps0 hosts the rendezvous store: every member would have to rejoin.
                     self._fail(f"{m.name} exited with code {code}; see {m.log_path}")
                     return 1
                 if not self._restart(m, code):

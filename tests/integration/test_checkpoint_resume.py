@@ -87,3 +87,36 @@ def test_restored_training_gives_the_same_losses_as_training_straight_on(tmp_pat
     straight_tail = (straight["loss_last"] * 20 - first_half["loss_last"] * 10) / 10
     assert continued["loss_last"] == pytest.approx(straight_tail, rel=1e-5)
     assert continued["total_steps"] == 20
+
+
+def test_a_server_restarted_alone_reloads_its_shard_and_training_goes_on(tmp_path):
+    import os
+    import signal
+
+    from services.client import SidecarClient
+
+    up = UpProcess(tmp_path, *FAST, "--max-restarts", "5")
+    try:
+        urls = up.wait_event("started", 120)["sidecars"]
+        with SidecarClient(urls["trainer0"], timeout=5) as c:
+            wait_until(lambda: c.status().get("step", 0) >= 20, 90, "training")
+            saved = c.checkpoint()
+        os.kill(up.cluster()["pids"]["ps1"], signal.SIGKILL)
+        up.wait_event("restart", 30, name="ps1")
+
+        def ps1_back():
+            with SidecarClient(urls["ps1"], timeout=2) as c:
+                s = c.status()
+            return s.get("state") == "running" and s
+        status = wait_until(ps1_back, 90, "ps1 serving again")
+        assert status["resumed_from"]["id"] == saved["id"]
+
+        def trains_again():
+            with SidecarClient(urls["trainer0"], timeout=2) as c:
+                s = c.status()
+            return s.get("state") == "running" and (s.get("episode") or {}).get("step", 0) >= 5 and s
+        s = wait_until(trains_again, 120, "trainer0 training against the restarted ps1")
+        assert s["loss_avg"] < 6.85          # not back at an untrained model's ln(1000) = 6.91
+        assert up.terminate() == 0, up.logs()
+    finally:
+        up.kill()
