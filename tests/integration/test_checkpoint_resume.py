@@ -12,9 +12,9 @@ FAST = ["--emsize", "32", "--nhid", "32", "--batch-size", "10", "--bptt", "20", 
         "--synthetic-tokens", "50000"]
 
 
-def run_up(tmp_path, *args, timeout=180):
+def run_up(tmp_path, *args, timeout=180, env=None):
     """One `rpcps up --json` to its end in ``tmp_path`` (the checkpoint dir is tmp_path/ckpt)."""
-    up = UpProcess(tmp_path, *FAST, *args)
+    up = UpProcess(tmp_path, *FAST, *args, env=env)
     try:
         done = up.wait_event("done", timeout)
         assert up.proc.wait(15) == 0, up.logs()
@@ -120,3 +120,60 @@ def test_a_server_restarted_alone_reloads_its_shard_and_training_goes_on(tmp_pat
         assert up.terminate() == 0, up.logs()
     finally:
         up.kill()
+
+
+def test_periodic_checkpoints_token_and_a_corrupt_newest_falls_back(tmp_path):
+    from services.client import SidecarClient, SidecarError
+
+    up = UpProcess(tmp_path, *FAST, "--checkpoint-every-seconds", "1", "--keep-checkpoints", "5",
+                   env={"RPCPS_CONTROL_TOKEN": "s3cret"})
+    store = CheckpointStore(tmp_path / "ckpt")
+    try:
+        urls = up.wait_event("started", 120)["sidecars"]
+        wait_until(lambda: len(store.list()) >= 2, 60, "two periodic checkpoints")
+        before = len(store.list())
+        with SidecarClient(urls["ps1"], timeout=5) as c:       # no token
+            try:
+                c.checkpoint()
+                raise AssertionError("POST /checkpoint without the token was accepted")
+            except SidecarError as exc:
+                assert exc.status == 401
+        with SidecarClient(urls["ps1"], token="s3cret", timeout=30) as c:
+            assert c.checkpoint()["step"] > 0
+        assert len(store.list()) >= before
+        assert up.terminate() == 0
+    finally:
+        up.kill()
+
+    newest, previous = store.list()[:2]
+    f = newest.path / "ps0.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    again, _ = run_up(tmp_path, "--steps", "2", env={"RPCPS_CONTROL_TOKEN": "s3cret"})
+    logs = again.full_logs()
+    assert f"skipping {newest.id}" in logs and "sha256" in logs
+    assert f"resuming from {previous.id}" in logs
+
+
+def test_kill_9_while_checkpoints_are_written_leaves_a_restorable_one(tmp_path):
+    import os
+    import signal
+
+    up = UpProcess(tmp_path, *FAST, "--checkpoint-every-seconds", "0.3", "--keep-checkpoints", "50")
+    store = CheckpointStore(tmp_path / "ckpt")
+    try:
+        up.wait_event("started", 120)
+        wait_until(lambda: len(store.list()) >= 3, 60, "checkpoints being written")
+        pids = up.cluster()["pids"]
+        for name in ("ps1", "ps0", "trainer0", "trainer1"):   # the writers first, mid-whatever
+            os.kill(pids[name], signal.SIGKILL)
+        os.kill(up.proc.pid, signal.SIGKILL)
+    finally:
+        up.kill()
+    valid = store.latest_valid()
+    assert valid is not None
+    for name in valid.files:
+        store.load_file(valid, name)                           # every file loads
+    resumed, _ = run_up(tmp_path, "--steps", "2")
+    assert f"resuming from {valid.id}" in resumed.full_logs()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -13,13 +14,13 @@ from tests.support.wait import wait_until
 
 
 class UpProcess:
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, env: dict | None = None) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         self.state_dir = tmp / "state"
         argv = [sys.executable, "-m", "services.cli", "up", "--json", "--state-dir", str(self.state_dir),
                 "--checkpoint-dir", str(tmp / "ckpt"), *args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True, cwd=tmp)
+                                     start_new_session=True, cwd=tmp, env={**os.environ, **(env or {})})
         self.events: list[dict] = []
         self._lines: queue.Queue = queue.Queue()
         self._stderr: list[str] = []
@@ -83,7 +84,6 @@ class UpProcess:
             pass
         for pid in [self.proc.pid, *pids]:
             try:
-                import os
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass

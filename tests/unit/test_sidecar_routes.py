@@ -87,3 +87,22 @@ def test_metrics_exposition_names_and_labels(control, registry):
     assert all('role="trainer"' in l and 'name="trainer0"' in l for l in samples)
     assert 'rpcps_trainer_steps_total{name="trainer0",role="trainer"} 3.0' in r.text
     assert 'rpcps_trainer_step_seconds_count{name="trainer0",phase="backward",role="trainer"} 0.0' in r.text
+
+
+def test_overlapping_checkpoint_is_409(registry, tmp_path):
+    from services.checkpoint import CheckpointStore
+    from services.checkpointing import Coordinator
+    from services.errors import CheckpointInProgress
+
+    coordinator = Coordinator(CheckpointStore(tmp_path), 1, {}, keep=3, local=None)
+    with coordinator._lock:  # a checkpoint under way
+        with pytest.raises(CheckpointInProgress):
+            coordinator.take()
+
+    class Busy(FakeControl):
+        def checkpoint(self):
+            return coordinator.take()
+
+    with coordinator._lock:
+        r = request(create_app(Busy(), registry), "POST", "/checkpoint")
+    assert r.status_code == 409 and "being taken" in r.json()["error"]
