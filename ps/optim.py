@@ -8,8 +8,10 @@ trainers hand to ``DistributedOptimizer``: not being a stock optimizer, it takes
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -60,18 +62,31 @@ class SharedOptimizer:
 
     def state_copy(self) -> tuple[int, list[torch.Tensor], list[dict[str, torch.Tensor]]]:
         """(steps, parameters, per-parameter optimizer state), all private copies, taken at once."""
-        with self.lock:
+        with self.lock, _all_cores():
             params = [p.detach().clone() for p in self.params]
             state = [{k: v.clone() for k, v in self.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
                      for p in self.params]
             return self.steps, params, state
 
     def load_state(self, steps: int, state: list[dict[str, torch.Tensor]]) -> None:
+        """Adopt (not copy) restored per-parameter state."""
         with self.lock:
             self.steps = steps
             for p, s in zip(self.params, state):
                 if s:
-                    self.optimizer.state[p] = {k: v.clone() for k, v in s.items()}
+                    self.optimizer.state[p] = dict(s)
+
+
+@contextlib.contextmanager
+def _all_cores() -> Iterator[None]:
+    """Copy with every core: a checkpoint's snapshot runs while the trainers are held, so the
+    cores are otherwise idle, and a fresh copy's cost is page faults, which cores take in parallel."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class _Registry:

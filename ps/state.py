@@ -30,11 +30,10 @@ def gather_shard(states: list[dict[str, Any]], plan: ShardPlan, shard: int, laye
     if not states:
         raise ValueError("no shard states to restore from")
     if len(states) == 1 and states[0]["num_shards"] == plan.num_shards and states[0]["shard"] == shard:
-        own = states[0]  # same cluster shape: this shard's own file, as saved
+        own = states[0]  # same cluster shape: this shard's own file, as saved (the caller's to keep)
         if not torch.equal(own["global_ids"], plan.global_ids(shard)):
             raise ValueError(f"shard {shard}'s saved rows do not match a {plan.ntoken}-row vocabulary")
-        return ({n: t.clone() for n, t in own["params"].items()},
-                {n: {k: v.clone() for k, v in st.items()} for n, st in own["optim"].items()}, int(own["steps"]))
+        return dict(own["params"]), {n: dict(st) for n, st in own["optim"].items()}, int(own["steps"])
     if sorted(s["shard"] for s in states) != list(range(states[0]["num_shards"])):
         raise ValueError(f"need every old shard 0..{states[0]['num_shards'] - 1}, got {sorted(s['shard'] for s in states)}")
     ids = torch.cat([s["global_ids"] for s in states])

@@ -97,11 +97,8 @@ def _atomic_write(path: Path, write) -> FileEntry:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class CheckpointStore:
@@ -176,7 +173,9 @@ class CheckpointStore:
         entry = info.files.get(name)
         if entry is None:
             raise CheckpointError(f"{info.id} has no file {name!r} (it has {sorted(info.files)})")
-        return torch.load(info.path / name, weights_only=True, map_location="cpu")
+        # mmap: tensors map the file privately (copy-on-write), so nothing is copied up front and
+        # the file may be pruned later without touching what was loaded.
+        return torch.load(info.path / name, weights_only=True, map_location="cpu", mmap=True)
 
     def prune(self, keep: int) -> list[Path]:
         """Remove all but the newest ``keep`` valid checkpoints, and leftovers older than the newest."""

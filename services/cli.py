@@ -46,8 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     sidecar_flags(ep)
     bench = sub.add_parser("bench", help="benchmarks, printing JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from services.bench.lm import add_arguments
-    add_arguments(bench_sub.add_parser("lm", help="tokens/s: one process vs the seed design vs rpcps"))
+    from services.bench import checkpoint as bench_checkpoint, lm as bench_lm
+    bench_lm.add_arguments(bench_sub.add_parser("lm", help="tokens/s: one process vs the seed design vs rpcps"))
+    bench_checkpoint.add_arguments(bench_sub.add_parser("checkpoint", help="checkpoint save/restore of a 2M x 64 shard vs dd"))
     return p
 
 
@@ -141,8 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             sys.exit(_each(args, ("ps",), (lambda c: c.checkpoints()) if args.list else (lambda c: c.checkpoint()),
                            first_only=True))
         if cmd == "bench":
-            from services.bench.lm import run
-            sys.exit(run(args))
+            from services.bench import checkpoint as bench_checkpoint, lm as bench_lm
+            sys.exit({"lm": bench_lm, "checkpoint": bench_checkpoint}[args.bench].run(args))
     except ConfigError as exc:
         print(f"rpcps {cmd}: {exc}", file=sys.stderr)
         sys.exit(2)

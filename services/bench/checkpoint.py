@@ -1,0 +1,153 @@
+"""``rpcps bench checkpoint``: one server shard's checkpoint save and restore, against ``dd``.
+
+The shard holds a ROWS x DIM embedding table with Adagrad state (a ParameterServer built in this
+process; checkpoints do not need RPC to be measured). Reported: save and restore MB/s next to what
+``dd`` with fsync writes and reads on the same disk in the same run, the time training would be
+paused (the in-memory snapshot), and the peak extra resident memory while saving.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+TARGETS = {"save_vs_dd": 0.5, "restore_vs_dd": 0.5, "pause_vs_save": 0.10, "extra_memory_vs_shard": 1.2}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="JSON only (the output is JSON either way)")
+    p.add_argument("--rows", type=int, default=2_000_000, help="embedding rows in the shard")
+    p.add_argument("--dim", type=int, default=64, help="embedding width")
+    p.add_argument("--dir", type=Path, default=Path("."), help="a folder on the disk to measure (a temporary "
+                                                                 "subfolder is created and removed)")
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _PeakRss:
+    def __init__(self) -> None:
+        self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __enter__(self) -> "_PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _drop_caches() -> bool:
+    """Empty the page cache so reads come from the disk (needs root); False where not allowed."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _dd(tmp: Path, nbytes: int, cold: bool) -> tuple[float, float]:
+    """(write MB/s with fsync, read MB/s) of a file as large as the checkpoint, timed around dd."""
+    path, block = tmp / "dd.bin", 4 << 20
+    count = max(1, nbytes // block)
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", "conv=fsync"],
+                   check=True, capture_output=True)
+    write = count * block / (time.perf_counter() - t0) / 1e6
+    if cold:
+        _drop_caches()
+    t0 = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={block}"], check=True, capture_output=True)
+    read = count * block / (time.perf_counter() - t0) / 1e6
+    path.unlink()
+    return write, read
+
+
+def run(ns: argparse.Namespace) -> int:
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from ps.service import ParameterServer
+    from services.checkpoint import CheckpointStore
+    from services.config import ModelConfig
+    from services.metrics import Metrics
+
+    torch.set_num_threads(1)
+    model = ModelConfig(ntoken=ns.rows, emsize=ns.dim, nhid=1, nlayers=1, optimizer="adagrad", lr=0.1)
+    server = ParameterServer("ps0", 0, 1, model, Metrics(CollectorRegistry(), "ps", "ps0"))
+    # One sparse update so the optimizer state is live, as in training.
+    ids = torch.randint(0, ns.rows, (8192,))
+    server.embedding.weight.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), torch.ones(8192, ns.dim),
+                                                           (ns.rows, ns.dim), check_invariants=True)
+    server.optimizer.step()
+    shard_bytes = sum(p.numel() * p.element_size() for p in server.optimizer.params)
+    shard_bytes += sum(v.numel() * v.element_size() for s in server.optimizer.optimizer.state.values()
+                       for v in s.values() if isinstance(v, torch.Tensor))
+
+    tmp = Path(tempfile.mkdtemp(prefix="rpcps-bench-ckpt-", dir=ns.dir))
+    try:
+        cold = _drop_caches()  # where allowed, both reads below start from the disk, not the cache
+        dd_write, dd_read = _dd(tmp, shard_bytes, cold)
+        store = CheckpointStore(tmp / "ckpt")
+        before = _rss()
+        with _PeakRss() as rss:
+            t0 = time.perf_counter()
+            state = server.export_state()          # the moment trainers are held at a step boundary
+            t1 = time.perf_counter()
+            store.prepare(1)
+            entry = store.write_file(1, "ps0.pt", state)
+            store.commit(1, [entry], {"num_ps": 1, "model": model.model_dump()})
+            t2 = time.perf_counter()
+        del state
+        file_bytes = entry.size
+
+        if cold:
+            _drop_caches()
+        t3 = time.perf_counter()
+        info = store.latest_valid()                 # verifies every sha256
+        restored = ParameterServer("ps0", 0, 1, model, Metrics(CollectorRegistry(), "ps", "ps0"),
+                                   restore=[store.load_file(info, "ps0.pt")])
+        t4 = time.perf_counter()
+        identical = all(torch.equal(a, b) for a, b in zip(server.optimizer.params, restored.optimizer.params))
+        identical &= all(torch.equal(server.optimizer.optimizer.state[a]["sum"], restored.optimizer.optimizer.state[b]["sum"])
+                         for a, b in zip(server.optimizer.params, restored.optimizer.params))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    save_s, pause_s, restore_s = t2 - t0, t1 - t0, t4 - t3
+    result = {
+        "shard_mb": shard_bytes / 1e6, "file_mb": file_bytes / 1e6,
+        "save_mb_per_s": file_bytes / save_s / 1e6, "restore_mb_per_s": file_bytes / restore_s / 1e6,
+        "dd_write_fsync_mb_per_s": dd_write, "dd_read_mb_per_s": dd_read,
+        "save_s": save_s, "pause_s": pause_s, "restore_s": restore_s,
+        "peak_extra_mb": (rss.peak - before) / 1e6, "bit_identical": identical, "reads_from_cold_cache": cold,
+    }
+    ratios = {"save_vs_dd": result["save_mb_per_s"] / dd_write, "restore_vs_dd": result["restore_mb_per_s"] / dd_read,
+              "pause_vs_save": pause_s / save_s, "extra_memory_vs_shard": (rss.peak - before) / shard_bytes}
+    met = {k: (v <= TARGETS[k] if k in ("pause_vs_save", "extra_memory_vs_shard") else v >= TARGETS[k])
+           for k, v in ratios.items()}
+    print(json.dumps({"bench": "checkpoint", "results": result, "ratios": ratios, "targets": TARGETS, "met": met,
+                      "config": {"rows": ns.rows, "dim": ns.dim, "optimizer": "adagrad", "dir": str(ns.dir.resolve()),
+                                 "load_avg": os.getloadavg()}}), flush=True)
+    return 0
