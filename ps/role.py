@@ -111,10 +111,10 @@ class PsRole:
     def run(self) -> None:
         model = model_config(self.cfg)
         shard = parse_name(self.cfg.name).index
-        resumed, restore = checkpointing.load_restore(self.store, self.cfg.resume, self.cfg.resume_from,
-                                                      model.model_dump(), shard, self.cfg.num_ps)
         # Build before joining: once trainers can see this server, it must be able to answer.
-        self.server = ParameterServer(self.cfg.name, shard, self.cfg.num_ps, model, self.metrics, restore=restore)
+        resumed, self.server = checkpointing.restore(
+            self.store, self.cfg.resume, self.cfg.resume_from, model.model_dump(), shard, self.cfg.num_ps,
+            lambda states: ParameterServer(self.cfg.name, shard, self.cfg.num_ps, model, self.metrics, restore=states))
         if resumed is not None:
             self.board.update(resumed_from={"id": resumed.id, "step": resumed.step, "path": str(resumed.path)})
         info = self.server.info()

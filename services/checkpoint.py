@@ -151,6 +151,12 @@ class CheckpointStore:
                 log.info("not a checkpoint: %s", exc)
         return found
 
+    def verify(self, info: CheckpointInfo, names: Optional[list[str]] = None) -> None:
+        """Raise CheckpointError unless every named file (default: all) matches its sha256."""
+        for name in names if names is not None else list(info.files):
+            if _sha256(info.path / name) != info.files[name].sha256:
+                raise CheckpointError(f"{info.id}: {name} does not match its sha256")
+
     def latest_valid(self) -> Optional[CheckpointInfo]:
         """The newest checkpoint whose every file matches its checksum; older ones as fallback."""
         for path in self._folders():

@@ -225,30 +225,52 @@ class Periodic:
                 last_time = time.monotonic()
 
 
-def load_restore(store: CheckpointStore, resume: bool, resume_from: Optional[str],
-                 model: dict[str, Any], shard: int, num_ps: int) -> tuple[Optional[CheckpointInfo], Optional[list]]:
-    """The checkpoint a server starts from, and the shard states it needs from it (None: fresh)."""
+def restore(store: CheckpointStore, resume: bool, resume_from: Optional[str], model: dict[str, Any], shard: int,
+            num_ps: int, build: Callable[[Optional[list]], Any]) -> tuple[Optional[CheckpointInfo], Any]:
+    """Build a server from the newest valid checkpoint (or fresh): ``build(states or None)``.
+
+    The files' checksums are verified on one core while ``build`` runs on the other (hashing
+    releases the GIL, and the mmap-loaded files are read only as they are touched); a checkpoint
+    that fails verification is discarded and the next older one tried, with a log line.
+    """
     if resume_from:
-        info = store.resolve(resume_from)
+        candidates = [store.resolve(resume_from)]   # verified already; a bad one is an error
     elif resume:
-        info = store.latest_valid()
+        candidates = store.list()
     else:
-        return None, None
-    if info is None:
-        log.info("no valid checkpoint in %s; starting fresh", store.root)
-        return None, None
+        return None, build(None)
+    for info in candidates:
+        names = _shard_files(info, model, shard, num_ps)
+        with ThreadPoolExecutor(max_workers=1) as check:
+            verified = check.submit(store.verify, info, names)
+            built, failure = None, None
+            try:
+                built = build([store.load_file(info, n) for n in names])
+            except Exception as exc:  # noqa: BLE001 - a corrupt file may fail to load; verification decides
+                failure = exc
+            try:
+                verified.result()
+            except CheckpointError as exc:
+                if built is not None and hasattr(built, "close"):
+                    built.close()
+                log.warning("skipping %s: %s", info.id, exc)
+                continue
+        if failure is not None:
+            raise failure
+        log.info("resuming from %s (step %d)", info.id, info.step)
+        return info, built
+    log.info("no valid checkpoint in %s; starting fresh", store.root)
+    return None, build(None)
+
+
+def _shard_files(info: CheckpointInfo, model: dict[str, Any], shard: int, num_ps: int) -> list[str]:
     saved = info.meta.get("model", {})
     for key in ("ntoken", "emsize", "nhid", "nlayers", "optimizer"):
         if saved.get(key) != model.get(key):
             raise CheckpointError(f"{info.id} was taken with {key}={saved.get(key)!r}, this server has "
                                   f"{model.get(key)!r}; start with matching flags, --resume-from another, or --no-resume")
     old = int(info.meta.get("num_ps", 0))
-    names = [f"ps{k}.pt" for k in range(old)]
     if old == num_ps:
-        names = [f"ps{shard}.pt"]  # same shape: this shard's own file is all it needs
-    else:
-        log.info("resharding %s from %d to %d servers", info.id, old, num_ps)
-    states = [store.load_file(info, n) for n in names]
-    log.info("resuming from %s (step %d)", info.id, info.step)
-    return info, states
-
+        return [f"ps{shard}.pt"]  # same shape: this shard's own file is all it needs
+    log.info("resharding %s from %d to %d servers", info.id, old, num_ps)
+    return [f"ps{k}.pt" for k in range(old)]

@@ -90,6 +90,7 @@ def run(ns: argparse.Namespace) -> int:
 
     from ps.service import ParameterServer
     from services.checkpoint import CheckpointStore
+    from services.checkpointing import restore
     from services.config import ModelConfig
     from services.metrics import Metrics
 
@@ -125,10 +126,11 @@ def run(ns: argparse.Namespace) -> int:
         if cold:
             _drop_caches()
         t3 = time.perf_counter()
-        info = store.latest_valid()                 # verifies every sha256
-        restored = ParameterServer("ps0", 0, 1, model, Metrics(CollectorRegistry(), "ps", "ps0"),
-                                   restore=[store.load_file(info, "ps0.pt")])
+        info, restored = restore(store, True, None, model.model_dump(), 0, 1,   # as a server starts
+                                 lambda states: ParameterServer("ps0", 0, 1, model, Metrics(CollectorRegistry(), "ps", "ps0"),
+                                                                restore=states))
         t4 = time.perf_counter()
+        assert info is not None and info.step == 1
         identical = all(torch.equal(a, b) for a, b in zip(server.optimizer.params, restored.optimizer.params))
         identical &= all(torch.equal(server.optimizer.optimizer.state[a]["sum"], restored.optimizer.optimizer.state[b]["sum"])
                          for a, b in zip(server.optimizer.params, restored.optimizer.params))

@@ -58,7 +58,9 @@ def test_checkpoint_during_training_then_resume(tmp_path):
     assert f"resuming from {final['id']}" in logs and "resumed position from" in logs
     assert resumed["total_steps"] > final["step"] // 2
     fresh_up, fresh = run_up(tmp_path / "fresh", "--steps", "5")
-    assert abs(resumed["loss_first"] - stopped["loss_last"]) < 0.3, (resumed, stopped)
+    # No worse than where the last run ended (its loss_last averages its last 20 steps, so while
+    # the loss falls steeply the resumed first step can be lower), and far below a fresh start.
+    assert resumed["loss_first"] < stopped["loss_last"] + 0.1, (resumed, stopped)
     assert resumed["loss_first"] < fresh["loss_first"] - 0.4, (resumed, fresh)
 
 
@@ -71,7 +73,7 @@ def test_resume_into_a_different_number_of_servers(tmp_path, before, after):
     up, second = run_up(tmp_path, "--ps", str(after), "--steps", "5")
     assert f"resharding {saved.id} from {before} to {after} servers" in up.full_logs()
     # A fresh model starts at ln(1000) = 6.91; the resharded one where the last run ended.
-    assert abs(second["loss_first"] - first["loss_last"]) < 0.1, (first, second)
+    assert second["loss_first"] < first["loss_last"] + 0.1, (first, second)
     assert second["loss_first"] < first["loss_first"] - 0.2, (first, second)
     assert store.latest_valid().meta["num_ps"] == after
 
