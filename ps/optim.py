@@ -60,13 +60,33 @@ class SharedOptimizer:
         with self.lock:
             return [t.detach().clone() for t in tensors]
 
-    def state_copy(self) -> tuple[int, list[torch.Tensor], list[dict[str, torch.Tensor]]]:
-        """(steps, parameters, per-parameter optimizer state), all private copies, taken at once."""
+    def copy_buffers(self) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """Empty tensors shaped like the parameters and their state, their pages already touched.
+
+        A fresh gigabyte costs its page faults on first write; taking them here, before the trainers
+        are held, leaves only a memory copy for ``state_copy``.
+        """
+        with _all_cores():
+            params = [torch.empty_like(p).zero_() for p in self.params]
+            state = [{k: torch.empty_like(v).zero_() for k, v in self.optimizer.state.get(p, {}).items()
+                      if isinstance(v, torch.Tensor)} for p in self.params]
+        return params, state
+
+    def state_copy(self, into: Optional[tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]] = None
+                   ) -> tuple[int, list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """(steps, parameters, per-parameter optimizer state), all private copies, taken at once
+        (into ``into`` from ``copy_buffers`` when given)."""
+        buffers = into if into is not None else self.copy_buffers()
         with self.lock, _all_cores():
-            params = [p.detach().clone() for p in self.params]
-            state = [{k: v.clone() for k, v in self.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
-                     for p in self.params]
-            return self.steps, params, state
+            for dst, p in zip(buffers[0], self.params):
+                dst.copy_(p.detach())
+            for dst, p in zip(buffers[1], self.params):
+                for k, v in self.optimizer.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        if k not in dst or dst[k].shape != v.shape:
+                            dst[k] = torch.empty_like(v)  # state that appeared since the buffers were made
+                        dst[k].copy_(v)
+            return self.steps, buffers[0], buffers[1]
 
     def load_state(self, steps: int, state: list[dict[str, torch.Tensor]]) -> None:
         """Adopt (not copy) restored per-parameter state."""

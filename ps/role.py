@@ -83,8 +83,15 @@ class PsRole:
         return [c.describe() for c in self.store.list()]
 
     # --- checkpoint participant (called by the coordinator) --------------------------------------------
+    def ckpt_prepare(self, cid: str) -> None:
+        buffers = self.server.optimizer.copy_buffers()
+        with self._snapshots_lock:
+            self._snapshots[cid] = buffers
+
     def ckpt_snapshot(self, cid: str) -> int:
-        state = self.server.export_state()
+        with self._snapshots_lock:
+            buffers = self._snapshots.get(cid)
+        state = self.server.export_state(into=buffers if isinstance(buffers, tuple) else None)
         with self._snapshots_lock:
             self._snapshots[cid] = state
         return state["steps"]

@@ -66,9 +66,10 @@ class ParameterServer:
             values.update(init_lstm_layer(self.model, layer))
         return values
 
-    def export_state(self) -> dict[str, Any]:
-        """This shard for a checkpoint: parameters, optimizer state and step, copied at one instant."""
-        steps, params, state = self.optimizer.state_copy()
+    def export_state(self, into: Optional[tuple] = None) -> dict[str, Any]:
+        """This shard for a checkpoint: parameters, optimizer state and step, copied at one instant
+        (into buffers from ``self.optimizer.copy_buffers()`` when given)."""
+        steps, params, state = self.optimizer.state_copy(into)
         return export_shard(self.shard, self.plan, self.model.model_dump(), steps,
                             dict(zip(self.param_names, params)),
                             {n: s for n, s in zip(self.param_names, state) if s})

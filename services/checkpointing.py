@@ -2,6 +2,7 @@
 
 ps0 coordinates (it already leads membership). One checkpoint:
 
+0. every server prepares buffers for its copy (allocating memory is the slow part of copying it);
 1. pause every trainer at its next step boundary; each answers with its position in its data;
 2. every server copies its shard (parameters, optimizer state, step) at that quiet instant;
 3. resume the trainers: training stops only for steps 1-3;
@@ -39,6 +40,7 @@ class Participant(Protocol):
     """What a member offers the coordinator. Servers implement snapshot/write/discard, trainers
     pause/resume; the other methods raise NotSupported."""
 
+    def ckpt_prepare(self, cid: str) -> None: ...
     def ckpt_pause(self, cid: str, timeout: float) -> dict[str, Any]: ...
     def ckpt_resume(self, cid: str) -> None: ...
     def ckpt_snapshot(self, cid: str) -> int: ...
@@ -67,7 +69,7 @@ class _Slot:
 
 PARTICIPANT = _Slot("checkpoint participant")
 COORDINATOR = _Slot("checkpoint coordinator")
-_PARTICIPANT_METHODS = ("ckpt_pause", "ckpt_resume", "ckpt_snapshot", "ckpt_write", "ckpt_discard")
+_PARTICIPANT_METHODS = ("ckpt_prepare", "ckpt_pause", "ckpt_resume", "ckpt_snapshot", "ckpt_write", "ckpt_discard")
 _COORDINATOR_METHODS = ("take", "listing", "trainer_state")
 
 
@@ -141,6 +143,7 @@ class Coordinator:
             self._on_all(servers, "ckpt_discard", cid)
 
     def _take_with(self, cid: str, servers: list[str], trainers: list[str]) -> dict[str, Any]:
+        self._on_all(servers, "ckpt_prepare", cid)
         started = time.monotonic()
         paused: dict[str, dict] = {}
         try:

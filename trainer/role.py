@@ -116,6 +116,9 @@ class TrainerRole:
             self._pause_requested = False
             self._wake.notify_all()
 
+    def ckpt_prepare(self, cid: str) -> None:
+        raise NotSupported("trainers hold no parameters")
+
     def ckpt_snapshot(self, cid: str) -> int:
         raise NotSupported("trainers hold no parameters")
 
