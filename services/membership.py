@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 JOIN_QUEUE = "rpcps/join_queue"
 RANK_COUNTER = "rpcps/next_rank"
 MAX_RANK = 32767  # torch's worker-id limit; ranks are never reused, so this bounds joins per store life
+JOIN_SETTLE = 5.0  # seconds a just-joined member may take to answer probes before it counts as dead
 _TOKEN = "RpcGroupManagementToken"
 _MEMBERS_KEY = "names/_ALL_WORKER_INFOS"
 
@@ -99,6 +100,7 @@ class Membership:
         self._store: Any = None  # the leader's plain client of the rendezvous store
         self._token_seen: tuple[str, float] = ("", 0.0)
         self.token_stuck_after = 15.0
+        self._first_seen: dict[str, float] = {}  # when the leader first saw each member (its join)
 
     # --- every member -------------------------------------------------------------------------
     def add_listener(self, fn: Callable[[str], None]) -> None:
@@ -166,16 +168,29 @@ class Membership:
             self._store.set(approval_key(rank), answer)
 
     def _admit(self, name: str) -> str:
-        # A join contacts every member; make sure each one answers first.
-        dead = {n for n, ok in self._probe(self._others()).items() if not ok}
-        if dead:
-            self.remove(dead, reason="unreachable before a join")
+        # A join contacts every member; make sure each one answers first. A member that joined a
+        # moment ago may not answer yet (it is still inside init_rpc): give it time to settle
+        # instead of evicting it.
+        deadline = time.monotonic() + JOIN_SETTLE
+        while True:
+            dead = {n for n, ok in self._probe(self._others()).items() if not ok}
+            now = time.monotonic()
+            settled = {n for n in dead if now - self._first_seen.get(n, now) >= JOIN_SETTLE or now >= deadline}
+            if settled:
+                self.remove(settled, reason="unreachable before a join")
+            if not dead - settled:
+                break
+            self._stop.wait(0.1)
         if name in self._others():
             return f"refused: the name {name} belongs to a live member"
         return "ok"
 
     def _others(self) -> list[str]:
-        return [n for n in current_members() if n != self.me]
+        names = [n for n in current_members() if n != self.me]
+        now = time.monotonic()
+        for n in names:
+            self._first_seen.setdefault(n, now)
+        return names
 
     def _probe(self, names: list[str], timeout: float = 2.0) -> dict[str, bool]:
         futs = {}
@@ -254,6 +269,7 @@ class Membership:
                 store.set(mine, "Done")
             for info in gone:
                 self._misses.pop(info.name, None)
+                self._first_seen.pop(info.name, None)  # a later member with this name is new
                 log.info("removed %s from the group (%s)", info.name, reason)
                 self._notify(info.name)
                 if reason != "left" and self._on_evicted is not None:

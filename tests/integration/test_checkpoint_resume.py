@@ -1,6 +1,7 @@
 """Cluster checkpoints with real processes and real files: taken during training over HTTP,
 resumed on the next start (same and different numbers of servers), exact continuation."""
 import json
+import math
 
 import pytest
 
@@ -72,9 +73,10 @@ def test_resume_into_a_different_number_of_servers(tmp_path, before, after):
     assert saved.meta["num_ps"] == before and len([f for f in saved.files if f.startswith("ps")]) == before
     up, second = run_up(tmp_path, "--ps", str(after), "--steps", "5")
     assert f"resharding {saved.id} from {before} to {after} servers" in up.full_logs()
-    # A fresh model starts at ln(1000) = 6.91; the resharded one where the last run ended.
+    # A fresh model starts at ln(1000) = 6.91; the resharded one where the last run ended. (The
+    # first run's loss_first is no reference: its second trainer may start after an update.)
     assert second["loss_first"] < first["loss_last"] + 0.1, (first, second)
-    assert second["loss_first"] < first["loss_first"] - 0.2, (first, second)
+    assert second["loss_first"] < math.log(1000) - 0.2, (first, second)
     assert store.latest_valid().meta["num_ps"] == after
 
 
