@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+# Besides each file's sha256, the manifest holds one sha256 per CHUNK bytes, so a restore can verify
+# a file on every core at once instead of being bound by one core's hashing speed.
+CHUNK = 64 << 20
 _FOLDER = re.compile(r"^step-(\d+)$")
 _FILE = re.compile(r"^[A-Za-z0-9_.]+$")
 
@@ -36,6 +40,10 @@ class FileEntry:
     name: str
     size: int
     sha256: str
+    chunks: tuple[str, ...] = ()   # sha256 of each CHUNK-byte piece; empty in manifests without them
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "sha256": self.sha256, "chunk_bytes": CHUNK, "chunks": list(self.chunks)}
 
 
 @dataclass(frozen=True)
@@ -60,20 +68,48 @@ class CheckpointInfo:
 
 
 class _HashingWriter:
-    """A file object that hashes what passes through it, so nothing is read back to checksum it."""
+    """A file object that hashes what passes through it (whole file and per chunk), so nothing is
+    read back to checksum it. Large writes (tensor storages) are hashed twice and written on three
+    threads at once: hashlib and file writes release the GIL, and a save must keep up with the disk."""
 
-    def __init__(self, f) -> None:
-        self._f, self.sha = f, hashlib.sha256()
+    _PARALLEL_FROM = 1 << 20
+
+    def __init__(self, f, pool: ThreadPoolExecutor) -> None:
+        self._f, self._pool, self.sha = f, pool, hashlib.sha256()
         self.size = 0
+        self.chunks: list[str] = []
+        self._chunk, self._in_chunk = hashlib.sha256(), 0
 
     def write(self, data) -> int:
-        view = memoryview(data)
-        self.sha.update(view)
+        view = memoryview(data).cast("B")
         self.size += view.nbytes
-        return self._f.write(view)
+        if view.nbytes < self._PARALLEL_FROM:
+            self.sha.update(view)
+            self._hash_chunks(view)
+            return self._f.write(view)
+        whole = self._pool.submit(self.sha.update, view)
+        pieces = self._pool.submit(self._hash_chunks, view)
+        try:
+            return self._f.write(view)
+        finally:
+            whole.result(), pieces.result()   # in order: the next write hashes after this one
+
+    def _hash_chunks(self, view: memoryview) -> None:
+        while view.nbytes:
+            piece = view[:CHUNK - self._in_chunk]
+            self._chunk.update(piece)
+            self._in_chunk += piece.nbytes
+            view = view[piece.nbytes:]
+            if self._in_chunk == CHUNK:
+                self.chunks.append(self._chunk.hexdigest())
+                self._chunk, self._in_chunk = hashlib.sha256(), 0
 
     def flush(self) -> None:
         self._f.flush()
+
+    def finish(self, name: str) -> FileEntry:
+        chunks = self.chunks + ([self._chunk.hexdigest()] if self._in_chunk else [])
+        return FileEntry(name, self.size, self.sha.hexdigest(), tuple(chunks))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -86,19 +122,26 @@ def _fsync_dir(path: Path) -> None:
 
 def _atomic_write(path: Path, write) -> FileEntry:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        w = _HashingWriter(f)
+    with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-hash") as pool:
+        w = _HashingWriter(f, pool)
         write(w)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    return FileEntry(path.name, w.size, w.sha.hexdigest())
+    return w.finish(path.name)
 
 
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _chunk_matches(path: Path, index: int, expected: str) -> bool:
+    # hashlib releases the GIL on large buffers, so these run in parallel in threads.
+    with open(path, "rb", buffering=0) as f:
+        f.seek(index * CHUNK)
+        return hashlib.sha256(f.read(CHUNK)).hexdigest() == expected
 
 
 class CheckpointStore:
@@ -135,7 +178,7 @@ class CheckpointStore:
             if not on_disk.is_file() or on_disk.stat().st_size != e.size:
                 raise CheckpointError(f"{on_disk} is missing or not {e.size} bytes; not committing")
         manifest = {"format": FORMAT, "step": step, "created": time.time(),
-                    "files": {e.name: {"size": e.size, "sha256": e.sha256} for e in entries}, "meta": meta or {}}
+                    "files": {e.name: e.to_json() for e in entries}, "meta": meta or {}}
         body = json.dumps(manifest, indent=1, sort_keys=True).encode()
         _atomic_write(path / MANIFEST, lambda f: f.write(body))
         return self._info(path, manifest)
@@ -146,34 +189,51 @@ class CheckpointStore:
         found = []
         for path in self._folders():
             try:
-                found.append(self._read(path, verify_hashes=False))
+                found.append(self._read(path))
             except CheckpointError as exc:
                 log.info("not a checkpoint: %s", exc)
         return found
 
-    def verify(self, info: CheckpointInfo, names: Optional[list[str]] = None) -> None:
-        """Raise CheckpointError unless every named file (default: all) matches its sha256."""
+    def verify(self, info: CheckpointInfo, names: Optional[list[str]] = None, workers: Optional[int] = None) -> None:
+        """Raise CheckpointError unless every named file (default: all) matches its checksums.
+
+        Chunks are hashed on ``workers`` threads (default: one more than cores, so a thread waiting
+        for the disk leaves no core idle); a file whose manifest has no chunk hashes is hashed whole.
+        """
+        checks = []   # (file name, function that is True when it matches)
         for name in names if names is not None else list(info.files):
-            if _sha256(info.path / name) != info.files[name].sha256:
-                raise CheckpointError(f"{info.id}: {name} does not match its sha256")
+            entry, path = info.files[name], info.path / name
+            if entry.chunks:
+                checks += [(name, lambda p=path, i=i, h=h: _chunk_matches(p, i, h)) for i, h in enumerate(entry.chunks)]
+            else:
+                checks.append((name, lambda p=path, h=entry.sha256: _sha256(p) == h))
+        with ThreadPoolExecutor(max_workers=max(1, min(workers or (os.cpu_count() or 1) + 1, len(checks) or 1))) as pool:
+            for name, ok in zip([n for n, _ in checks], pool.map(lambda c: c[1](), checks)):
+                if not ok:
+                    raise CheckpointError(f"{info.id}: {name} does not match its sha256")
 
     def latest_valid(self) -> Optional[CheckpointInfo]:
-        """The newest checkpoint whose every file matches its checksum; older ones as fallback."""
+        """The newest checkpoint whose every file matches its checksums; older ones as fallback."""
         for path in self._folders():
             try:
-                return self._read(path, verify_hashes=True)
+                info = self._read(path)
+                self.verify(info)
+                return info
             except CheckpointError as exc:
                 log.warning("skipping %s: %s", path.name, exc)
         return None
 
-    def resolve(self, ref: str) -> CheckpointInfo:
+    def resolve(self, ref: str, verify: bool = True) -> CheckpointInfo:
         """A checkpoint named by id (``step-N``) or path; nothing outside the checkpoint folder."""
         root = self.root.resolve()
         candidate = Path(ref)
         path = (candidate if candidate.is_absolute() else root / candidate).resolve()
         if path.parent != root or not _FOLDER.match(path.name):
             raise CheckpointError(f"{ref!r} is not a checkpoint folder inside {root}")
-        return self._read(path, verify_hashes=True)
+        info = self._read(path)
+        if verify:
+            self.verify(info)
+        return info
 
     def load_file(self, info: CheckpointInfo, name: str) -> Any:
         entry = info.files.get(name)
@@ -207,7 +267,8 @@ class CheckpointStore:
         folders = [p for p in self.root.iterdir() if p.is_dir() and _FOLDER.match(p.name)]
         return sorted(folders, key=lambda p: int(_FOLDER.match(p.name).group(1)), reverse=True)
 
-    def _read(self, path: Path, verify_hashes: bool) -> CheckpointInfo:
+    def _read(self, path: Path) -> CheckpointInfo:
+        """The manifest's view of a folder, checked for shape and file sizes (not checksums)."""
         try:
             manifest = json.loads((path / MANIFEST).read_text())
         except FileNotFoundError:
@@ -225,14 +286,17 @@ class CheckpointStore:
                 raise CheckpointError(f"{path.name}: file {e.name} is missing")
             if f.stat().st_size != e.size:
                 raise CheckpointError(f"{path.name}: {e.name} is {f.stat().st_size} bytes, manifest says {e.size}")
-            if verify_hashes and _sha256(f) != e.sha256:
-                raise CheckpointError(f"{path.name}: {e.name} does not match its sha256")
+            if e.chunks and len(e.chunks) != -(-e.size // CHUNK):
+                raise CheckpointError(f"{path.name}: {e.name} has {len(e.chunks)} chunk hashes for {e.size} bytes")
         return info
 
     @staticmethod
     def _info(path: Path, manifest: dict) -> CheckpointInfo:
         try:
-            files = {n: FileEntry(n, int(v["size"]), str(v["sha256"])) for n, v in manifest["files"].items()}
+            files = {n: FileEntry(n, int(v["size"]), str(v["sha256"]), tuple(map(str, v.get("chunks") or ())))
+                     for n, v in manifest["files"].items()}
+            if any(v.get("chunks") and v.get("chunk_bytes") != CHUNK for v in manifest["files"].values()):
+                raise ValueError(f"chunk_bytes is not {CHUNK}")
             return CheckpointInfo(int(manifest["step"]), path, float(manifest["created"]), files,
                                   dict(manifest.get("meta") or {}))
         except (KeyError, TypeError, ValueError) as exc:

@@ -16,6 +16,7 @@ written by every server, so the checkpoint directory must be one shared folder (
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -70,7 +71,7 @@ class _Slot:
 PARTICIPANT = _Slot("checkpoint participant")
 COORDINATOR = _Slot("checkpoint coordinator")
 _PARTICIPANT_METHODS = ("ckpt_prepare", "ckpt_pause", "ckpt_resume", "ckpt_snapshot", "ckpt_write", "ckpt_discard")
-_COORDINATOR_METHODS = ("take", "listing", "trainer_state")
+_COORDINATOR_METHODS = ("take", "listing", "trainer_states")
 
 
 def _participant_call(method: str, *args: Any) -> Any:
@@ -111,12 +112,14 @@ class Coordinator:
     def listing(self) -> list[dict[str, Any]]:
         return [c.describe() for c in self.store.list()]
 
-    def trainer_state(self, name: str) -> Optional[dict[str, Any]]:
-        """The position ``name`` had in the newest checkpoint this cluster knows, if it was there."""
+    def trainer_states(self) -> Optional[dict[str, Any]]:
+        """The trainers' positions in the newest checkpoint this cluster knows (each trainer works
+        out its own from them: ``trainer/position.py``)."""
         info = self.latest
-        if info is None or f"{name}.pt" not in info.files:
+        if info is None:
             return None
-        return {"checkpoint": info.id, **self.store.load_file(info, f"{name}.pt")}
+        names = [n for n in sorted(info.files) if re.fullmatch(r"trainer\d+\.pt", n)]
+        return {"checkpoint": info.id, "trainers": [self.store.load_file(info, n) for n in names]}
 
     # --- the protocol ----------------------------------------------------------------------------------
     def _call(self, member: str, method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
@@ -232,12 +235,13 @@ def restore(store: CheckpointStore, resume: bool, resume_from: Optional[str], mo
             num_ps: int, build: Callable[[Optional[list]], Any]) -> tuple[Optional[CheckpointInfo], Any]:
     """Build a server from the newest valid checkpoint (or fresh): ``build(states or None)``.
 
-    The files' checksums are verified on one core while ``build`` runs on the other (hashing
-    releases the GIL, and the mmap-loaded files are read only as they are touched); a checkpoint
-    that fails verification is discarded and the next older one tried, with a log line.
+    The files' checksums are verified (chunks on every core) while ``build`` runs (hashing releases
+    the GIL, and the mmap-loaded files are read only as they are touched); a checkpoint that fails
+    verification is discarded and the next older one tried, with a log line. A checkpoint named by
+    ``resume_from`` that fails is an error: the user asked for that one.
     """
     if resume_from:
-        candidates = [store.resolve(resume_from)]   # verified already; a bad one is an error
+        candidates = [store.resolve(resume_from, verify=False)]   # verified below, with the build
     elif resume:
         candidates = store.list()
     else:
@@ -256,6 +260,8 @@ def restore(store: CheckpointStore, resume: bool, resume_from: Optional[str], mo
             except CheckpointError as exc:
                 if built is not None and hasattr(built, "close"):
                     built.close()
+                if resume_from:
+                    raise
                 log.warning("skipping %s: %s", info.id, exc)
                 continue
         if failure is not None:

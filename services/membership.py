@@ -50,6 +50,21 @@ def current_members() -> list[str]:
     return sorted(w.name for w in rpc._get_current_rpc_agent().get_worker_infos())
 
 
+def reachable(name: str, timeout: float = 5.0) -> bool:
+    """True once an RPC to member ``name`` gets through, False while its address is still unknown.
+
+    torch adds a joining member to the worker list a moment before its address (a store read
+    comes between), and an RPC sent in that moment fails with "could not find destination url".
+    """
+    try:
+        rpc.rpc_sync(name, noop, timeout=timeout)
+        return True
+    except RuntimeError as exc:
+        if "could not find destination url" in str(exc):
+            return False
+        raise
+
+
 class _Local:
     """The process's Membership, reachable by the RPC entry points below."""
 

@@ -17,11 +17,12 @@ from services.config import TrainerConfig
 from services.control import EpisodeStart
 from services.errors import BadRequest, EpisodeConflict, NotReady, NotSupported, PeerUnavailable
 from services.lifecycle import RoleState, StatusBoard
-from services.membership import Membership, current_members
+from services.membership import Membership, current_members, reachable
 from services.metrics import Metrics
 from services.names import parse_name, ps_names
 from services.rpc import RpcEndpoint
 from trainer.data import BatchStream, Corpus, batchify, share
+from trainer.position import resume_point
 from trainer.loop import EvalResult, TrainLoop
 from trainer.model import DistributedLM
 
@@ -131,23 +132,23 @@ class TrainerRole:
     def _position(self) -> dict[str, Any]:
         loop = self._loop
         return {"name": self.cfg.name, "num_trainers": self.cfg.num_trainers, "data": self._data_description,
-                "position": loop.stream.position, "epoch": loop.stream.epoch,
+                "position": loop.stream.position, "epoch": loop.stream.epoch, "rows": loop.stream.data.size(0),
                 "hidden": [loop.hidden[0].clone(), loop.hidden[1].clone()], "steps": self._steps}
 
     def _restore_position(self, loop: TrainLoop) -> None:
-        state = checkpointing.ask_coordinator("trainer_state", self.cfg.name, timeout=60)
-        if state is None:
+        saved = checkpointing.ask_coordinator("trainer_states", timeout=60)
+        if saved is None:
             return
-        if state["num_trainers"] != self.cfg.num_trainers or state["data"] != self._data_description:
-            log.warning("%s holds a position for %d trainers on %r; starting this share from its beginning",
-                        state["checkpoint"], state["num_trainers"], state["data"])
+        point, why = resume_point(saved["trainers"], self.cfg.name, self.cfg.num_trainers, self._data_description,
+                                  loop.stream.data.size(0))
+        if point is None:
+            log.warning("%s: starting this share from its beginning: %s", saved["checkpoint"], why)
             return
-        loop.stream.position, loop.stream.epoch = int(state["position"]), int(state["epoch"])
-        if tuple(state["hidden"][0].shape) == tuple(loop.hidden[0].shape):
-            loop.hidden = (state["hidden"][0], state["hidden"][1])
-        self._steps = int(state["steps"])
-        log.info("resumed position from %s: token row %d, epoch %d, step %d",
-                 state["checkpoint"], loop.stream.position, loop.stream.epoch, self._steps)
+        loop.stream.position, loop.stream.epoch, self._steps = point.position, point.epoch, point.steps
+        if point.hidden is not None and tuple(point.hidden[0].shape) == tuple(loop.hidden[0].shape):
+            loop.hidden = (point.hidden[0], point.hidden[1])
+        log.info("resumed position from %s (%s): token row %d of %d, epoch %d, step %d", saved["checkpoint"], why,
+                 loop.stream.position, loop.stream.data.size(0), loop.stream.epoch, self._steps)
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -216,8 +217,11 @@ class TrainerRole:
 
     def _wait_for(self, servers: list[str]) -> None:
         deadline = time.monotonic() + self.cfg.join_timeout
+        confirmed: set[str] = set()
         while True:
-            missing = sorted(set(servers) - set(current_members()))
+            members = set(current_members())
+            confirmed |= {s for s in servers if s in members and s not in confirmed and reachable(s)}
+            missing = sorted(set(servers) - confirmed)
             if not missing:
                 return
             if time.monotonic() > deadline:

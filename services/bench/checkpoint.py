@@ -4,6 +4,10 @@ The shard holds a ROWS x DIM embedding table with Adagrad state (a ParameterServ
 process; checkpoints do not need RPC to be measured). Reported: save and restore MB/s next to what
 ``dd`` with fsync writes and reads on the same disk in the same run, the time training would be
 paused (the in-memory snapshot), and the peak extra resident memory while saving.
+
+A shared disk's speed swings by 2x within seconds, so the restore is measured in rounds, each right
+after ``dd`` reads the checkpoint file itself (page cache dropped before both where allowed), and
+the ratio reported is the median of the rounds' ratios.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -24,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="JSON only (the output is JSON either way)")
     p.add_argument("--rows", type=int, default=2_000_000, help="embedding rows in the shard")
     p.add_argument("--dim", type=int, default=64, help="embedding width")
+    p.add_argument("--rounds", type=int, default=5, help="restore rounds, each paired with a dd read")
     p.add_argument("--dir", type=Path, default=Path("."), help="a folder on the disk to measure (a temporary "
                                                                  "subfolder is created and removed)")
 
@@ -67,21 +73,27 @@ def _drop_caches() -> bool:
         return False
 
 
-def _dd(tmp: Path, nbytes: int, cold: bool) -> tuple[float, float]:
-    """(write MB/s with fsync, read MB/s) of a file as large as the checkpoint, timed around dd."""
-    path, block = tmp / "dd.bin", 4 << 20
-    count = max(1, nbytes // block)
+_BLOCK = 4 << 20
+
+
+def _dd_write(tmp: Path, nbytes: int) -> float:
+    """MB/s of dd writing a file as large as the checkpoint, with fsync."""
+    path, count = tmp / "dd.bin", max(1, nbytes // _BLOCK)
     t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", "conv=fsync"],
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={_BLOCK}", f"count={count}", "conv=fsync"],
                    check=True, capture_output=True)
-    write = count * block / (time.perf_counter() - t0) / 1e6
+    write = count * _BLOCK / (time.perf_counter() - t0) / 1e6
+    path.unlink()
+    return write
+
+
+def _dd_read(path: Path, cold: bool) -> float:
+    """MB/s of dd reading ``path``."""
     if cold:
         _drop_caches()
     t0 = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={block}"], check=True, capture_output=True)
-    read = count * block / (time.perf_counter() - t0) / 1e6
-    path.unlink()
-    return write, read
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={_BLOCK}"], check=True, capture_output=True)
+    return path.stat().st_size / (time.perf_counter() - t0) / 1e6
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -109,7 +121,7 @@ def run(ns: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="rpcps-bench-ckpt-", dir=ns.dir))
     try:
         cold = _drop_caches()  # where allowed, both reads below start from the disk, not the cache
-        dd_write, dd_read = _dd(tmp, shard_bytes, cold)
+        dd_write = _dd_write(tmp, shard_bytes)
         store = CheckpointStore(tmp / "ckpt")
         before = _rss()
         with _PeakRss() as rss:
@@ -125,33 +137,40 @@ def run(ns: argparse.Namespace) -> int:
         del state, buffers  # as a server does once the file is written
         file_bytes = entry.size
 
-        if cold:
-            _drop_caches()
-        t3 = time.perf_counter()
-        info, restored = restore(store, True, None, model.model_dump(), 0, 1,   # as a server starts
-                                 lambda states: ParameterServer("ps0", 0, 1, model, Metrics(CollectorRegistry(), "ps", "ps0"),
-                                                                restore=states))
-        t4 = time.perf_counter()
-        assert info is not None and info.step == 1
+        rounds = []   # (dd read MB/s, restore MB/s, restore s)
+        for _ in range(max(1, ns.rounds)):
+            dd_read = _dd_read(store.folder(1) / "ps0.pt", cold)
+            if cold:
+                _drop_caches()
+            t3 = time.perf_counter()
+            info, restored = restore(store, True, None, model.model_dump(), 0, 1,   # as a server starts
+                                     lambda states: ParameterServer("ps0", 0, 1, model, Metrics(CollectorRegistry(), "ps", "ps0"),
+                                                                    restore=states))
+            t4 = time.perf_counter()
+            assert info is not None and info.step == 1
+            rounds.append((dd_read, file_bytes / (t4 - t3) / 1e6, t4 - t3))
         identical = all(torch.equal(a, b) for a, b in zip(server.optimizer.params, restored.optimizer.params))
-        identical &= all(torch.equal(server.optimizer.optimizer.state[a]["sum"], restored.optimizer.optimizer.state[b]["sum"])
-                         for a, b in zip(server.optimizer.params, restored.optimizer.params))
+        for a, b in zip(server.optimizer.params, restored.optimizer.params):
+            saved, back = server.optimizer.optimizer.state.get(a, {}), restored.optimizer.optimizer.state.get(b, {})
+            identical &= saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in saved)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    save_s, pause_s, restore_s = t2 - t_prepare, t1 - t0, t4 - t3
+    save_s, pause_s = t2 - t_prepare, t1 - t0
+    restore_ratios = [r / d for d, r, _ in rounds]
     result = {
         "shard_mb": shard_bytes / 1e6, "file_mb": file_bytes / 1e6,
-        "save_mb_per_s": file_bytes / save_s / 1e6, "restore_mb_per_s": file_bytes / restore_s / 1e6,
-        "dd_write_fsync_mb_per_s": dd_write, "dd_read_mb_per_s": dd_read,
-        "save_s": save_s, "pause_s": pause_s, "restore_s": restore_s,
+        "save_mb_per_s": file_bytes / save_s / 1e6, "dd_write_fsync_mb_per_s": dd_write,
+        "save_s": save_s, "pause_s": pause_s,
+        "restore_rounds": [{"dd_read_mb_per_s": d, "restore_mb_per_s": r, "restore_s": t, "restore_vs_dd": r / d}
+                           for d, r, t in rounds],
         "peak_extra_mb": (rss.peak - before) / 1e6, "bit_identical": identical, "reads_from_cold_cache": cold,
     }
-    ratios = {"save_vs_dd": result["save_mb_per_s"] / dd_write, "restore_vs_dd": result["restore_mb_per_s"] / dd_read,
+    ratios = {"save_vs_dd": result["save_mb_per_s"] / dd_write, "restore_vs_dd": statistics.median(restore_ratios),
               "pause_vs_save": pause_s / save_s, "extra_memory_vs_shard": (rss.peak - before) / shard_bytes}
     met = {k: (v <= TARGETS[k] if k in ("pause_vs_save", "extra_memory_vs_shard") else v >= TARGETS[k])
            for k, v in ratios.items()}
     print(json.dumps({"bench": "checkpoint", "results": result, "ratios": ratios, "targets": TARGETS, "met": met,
-                      "config": {"rows": ns.rows, "dim": ns.dim, "optimizer": "adagrad", "dir": str(ns.dir.resolve()),
+                      "config": {"rows": ns.rows, "dim": ns.dim, "rounds": ns.rounds, "optimizer": "adagrad", "dir": str(ns.dir.resolve()),
                                  "load_avg": os.getloadavg()}}), flush=True)
     return 0

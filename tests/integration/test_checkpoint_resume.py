@@ -65,14 +65,16 @@ def test_checkpoint_during_training_then_resume(tmp_path):
     assert resumed["loss_first"] < fresh["loss_first"] - 0.4, (resumed, fresh)
 
 
-@pytest.mark.parametrize("before,after", [(2, 3), (3, 1)])
-def test_resume_into_a_different_number_of_servers(tmp_path, before, after):
+@pytest.mark.parametrize("before,after,trainers", [(2, 3, 3), (3, 1, 1)])
+def test_resume_into_a_different_number_of_servers_and_trainers(tmp_path, before, after, trainers):
     _, first = run_up(tmp_path, "--ps", str(before), "--steps", "150")
     store = CheckpointStore(tmp_path / "ckpt")
     saved = store.latest_valid()
     assert saved.meta["num_ps"] == before and len([f for f in saved.files if f.startswith("ps")]) == before
-    up, second = run_up(tmp_path, "--ps", str(after), "--steps", "5")
-    assert f"resharding {saved.id} from {before} to {after} servers" in up.full_logs()
+    up, second = run_up(tmp_path, "--ps", str(after), "--trainers", str(trainers), "--steps", "5")
+    logs = up.full_logs()
+    assert f"resharding {saved.id} from {before} to {after} servers" in logs
+    assert logs.count(f"2 trainers saved, {trainers} now: re-divided at") == trainers, logs
     # A fresh model starts at ln(1000) = 6.91; the resharded one where the last run ended. (The
     # first run's loss_first is no reference: its second trainer may start after an update.)
     assert second["loss_first"] < first["loss_last"] + 0.1, (first, second)
@@ -181,3 +183,42 @@ def test_kill_9_while_checkpoints_are_written_leaves_a_restorable_one(tmp_path):
         store.load_file(valid, name)                           # every file loads
     resumed, _ = run_up(tmp_path, "--steps", "2")
     assert f"resuming from {valid.id}" in resumed.full_logs()
+
+
+def test_overlapping_checkpoint_requests_do_not_interleave(tmp_path):
+    import threading
+
+    import httpx
+
+    # A model large enough that one checkpoint (a step boundary, then ~50 MB written and fsynced)
+    # is still running when the other requests, released together, arrive.
+    up = UpProcess(tmp_path, *FAST, "--emsize", "512", "--nhid", "512", "--nlayers", "2")
+    try:
+        urls = up.wait_event("started", 120)["sidecars"]
+        from services.client import SidecarClient
+        with SidecarClient(urls["trainer0"], timeout=5) as c:
+            wait_until(lambda: c.status().get("step", 0) >= 3, 120, "training")
+        start, answers = threading.Barrier(len(urls)), {}
+
+        def ask(name, url):
+            with httpx.Client(timeout=120) as http:
+                start.wait()
+                r = http.post(url + "/checkpoint")
+                answers[name] = (r.status_code, r.json())
+        threads = [threading.Thread(target=ask, args=item) for item in urls.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        codes = sorted(code for code, _ in answers.values())
+        assert len(answers) == len(urls) and set(codes) <= {200, 409}, answers
+        assert 200 in codes and 409 in codes, answers
+        assert all("in progress" in body["error"] or "being taken" in body["error"]
+                   for code, body in answers.values() if code == 409), answers
+        store = CheckpointStore(tmp_path / "ckpt")
+        taken = {body["id"] for code, body in answers.values() if code == 200}
+        for info in store.list():                 # every folder on disk is whole and verifies
+            store.verify(info)
+        assert taken <= {info.id for info in store.list()}
+    finally:
+        up.kill()

@@ -4,6 +4,9 @@ import os
 import pytest
 import torch
 
+import hashlib
+
+from services import checkpoint
 from services.checkpoint import MANIFEST, CheckpointStore
 from services.errors import CheckpointError
 
@@ -46,6 +49,27 @@ def test_corrupt_file_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
     assert "does not match its sha256" in caplog.text
     with pytest.raises(CheckpointError, match="sha256"):
         store.resolve("step-2")
+
+
+@pytest.mark.parametrize("parallel_from", [1 << 30, 1], ids=["inline", "threads"])
+def test_chunk_hashes_cover_the_file_and_catch_a_flip_in_any_chunk(tmp_path, monkeypatch, parallel_from):
+    monkeypatch.setattr(checkpoint, "CHUNK", 4096)      # many chunks from a small file
+    monkeypatch.setattr(checkpoint._HashingWriter, "_PARALLEL_FROM", parallel_from)
+    store = CheckpointStore(tmp_path)
+    save(store, 1, {"a.pt": torch.zeros(100)})
+    info = save(store, 2, {"a.pt": torch.arange(5000.0)})
+    data = (tmp_path / "step-2" / "a.pt").read_bytes()
+    entry = info.files["a.pt"]
+    assert entry.sha256 == hashlib.sha256(data).hexdigest()   # the whole-file sum stays, for sha256sum
+    assert list(entry.chunks) == [hashlib.sha256(data[i:i + 4096]).hexdigest() for i in range(0, len(data), 4096)]
+    assert len(entry.chunks) > 4
+    store.verify(store.resolve("step-2"), workers=3)
+    broken = bytearray(data)
+    broken[-1] ^= 0x01                                   # the last, partial chunk
+    (tmp_path / "step-2" / "a.pt").write_bytes(bytes(broken))
+    with pytest.raises(CheckpointError, match="a.pt does not match"):
+        store.verify(store.resolve("step-2", verify=False), workers=3)
+    assert store.latest_valid().step == 1
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong_step", "missing_file", "short_file"])
