@@ -12,7 +12,7 @@ from ps.service import ParameterServer
 from services import checkpointing
 from services.checkpoint import CheckpointStore, FileEntry
 from services.config import ModelConfig, PsConfig
-from services.control import EpisodeStart
+from services.control import BoardBacked, EpisodeStart
 from services.errors import NotReady, NotSupported
 from services.lifecycle import RoleState, StatusBoard
 from services.membership import Membership, current_members
@@ -32,15 +32,13 @@ def model_config(cfg: PsConfig) -> ModelConfig:
                        init_range=cfg.init_range, seed=cfg.seed, optimizer=cfg.optimizer, lr=cfg.lr)
 
 
-class PsRole:
+class PsRole(BoardBacked):
     role = "ps"
 
     def __init__(self, cfg: PsConfig, metrics: Metrics) -> None:
         self.cfg, self.metrics = cfg, metrics
         self.board = StatusBoard(self.role, cfg.name)
-        self.endpoint = RpcEndpoint(cfg.name, cfg.master_addr, cfg.master_port,
-                                    rpc_timeout=cfg.rpc_timeout, join_timeout=cfg.join_timeout,
-                                    transport=cfg.rpc_transport)
+        self.endpoint = RpcEndpoint.for_role(cfg)
         self.membership = Membership(cfg.name, probe_interval=cfg.probe_interval,
                                      probe_failures=cfg.probe_failures,
                                      on_evicted=metrics.members_evicted.inc)
@@ -54,15 +52,6 @@ class PsRole:
         metrics.init_ps()
 
     # --- Controllable ------------------------------------------------------------------------------
-    def healthy(self) -> tuple[bool, str]:
-        return self.board.healthy()
-
-    def ready(self) -> tuple[bool, str]:
-        return self.board.ready()
-
-    def status(self) -> dict[str, Any]:
-        return self.board.snapshot()
-
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
         raise NotSupported("parameter servers have no episodes; start them on the trainers")
 
@@ -173,18 +162,4 @@ class PsRole:
             return
         if self.server.optimizer.steps == 0:
             return
-        done = threading.Event()
-
-        def take() -> None:
-            try:
-                result = c.take()
-                log.info("final checkpoint %s", result["id"])
-            except Exception as exc:  # noqa: BLE001 - the previous checkpoint stays the valid one
-                log.warning("final checkpoint failed: %s", exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=take, name="final-checkpoint", daemon=True).start()
-        if not done.wait(FINAL_CHECKPOINT_SECONDS):
-            log.warning("final checkpoint still running after %.0fs; leaving it unfinished "
-                        "(the previous checkpoint stays the newest valid one)", FINAL_CHECKPOINT_SECONDS)
+        checkpointing.take_final(c.take, FINAL_CHECKPOINT_SECONDS)

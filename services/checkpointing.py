@@ -30,6 +30,7 @@ from services.errors import CheckpointError, CheckpointInProgress, NotReady
 from services.membership import current_members
 from services.names import LEADER, parse_name, ps_names
 from services.rpc import wait
+from services.slots import Slot
 
 log = logging.getLogger(__name__)
 
@@ -49,27 +50,8 @@ class Participant(Protocol):
     def ckpt_discard(self, cid: str) -> None: ...
 
 
-class _Slot:
-    """A process-wide reference set once by the role (for the RPC entry points)."""
-
-    def __init__(self, what: str) -> None:
-        self._lock = threading.Lock()
-        self._value: Any = None
-        self._what = what
-
-    def set(self, value: Any) -> None:
-        with self._lock:
-            self._value = value
-
-    def get(self) -> Any:
-        with self._lock:
-            if self._value is None:
-                raise NotReady(f"no {self._what} in this process yet")
-            return self._value
-
-
-PARTICIPANT = _Slot("checkpoint participant")
-COORDINATOR = _Slot("checkpoint coordinator")
+PARTICIPANT = Slot("checkpoint participant")
+COORDINATOR = Slot("checkpoint coordinator")
 _PARTICIPANT_METHODS = ("ckpt_prepare", "ckpt_pause", "ckpt_resume", "ckpt_snapshot", "ckpt_write", "ckpt_discard")
 _COORDINATOR_METHODS = ("take", "listing", "trainer_states")
 
@@ -283,3 +265,22 @@ def _shard_files(info: CheckpointInfo, model: dict[str, Any], shard: int, num_ps
         return [f"ps{shard}.pt"]  # same shape: this shard's own file is all it needs
     log.info("resharding %s from %d to %d servers", info.id, old, num_ps)
     return [f"ps{k}.pt" for k in range(old)]
+
+
+def take_final(take: Callable[[], dict], seconds: float) -> None:
+    """A checkpoint on the way out, given at most ``seconds``: a stop must stay bounded, and an
+    unfinished write leaves the previous checkpoint the newest valid one."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            log.info("final checkpoint %s", take()["id"])
+        except Exception as exc:  # noqa: BLE001 - the previous checkpoint stays the valid one
+            log.warning("final checkpoint failed: %s", exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="final-checkpoint", daemon=True).start()
+    if not done.wait(seconds):
+        log.warning("final checkpoint still running after %.0fs; leaving it unfinished "
+                    "(the previous checkpoint stays the newest valid one)", seconds)

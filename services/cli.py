@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from services.config import ConfigError, PsConfig, TrainerConfig, UpConfig, add_flags, load
+from services.config import (AgentConfig, ConfigError, ObserverConfig, PsConfig, TrainerConfig, UpConfig, add_flags,
+                             load)
 
-_ROLES = {"ps": PsConfig, "trainer": TrainerConfig}
+_ROLES = {"ps": PsConfig, "trainer": TrainerConfig, "agent": AgentConfig, "observer": ObserverConfig}
 
 
 def _role_factory(role: str):
@@ -19,6 +20,12 @@ def _role_factory(role: str):
     if role == "ps":
         from ps.role import PsRole
         return PsRole
+    if role == "agent":
+        from trainer.rl.agent import AgentRole
+        return AgentRole
+    if role == "observer":
+        from trainer.rl.observer import ObserverRole
+        return ObserverRole
     from trainer.role import TrainerRole
     return TrainerRole
 
@@ -40,15 +47,17 @@ def _parser() -> argparse.ArgumentParser:
     ck = sub.add_parser("checkpoint", help="take a cluster checkpoint")
     sidecar_flags(ck)
     ck.add_argument("--list", action="store_true", help="list the checkpoints on disk instead")
-    ep = sub.add_parser("episode", help="start or stop training episodes on the trainers")
+    ep = sub.add_parser("episode", help="start or stop episodes on the trainers or the RL agent")
     ep.add_argument("action", choices=("start", "stop"))
-    ep.add_argument("--steps", type=int, default=None, help="steps of the episode (default: unbounded)")
+    ep.add_argument("--steps", type=int, default=None, help="LM: steps of the episode (default: unbounded)")
+    ep.add_argument("--episodes", type=int, default=None, help="RL: episodes to run (default: until solved)")
     sidecar_flags(ep)
     bench = sub.add_parser("bench", help="benchmarks, printing JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from services.bench import checkpoint as bench_checkpoint, lm as bench_lm
+    from services.bench import checkpoint as bench_checkpoint, lm as bench_lm, rl as bench_rl
     bench_lm.add_arguments(bench_sub.add_parser("lm", help="tokens/s: one process vs the seed design vs rpcps"))
     bench_checkpoint.add_arguments(bench_sub.add_parser("checkpoint", help="checkpoint save/restore of a 2M x 64 shard vs dd"))
+    bench_rl.add_arguments(bench_sub.add_parser("rl", help="environment steps/s: 1, 2, 4 observers, batched and not"))
     return p
 
 
@@ -94,6 +103,13 @@ def _status(args: argparse.Namespace) -> int:
         elif s.get("role") == "ps":
             parts += [f"shard {s.get('shard')}/{s.get('num_shards')}", f"{s.get('rows')} rows",
                       f"members {len(s.get('members') or [])}"]
+        elif s.get("role") == "agent":
+            last, running = s.get("last_reward"), s.get("running_reward")
+            parts += [f"episode {s.get('episode', 0)}", "reward -" if last is None else f"reward {last:.1f}",
+                      "running -" if running is None else f"running {running:.1f}",
+                      f"{s.get('steps_per_s') or 0:.0f} steps/s", f"members {len(s.get('members') or [])}"]
+        elif s.get("role") == "observer":
+            parts += [f"episodes {s.get('episodes', 0)}", f"{s.get('env_steps', 0)} env steps"]
         else:
             parts.append(s.get("reason", ""))
         print("  ".join(str(p) for p in parts))
@@ -135,15 +151,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             sys.exit(_status(args))
         if cmd == "episode":
             if args.action == "start":
-                sys.exit(_each(args, ("trainer", "agent"), lambda c: c.start_episode(steps=args.steps)))
+                sys.exit(_each(args, ("trainer", "agent"),
+                               lambda c: c.start_episode(steps=args.steps, episodes=args.episodes)))
             sys.exit(_each(args, ("trainer", "agent"), lambda c: c.stop_episode()))
         if cmd == "checkpoint":
-            # One sidecar is enough: whichever is asked, ps0 takes one checkpoint of the whole cluster.
-            sys.exit(_each(args, ("ps",), (lambda c: c.checkpoints()) if args.list else (lambda c: c.checkpoint()),
+            # One sidecar is enough: whichever is asked, the leader (ps0 or the agent) takes one
+            # checkpoint of the whole cluster.
+            sys.exit(_each(args, ("ps", "agent"), (lambda c: c.checkpoints()) if args.list else (lambda c: c.checkpoint()),
                            first_only=True))
         if cmd == "bench":
-            from services.bench import checkpoint as bench_checkpoint, lm as bench_lm
-            sys.exit({"lm": bench_lm, "checkpoint": bench_checkpoint}[args.bench].run(args))
+            from services.bench import checkpoint as bench_checkpoint, lm as bench_lm, rl as bench_rl
+            sys.exit({"lm": bench_lm, "checkpoint": bench_checkpoint, "rl": bench_rl}[args.bench].run(args))
     except ConfigError as exc:
         print(f"rpcps {cmd}: {exc}", file=sys.stderr)
         sys.exit(2)

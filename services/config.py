@@ -44,9 +44,8 @@ class _Base(BaseModel):
 
 class CommonConfig(_Base):
     name: str = Field(description="RPC name of this process (ps0, trainer1, ...)")
-    master_addr: str = Field("127.0.0.1", description="address of ps0, which hosts the rendezvous store")
-    master_port: int = Field(29500, ge=1, le=65535, description="port of the rendezvous store on ps0")
-    num_ps: int = Field(2, ge=1, le=64, description="number of parameter servers (shards) in the cluster")
+    master_addr: str = Field("127.0.0.1", description="address of the leader (ps0, or the RL agent), which hosts the rendezvous store")
+    master_port: int = Field(29500, ge=1, le=65535, description="port of the rendezvous store on the leader")
     sidecar_host: str = Field("127.0.0.1", description="address the HTTP sidecar binds")
     sidecar_port: int = Field(8080, ge=0, le=65535, description="port of the HTTP sidecar (0: any free port)")
     checkpoint_dir: Path = Field(Path("checkpoints"), description="folder of the cluster checkpoints")
@@ -82,7 +81,26 @@ class ModelConfig(_Base):
     lr: float = Field(20.0, gt=0)
 
 
-class PsConfig(CommonConfig):
+class _Restoring(_Base):
+    """A role that saves state in checkpoints and starts from them."""
+
+    resume: bool = Field(True, description="start from the newest valid checkpoint in --checkpoint-dir")
+    resume_from: Optional[str] = Field(None, description="start from this checkpoint (step-N or its path)")
+    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept; older ones removed after a newer completes")
+
+
+class _Leading(_Base):
+    """What the leader (ps0, the agent) uses to watch the group's members."""
+
+    probe_interval: float = Field(1.0, gt=0, description="seconds between liveness probes of members (leader)")
+    probe_failures: int = Field(2, ge=1, description="failed probes in a row before a member is evicted (leader)")
+
+
+class _LmConfig(CommonConfig):
+    num_ps: int = Field(2, ge=1, le=64, description="number of parameter servers (shards) in the cluster")
+
+
+class PsConfig(_LmConfig, _Restoring, _Leading):
     name: str = Field("ps0", description="RPC name: ps<index>, index < num_ps")
     ntoken: Optional[int] = Field(None, ge=2, description="vocabulary size; default: from --data")
     data: Optional[Path] = Field(None, description="corpus folder, read only to size the vocabulary")
@@ -93,13 +111,8 @@ class PsConfig(CommonConfig):
     seed: int = Field(1111, description="seed of the parameter init")
     optimizer: Literal["sgd", "adagrad"] = Field("sgd", description="the servers' optimizer (both take sparse grads)")
     lr: float = Field(20.0, gt=0, description="learning rate")
-    resume: bool = Field(True, description="start from the newest valid checkpoint in --checkpoint-dir")
-    resume_from: Optional[str] = Field(None, description="start from this checkpoint (step-N or its path)")
-    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept; older ones removed after a newer completes (ps0)")
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="take a checkpoint every N cluster steps (ps0)")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="take a checkpoint every M seconds (ps0)")
-    probe_interval: float = Field(1.0, gt=0, description="seconds between liveness probes of members (ps0)")
-    probe_failures: int = Field(2, ge=1, description="failed probes in a row before a member is evicted")
 
     @model_validator(mode="after")
     def _check(self) -> "PsConfig":
@@ -109,7 +122,7 @@ class PsConfig(CommonConfig):
         return self
 
 
-class TrainerConfig(CommonConfig):
+class TrainerConfig(_LmConfig):
     name: str = Field("trainer0", description="RPC name: trainer<index>")
     data: Optional[Path] = Field(None, description="WikiText-style folder; default: built-in synthetic corpus")
     num_trainers: int = Field(2, ge=1, description="how many disjoint shares the training text is cut into")
@@ -129,6 +142,42 @@ class TrainerConfig(CommonConfig):
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
         self._check_role("trainer")
+        return self
+
+
+ENV_PATTERN = r"^(CartPole-v1|fixed:[1-9][0-9]*)$"
+
+
+class AgentConfig(CommonConfig, _Restoring, _Leading):
+    name: str = Field("agent", description="RPC name: agent")
+    checkpoint_dir: Path = Field(Path("checkpoints/rl"), description="folder of the agent's checkpoints")
+    env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="the observers' environment (CartPole-v1, or fixed:<steps> for tests)")
+    batched: bool = Field(True, description="one forward pass per step for all observers (--no-batched: the seed's one per observer)")
+    hidden: int = Field(128, ge=1, description="hidden units of the policy")
+    dropout: float = Field(0.6, ge=0, lt=1, description="dropout in the policy")
+    lr: float = Field(1e-2, gt=0, description="Adam learning rate")
+    gamma: float = Field(0.99, gt=0, le=1, description="discount factor")
+    seed: int = Field(1, description="seed of the policy, its dropout and action draws, and the environments")
+    start: bool = Field(False, description="start episodes at launch instead of waiting for a request")
+    episodes: Optional[int] = Field(None, ge=1, description="episodes started at launch (default: until solved)")
+    max_steps: Optional[int] = Field(None, ge=1, description="cap on environment steps per observer episode (default: the environment's)")
+    min_observers: int = Field(1, ge=1, description="observers needed before the first episode starts (later ones go on with whoever is there)")
+    checkpoint_every_episodes: Optional[int] = Field(None, ge=1, description="take a checkpoint every N episodes")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AgentConfig":
+        self._check_role("agent")
+        return self
+
+
+class ObserverConfig(CommonConfig):
+    name: str = Field("observer0", description="RPC name: observer<index>")
+    env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="environment to step (CartPole-v1, or fixed:<steps> for tests)")
+    seed: int = Field(1, description="seed of the environment (with the observer's index)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ObserverConfig":
+        self._check_role("observer")
         return self
 
 
@@ -188,9 +237,15 @@ def load(model: type[_Base], flags: Mapping[str, Any], environ: Mapping[str, str
 class UpConfig(_Base):
     """``rpcps up``: a whole cluster as local processes."""
 
+    workload: Literal["lm", "rl"] = Field("lm", description="lm: servers and trainers; rl: the agent and its observers")
     ps: int = Field(2, ge=1, le=16, description="parameter servers to start")
     trainers: int = Field(2, ge=1, le=64, description="trainers to start")
     steps: Optional[int] = Field(None, ge=1, description="steps per trainer, then stop and exit 0 (default: until Ctrl-C)")
+    observers: int = Field(4, ge=1, le=64, description="rl: observers to start")
+    episodes: Optional[int] = Field(None, ge=1, description="rl: episodes to run at most (default: until solved)")
+    env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="rl: environment (CartPole-v1, or fixed:<steps>)")
+    batched: bool = Field(True, description="rl: one forward pass per step for all observers (--no-batched: the seed's way)")
+    max_steps: Optional[int] = Field(None, ge=1, description="rl: cap on steps per observer episode")
     as_json: bool = Field(False, description="print JSON lines instead of human progress",
                           json_schema_extra={"flag": "--json", "env": "RPCPS_JSON"})
     data: Optional[Path] = Field(None, description="WikiText-style folder (default: built-in synthetic corpus)")
@@ -210,7 +265,7 @@ class UpConfig(_Base):
     warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of tokens/s")
     threads: int = Field(1, ge=1, description="torch threads per process")
     rpc_transport: Literal["uv", "shm"] = Field("uv", description="TensorPipe transport of every role")
-    master_addr: str = Field("127.0.0.1", description="address of the rendezvous store (ps0)")
+    master_addr: str = Field("127.0.0.1", description="address of the rendezvous store (the leader: ps0 or the agent)")
     master_port: int = Field(0, ge=0, le=65535, description="rendezvous port (0: a free port)")
     sidecar_host: str = Field("127.0.0.1", description="address the sidecars bind")
     sidecar_port: int = Field(0, ge=0, le=65535, description="first sidecar port, one per role in order (0: free ports)")
@@ -222,9 +277,9 @@ class UpConfig(_Base):
     resume: bool = Field(True, description="resume from the newest valid checkpoint (--no-resume: start fresh)")
     resume_from: Optional[str] = Field(None, description="resume from this checkpoint (step-N or its path)")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
-    checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N cluster steps")
+    checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N cluster steps (rl: episodes)")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="checkpoint every M seconds")
     final_checkpoint: bool = Field(True, description="take a checkpoint when stopping")
-    checkpoint_dir: Path = Field(Path("checkpoints"), description="folder of the cluster checkpoints")
+    checkpoint_dir: Optional[Path] = Field(None, description="folder of the checkpoints (default: checkpoints, or checkpoints/rl for rl)")
     control_token: Optional[SecretStr] = Field(None, description="bearer token for the sidecars' POST routes")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of every role")

@@ -1,10 +1,13 @@
-"""The control surface every role offers its sidecar, and the request/response bodies shared by
-the sidecar, the HTTP client and the CLI."""
+"""The control surface every role offers its sidecar, the request/response bodies shared by the
+sidecar, the HTTP client and the CLI, and the pieces of it that roles share."""
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+import threading
+from typing import Any, Callable, Optional, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from services.errors import EpisodeConflict, NotReady
 
 
 class EpisodeStart(BaseModel):
@@ -23,3 +26,73 @@ class Controllable(Protocol):
     def stop_episode(self) -> dict[str, Any]: ...
     def checkpoint(self) -> dict[str, Any]: ...
     def list_checkpoints(self) -> list[dict[str, Any]]: ...
+
+
+class EpisodeGate:
+    """Episode requests between the sidecar thread (``start``/``stop``) and the role thread
+    (``next``/``finish``). It uses the role's condition variable, so the role can wait on the same
+    one for its own reasons (a checkpoint's pause) and be woken by a stop."""
+
+    def __init__(self, wake: threading.Condition, what: str, first: Optional[EpisodeStart] = None) -> None:
+        self._wake, self._what = wake, what
+        self.pending = first            # started by a request, not yet picked up
+        self.running = False
+        self.stop_requested = False     # stop the running episode at its next boundary
+        self.closing = False            # the role is shutting down
+
+    def start(self, request: EpisodeStart, ready: tuple[bool, str]) -> None:
+        with self._wake:
+            if not ready[0]:
+                raise NotReady(f"{self._what} not ready: {ready[1]}")
+            if self.running or self.pending is not None:
+                raise EpisodeConflict("an episode is already running; stop it first")
+            self.pending = request
+            self._wake.notify_all()
+
+    def stop(self) -> bool:
+        """True: the running episode will stop; False: a request not yet started was cancelled."""
+        with self._wake:
+            if self.pending is not None and not self.running:
+                self.pending = None
+                return False
+            if not self.running:
+                raise EpisodeConflict("no episode is running")
+            self.stop_requested = True
+            return True
+
+    def close(self) -> None:
+        with self._wake:
+            self.closing = self.stop_requested = True
+            self._wake.notify_all()
+
+    def next(self, idle: Callable[[], None]) -> Optional[EpisodeStart]:
+        """Wait for a request (calling ``idle`` about once a second); None once closing."""
+        with self._wake:
+            while self.pending is None and not self.closing:
+                self._wake.wait(1.0)
+                idle()
+            if self.closing:
+                return None
+            request, self.pending = self.pending, None
+            self.running, self.stop_requested = True, False
+            return request
+
+    def finish(self) -> None:
+        with self._wake:
+            self.running = self.stop_requested = False
+            self._wake.notify_all()
+
+
+class BoardBacked:
+    """healthy/ready/status of a role read from its status board (``self.board``)."""
+
+    board: Any
+
+    def healthy(self) -> tuple[bool, str]:
+        return self.board.healthy()
+
+    def ready(self) -> tuple[bool, str]:
+        return self.board.ready()
+
+    def status(self) -> dict[str, Any]:
+        return self.board.snapshot()

@@ -2,7 +2,7 @@
 
 torch RPC's dynamic groups have no failure detector: one crashed member, or one failed join, wedges
 every later join and leave (``../shared/research/torch-rpc-facts.md`` Q1/Q2). ps0, which hosts the
-rendezvous store, therefore leads membership:
+rendezvous store, therefore leads membership (the agent does in the RL workload):
 
 * joiners queue a request in the store and wait for the leader's answer before ``init_rpc``; the
   leader first probes every member and evicts the dead, so a join never meets a dead peer, and it
@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch.distributed.rpc as rpc
 
 from services.errors import JoinRefused
-from services.names import LEADER
+from services.names import leader_of
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Membership:
     def __init__(self, me: str, *, probe_interval: float = 1.0, probe_failures: int = 2,
                  on_evicted: Optional[Callable[[], None]] = None) -> None:
         self.me = me
-        self.is_leader = me == LEADER
+        self.is_leader = me == leader_of(me)
         self._probe_interval = probe_interval
         self._probe_failures = probe_failures
         self._on_evicted = on_evicted
@@ -241,7 +241,7 @@ class Membership:
     def _repair_token(self) -> None:
         """A joiner that died holding the group token would block every later join and leave."""
         store = rpc._get_current_rpc_agent().store
-        holder = store.get(_TOKEN).decode()  # exists since ps0's own join
+        holder = store.get(_TOKEN).decode()  # exists since the leader's own join
         if not holder:
             self._token_seen = ("", 0.0)
             return
@@ -310,7 +310,7 @@ class Membership:
 def request_leave(me: str, timeout: float = 5.0) -> None:
     """Ask the leader to remove this member; best effort (the watchdog evicts it anyway)."""
     try:
-        rpc.rpc_sync(LEADER, _request_leave, args=(me,), timeout=timeout)
+        rpc.rpc_sync(leader_of(me), _request_leave, args=(me,), timeout=timeout)
     except Exception as exc:
         log.warning("leader did not confirm the leave (%s); it will evict us by probe", str(exc).splitlines()[0])
 

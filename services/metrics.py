@@ -46,6 +46,23 @@ class Metrics:
         self.rows_updated = counter("rpcps_ps_rows_updated_total", "embedding rows changed by optimizer steps").labels(**self.labels)
         self.optimizer_steps = counter("rpcps_ps_optimizer_steps_total", "optimizer steps applied").labels(**self.labels)
 
+        # RL agent and observers
+        self.env_steps = counter("rpcps_rl_env_steps_total",
+                                 "environment steps taken (observer) or learned from (agent)").labels(**self.labels)
+        self.rl_reward = gauge("rpcps_rl_reward", "mean total reward of the observers in the last episode")
+        self.rl_running_reward = gauge("rpcps_rl_running_reward", "running reward: 0.05 x last episode + 0.95 x before")
+        self.rl_steps_per_second = gauge("rpcps_rl_env_steps_per_second", "environment steps per second in the last episode")
+        self.rl_observers_lost = counter("rpcps_rl_observers_lost_total",
+                                         "observers lost in the middle of an episode").labels(**self.labels)
+        self._rl_batch = Histogram("rpcps_rl_action_batch_size", "observers answered by one forward pass", base,
+                                   buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=registry)
+
+    def init_rl(self) -> None:
+        self._rl_batch.labels(**self.labels)
+
+    def observe_batch(self, size: int) -> None:
+        self._rl_batch.labels(**self.labels).observe(size)
+
     def init_trainer(self) -> None:
         """Create every phase series at 0 so dashboards see them before the first step."""
         for phase in STEP_PHASES:

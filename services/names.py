@@ -15,6 +15,8 @@ _NAME = re.compile(r"^(ps|trainer|agent|observer)(\d*)$")
 
 LEADER = "ps0"
 """The first parameter server hosts the rendezvous store and decides who may join."""
+RL_LEADER = "agent"
+"""In the RL workload the agent does (there are no servers)."""
 
 
 @dataclass(frozen=True)
@@ -53,3 +55,8 @@ def parse_name(name: str) -> RoleName:
 
 def ps_names(num_ps: int) -> list[str]:
     return [format_name("ps", i) for i in range(num_ps)]
+
+
+def leader_of(name: str) -> str:
+    """The member that hosts the rendezvous store and admits ``name``'s workload."""
+    return RL_LEADER if parse_name(name).role in ("agent", "observer") else LEADER

@@ -1,8 +1,9 @@
 """The only module that starts and stops torch RPC.
 
-ps0 joins as rank 0 and so hosts the rendezvous store. Everyone else takes a never-used rank from a
-counter in that store (a reused rank hits stale pipes), queues a join request, and calls
-``init_rpc`` only once the leader has answered (see ``services/membership.py``).
+The leader (ps0, or the agent in the RL workload) joins as rank 0 and so hosts the rendezvous
+store. Everyone else takes a never-used rank from a counter in that store (a reused rank hits stale
+pipes), queues a join request, and calls ``init_rpc`` only once the leader has answered (see
+``services/membership.py``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.distributed.rpc as rpc
 
 from services import errors, membership
 from services.errors import JoinRefused
-from services.names import LEADER
+from services.names import leader_of
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class RpcEndpoint:
     def __init__(self, name: str, master_addr: str, master_port: int, *, rpc_timeout: float = 60.0,
                  join_timeout: float = 300.0, num_worker_threads: int = 16, transport: str = "uv") -> None:
         self.name = name
+        self.leader = leader_of(name)
         self._addr, self._port = master_addr, master_port
         self._rpc_timeout, self._join_timeout = rpc_timeout, join_timeout
         self._threads = num_worker_threads
@@ -58,6 +60,12 @@ class RpcEndpoint:
         self.rank: Optional[int] = None
         self.store: Optional[dist.TCPStore] = None  # plain client of the rendezvous store
         self.joined = False
+
+    @classmethod
+    def for_role(cls, cfg: Any) -> "RpcEndpoint":
+        """The endpoint a role's configuration (``services.config.CommonConfig``) describes."""
+        return cls(cfg.name, cfg.master_addr, cfg.master_port, rpc_timeout=cfg.rpc_timeout,
+                   join_timeout=cfg.join_timeout, transport=cfg.rpc_transport)
 
     def _options(self) -> rpc.TensorPipeRpcBackendOptions:
         # TensorPipe's shared-memory transport busy-polls a core per process; on small hosts that
@@ -71,12 +79,12 @@ class RpcEndpoint:
         )
 
     def _client(self) -> dist.TCPStore:
-        # A client constructed before ps0 is up retries until the timeout, so roles may start in any order.
+        # A client constructed before the leader is up retries until the timeout, so roles may start in any order.
         return dist.TCPStore(self._addr, self._port, is_master=False,
                              timeout=datetime.timedelta(seconds=self._join_timeout))
 
     def join(self) -> None:
-        if self.name == LEADER:
+        if self.name == self.leader:
             self.rank = 0
             rpc.init_rpc(self.name, rank=0, world_size=None, rpc_backend_options=self._options())
             self.store = self._client()
@@ -84,10 +92,10 @@ class RpcEndpoint:
             self.store = self._client()
             self.rank = int(self.store.add(membership.RANK_COUNTER, 1))
             if self.rank > membership.MAX_RANK:
-                raise JoinRefused(f"no RPC ranks left in this store's life (>{membership.MAX_RANK} joins); restart ps0")
+                raise JoinRefused(f"no RPC ranks left in this store's life (>{membership.MAX_RANK} joins); restart the leader")
             self.store.queue_push(membership.JOIN_QUEUE, json.dumps({"name": self.name, "rank": self.rank}))
             key = membership.approval_key(self.rank)
-            log.info("asking %s to admit %s (rank %d)", LEADER, self.name, self.rank)
+            log.info("asking %s to admit %s (rank %d)", self.leader, self.name, self.rank)
             self.store.wait([key], datetime.timedelta(seconds=self._join_timeout))
             membership.check_answer(self.store.get(key).decode(), self.name)
             rpc.init_rpc(self.name, rank=self.rank, world_size=None, rpc_backend_options=self._options())
@@ -99,7 +107,7 @@ class RpcEndpoint:
         if not self.joined:
             return
         self.joined = False
-        if self.name != LEADER:
+        if self.name != self.leader:
             membership.request_leave(self.name)
         try:
             rpc.shutdown(graceful=False)

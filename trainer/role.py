@@ -14,8 +14,8 @@ from typing import Any, Optional
 from ps.stub import PsClient
 from services import checkpointing
 from services.config import TrainerConfig
-from services.control import EpisodeStart
-from services.errors import BadRequest, EpisodeConflict, NotReady, NotSupported, PeerUnavailable
+from services.control import BoardBacked, EpisodeGate, EpisodeStart
+from services.errors import BadRequest, NotReady, NotSupported, PeerUnavailable
 from services.lifecycle import RoleState, StatusBoard
 from services.membership import Membership, current_members, reachable
 from services.metrics import Metrics
@@ -29,22 +29,17 @@ from trainer.model import DistributedLM
 log = logging.getLogger(__name__)
 
 
-class TrainerRole:
+class TrainerRole(BoardBacked):
     role = "trainer"
 
     def __init__(self, cfg: TrainerConfig, metrics: Metrics) -> None:
         self.cfg, self.metrics = cfg, metrics
         self.board = StatusBoard(self.role, cfg.name)
-        self.endpoint = RpcEndpoint(cfg.name, cfg.master_addr, cfg.master_port,
-                                    rpc_timeout=cfg.rpc_timeout, join_timeout=cfg.join_timeout,
-                                    transport=cfg.rpc_transport)
+        self.endpoint = RpcEndpoint.for_role(cfg)
         self.membership = Membership(cfg.name)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._pending: Optional[EpisodeStart] = EpisodeStart(steps=cfg.steps) if cfg.start else None
-        self._running = False
-        self._stop_episode = False
-        self._stopping = False
+        self.gate = EpisodeGate(self._wake, "trainer", EpisodeStart(steps=cfg.steps) if cfg.start else None)
         self._episodes = 0
         self._steps = 0
         self._pause_requested = False
@@ -55,35 +50,15 @@ class TrainerRole:
         metrics.init_trainer()
 
     # --- Controllable ------------------------------------------------------------------------------
-    def healthy(self) -> tuple[bool, str]:
-        return self.board.healthy()
-
-    def ready(self) -> tuple[bool, str]:
-        return self.board.ready()
-
-    def status(self) -> dict[str, Any]:
-        return self.board.snapshot()
-
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
         if request.episodes is not None:
             raise BadRequest("a language-model trainer counts episodes in steps; send {\"steps\": N}")
-        with self._lock:
-            if not self.board.ready()[0]:
-                raise NotReady(f"trainer not ready: {self.board.ready()[1]}")
-            if self._running or self._pending is not None:
-                raise EpisodeConflict("an episode is already running; stop it first")
-            self._pending = request
-            self._wake.notify_all()
+        self.gate.start(request, self.board.ready())
         return {"started": True, "steps": request.steps}
 
     def stop_episode(self) -> dict[str, Any]:
-        with self._lock:
-            if self._pending is not None and not self._running:
-                self._pending = None
-                return {"stopping": False, "cancelled": True}
-            if not self._running:
-                raise EpisodeConflict("no episode is running")
-            self._stop_episode = True
+        if not self.gate.stop():
+            return {"stopping": False, "cancelled": True}
         return {"stopping": True, "at_step": self._steps}
 
     def checkpoint(self) -> dict[str, Any]:
@@ -105,7 +80,7 @@ class TrainerRole:
                 raise NotReady("not training yet")
             self._pause_requested = True
             self._wake.notify_all()
-            while self._running and not (self._paused or self._evaluating):
+            while self.gate.running and not (self._paused or self._evaluating):
                 if not self._wake.wait(max(0.0, deadline - time.monotonic())):
                     self._pause_requested = False
                     self._wake.notify_all()
@@ -152,10 +127,7 @@ class TrainerRole:
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def request_stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._stop_episode = True
-            self._wake.notify_all()
+        self.gate.close()
 
     def run(self) -> None:
         cfg = self.cfg
@@ -190,14 +162,14 @@ class TrainerRole:
                           model=client.model.model_dump(), data=corpus.description)
         self.board.set_state(RoleState.IDLE, "waiting for an episode")
         while True:
-            request = self._next_episode()
+            request = self.gate.next(self._report_members)
             if request is None:
                 return
             self._run_episode(loop, request, heldout)
 
     def _hold_while_paused(self) -> None:
         """At a step boundary, with ``_lock`` held: wait out a checkpoint's pause."""
-        while self._pause_requested and not self._stopping:
+        while self._pause_requested and not self.gate.closing:
             self._paused = True
             self._wake.notify_all()
             self._wake.wait(1.0)
@@ -228,20 +200,9 @@ class TrainerRole:
                 raise PeerUnavailable(f"servers {missing} did not join within {self.cfg.join_timeout:.0f}s")
             self.board.set_state(RoleState.JOINING, f"waiting for {', '.join(missing)}")
             with self._lock:
-                if self._stopping:
+                if self.gate.closing:
                     raise PeerUnavailable("stopped while waiting for the servers")
                 self._wake.wait(0.2)
-
-    def _next_episode(self) -> Optional[EpisodeStart]:
-        with self._lock:
-            while self._pending is None and not self._stopping:
-                self._wake.wait(1.0)
-                self._report_members()
-            if self._stopping:
-                return None
-            request, self._pending = self._pending, None
-            self._running, self._stop_episode = True, False
-            return request
 
     def _run_episode(self, loop: TrainLoop, request: EpisodeStart, heldout) -> None:
         self._episodes += 1
@@ -259,7 +220,7 @@ class TrainerRole:
             while target is None or episode["step"] < target:
                 with self._lock:
                     self._hold_while_paused()
-                    if self._stop_episode:
+                    if self.gate.stop_requested:
                         break
                 started = time.time()
                 r = loop.step()
@@ -282,14 +243,14 @@ class TrainerRole:
                     self._report_members()
                     log.info("step %d | loss %.3f | %.0f tokens/s", self._steps, sum(recent) / len(recent), tps)
             with self._lock:
-                shutting_down = self._stopping
+                shutting_down = self.gate.closing
             if heldout is not None and not shutting_down and episode["step"] > 0:
                 self.board.update(evaluating=True)
                 with self._lock:
                     self._evaluating = True
                     self._wake.notify_all()
                 try:
-                    result: EvalResult = loop.evaluate(heldout, should_stop=lambda: self._stopping)
+                    result: EvalResult = loop.evaluate(heldout, should_stop=lambda: self.gate.closing)
                 finally:
                     with self._lock:
                         self._evaluating = False
@@ -302,7 +263,6 @@ class TrainerRole:
             episode["done"] = True
             self.metrics.episodes.inc()
             self.board.update(episode=dict(episode), episodes_completed=self._episodes)
-            with self._lock:
-                self._running = False
+            self.gate.finish()
             self.board.set_state(RoleState.IDLE, "waiting for an episode")
             log.info("episode %d done after %d steps", self._episodes, episode["step"])

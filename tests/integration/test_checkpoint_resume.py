@@ -6,7 +6,7 @@ import math
 import pytest
 
 from services.checkpoint import CheckpointStore
-from tests.support.upcli import UpProcess
+from tests.support.upcli import UpProcess, run_to_done
 from tests.support.wait import wait_until
 
 FAST = ["--emsize", "32", "--nhid", "32", "--batch-size", "10", "--bptt", "20", "--progress-interval", "1",
@@ -15,13 +15,7 @@ FAST = ["--emsize", "32", "--nhid", "32", "--batch-size", "10", "--bptt", "20", 
 
 def run_up(tmp_path, *args, timeout=180, env=None):
     """One `rpcps up --json` to its end in ``tmp_path`` (the checkpoint dir is tmp_path/ckpt)."""
-    up = UpProcess(tmp_path, *FAST, *args, env=env)
-    try:
-        done = up.wait_event("done", timeout)
-        assert up.proc.wait(15) == 0, up.logs()
-        return up, done
-    finally:
-        up.kill()
+    return run_to_done(tmp_path, *FAST, *args, timeout=timeout, env=env)
 
 
 def test_checkpoint_during_training_then_resume(tmp_path):

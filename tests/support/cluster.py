@@ -44,9 +44,11 @@ class Processes:
     master_port: int = field(default_factory=free_port)
     roles: list[Role] = field(default_factory=list)
 
-    def _flags(self, name: str, num_ps: int, sidecar_port: int, extra: dict) -> list[str]:
-        argv = ["--name", name, "--num-ps", str(num_ps), "--master-port", str(self.master_port),
+    def _flags(self, name: str, num_ps: Optional[int], sidecar_port: int, extra: dict) -> list[str]:
+        argv = ["--name", name, "--master-port", str(self.master_port),
                 "--sidecar-port", str(sidecar_port), "--checkpoint-dir", str(self.tmp / "ckpt")]
+        if num_ps is not None:                                # the RL roles have no servers
+            argv += ["--num-ps", str(num_ps)]
         for k, v in extra.items():
             if v is True:
                 argv.append("--" + k.replace("_", "-"))
@@ -61,6 +63,17 @@ class Processes:
         role = Role(name, proc, f"http://127.0.0.1:{port}", log)
         self.roles.append(role)
         return role
+
+    def start_rl(self, role: str, name: str, proc_env: Optional[dict] = None, **extra) -> Role:
+        """An RL agent or observer (``rpcps agent|observer``), with its sidecar on a free port;
+        ``extra`` are its flags (``env`` among them is the environment to step)."""
+        port = free_port()
+        log = self.tmp / f"{name}-{len(self.roles)}.log"
+        argv = [role, *self._flags(name, None, port, extra)]
+        proc = spawn_role("services.cli", argv, log, proc_env)
+        rl = Role(name, proc, f"http://127.0.0.1:{port}", log)
+        self.roles.append(rl)
+        return rl
 
     def start_servers(self, num_ps: int, **model) -> list[Role]:
         servers = [self.start("ps", f"ps{i}", num_ps, **model) for i in range(num_ps)]
@@ -99,7 +112,8 @@ class Processes:
         return json.loads(out.strip().splitlines()[-1])
 
     def stop_all(self) -> None:
-        trainers = [(r.name, r.proc) for r in self.roles if not r.name.startswith("ps")]
-        servers = [(r.name, r.proc) for r in self.roles if r.name.startswith("ps") and r.name != "ps0"]
-        leader = [(r.name, r.proc) for r in self.roles if r.name == "ps0"]
-        stop_in_waves([trainers, servers, leader], timeout=15.0)
+        leaders = ("ps0", "agent")
+        workers = [(r.name, r.proc) for r in self.roles if not r.name.startswith("ps") and r.name not in leaders]
+        servers = [(r.name, r.proc) for r in self.roles if r.name.startswith("ps") and r.name not in leaders]
+        leader = [(r.name, r.proc) for r in self.roles if r.name in leaders]
+        stop_in_waves([workers, servers, leader], timeout=15.0)

@@ -89,3 +89,14 @@ class UpProcess:
                 pass
         if self.proc.poll() is None:
             self.proc.wait(10)
+
+
+def run_to_done(tmp: Path, *args: str, timeout: float = 180, env: dict | None = None) -> tuple[UpProcess, dict]:
+    """One ``rpcps up --json`` to its end: its process (events, logs) and its ``done`` event."""
+    up = UpProcess(tmp, *args, env=env)
+    try:
+        done = up.wait_event("done", timeout)
+        assert up.proc.wait(15) == 0, up.logs()
+        return up, done
+    finally:
+        up.kill()

@@ -12,6 +12,7 @@ RPC_SEAMS = {
     "ps/service.py",            # the server side of the PS interface
     "ps/stub.py",               # the client side of the PS interface
     "services/checkpointing.py",  # the checkpoint protocol between ps0 and every member
+    "trainer/rl/service.py",    # the RL agent's and observers' interfaces, both sides
     "services/bench/seed.py",   # the seed design, kept verbatim as the benchmark's baseline
 }
 RPC_MODULES = {"torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim"}
@@ -50,7 +51,7 @@ def test_main_modules_only_delegate():
 def test_no_print_in_roles():
     # Logging only; printing is for the CLI's and the benchmark's own output.
     allowed = {"services/cli.py", "services/bench/lm.py", "services/bench/seed.py", "services/bench/checkpoint.py",
-               "services/launcher.py"}
+               "services/bench/rl.py", "services/launcher.py"}
     for rel, path in sources():
         if rel in allowed:
             continue

@@ -53,3 +53,17 @@ def test_unknown_rpcps_variable_only_warns(caplog):
 def test_control_token_is_secret():
     cfg = load(PsConfig, {}, {"RPCPS_CONTROL_TOKEN": "s3cret"})
     assert "s3cret" not in repr(cfg) and cfg.control_token.get_secret_value() == "s3cret"
+
+
+def test_rl_roles_configs_and_leaders():
+    from services.config import AgentConfig, ObserverConfig
+    from services.names import leader_of
+    agent = load(AgentConfig, {}, {"RPCPS_EPISODES": "5"})
+    assert agent.name == "agent" and agent.episodes == 5 and str(agent.checkpoint_dir) == "checkpoints/rl"
+    assert load(ObserverConfig, {"name": "observer3", "env": "fixed:10"}, {}).env == "fixed:10"
+    with pytest.raises(ConfigError, match="--env"):
+        load(ObserverConfig, {"env": "Pong-v5"}, {})
+    with pytest.raises(ConfigError, match="not a observer name|not an observer name|observer"):
+        load(ObserverConfig, {"name": "trainer0"}, {})
+    assert not hasattr(agent, "num_ps")                       # the RL roles have no servers
+    assert [leader_of(n) for n in ("ps1", "trainer0", "agent", "observer2")] == ["ps0", "ps0", "agent", "agent"]

@@ -1,0 +1,1 @@
+"""The RL workload: an agent holding the policy and observers stepping CartPole (see DESIGN.md)."""

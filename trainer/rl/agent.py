@@ -1,0 +1,360 @@
+"""The RL agent role: holds the policy, runs episodes on the observers, learns after each one.
+
+Threads: the role thread (``run``) runs batches of episodes on request; RPC threads answer the
+observers' action requests (``act``, batched, or the seed's ``select_action``/``report_reward``)
+and complete their episodes; the sidecar thread calls the control methods. Shared state is under
+``_lock``; the learner and the batcher have their own locks and are never called with ``_lock`` held.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Optional
+
+import torch
+
+from services.checkpoint import CheckpointInfo, CheckpointStore
+from services.checkpointing import take_final
+from services.config import AgentConfig
+from services.control import BoardBacked, EpisodeGate, EpisodeStart
+from services.errors import BadRequest, CheckpointError, CheckpointInProgress
+from services.lifecycle import RoleState, StatusBoard
+from services.membership import Membership, current_members, reachable
+from services.metrics import Metrics
+from services.names import parse_name
+from services.rpc import RpcEndpoint
+from trainer.rl.batching import ActionBatcher
+from trainer.rl.env import threshold
+from trainer.rl.policy import Learner, LearnerConfig, solved
+from trainer.rl.service import AGENT_SLOT, EpisodeReport, ObserverClient
+
+log = logging.getLogger(__name__)
+
+AGENT_FILE = "agent.pt"
+FINAL_CHECKPOINT_SECONDS = 5.0
+STOP_WAIT = 5.0          # how long a stopping agent waits for the episode in flight
+HISTORY = 200            # episodes kept in /status for progress readers (rpcps up prints each one)
+
+
+class AgentRole(BoardBacked):
+    role = "agent"
+
+    def __init__(self, cfg: AgentConfig, metrics: Metrics) -> None:
+        self.cfg, self.metrics = cfg, metrics
+        self.board = StatusBoard(self.role, cfg.name)
+        self.endpoint = RpcEndpoint.for_role(cfg)
+        self.membership = Membership(cfg.name, probe_interval=cfg.probe_interval, probe_failures=cfg.probe_failures,
+                                     on_evicted=metrics.members_evicted.inc)
+        self.learner = Learner(LearnerConfig(cfg.hidden, cfg.dropout, cfg.lr, cfg.gamma, cfg.seed))
+        self.batcher = ActionBatcher(self._act_batch)
+        self.observers = ObserverClient(cfg.rpc_timeout)
+        self.store = CheckpointStore(cfg.checkpoint_dir)
+        self.threshold = threshold(cfg.env)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        # A request runs a batch of episodes: N of them, or until solved.
+        self.gate = EpisodeGate(self._wake, "agent", EpisodeStart(episodes=cfg.episodes) if cfg.start else None)
+        self._batches = 0
+        self._in_episode: set[str] = set()          # observers still playing the episode in flight
+        self._reports: dict[str, EpisodeReport] = {}
+        self._lost: list[str] = []
+        self._reachable: set[str] = set()
+        self._ckpt_lock = threading.Lock()
+        self._latest: Optional[CheckpointInfo] = None
+        self._env_steps = 0
+        self._played = 0                            # episodes played by this process
+        self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        metrics.init_rl()
+
+    # --- Controllable ------------------------------------------------------------------------------
+    def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
+        if request.steps is not None:
+            raise BadRequest('the agent counts episodes: send {"episodes": N}, or {} to run until solved')
+        self.gate.start(request, self.board.ready())
+        return {"started": True, "episodes": request.episodes, "until_solved": request.episodes is None}
+
+    def stop_episode(self) -> dict[str, Any]:
+        if not self.gate.stop():
+            return {"stopping": False, "cancelled": True}
+        return {"stopping": True, "after_episode": self.learner.episodes + 1}
+
+    def checkpoint(self) -> dict[str, Any]:
+        if not self._ckpt_lock.acquire(blocking=False):
+            raise CheckpointInProgress("a checkpoint is being taken; ask again when it has finished")
+        try:
+            return self._checkpoint()
+        finally:
+            self._ckpt_lock.release()
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        return [c.describe() for c in self.store.list()]
+
+    # --- served over RPC (trainer/rl/service.py) ---------------------------------------------------------
+    def act(self, observer: str, state: list[float]) -> torch.futures.Future:
+        return self.batcher.submit(observer, state)
+
+    def select_action(self, observer: str, state: list[float]) -> int:
+        self._check_playing(observer)
+        self.metrics.observe_batch(1)
+        return self.learner.act([(observer, state)])[0]
+
+    def report_reward(self, observer: str, reward: float) -> None:
+        self._check_playing(observer)
+        self.learner.reward(observer, [reward])
+
+    def _check_playing(self, observer: str) -> None:
+        with self._lock:
+            if observer not in self._in_episode:
+                raise BadRequest(f"{observer} is not taking part in the current episode")
+
+    def _act_batch(self, requests: list[tuple[str, list[float]]]) -> list[int]:
+        self.metrics.observe_batch(len(requests))
+        return self.learner.act(requests)
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        self.gate.close()
+
+    def run(self) -> None:
+        self._restore()
+        self._publish()
+        self.board.update(env=self.cfg.env, batched=self.cfg.batched, threshold=self.threshold, solved=False,
+                          observers_lost=0, env_steps=0, batch=None)
+        self.board.set_state(RoleState.JOINING, "joining the RPC group")
+        self.membership.install()
+        AGENT_SLOT.set(self)
+        self.endpoint.join()
+        self.membership.start_leader(self.endpoint.store)
+        self.membership.add_listener(self._member_gone)
+        self.metrics.up.set(1)
+        self.board.set_state(RoleState.IDLE, "waiting for an episode request")
+        while True:
+            request = self.gate.next(lambda: self.board.update(members=current_members()))
+            if request is None:
+                return
+            self._batches += 1
+            self._run_batch(request)
+
+    def close(self) -> None:
+        self.metrics.up.set(0)
+        self.board.set_state(RoleState.STOPPING, "stopping")
+        self._final_checkpoint()
+        self.membership.stop()
+        self.endpoint.leave()
+        self.membership.uninstall()
+        AGENT_SLOT.set(None)
+
+    # --- episodes ------------------------------------------------------------------------------------
+    def _run_batch(self, request: EpisodeStart) -> None:
+        batch = {"id": self._batches, "episodes": request.episodes, "done": 0, "finished": False, "solved": False}
+        self.board.update(batch=dict(batch))
+        self.board.set_state(RoleState.RUNNING, "running episodes")
+        try:
+            while request.episodes is None or batch["done"] < request.episodes:
+                with self._lock:
+                    if self.gate.stop_requested:
+                        break
+                observers = self._wait_for_observers()
+                if observers is None:
+                    break
+                result = self._episode(observers)
+                if result is None:
+                    continue
+                batch["done"] += 1
+                self.board.update(batch=dict(batch))
+                if self.cfg.checkpoint_every_episodes and result.episode % self.cfg.checkpoint_every_episodes == 0:
+                    self._checkpoint_quietly()
+                if solved(result.running_reward, self.threshold):
+                    batch["solved"] = True
+                    log.info("solved: running reward %.1f > %.1f after episode %d", result.running_reward,
+                             self.threshold, result.episode)
+                    break
+        finally:
+            batch["finished"] = True
+            self.gate.finish()
+            self.board.update(batch=dict(batch), solved=batch["solved"] or self.board.snapshot().get("solved", False))
+            self.board.set_state(RoleState.IDLE, "solved; waiting for an episode request" if batch["solved"]
+                                 else "waiting for an episode request")
+
+    def _wait_for_observers(self) -> Optional[list[str]]:
+        while True:
+            members = current_members()
+            observers = [m for m in members if parse_name(m).role == "observer"]
+            # A member is listed a moment before it can be called (services.membership.reachable).
+            with self._lock:
+                known = set(self._reachable)
+            fresh = {o for o in observers if o not in known and reachable(o)}
+            with self._lock:
+                self._reachable |= fresh
+                ready = [o for o in observers if o in self._reachable]
+            need = self.cfg.min_observers if self._played == 0 else 1
+            if len(ready) >= need:
+                return ready
+            self.board.update(members=members)
+            self.board.set_state(RoleState.RUNNING, f"waiting for observers ({len(ready)} of {need})")
+            with self._lock:
+                if self.gate.stop_requested:
+                    return None
+                self._wake.wait(0.5)
+
+    def _episode(self, observers: list[str]):
+        episode = self.learner.episodes + 1
+        with self._lock:
+            self._in_episode, self._reports, self._lost = set(observers), {}, []
+        if self.cfg.batched:
+            self.batcher.begin(observers)
+        self.board.set_state(RoleState.RUNNING, f"episode {episode} with {len(observers)} observers")
+        started = time.perf_counter()
+        for o in observers:
+            fut = self.observers.run_episode(o, episode, self.cfg.batched, self.cfg.max_steps)
+            fut.add_done_callback(lambda f, o=o: self._observer_finished(o, f))
+        self._wait_episode_end()
+        seconds = time.perf_counter() - started
+        with self._lock:
+            reports, lost = dict(self._reports), list(self._lost)
+        result = self.learner.finish_episode()
+        steps = sum(r.steps for r in reports.values())
+        self._env_steps += steps
+        self.metrics.env_steps.inc(steps)
+        if result is None:
+            log.warning("episode %d: no observer finished it (lost: %s)", episode, ", ".join(lost) or "none")
+            return None
+        rate = steps / seconds if seconds > 0 else 0.0
+        self._played += 1
+        self._history.append({"episode": result.episode, "reward": result.reward,
+                              "running_reward": result.running_reward, "observers": len(reports),
+                              "env_steps": steps, "steps_per_s": rate, "lost": lost})
+        self.metrics.episodes.inc()
+        self.metrics.rl_reward.set(result.reward)
+        self.metrics.rl_running_reward.set(result.running_reward)
+        self.metrics.rl_steps_per_second.set(rate)
+        self.board.update(episode=result.episode, last_reward=result.reward, running_reward=result.running_reward,
+                          rewards=result.rewards, steps_per_s=rate, env_steps=self._env_steps,
+                          observers=sorted(reports), members=current_members(), history=list(self._history),
+                          observers_lost=self.board.snapshot().get("observers_lost", 0) + len(lost),
+                          last_lost=lost or None)
+        log.info("episode %d | reward %.1f | running reward %.1f | %d observers | %.0f steps/s%s", result.episode,
+                 result.reward, result.running_reward, len(reports), rate,
+                 f" | lost {', '.join(lost)}" if lost else "")
+        return result
+
+    def _wait_episode_end(self) -> None:
+        stop_deadline: Optional[float] = None
+        while True:
+            with self._lock:
+                if not self._in_episode:
+                    return
+                if self.gate.closing and stop_deadline is None:
+                    stop_deadline = time.monotonic() + STOP_WAIT
+                if stop_deadline is not None and time.monotonic() > stop_deadline:
+                    abandoned = sorted(self._in_episode)
+                    log.warning("stopping: not waiting any longer for %s", ", ".join(abandoned))
+                else:
+                    abandoned = []
+                    self._wake.wait(0.5)
+            # An observer evicted as dead never answers; one still listed gets until its RPC timeout.
+            gone = set(abandoned) | (self._in_episode_snapshot() - set(current_members()))
+            for o in sorted(gone):
+                self._lose(o, "no longer a member")
+
+    def _in_episode_snapshot(self) -> set[str]:
+        with self._lock:
+            return set(self._in_episode)
+
+    def _observer_finished(self, observer: str, fut: torch.futures.Future) -> None:
+        try:
+            report: EpisodeReport = fut.value()
+        except Exception as exc:  # noqa: BLE001 - an observer's failure ends only its part of the episode
+            self._lose(observer, str(exc).splitlines()[0])
+            return
+        with self._lock:
+            if observer not in self._in_episode:
+                return        # already counted as lost
+            self._in_episode.discard(observer)
+        if self.cfg.batched:
+            self.learner.reward(observer, report.rewards)
+            self.batcher.leave(observer)
+        with self._lock:
+            self._reports[observer] = report
+            self._wake.notify_all()
+
+    def _lose(self, observer: str, why: str) -> None:
+        with self._lock:
+            if observer not in self._in_episode:
+                return
+            self._in_episode.discard(observer)
+            self._lost.append(observer)
+            self._wake.notify_all()
+        log.warning("lost %s in the middle of an episode: %s", observer, why)
+        self.metrics.rl_observers_lost.inc()
+        self.learner.drop(observer)
+        if self.cfg.batched:
+            self.batcher.leave(observer)
+
+    def _member_gone(self, name: str) -> None:
+        with self._lock:
+            self._reachable.discard(name)
+        self._lose(name, "removed from the group")
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        if self.cfg.resume_from:
+            info = self.store.resolve(self.cfg.resume_from)   # the user asked for this one: errors are fatal
+        elif self.cfg.resume:
+            info = self.store.latest_valid()
+        else:
+            return
+        if info is None:
+            log.info("no valid checkpoint in %s; starting fresh", self.store.root)
+            return
+        if AGENT_FILE not in info.files:
+            raise CheckpointError(f"{info.id} in {self.store.root} is not an RL agent checkpoint (it has "
+                                  f"{sorted(info.files)}); use another --checkpoint-dir or --no-resume")
+        try:
+            self.learner.load(self.store.load_file(info, AGENT_FILE))
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{info.id}: cannot load the agent from it: {exc}") from None
+        self._latest = info
+        self.board.update(resumed_from={"id": info.id, "step": info.step, "path": str(info.path)})
+        log.info("resuming from %s: episode %d, running reward %.1f", info.id, self.learner.episodes,
+                 self.learner.running_reward)
+
+    def _publish(self) -> None:
+        """The learner's numbers on the board and metrics (after a restore, before any episode)."""
+        self.board.update(episode=self.learner.episodes, last_reward=self.learner.last_reward,
+                          running_reward=self.learner.running_reward)
+        self.metrics.rl_running_reward.set(self.learner.running_reward)
+
+    def _checkpoint(self) -> dict[str, Any]:
+        state = self.learner.state()
+        step = int(state["episodes"])
+        latest = self._latest
+        if latest is not None and latest.step == step and latest.path.exists():
+            return {**latest.describe(), "new": False}
+        self.store.prepare(step)
+        entry = self.store.write_file(step, AGENT_FILE, state)
+        meta = {"workload": "rl", "env": self.cfg.env, "running_reward": state["running_reward"],
+                "policy": {"hidden": self.cfg.hidden, "dropout": self.cfg.dropout, "lr": self.cfg.lr,
+                           "gamma": self.cfg.gamma, "seed": self.cfg.seed}}
+        info = self.store.commit(step, [entry], meta)
+        self._latest = info
+        removed = self.store.prune(self.cfg.keep_checkpoints)
+        log.info("checkpoint %s (episode %d, running reward %.1f)%s", info.id, step, state["running_reward"],
+                 f"; removed {[p.name for p in removed]}" if removed else "")
+        self.board.update(last_checkpoint={"id": info.id, "step": info.step, "path": str(info.path)})
+        return {**info.describe(), "new": True}
+
+    def _checkpoint_quietly(self) -> None:
+        try:
+            self.checkpoint()
+        except CheckpointInProgress:
+            pass
+        except Exception:  # noqa: BLE001 - training goes on; the previous checkpoint stays valid
+            log.exception("periodic checkpoint failed")
+
+    def _final_checkpoint(self) -> None:
+        if self.learner.episodes == (self._latest.step if self._latest else 0):
+            return
+        take_final(self.checkpoint, FINAL_CHECKPOINT_SECONDS)
