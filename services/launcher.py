@@ -64,6 +64,10 @@ def _human(e: dict) -> str:
         return "started " + ", ".join(f"{n} {u}" for n, u in e["sidecars"].items())
     if kind == "restart":
         return f"{e['name']} exited with code {e['exit_code']}; restarting ({e['restarts']} in the window)"
+    if kind == "checkpoint":
+        return f"checkpoint {e['id']} (step {e['step']}) in {e['path']}"
+    if kind == "error":
+        return f"error: {e['message']}"
     text = (RlWorkload if "episode" in e or "solved" in e else LmWorkload).human(e)
     return text if text is not None else " ".join(f"{k}={v}" for k, v in e.items())
 

@@ -57,7 +57,8 @@ class AgentRole(BoardBacked):
         # A request runs a batch of episodes: N of them, or until solved.
         self.gate = EpisodeGate(self._wake, "agent", EpisodeStart(episodes=cfg.episodes) if cfg.start else None)
         self._batches = 0
-        self._in_episode: set[str] = set()          # observers still playing the episode in flight
+        self._playing = 0                           # the episode in flight (its number)
+        self._in_episode: set[str] = set()          # observers still playing it
         self._reports: dict[str, EpisodeReport] = {}
         self._lost: list[str] = []
         self._reachable: set[str] = set()
@@ -185,7 +186,7 @@ class AgentRole(BoardBacked):
             # A member is listed a moment before it can be called (services.membership.reachable).
             with self._lock:
                 known = set(self._reachable)
-            fresh = {o for o in observers if o not in known and reachable(o)}
+            fresh = {o for o in observers if o not in known and self._answers(o)}
             with self._lock:
                 self._reachable |= fresh
                 ready = [o for o in observers if o in self._reachable]
@@ -199,18 +200,31 @@ class AgentRole(BoardBacked):
                     return None
                 self._wake.wait(0.5)
 
+    @staticmethod
+    def _answers(observer: str) -> bool:
+        try:
+            return reachable(observer, timeout=2.0)
+        except Exception as exc:  # noqa: BLE001 - a dead observer still listed: the watchdog evicts it
+            log.info("%s does not answer yet: %s", observer, str(exc).splitlines()[0])
+            return False
+
     def _episode(self, observers: list[str]):
         episode = self.learner.episodes + 1
         with self._lock:
+            self._playing = episode
             self._in_episode, self._reports, self._lost = set(observers), {}, []
         if self.cfg.batched:
             self.batcher.begin(observers)
         self.board.set_state(RoleState.RUNNING, f"episode {episode} with {len(observers)} observers")
         started = time.perf_counter()
         for o in observers:
-            fut = self.observers.run_episode(o, episode, self.cfg.batched, self.cfg.max_steps)
-            fut.add_done_callback(lambda f, o=o: self._observer_finished(o, f))
-        self._wait_episode_end()
+            try:
+                fut = self.observers.run_episode(o, episode, self.cfg.batched, self.cfg.max_steps)
+            except Exception as exc:  # noqa: BLE001 - e.g. evicted a moment ago: the others play on
+                self._lose(o, str(exc).splitlines()[0], episode)
+                continue
+            fut.add_done_callback(lambda f, o=o: self._observer_finished(o, f, episode))
+        self._wait_episode_end(episode)
         seconds = time.perf_counter() - started
         with self._lock:
             reports, lost = dict(self._reports), list(self._lost)
@@ -240,7 +254,7 @@ class AgentRole(BoardBacked):
                  f" | lost {', '.join(lost)}" if lost else "")
         return result
 
-    def _wait_episode_end(self) -> None:
+    def _wait_episode_end(self, episode: int) -> None:
         stop_deadline: Optional[float] = None
         while True:
             with self._lock:
@@ -248,55 +262,60 @@ class AgentRole(BoardBacked):
                     return
                 if self.gate.closing and stop_deadline is None:
                     stop_deadline = time.monotonic() + STOP_WAIT
-                if stop_deadline is not None and time.monotonic() > stop_deadline:
-                    abandoned = sorted(self._in_episode)
-                    log.warning("stopping: not waiting any longer for %s", ", ".join(abandoned))
-                else:
-                    abandoned = []
+                abandon = stop_deadline is not None and time.monotonic() > stop_deadline
+                if not abandon:
                     self._wake.wait(0.5)
+                playing = set(self._in_episode)
+            if abandon:
+                for o in sorted(playing):
+                    self._lose(o, "the agent is stopping and waited long enough", episode)
             # An observer evicted as dead never answers; one still listed gets until its RPC timeout.
-            gone = set(abandoned) | (self._in_episode_snapshot() - set(current_members()))
-            for o in sorted(gone):
-                self._lose(o, "no longer a member")
+            for o in sorted(playing - set(current_members())):
+                self._lose(o, "no longer a member", episode)
 
-    def _in_episode_snapshot(self) -> set[str]:
-        with self._lock:
-            return set(self._in_episode)
-
-    def _observer_finished(self, observer: str, fut: torch.futures.Future) -> None:
+    def _observer_finished(self, observer: str, fut: torch.futures.Future, episode: int) -> None:
         try:
             report: EpisodeReport = fut.value()
         except Exception as exc:  # noqa: BLE001 - an observer's failure ends only its part of the episode
-            self._lose(observer, str(exc).splitlines()[0])
+            self._lose(observer, str(exc).splitlines()[0], episode)
             return
-        with self._lock:
-            if observer not in self._in_episode:
-                return        # already counted as lost
-            self._in_episode.discard(observer)
+        if not self._still_playing(observer, episode):
+            return            # already counted as lost
+        # Rewards in, and the batch no longer waiting for it, before the episode can be seen as over:
+        # the next episode must not meet this one's leftovers.
         if self.cfg.batched:
             self.learner.reward(observer, report.rewards)
             self.batcher.leave(observer)
         with self._lock:
-            self._reports[observer] = report
-            self._wake.notify_all()
+            if observer in self._in_episode and self._playing == episode:
+                self._in_episode.discard(observer)
+                self._reports[observer] = report
+                self._wake.notify_all()
 
-    def _lose(self, observer: str, why: str) -> None:
+    def _lose(self, observer: str, why: str, episode: int) -> None:
+        if not self._still_playing(observer, episode):
+            return
+        self.learner.drop(observer)
+        if self.cfg.batched:
+            self.batcher.leave(observer)
         with self._lock:
-            if observer not in self._in_episode:
+            if observer not in self._in_episode or self._playing != episode:
                 return
             self._in_episode.discard(observer)
             self._lost.append(observer)
             self._wake.notify_all()
         log.warning("lost %s in the middle of an episode: %s", observer, why)
         self.metrics.rl_observers_lost.inc()
-        self.learner.drop(observer)
-        if self.cfg.batched:
-            self.batcher.leave(observer)
+
+    def _still_playing(self, observer: str, episode: int) -> bool:
+        with self._lock:
+            return self._playing == episode and observer in self._in_episode
 
     def _member_gone(self, name: str) -> None:
         with self._lock:
             self._reachable.discard(name)
-        self._lose(name, "removed from the group")
+            episode = self._playing
+        self._lose(name, "removed from the group", episode)
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def _restore(self) -> None:
