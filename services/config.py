@@ -145,13 +145,13 @@ class TrainerConfig(_LmConfig):
         return self
 
 
-ENV_PATTERN = r"^(CartPole-v1|fixed:[1-9][0-9]*)$"
+ENV_PATTERN = r"^(CartPole-v1(:[1-9][0-9]*)?|fixed:[1-9][0-9]*)$"
 
 
 class AgentConfig(CommonConfig, _Restoring, _Leading):
     name: str = Field("agent", description="RPC name: agent")
     checkpoint_dir: Path = Field(Path("checkpoints/rl"), description="folder of the agent's checkpoints")
-    env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="the observers' environment (CartPole-v1, or fixed:<steps> for tests)")
+    env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="the observers' environment: CartPole-v1; CartPole-v1:<steps> (restarted until that many, for benchmarks); fixed:<steps> (tests)")
     batched: bool = Field(True, description="one forward pass per step for all observers (--no-batched: the seed's one per observer)")
     hidden: int = Field(128, ge=1, description="hidden units of the policy")
     dropout: float = Field(0.6, ge=0, lt=1, description="dropout in the policy")
@@ -172,7 +172,7 @@ class AgentConfig(CommonConfig, _Restoring, _Leading):
 
 class ObserverConfig(CommonConfig):
     name: str = Field("observer0", description="RPC name: observer<index>")
-    env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="environment to step (CartPole-v1, or fixed:<steps> for tests)")
+    env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="environment to step: CartPole-v1, CartPole-v1:<steps> or fixed:<steps> (see rpcps agent --help)")
     seed: int = Field(1, description="seed of the environment (with the observer's index)")
 
     @model_validator(mode="after")
@@ -243,7 +243,7 @@ class UpConfig(_Base):
     steps: Optional[int] = Field(None, ge=1, description="steps per trainer, then stop and exit 0 (default: until Ctrl-C)")
     observers: int = Field(4, ge=1, le=64, description="rl: observers to start")
     episodes: Optional[int] = Field(None, ge=1, description="rl: episodes to run at most (default: until solved)")
-    env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="rl: environment (CartPole-v1, or fixed:<steps>)")
+    env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="rl: environment (CartPole-v1; CartPole-v1:<steps> or fixed:<steps>, see rpcps agent --help)")
     batched: bool = Field(True, description="rl: one forward pass per step for all observers (--no-batched: the seed's way)")
     max_steps: Optional[int] = Field(None, ge=1, description="rl: cap on steps per observer episode")
     as_json: bool = Field(False, description="print JSON lines instead of human progress",

@@ -1,7 +1,10 @@
 """``rpcps bench rl``: environment steps/s of the RL workload, batched and the seed's way.
 
 Each configuration (1, 2 and 4 observers; batched and not) is a real ``rpcps up --workload rl``
-on CartPole-v1 from the same seed, fresh, for a fixed number of episodes. With the same observers
+from the same seed, fresh, for a fixed number of episodes. As in the seed's own benchmark, every
+observer's episode is 200 CartPole-v1 steps (the environment restarts when it ends), so per-episode
+costs weigh the same in every configuration and an episode's slowest observer does not leave the
+others idle; ``--env CartPole-v1`` measures plain episodes. With the same observers
 and seed, batched and one-at-a-time selection choose the same actions, so both modes play the same
 episodes: the pair compares the same work. Steps/s counts the episodes after the warm-up: their
 environment steps over their time. Configurations run interleaved, round by round, so the machine's
@@ -26,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=5, help="first episodes left out of steps/s")
     p.add_argument("--rounds", type=int, default=2, help="rounds over every configuration")
     p.add_argument("--seed", type=int, default=1, help="seed of every run")
-    p.add_argument("--env", default="CartPole-v1", help="environment")
+    p.add_argument("--env", default="CartPole-v1:200", help="environment (default: CartPole-v1 restarted until 200 "
+                                                              "steps, so every episode is the same work)")
+    p.add_argument("--rpc-transport", default="uv", choices=("uv", "shm"), help="TensorPipe transport of every role")
 
 
 def measure(observers: int, batched: bool, ns: argparse.Namespace) -> dict:
@@ -34,7 +39,7 @@ def measure(observers: int, batched: bool, ns: argparse.Namespace) -> dict:
         argv = [sys.executable, "-m", "services.cli", "up", "--workload", "rl", "--json", "--no-resume",
                 "--observers", str(observers), "--batched" if batched else "--no-batched",
                 "--episodes", str(ns.episodes), "--seed", str(ns.seed), "--env", ns.env,
-                "--no-final-checkpoint", "--state-dir", str(Path(tmp) / "state"),
+                "--rpc-transport", ns.rpc_transport, "--no-final-checkpoint", "--state-dir", str(Path(tmp) / "state"),
                 "--checkpoint-dir", str(Path(tmp) / "ckpt")]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
@@ -70,6 +75,6 @@ def run(ns: argparse.Namespace) -> int:
               for n in counts}
     print(json.dumps({"bench": "rl", "results": results, "batched_vs_not": ratios,
                       "target": {"batched_vs_not_at_4": 2.0},
-                      "config": {"episodes": ns.episodes, "warmup": ns.warmup, "rounds": ns.rounds, "seed": ns.seed,
+                      "config": {"rpc_transport": ns.rpc_transport, "episodes": ns.episodes, "warmup": ns.warmup, "rounds": ns.rounds, "seed": ns.seed,
                                  "env": ns.env, "cpus": os.cpu_count(), "load_avg": os.getloadavg()}}), flush=True)
     return 0

@@ -106,3 +106,19 @@ def test_the_batcher_answers_when_everyone_playing_has_asked():
     with pytest.raises(BadRequest, match="has ended"):
         f0.wait()
     assert b.batches == 1 and b.requests == 2
+
+
+@pytest.mark.parametrize("kind,length", [("fixed:7", 7), ("CartPole-v1:300", 300)])
+def test_fixed_length_environments_end_after_exactly_n_steps(kind, length):
+    from trainer.rl.env import make_env, threshold
+    env = make_env(kind)
+    env.reset(seed=0)
+    ends = [env.step(0)[2:4] for _ in range(length)]      # always pushing left: CartPole falls often
+    assert ends[-1] == (False, True) and all(e == (False, False) for e in ends[:-1])
+    assert threshold(kind) == length - 0.5
+
+
+def test_unknown_environment_is_refused():
+    from trainer.rl.env import make_env
+    with pytest.raises(ValueError, match="unknown environment"):
+        make_env("Pong-v5")

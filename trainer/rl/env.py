@@ -1,5 +1,11 @@
-"""Environments the observers step: gymnasium's CartPole-v1, or a fixed-length stand-in for tests
-that only check the plumbing (the gymnasium API either way)."""
+"""Environments the observers step (the gymnasium API in every case):
+
+* ``CartPole-v1``: gymnasium's;
+* ``CartPole-v1:N``: CartPole-v1 restarted whenever it ends, until exactly N steps. Every episode
+  then has the same length whatever the policy does, which is how the seed's benchmark compared
+  designs; it is for measuring, not for learning (returns run across the restarts);
+* ``fixed:N``: a stand-in of exactly N steps, for tests that only check the plumbing.
+"""
 from __future__ import annotations
 
 import re
@@ -10,6 +16,7 @@ import numpy as np
 CARTPOLE = "CartPole-v1"
 CARTPOLE_THRESHOLD = 475.0        # gymnasium's reward_threshold for CartPole-v1
 _FIXED = re.compile(r"^fixed:(\d+)$")
+_RESTARTING = re.compile(r"^CartPole-v1:(\d+)$")
 
 
 class FixedLengthEnv:
@@ -37,17 +44,42 @@ class FixedLengthEnv:
         pass
 
 
+class RestartingEnv:
+    """``inner`` restarted whenever it terminates or truncates, until exactly ``length`` steps."""
+
+    def __init__(self, inner: Any, length: int) -> None:
+        self.inner, self.length = inner, length
+        self._t = 0
+
+    def reset(self, seed: int | None = None) -> tuple[np.ndarray, dict]:
+        self._t = 0
+        return self.inner.reset(seed=seed)
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        state, reward, terminated, truncated, info = self.inner.step(action)
+        self._t += 1
+        if terminated or truncated:
+            state, _ = self.inner.reset()
+        return state, reward, False, self._t >= self.length, info
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def make_env(kind: str) -> Any:
     m = _FIXED.match(kind)
     if m:
         return FixedLengthEnv(int(m.group(1)))
+    m = _RESTARTING.match(kind)
+    if m:
+        return RestartingEnv(make_env(CARTPOLE), int(m.group(1)))
     if kind == CARTPOLE:
         import gymnasium
         return gymnasium.make(CARTPOLE)
-    raise ValueError(f"unknown environment {kind!r}: expected {CARTPOLE} or fixed:<steps>")
+    raise ValueError(f"unknown environment {kind!r}: expected {CARTPOLE}, {CARTPOLE}:<steps> or fixed:<steps>")
 
 
 def threshold(kind: str) -> float:
-    """The running reward above which ``kind`` counts as solved."""
-    m = _FIXED.match(kind)
+    """The running reward above which ``kind`` counts as solved (a fixed length: never below it)."""
+    m = _FIXED.match(kind) or _RESTARTING.match(kind)
     return float(int(m.group(1))) - 0.5 if m else CARTPOLE_THRESHOLD
