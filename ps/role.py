@@ -59,12 +59,12 @@ class PsRole(BoardBacked):
         raise NotSupported("parameter servers have no episodes; stop them on the trainers")
 
     def checkpoint(self) -> dict[str, Any]:
-        if self.coordinator is not None:
-            result = self.coordinator.take()
-        elif self.endpoint.joined:
+        if self.coordinator is None:
+            if not self.endpoint.joined:
+                raise NotReady("not joined yet")
             result = checkpointing.ask_coordinator("take")
         else:
-            raise NotReady("not joined yet")
+            result = self.coordinator.take()
         self.board.update(last_checkpoint={k: result[k] for k in ("id", "step", "path")})
         return result
 
@@ -128,7 +128,7 @@ class PsRole(BoardBacked):
             self.membership.start_leader(self.endpoint.store)
             self.coordinator = checkpointing.Coordinator(
                 self.store, self.cfg.num_ps, {"model": model.model_dump()}, self.cfg.keep_checkpoints,
-                local=self, resumed=resumed)
+                local=self, metrics=self.metrics, resumed=resumed)
             checkpointing.COORDINATOR.set(self.coordinator)
             self._periodic = checkpointing.Periodic(self.checkpoint, lambda: self.server.optimizer.steps,
                                                     self.cfg.checkpoint_every_steps,

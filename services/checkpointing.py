@@ -15,13 +15,14 @@ written by every server, so the checkpoint directory must be one shared folder (
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch.distributed.rpc as rpc
 
@@ -75,8 +76,9 @@ def ask_coordinator(method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> A
 
 class Coordinator:
     def __init__(self, store: CheckpointStore, num_ps: int, meta: dict[str, Any], keep: int,
-                 local: Participant, resumed: Optional[CheckpointInfo] = None) -> None:
+                 local: Participant, metrics: Any, resumed: Optional[CheckpointInfo] = None) -> None:
         self.store, self.num_ps, self.meta, self.keep = store, num_ps, meta, keep
+        self._metrics = metrics
         self._local = local            # ps0's own participant: called directly, not over RPC
         self._lock = threading.Lock()
         self.latest = resumed
@@ -87,7 +89,8 @@ class Coordinator:
         if not self._lock.acquire(blocking=False):
             raise CheckpointInProgress("a checkpoint is being taken; ask again when it has finished")
         try:
-            return self._take()
+            with counted(self._metrics):
+                return self._take()
         finally:
             self._lock.release()
 
@@ -284,3 +287,17 @@ def take_final(take: Callable[[], dict], seconds: float) -> None:
     if not done.wait(seconds):
         log.warning("final checkpoint still running after %.0fs; leaving it unfinished "
                     "(the previous checkpoint stays the newest valid one)", seconds)
+
+
+@contextlib.contextmanager
+def counted(metrics: Any) -> Iterator[None]:
+    """Count a checkpoint attempt in the leader's metrics: its time when it succeeds, a failure
+    when it fails (an overlapping request's 409 is neither)."""
+    try:
+        yield
+    except CheckpointInProgress:
+        raise
+    except Exception:
+        metrics.checkpoint_failures.inc()
+        raise
+    metrics.checkpoint_last_success.set(time.time())

@@ -283,3 +283,17 @@ class UpConfig(_Base):
     checkpoint_dir: Optional[Path] = Field(None, description="folder of the checkpoints (default: checkpoints, or checkpoints/rl for rl)")
     control_token: Optional[SecretStr] = Field(None, description="bearer token for the sidecars' POST routes")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of every role")
+
+    @model_validator(mode="after")
+    def _check(self) -> "UpConfig":
+        # A setting of the other workload would be silently ignored: refuse it instead.
+        other = _LM_ONLY if self.workload == "rl" else _RL_ONLY
+        wrong = sorted(self.model_fields_set & other)
+        if wrong:
+            raise ValueError(f"{', '.join(flag_name(f) for f in wrong)}: not a setting of --workload {self.workload}")
+        return self
+
+
+_LM_ONLY = {"ps", "trainers", "steps", "data", "ntoken", "emsize", "nhid", "nlayers", "optimizer", "lr", "batch_size",
+            "bptt", "dropout", "clip", "eval_tokens", "synthetic_tokens", "warmup_steps", "checkpoint_every_seconds"}
+_RL_ONLY = {"observers", "episodes", "env", "batched", "max_steps"}

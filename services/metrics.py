@@ -26,6 +26,12 @@ class Metrics:
         self.up = gauge("rpcps_up", "1 while the role is joined and serving or training")
         self.members = gauge("rpcps_members", "RPC group members this process currently sees")
         self.members_evicted = counter("rpcps_members_evicted_total", "members evicted after failed liveness probes").labels(**self.labels)
+        self.episode_running = gauge("rpcps_episode_running", "1 while an episode (LM) or a batch of episodes (RL) runs")
+        # Set by the role that takes cluster checkpoints (ps0, the agent): what alerts watch.
+        self.checkpoint_last_success = gauge("rpcps_checkpoint_last_success_timestamp_seconds",
+                                             "Unix time of the last checkpoint taken (0: none since start)")
+        self.checkpoint_failures = counter("rpcps_checkpoint_failures_total",
+                                           "checkpoints that failed (409s for overlapping requests not counted)").labels(**self.labels)
 
         # trainer
         self.steps = counter("rpcps_trainer_steps_total", "training steps completed").labels(**self.labels)

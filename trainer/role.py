@@ -210,6 +210,7 @@ class TrainerRole(BoardBacked):
         episode = {"id": self._episodes, "step": 0, "steps": target, "done": False}
         self.board.update(episode=dict(episode))
         self.board.set_state(RoleState.RUNNING, f"episode {self._episodes}")
+        self.metrics.episode_running.set(1)
         log.info("episode %d: %s steps", self._episodes, target or "unbounded")
         recent = deque(maxlen=20)
         first_loss = None
@@ -263,6 +264,7 @@ class TrainerRole(BoardBacked):
             episode["done"] = True
             self.metrics.episodes.inc()
             self.board.update(episode=dict(episode), episodes_completed=self._episodes)
+            self.metrics.episode_running.set(0)
             self.gate.finish()
             self.board.set_state(RoleState.IDLE, "waiting for an episode")
             log.info("episode %d done after %d steps", self._episodes, episode["step"])

@@ -2,6 +2,8 @@
 resumed on the next start (same and different numbers of servers), exact continuation."""
 import json
 import math
+import re
+import time
 
 import pytest
 
@@ -30,6 +32,12 @@ def test_checkpoint_during_training_then_resume(tmp_path):
             wait_until(learned, 180, "the loss to fall by 0.5")
             first = c.checkpoint()                       # any sidecar can ask
         assert first["new"] and first["pause_seconds"] < 5
+        with SidecarClient(urls["ps0"], timeout=5) as leader:      # what the alerts watch
+            metrics = leader.metrics()
+        stamp = re.search(r'^rpcps_checkpoint_last_success_timestamp_seconds\{[^}]*\} (\S+)$', metrics, re.M)
+        assert stamp and abs(float(stamp.group(1)) - time.time()) < 60, metrics[-2000:]
+        with SidecarClient(urls["trainer0"], timeout=5) as t:
+            assert re.search(r'^rpcps_episode_running\{[^}]*\} 1\.0$', t.metrics(), re.M)
         assert sorted(first["files"]) == ["ps0.pt", "ps1.pt", "trainer0.pt", "trainer1.pt"]
         with SidecarClient(urls["ps1"], timeout=5) as c:
             wait_until(lambda: c.status().get("steps", 0) > first["step"], 30, "more steps")

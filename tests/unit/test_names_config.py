@@ -67,3 +67,11 @@ def test_rl_roles_configs_and_leaders():
         load(ObserverConfig, {"name": "trainer0"}, {})
     assert not hasattr(agent, "num_ps")                       # the RL roles have no servers
     assert [leader_of(n) for n in ("ps1", "trainer0", "agent", "observer2")] == ["ps0", "ps0", "agent", "agent"]
+
+
+def test_up_refuses_a_setting_of_the_other_workload():
+    assert load(UpConfig, {"workload": "rl", "observers": "3"}, {}).observers == 3
+    with pytest.raises(ConfigError, match="--ps: not a setting of --workload rl"):
+        load(UpConfig, {"workload": "rl", "ps": "3"}, {})
+    with pytest.raises(ConfigError, match="--episodes: not a setting of --workload lm"):
+        load(UpConfig, {"episodes": "3"}, {})

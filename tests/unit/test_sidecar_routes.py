@@ -94,7 +94,11 @@ def test_overlapping_checkpoint_is_409(registry, tmp_path):
     from services.checkpointing import Coordinator
     from services.errors import CheckpointInProgress
 
-    coordinator = Coordinator(CheckpointStore(tmp_path), 1, {}, keep=3, local=None)
+    from prometheus_client import CollectorRegistry
+
+    from services.metrics import Metrics
+    metrics = Metrics(CollectorRegistry(), "ps", "ps0")
+    coordinator = Coordinator(CheckpointStore(tmp_path), 1, {}, keep=3, local=None, metrics=metrics)
     with coordinator._lock:  # a checkpoint under way
         with pytest.raises(CheckpointInProgress):
             coordinator.take()
@@ -106,3 +110,4 @@ def test_overlapping_checkpoint_is_409(registry, tmp_path):
     with coordinator._lock:
         r = request(create_app(Busy(), registry), "POST", "/checkpoint")
     assert r.status_code == 409 and "being taken" in r.json()["error"]
+    assert metrics.checkpoint_failures._value.get() == 0     # an overlap is not a failure

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from services.checkpoint import CheckpointInfo, CheckpointStore
-from services.checkpointing import take_final
+from services.checkpointing import counted, take_final
 from services.config import AgentConfig
 from services.control import BoardBacked, EpisodeGate, EpisodeStart
 from services.errors import BadRequest, CheckpointError, CheckpointInProgress
@@ -85,7 +85,8 @@ class AgentRole(BoardBacked):
         if not self._ckpt_lock.acquire(blocking=False):
             raise CheckpointInProgress("a checkpoint is being taken; ask again when it has finished")
         try:
-            return self._checkpoint()
+            with counted(self.metrics):
+                return self._checkpoint()
         finally:
             self._ckpt_lock.release()
 
@@ -152,6 +153,7 @@ class AgentRole(BoardBacked):
         batch = {"id": self._batches, "episodes": request.episodes, "done": 0, "finished": False, "solved": False}
         self.board.update(batch=dict(batch))
         self.board.set_state(RoleState.RUNNING, "running episodes")
+        self.metrics.episode_running.set(1)
         try:
             while request.episodes is None or batch["done"] < request.episodes:
                 with self._lock:
@@ -174,6 +176,7 @@ class AgentRole(BoardBacked):
                     break
         finally:
             batch["finished"] = True
+            self.metrics.episode_running.set(0)
             self.gate.finish()
             self.board.update(batch=dict(batch), solved=batch["solved"] or self.board.snapshot().get("solved", False))
             self.board.set_state(RoleState.IDLE, "solved; waiting for an episode request" if batch["solved"]

@@ -1,0 +1,132 @@
+"""The deployment artefacts, checked without a container engine: against their schemas and linters,
+and against the code they start (commands, variables, paths, ports)."""
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from services import cli
+from services.config import env_name, load
+from services.sidecar import create_app
+from tests.support.fakes import FakeControl
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "docker-compose.yml"
+DOCKERFILE = REPO / "Dockerfile"
+PROMETHEUS = REPO / "deploy" / "prometheus.yml"
+# Variables read by something other than rpcps's configuration: torch's rendezvous and transports.
+TORCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]'; promtool: Debian's prometheus)")
+    return path
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def rpcps_services() -> dict[str, dict]:
+    return {n: s for n, s in compose()["services"].items() if s.get("image", "").startswith("rpcps")}
+
+
+def image_env() -> dict[str, str]:
+    """The ENV lines of the Dockerfile."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            for item in shlex.split(line[4:]):
+                key, _, value = item.partition("=")
+                env[key] = value
+    return env
+
+
+def service_env(service: dict) -> dict[str, str]:
+    """What the container sees: the image's ENV, then the service's, ${VAR:-default} as unset."""
+    env = dict(image_env())
+    for key, value in (service.get("environment") or {}).items():
+        env[key] = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+    return env
+
+
+def test_compose_file_matches_the_compose_specification():
+    r = run(tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(COMPOSE))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dockerfile_passes_hadolint():
+    r = run(tool("hadolint"), "--no-color", str(DOCKERFILE))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_prometheus_config_rules_and_rule_tests_pass_promtool():
+    promtool = tool("promtool")
+    for argv in (["check", "config", str(PROMETHEUS)], ["check", "rules", str(REPO / "deploy" / "alerts.yml")],
+                 ["test", "rules", str(REPO / "deploy" / "alerts_test.yml")]):
+        r = run(promtool, *argv)
+        assert r.returncode == 0, f"promtool {' '.join(argv)}:\n{r.stdout}{r.stderr}"
+
+
+def test_every_compose_command_and_variable_is_one_the_cli_accepts():
+    services = rpcps_services()
+    assert {"ps0", "ps1", "trainer0", "trainer1", "agent", "observer0"} <= set(services)
+    for name, service in services.items():
+        argv = [str(a) for a in service["command"]]
+        args = cli._parser().parse_args(argv)            # the image's ENTRYPOINT is `rpcps`
+        model = cli._ROLES[args.command]
+        env = service_env(service)
+        cfg = load(model, vars(args), env)                 # raises ConfigError on any bad value
+        assert cfg.name == name, f"service {name} runs a role named {cfg.name}"
+        known = {env_name(f, i) for f, i in model.model_fields.items()} | TORCH_VARIABLES
+        unknown = sorted(k for k in env if (k.startswith("RPCPS_") or k in TORCH_VARIABLES) and k not in known)
+        assert not unknown, f"{name}: {unknown} are not read by `rpcps {args.command}`"
+        leader = "agent" if args.command in ("agent", "observer") else "ps0"
+        assert env["MASTER_ADDR"] == leader and leader in services, f"{name} looks for its store at {env['MASTER_ADDR']}"
+        assert cfg.sidecar_host == "0.0.0.0" and str(cfg.checkpoint_dir) == "/checkpoints"
+
+
+def test_health_checks_scrapes_and_ports_meet_the_sidecar():
+    routes = {r.path for r in create_app(FakeControl(), CollectorRegistry(), None).routes}
+    env = image_env()
+    port = int(env["RPCPS_SIDECAR_PORT"])
+    healthcheck = re.search(r"HEALTHCHECK .*?http://127\.0\.0\.1:(\d+)(/[a-z]+)", DOCKERFILE.read_text(), re.S)
+    assert healthcheck and int(healthcheck.group(1)) == port and healthcheck.group(2) in routes
+    scrape = yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"][0]
+    assert scrape["metrics_path"] in routes
+    targets = scrape["dns_sd_configs"][0]
+    assert targets["port"] == port
+    services = rpcps_services()
+    assert set(targets["names"]) == set(services), "every role is scraped, and nothing else"
+    published = []
+    for name, service in services.items():
+        for mapping in service["ports"]:
+            host, _, container = str(mapping).rpartition(":")
+            assert int(container) == port, f"{name} publishes {container}, the sidecar listens on {port}"
+            published.append(int(host))
+        assert "29500" not in json.dumps(service.get("ports")), f"{name} publishes the RPC store"
+    assert len(published) == len(set(published)), "two services publish the same host port"
+    prometheus = compose()["services"]["prometheus"]
+    mounted = {v.split(":")[1] for v in prometheus["volumes"]}
+    assert "/etc/prometheus/prometheus.yml" in mounted and "/etc/prometheus/alerts.yml" in mounted
+
+
+def test_the_token_comes_from_the_environment_never_the_image():
+    assert "RPCPS_CONTROL_TOKEN" not in image_env()
+    for name, service in rpcps_services().items():
+        assert service["environment"]["RPCPS_CONTROL_TOKEN"] == "${RPCPS_CONTROL_TOKEN:-}", name
+    assert ".env" in (REPO / ".dockerignore").read_text().split()
+    assert re.search(r"^RPCPS_CONTROL_TOKEN=$", (REPO / ".env.example").read_text(), re.M)
