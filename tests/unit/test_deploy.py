@@ -130,3 +130,36 @@ def test_the_token_comes_from_the_environment_never_the_image():
         assert service["environment"]["RPCPS_CONTROL_TOKEN"] == "${RPCPS_CONTROL_TOKEN:-}", name
     assert ".env" in (REPO / ".dockerignore").read_text().split()
     assert re.search(r"^RPCPS_CONTROL_TOKEN=$", (REPO / ".env.example").read_text(), re.M)
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name an rpcps role can export (all role families initialised)."""
+    from services.metrics import Metrics
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, "ps", "ps0")
+    metrics.init_ps(), metrics.init_trainer(), metrics.init_rl()
+    return {sample.name for family in registry.collect() for sample in family.samples}
+
+
+def test_grafana_dashboard_queries_are_valid_promql_over_real_series(tmp_path):
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "rpcps.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    known = exported_metric_names()
+    for expr in exprs:
+        missing = sorted(set(re.findall(r"\brpcps_[a-z_]+", expr)) - known)
+        assert not missing, f"{expr!r} queries {missing}, which no role exports"
+    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:panel{i}", "expr": e}
+                                                         for i, e in enumerate(exprs)]}]}
+    path = tmp_path / "dashboard_rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    r = run(tool("promtool"), "check", "rules", str(path))        # parses every expression
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_alert_rules_query_real_series():
+    known = exported_metric_names() | {"up"}
+    rules = yaml.safe_load((REPO / "deploy" / "alerts.yml").read_text())["groups"][0]["rules"]
+    for rule in rules:
+        names = set(re.findall(r"\b(rpcps_[a-z_]+|up)\b(?=[{\[\s)]|$)", rule["expr"]))
+        assert names and names <= known, f"{rule['alert']}: {sorted(names - known)} are not exported"
