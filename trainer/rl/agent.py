@@ -65,6 +65,8 @@ class AgentRole(BoardBacked):
         self._ckpt_lock = threading.Lock()
         self._latest: Optional[CheckpointInfo] = None
         self._env_steps = 0
+        self._lost_total = 0                        # observers lost mid-episode since start
+        self._solved = False                        # any batch of this process passed the threshold
         self._played = 0                            # episodes played by this process
         self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         metrics.init_rl()
@@ -178,7 +180,8 @@ class AgentRole(BoardBacked):
             batch["finished"] = True
             self.metrics.episode_running.set(0)
             self.gate.finish()
-            self.board.update(batch=dict(batch), solved=batch["solved"] or self.board.snapshot().get("solved", False))
+            self._solved |= batch["solved"]
+            self.board.update(batch=dict(batch), solved=self._solved)
             self.board.set_state(RoleState.IDLE, "solved; waiting for an episode request" if batch["solved"]
                                  else "waiting for an episode request")
 
@@ -230,7 +233,7 @@ class AgentRole(BoardBacked):
         self._wait_episode_end(episode)
         seconds = time.perf_counter() - started
         with self._lock:
-            reports, lost = dict(self._reports), list(self._lost)
+            reports, lost, lost_total = dict(self._reports), list(self._lost), self._lost_total
         result = self.learner.finish_episode()
         steps = sum(r.steps for r in reports.values())
         self._env_steps += steps
@@ -250,7 +253,7 @@ class AgentRole(BoardBacked):
         self.board.update(episode=result.episode, last_reward=result.reward, running_reward=result.running_reward,
                           rewards=result.rewards, steps_per_s=rate, env_steps=self._env_steps,
                           observers=sorted(reports), members=current_members(), history=list(self._history),
-                          observers_lost=self.board.snapshot().get("observers_lost", 0) + len(lost),
+                          observers_lost=lost_total,
                           last_lost=lost or None)
         log.info("episode %d | reward %.1f | running reward %.1f | %d observers | %.0f steps/s%s", result.episode,
                  result.reward, result.running_reward, len(reports), rate,
@@ -306,6 +309,7 @@ class AgentRole(BoardBacked):
                 return
             self._in_episode.discard(observer)
             self._lost.append(observer)
+            self._lost_total += 1
             self._wake.notify_all()
         log.warning("lost %s in the middle of an episode: %s", observer, why)
         self.metrics.rl_observers_lost.inc()

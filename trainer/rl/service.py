@@ -53,7 +53,7 @@ AGENT_SLOT = Slot("agent")
 OBSERVER_SLOT = Slot("observer")
 
 
-def check_state(observer: Any, state: Any) -> tuple[str, list[float]]:
+def check_observer(observer: Any) -> str:
     if not isinstance(observer, str):
         raise BadRequest(f"observer must be a name, got {type(observer).__name__}")
     try:
@@ -61,6 +61,11 @@ def check_state(observer: Any, state: Any) -> tuple[str, list[float]]:
             raise ValueError(f"{observer!r} is not an observer name")
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
+    return observer
+
+
+def check_state(observer: Any, state: Any) -> tuple[str, list[float]]:
+    check_observer(observer)
     if not isinstance(state, (list, tuple)) or len(state) != OBS_DIM:
         raise BadRequest(f"state must be a list of {OBS_DIM} numbers, got {state!r:.80}")
     try:
@@ -88,7 +93,7 @@ def _agent_call(method: str, observer: str, value: Any) -> Any:
     if method == "select_action":
         return agent.select_action(*check_state(observer, value))
     if method == "report_reward":
-        check_state(observer, [0.0] * OBS_DIM)
+        check_observer(observer)
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             raise BadRequest(f"reward must be a finite number, got {value!r:.80}")
         return agent.report_reward(observer, float(value))
