@@ -1,11 +1,11 @@
 """The parameter-server role: build this shard, join the group, serve until told to stop."""
 from __future__ import annotations
 
+import functools
 import logging
+import shutil
 import threading
 from typing import Any
-
-from pathlib import Path
 
 from ps import service
 from ps.service import ParameterServer
@@ -13,7 +13,7 @@ from services import checkpointing
 from services.checkpoint import CheckpointStore, FileEntry
 from services.config import ModelConfig, PsConfig
 from services.control import BoardBacked, EpisodeStart
-from services.errors import NotReady, NotSupported
+from services.errors import CheckpointError, NotReady, NotSupported
 from services.lifecycle import RoleState, StatusBoard
 from services.membership import Membership, current_members
 from services.metrics import Metrics
@@ -47,6 +47,7 @@ class PsRole(BoardBacked):
         self.coordinator: checkpointing.Coordinator | None = None
         self._periodic: checkpointing.Periodic | None = None
         self._snapshots: dict[str, dict] = {}
+        self._written: dict[str, int] = {}     # checkpoint id -> step, of parts written under an own manifest
         self._snapshots_lock = threading.Lock()
         self._stop = threading.Event()
         metrics.init_ps()
@@ -85,14 +86,32 @@ class PsRole(BoardBacked):
             self._snapshots[cid] = state
         return state["steps"]
 
-    def ckpt_write(self, cid: str, root: str, step: int) -> FileEntry:
+    def ckpt_write(self, cid: str, step: int, meta: dict[str, Any]) -> tuple[FileEntry, bool]:
+        """Write this shard into this server's checkpoint folder; True when ps0 shares the folder.
+        Otherwise (a volume per server) the shard gets a manifest of its own beside it."""
         with self._snapshots_lock:
             state = self._snapshots[cid]
-        return CheckpointStore(Path(root)).write_file(step, f"{self.cfg.name}.pt", state)
+        name = f"{self.cfg.name}.pt"
+        if (self.store.folder(step) / checkpointing.marker(cid)).exists():
+            return self.store.write_file(step, name, state), True
+        # A complete folder of this step here is a part whose cluster checkpoint was never committed.
+        self.store.prepare(step, replace=True)
+        with self._snapshots_lock:
+            self._written[cid] = step
+        entry = self.store.write_file(step, name, state)
+        self.store.commit(step, [entry], {**meta, "server": self.cfg.name})
+        return entry, False
 
-    def ckpt_discard(self, cid: str) -> None:
+    def ckpt_discard(self, cid: str, committed: bool = False) -> None:
         with self._snapshots_lock:
             self._snapshots.pop(cid, None)
+            step = self._written.pop(cid, None)
+        if step is None:
+            return
+        if committed:
+            self.store.prune(self.cfg.keep_checkpoints)
+        else:                # ps0 never committed it: it is no checkpoint of the cluster's
+            shutil.rmtree(self.store.folder(step), ignore_errors=True)
 
     def ckpt_pause(self, cid: str, timeout: float) -> dict[str, Any]:
         raise NotSupported("servers are not paused; trainers are")
@@ -107,10 +126,22 @@ class PsRole(BoardBacked):
     def run(self) -> None:
         model = model_config(self.cfg)
         shard = parse_name(self.cfg.name).index
+        resume, resume_from = self.cfg.resume, self.cfg.resume_from
+        if self.endpoint.leader != self.cfg.name:
+            self.board.set_state(RoleState.JOINING, f"asking {self.endpoint.leader} which checkpoint to restore")
+            resume_from = checkpointing.follow_leader(self.endpoint.connect(), self.cfg.join_timeout)
+            resume = resume_from is not None
+            log.info("%s stands on %s", self.endpoint.leader, resume_from or "no checkpoint (a fresh start)")
         # Build before joining: once trainers can see this server, it must be able to answer.
-        resumed, self.server = checkpointing.restore(
-            self.store, self.cfg.resume, self.cfg.resume_from, model.model_dump(), shard, self.cfg.num_ps,
-            lambda states: ParameterServer(self.cfg.name, shard, self.cfg.num_ps, model, self.metrics, restore=states))
+        try:
+            resumed, self.server = checkpointing.restore(
+                self.store, resume, resume_from, model.model_dump(), shard, self.cfg.num_ps,
+                lambda states: ParameterServer(self.cfg.name, shard, self.cfg.num_ps, model, self.metrics, restore=states))
+        except CheckpointError as exc:
+            if self.endpoint.leader == self.cfg.name or resume_from is None:
+                raise
+            raise CheckpointError(f"{self.endpoint.leader} resumed the cluster from {resume_from}, which this server "
+                                  f"cannot restore from {self.store.root}: {exc}") from None
         if resumed is not None:
             self.board.update(resumed_from={"id": resumed.id, "step": resumed.step, "path": str(resumed.path)})
         info = self.server.info()
@@ -126,9 +157,11 @@ class PsRole(BoardBacked):
         self.endpoint.join()
         if self.membership.is_leader:
             self.membership.start_leader(self.endpoint.store)
+            announce = functools.partial(checkpointing.announce, self.endpoint.store)
+            announce(resumed)
             self.coordinator = checkpointing.Coordinator(
                 self.store, self.cfg.num_ps, {"model": model.model_dump()}, self.cfg.keep_checkpoints,
-                local=self, metrics=self.metrics, resumed=resumed)
+                local=self, metrics=self.metrics, resumed=resumed, on_commit=announce)
             checkpointing.COORDINATOR.set(self.coordinator)
             self._periodic = checkpointing.Periodic(self.checkpoint, lambda: self.server.optimizer.steps,
                                                     self.cfg.checkpoint_every_steps,
@@ -156,10 +189,17 @@ class PsRole(BoardBacked):
             self.server.close()
 
     def _final_checkpoint(self) -> None:
-        """ps0, on its way out: keep what was trained since the last checkpoint, within a bound."""
+        """On the way out, keep what was trained since the last checkpoint, within a bound.
+
+        Whichever server stops first takes it, while every shard is still up: `docker compose down`
+        and `rpcps up` stop ps1 before ps0, and ps0 alone could not checkpoint without it."""
+        if self.server is None or self.server.optimizer.steps == 0 or not self.endpoint.joined:
+            return
         c = self.coordinator
-        if c is None or self.server is None or (c.latest is not None and c.latest.step == self.server.optimizer.steps):
+        if c is None:
+            take = lambda: checkpointing.ask_coordinator("take", timeout=FINAL_CHECKPOINT_SECONDS)  # noqa: E731
+        elif c.latest is not None and c.latest.step == self.server.optimizer.steps:
             return
-        if self.server.optimizer.steps == 0:
-            return
-        checkpointing.take_final(c.take, FINAL_CHECKPOINT_SECONDS)
+        else:
+            take = c.take
+        checkpointing.take_final(take, FINAL_CHECKPOINT_SECONDS)

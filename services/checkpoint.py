@@ -154,10 +154,11 @@ class CheckpointStore:
         return self.root / f"step-{step}"
 
     # --- writing -------------------------------------------------------------------------------------
-    def prepare(self, step: int) -> Path:
-        """The folder for ``step``, emptied of any leftover of an interrupted write."""
+    def prepare(self, step: int, replace: bool = False) -> Path:
+        """The folder for ``step``, emptied of any leftover of an interrupted write (and, with
+        ``replace``, of a complete one: a server's own part that its cluster never committed)."""
         path = self.folder(step)
-        if (path / MANIFEST).exists():
+        if (path / MANIFEST).exists() and not replace:
             raise CheckpointError(f"checkpoint {path.name} already exists")
         if path.exists():
             shutil.rmtree(path)  # no manifest: the remains of a write that never finished

@@ -10,12 +10,23 @@ ps0 coordinates (it already leads membership). One checkpoint:
    is written last (``services/checkpoint.py``), so a crash at any moment leaves the previous
    checkpoint the newest valid one.
 
-Any sidecar's ``POST /checkpoint`` ends up in ``Coordinator.take`` on ps0. Checkpoint folders are
-written by every server, so the checkpoint directory must be one shared folder (true of ``rpcps up``).
+Any sidecar's ``POST /checkpoint`` ends up in ``Coordinator.take`` on ps0.
+
+Where the files go: each server writes into its own ``--checkpoint-dir``. When that is one folder
+shared by all (``rpcps up``, one compose volume), a step's folder holds every file and one manifest.
+When each server has a volume of its own (a Kubernetes StatefulSet's ``volumeClaimTemplates``), a
+server finds no marker of ps0's in its folder, so it writes a manifest of its own beside its shard,
+and ps0's manifest records that shard's checksum under ``meta.elsewhere``. ps0's manifest is written
+last either way: it is what makes a step the cluster's checkpoint.
+
+Which checkpoint a cluster resumes is ps0's choice alone: it announces the one it restored (and each
+one it commits) in the rendezvous store, and every other server restores exactly that one, so shards
+of different steps never mix (``follow_leader``).
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import re
 import threading
@@ -47,14 +58,14 @@ class Participant(Protocol):
     def ckpt_pause(self, cid: str, timeout: float) -> dict[str, Any]: ...
     def ckpt_resume(self, cid: str) -> None: ...
     def ckpt_snapshot(self, cid: str) -> int: ...
-    def ckpt_write(self, cid: str, root: str, step: int) -> FileEntry: ...
-    def ckpt_discard(self, cid: str) -> None: ...
+    def ckpt_write(self, cid: str, step: int, meta: dict[str, Any]) -> tuple[FileEntry, bool]: ...
+    def ckpt_discard(self, cid: str, committed: bool) -> None: ...
 
 
 PARTICIPANT = Slot("checkpoint participant")
 COORDINATOR = Slot("checkpoint coordinator")
 _PARTICIPANT_METHODS = ("ckpt_prepare", "ckpt_pause", "ckpt_resume", "ckpt_snapshot", "ckpt_write", "ckpt_discard")
-_COORDINATOR_METHODS = ("take", "listing", "trainer_states")
+_COORDINATOR_METHODS = ("take", "listing", "trainer_states", "trainer_left")
 
 
 def _participant_call(method: str, *args: Any) -> Any:
@@ -69,6 +80,26 @@ def _coordinator_call(method: str, *args: Any) -> Any:
     return getattr(COORDINATOR.get(), method)(*args)
 
 
+CLUSTER_CHECKPOINT_KEY = "rpcps/checkpoint"   # in the rendezvous store: the cluster's checkpoint id, or ""
+
+
+def marker(cid: str) -> str:
+    """The file ps0 leaves in a step's folder while it is written: a server that sees it shares the folder."""
+    return f".taking-{cid}"
+
+
+def announce(store: Any, info: Optional[CheckpointInfo]) -> None:
+    """ps0: publish the checkpoint the cluster stands on (in the rendezvous store) for servers that start later."""
+    store.set(CLUSTER_CHECKPOINT_KEY, info.id if info is not None else "")
+
+
+def follow_leader(store: Any, timeout: float) -> Optional[str]:
+    """A server other than ps0: the checkpoint ps0 restored or committed last (None: it started fresh)."""
+    store.wait([CLUSTER_CHECKPOINT_KEY], datetime.timedelta(seconds=timeout))
+    ref = store.get(CLUSTER_CHECKPOINT_KEY).decode()
+    return ref or None
+
+
 def ask_coordinator(method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
     """From any member: run ``method`` on ps0's coordinator."""
     return wait(rpc.rpc_async(LEADER, _coordinator_call, args=(method, *args), timeout=timeout))
@@ -76,13 +107,17 @@ def ask_coordinator(method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> A
 
 class Coordinator:
     def __init__(self, store: CheckpointStore, num_ps: int, meta: dict[str, Any], keep: int,
-                 local: Participant, metrics: Any, resumed: Optional[CheckpointInfo] = None) -> None:
+                 local: Participant, metrics: Any, resumed: Optional[CheckpointInfo] = None,
+                 on_commit: Callable[[CheckpointInfo], None] = lambda info: None) -> None:
         self.store, self.num_ps, self.meta, self.keep = store, num_ps, meta, keep
+        self._on_commit = on_commit
         self._metrics = metrics
         self._local = local            # ps0's own participant: called directly, not over RPC
         self._lock = threading.Lock()
         self.latest = resumed
         self.last_pause_seconds: Optional[float] = None
+        self._departed: dict[str, dict[str, Any]] = {}   # trainer name -> its position when it stopped
+        self._departed_lock = threading.Lock()
 
     # --- asked over RPC or HTTP ----------------------------------------------------------------------
     def take(self) -> dict[str, Any]:
@@ -106,6 +141,15 @@ class Coordinator:
         names = [n for n in sorted(info.files) if re.fullmatch(r"trainer\d+\.pt", n)]
         return {"checkpoint": info.id, "trainers": [self.store.load_file(info, n) for n in names]}
 
+    def trainer_left(self, state: dict[str, Any]) -> None:
+        """A trainer stopping says where it was, so checkpoints taken after it left (the final one
+        of `docker compose down`, which stops trainers first) still carry its position."""
+        name = state.get("name") if isinstance(state, dict) else None
+        if not isinstance(name, str) or parse_name(name).role != "trainer":
+            raise CheckpointError(f"trainer_left needs a trainer's position, got {type(state).__name__}")
+        with self._departed_lock:
+            self._departed[name] = state
+
     # --- the protocol ----------------------------------------------------------------------------------
     def _call(self, member: str, method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
         if member == LEADER:
@@ -125,10 +169,13 @@ class Coordinator:
             raise NotReady(f"cannot checkpoint without {', '.join(missing)}")
         trainers = [m for m in members if parse_name(m).role == "trainer"]
         cid = uuid.uuid4().hex
+        committed = False
         try:
-            return self._take_with(cid, servers, trainers)
+            result = self._take_with(cid, servers, trainers)
+            committed = True
+            return result
         finally:
-            self._on_all(servers, "ckpt_discard", cid)
+            self._on_all(servers, "ckpt_discard", cid, committed)
 
     def _take_with(self, cid: str, servers: list[str], trainers: list[str]) -> dict[str, Any]:
         self._on_all(servers, "ckpt_prepare", cid)
@@ -152,14 +199,27 @@ class Coordinator:
             log.warning("servers report different steps %s (one was restarted alone); checkpoint at %d", steps, step)
         if self.latest is not None and self.latest.step == step and self.latest.path.exists():
             return {**self.latest.describe(), "pause_seconds": pause_seconds, "new": False}
-        self.store.prepare(step)
-        entries: list[FileEntry] = list(self._on_all(
-            servers, "ckpt_write", cid, str(self.store.root.resolve()), step).values())
-        for name, state in paused.items():
+        folder = self.store.prepare(step)
+        (folder / marker(cid)).touch()
+        meta = {**self.meta, "num_ps": self.num_ps}
+        entries: list[FileEntry] = []
+        elsewhere: dict[str, dict] = {}
+        for server, (entry, shared) in self._on_all(servers, "ckpt_write", cid, step, meta).items():
+            if shared:
+                entries.append(entry)
+            else:                         # on that server's own volume, under its own manifest
+                elsewhere[entry.name] = {**entry.to_json(), "server": server}
+        (folder / marker(cid)).unlink()
+        with self._departed_lock:
+            positions = {**{n: s for n, s in self._departed.items() if n not in paused}, **paused}
+        for name, state in positions.items():
             entries.append(self.store.write_file(step, f"{name}.pt", state))
-        meta = {**self.meta, "num_ps": self.num_ps, "trainers": sorted(paused), "pause_seconds": pause_seconds}
+        meta = {**meta, "trainers": sorted(positions), "pause_seconds": pause_seconds}
+        if elsewhere:
+            meta["elsewhere"] = elsewhere
         info = self.store.commit(step, entries, meta)
         self.latest, self.last_pause_seconds = info, pause_seconds
+        self._on_commit(info)
         removed = self.store.prune(self.keep)
         log.info("checkpoint %s: %d files, %.1f MB, training paused %.3fs%s", info.id, len(info.files),
                  info.size / 1e6, pause_seconds, f"; removed {[p.name for p in removed]}" if removed else "")
@@ -266,8 +326,15 @@ def _shard_files(info: CheckpointInfo, model: dict[str, Any], shard: int, num_ps
     old = int(info.meta.get("num_ps", 0))
     if old == num_ps:
         return [f"ps{shard}.pt"]  # same shape: this shard's own file is all it needs
+    names = [f"ps{k}.pt" for k in range(old)]
+    missing = [n for n in names if n not in info.files]
+    if missing:
+        raise CheckpointError(
+            f"{info.id} was taken with {old} servers, each keeping its shard on its own volume "
+            f"({', '.join(missing)} are not in {info.path}); changing to {num_ps} servers needs every shard: "
+            f"restart with {old} servers, or use one checkpoint folder shared by all servers")
     log.info("resharding %s from %d to %d servers", info.id, old, num_ps)
-    return [f"ps{k}.pt" for k in range(old)]
+    return names
 
 
 def take_final(take: Callable[[], dict], seconds: float) -> None:

@@ -83,13 +83,21 @@ class RpcEndpoint:
         return dist.TCPStore(self._addr, self._port, is_master=False,
                              timeout=datetime.timedelta(seconds=self._join_timeout))
 
+    def connect(self) -> dist.TCPStore:
+        """The rendezvous store, before joining (a member other than the leader; waits for it)."""
+        if self.name == self.leader:
+            raise RuntimeError("the leader hosts the store; it has no store before it joins")
+        if self.store is None:
+            self.store = self._client()
+        return self.store
+
     def join(self) -> None:
         if self.name == self.leader:
             self.rank = 0
             rpc.init_rpc(self.name, rank=0, world_size=None, rpc_backend_options=self._options())
             self.store = self._client()
         else:
-            self.store = self._client()
+            self.connect()
             self.rank = int(self.store.add(membership.RANK_COUNTER, 1))
             if self.rank > membership.MAX_RANK:
                 raise JoinRefused(f"no RPC ranks left in this store's life (>{membership.MAX_RANK} joins); restart the leader")

@@ -28,6 +28,8 @@ from trainer.model import DistributedLM
 
 log = logging.getLogger(__name__)
 
+REPORT_TIMEOUT = 5.0   # leaving the position with ps0 on the way out; a stop must stay bounded
+
 
 class TrainerRole(BoardBacked):
     role = "trainer"
@@ -184,8 +186,20 @@ class TrainerRole(BoardBacked):
         self.metrics.up.set(0)
         self.board.set_state(RoleState.STOPPING, "stopping")
         checkpointing.PARTICIPANT.set(None)
+        self._report_position()
         self.endpoint.leave()
         self.membership.uninstall()
+
+    def _report_position(self) -> None:
+        """Tell ps0 where this trainer stopped, for the checkpoints taken after it is gone."""
+        with self._lock:
+            if self._loop is None or not self.endpoint.joined:
+                return
+            position = self._position()
+        try:
+            checkpointing.ask_coordinator("trainer_left", position, timeout=REPORT_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - ps0 may be gone already; stopping goes on
+            log.warning("could not leave my position with ps0: %s", exc)
 
     def _wait_for(self, servers: list[str]) -> None:
         deadline = time.monotonic() + self.cfg.join_timeout

@@ -55,10 +55,14 @@ def test_checkpoint_during_training_then_resume(tmp_path):
     finally:
         up.kill()
 
+    # Trainers go on between up's final checkpoint and their stop; ps1, the first server to stop,
+    # takes one more with the positions they left with ps0. Either way nothing before `up`'s is lost.
+    newest = CheckpointStore(tmp_path / "ckpt").latest_valid()
+    assert newest.step >= final["step"] and {"trainer0.pt", "trainer1.pt"} <= set(newest.files)
     # The next start resumes from the newest: the loss goes on from where it was.
     resumed_up, resumed = run_up(tmp_path, "--steps", "5")
     logs = resumed_up.full_logs()
-    assert f"resuming from {final['id']}" in logs and "resumed position from" in logs
+    assert f"resuming from {newest.id}" in logs and "resumed position from" in logs
     assert resumed["total_steps"] > final["step"] // 2
     fresh_up, fresh = run_up(tmp_path / "fresh", "--steps", "5")
     # The resumed first step is one batch's loss, the stopped run's loss_last a mean of its last 20

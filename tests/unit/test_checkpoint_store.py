@@ -138,3 +138,13 @@ def test_bad_names_and_double_commits_are_refused(tmp_path):
     for name in ("../x.pt", "manifest.json", "a/b.pt", ""):
         with pytest.raises(CheckpointError):
             store.write_file(2, name, torch.zeros(1))
+
+
+def test_replacing_a_complete_folder_is_explicit(tmp_path):
+    # A server's own part of a step its cluster never committed is replaced when that step comes again.
+    store = CheckpointStore(tmp_path)
+    save(store, 3, {"ps1.pt": torch.zeros(2)})
+    store.prepare(3, replace=True)
+    assert list((tmp_path / "step-3").iterdir()) == [] and store.list() == []
+    save(store, 3, {"ps1.pt": torch.ones(2)})
+    assert torch.equal(store.load_file(store.resolve("step-3"), "ps1.pt"), torch.ones(2))

@@ -2,10 +2,8 @@
 and against the code they start (commands, variables, paths, ports)."""
 import json
 import re
-import shlex
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
@@ -14,14 +12,9 @@ from prometheus_client import CollectorRegistry
 from services import cli
 from services.config import env_name, load
 from services.sidecar import create_app
+from tests.support.deploy import (COMPOSE, DOCKERFILE, PROMETHEUS, REPO, TORCH_VARIABLES, compose, image_env,
+                                  rpcps_services, service_env)
 from tests.support.fakes import FakeControl
-
-REPO = Path(__file__).resolve().parents[2]
-COMPOSE = REPO / "docker-compose.yml"
-DOCKERFILE = REPO / "Dockerfile"
-PROMETHEUS = REPO / "deploy" / "prometheus.yml"
-# Variables read by something other than rpcps's configuration: torch's rendezvous and transports.
-TORCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}
 
 
 def tool(name: str) -> str:
@@ -33,34 +26,6 @@ def tool(name: str) -> str:
 
 def run(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
-
-
-def compose() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
-
-
-def rpcps_services() -> dict[str, dict]:
-    return {n: s for n, s in compose()["services"].items() if s.get("image", "").startswith("rpcps")}
-
-
-def image_env() -> dict[str, str]:
-    """The ENV lines of the Dockerfile."""
-    text = DOCKERFILE.read_text().replace("\\\n", " ")
-    env: dict[str, str] = {}
-    for line in text.splitlines():
-        if line.startswith("ENV "):
-            for item in shlex.split(line[4:]):
-                key, _, value = item.partition("=")
-                env[key] = value
-    return env
-
-
-def service_env(service: dict) -> dict[str, str]:
-    """What the container sees: the image's ENV, then the service's, ${VAR:-default} as unset."""
-    env = dict(image_env())
-    for key, value in (service.get("environment") or {}).items():
-        env[key] = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
-    return env
 
 
 def test_compose_file_matches_the_compose_specification():

@@ -1,0 +1,194 @@
+"""docker-compose.yml run without a container engine: every service of the default profile is a
+separate host (a network namespace with its own address, found by name through DNS as compose's
+network finds it), running the service's own command and environment. The cluster trains; curl
+reaches the sidecars across hosts; Debian's Prometheus, started with the shipped
+deploy/prometheus.yml, scrapes every role; `down` leaves a final checkpoint and `up` resumes it.
+
+Skipped, saying why, where network namespaces cannot be made (not root, or no iproute2).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from services.launcher import stop_in_waves
+from tests.support.deploy import REPO, compose, host_process, k8s_prometheus_config, k8s_pod_targets, start_order
+from tests.support.netns import HostNetwork, Unavailable
+from tests.support.wait import wait_until
+
+TOKEN = "netns-test-token"
+
+
+@pytest.fixture
+def network():
+    services = {n: s for n, s in compose()["services"].items() if not s.get("profiles")}
+    net = HostNetwork(list(services))
+    try:
+        net.create()
+    except Unavailable as exc:
+        pytest.skip(f"cannot run the compose services as separate hosts here: {exc}")
+    try:
+        yield net, services
+    finally:
+        net.close()
+
+
+class Hosts:
+    """The running services: one process per host, reaped in compose's stop order."""
+
+    def __init__(self, net: HostNetwork, services: dict[str, dict], tmp: Path) -> None:
+        self.net, self.services, self.tmp = net, services, tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.order = start_order(services)
+
+    def run_on(self, host: str, key: str, argv: list[str], workdir: Path, env: dict | None = None) -> None:
+        """``argv`` as a process on ``host``, known as ``key`` (extras are stopped first by ``down``)."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.tmp / f"{key}.log", "ab") as log:
+            self.procs[key] = subprocess.Popen(self.net.exec_argv(host, argv), env=env, cwd=workdir, stdout=log,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               start_new_session=True)
+
+    def up(self, names: list[str] | None = None) -> None:
+        for name in names or self.order:
+            argv, env = host_process(self.services[name], self.tmp / "volumes", {"RPCPS_CONTROL_TOKEN": TOKEN})
+            self.run_on(name, name, argv, self.tmp / "workdir" / name, env)
+
+    def down(self, names: list[str] | None = None) -> dict[str, int]:
+        """SIGTERM in reverse start order, each wave waited for (what `docker compose down` does)."""
+        extras = [n for n in self.procs if n not in self.order and names is None]
+        names = extras + [n for n in reversed(self.order) if n in (names or self.order) and n in self.procs]
+        stop_in_waves([[(n, self.procs[n])] for n in names], timeout=60.0)
+        return {n: self.procs.pop(n).returncode for n in names}
+
+    def url(self, name: str, path: str) -> str:
+        return f"http://{self.net.addresses[name]}:8080{path}"
+
+    def log(self, name: str) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)}")
+
+    def curl(self, on: str, *args: str) -> str:
+        """curl run on host ``on`` (so names resolve through the network's DNS)."""
+        r = subprocess.run(self.net.exec_argv(on, ["curl", "-sS", "--max-time", "60", *args]),
+                           capture_output=True, text=True, timeout=90)
+        assert r.returncode == 0, f"curl {args} on {on}: {r.stderr}"
+        return r.stdout
+
+
+def get_json(url: str) -> dict:
+    r = httpx.get(url, timeout=5.0)
+    r.raise_for_status()
+    return r.json()
+
+
+def query(prometheus: str, expr: str) -> list[dict]:
+    r = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5.0)
+    r.raise_for_status()
+    return r.json()["data"]["result"]
+
+
+@pytest.mark.timeout(420)
+def test_compose_services_as_separate_hosts(network, tmp_path):
+    if shutil.which("prometheus") is None or shutil.which("curl") is None:
+        pytest.skip("needs Debian's prometheus package and curl")
+    net, services = network
+    hosts = Hosts(net, services, tmp_path)
+    rpcps = [n for n in hosts.order if n != "prometheus"]
+    try:
+        hosts.up()
+
+        # The cluster trains: every trainer's status, read from this host, shows steps.
+        def trained() -> bool:
+            hosts.alive()
+            try:
+                return all(get_json(hosts.url(t, "/status")).get("step", 0) >= 5 for t in ("trainer0", "trainer1"))
+            except httpx.HTTPError:
+                return False
+        wait_until(trained, 180, "both trainers past step 5")
+
+        # Host to host, by name: the control token is required, and a checkpoint asked of ps1
+        # lands in the volume the servers share.
+        code = hosts.curl("prometheus", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST", "http://ps1:8080/checkpoint")
+        assert code == "401"
+        taken = json.loads(hosts.curl("prometheus", "-f", "-X", "POST", "-H", f"Authorization: Bearer {TOKEN}",
+                                      "http://ps1:8080/checkpoint"))
+        folder = tmp_path / "volumes" / "checkpoints" / taken["id"]
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert set(manifest["files"]) == {"ps0.pt", "ps1.pt", "trainer0.pt", "trainer1.pt"}
+        status = json.loads(hosts.curl("prometheus", "-f", "http://trainer1:8080/status"))
+        assert status["role"] == "trainer" and status["step"] >= 5
+
+        # Prometheus with the shipped configuration finds every role through DNS and scrapes it.
+        prometheus = f"http://{net.addresses['prometheus']}:9090"
+
+        def scraped() -> bool:
+            hosts.alive()
+            try:
+                up = {(s["metric"].get("role"), s["metric"].get("name")): s["value"][1] for s in query(prometheus, "up")}
+                trained = {s["metric"]["name"] for s in query(prometheus, "rpcps_trainer_steps_total > 0")}
+                served = {s["metric"]["name"] for s in query(prometheus, "sum by (name) (rpcps_ps_optimizer_steps_total) > 0")}
+            except httpx.HTTPError:
+                return False
+            return (up == {(n.rstrip("0123456789"), n): "1" for n in rpcps} and trained == {"trainer0", "trainer1"}
+                    and served == {"ps0", "ps1"})
+        wait_until(scraped, 90, "Prometheus: up == 1 for every role, trainer steps and server updates")
+        assert (tmp_path / "volumes" / "prometheus-data" / "wal").is_dir(), "Prometheus stored its data elsewhere"
+
+        # deploy/k8s/prometheus.yml's discovery by annotation, on the same roles: pods listed as
+        # Kubernetes' pod discovery lists them (one target per port), relabelled as shipped.
+        k8s = tmp_path / "k8s-prometheus"
+        k8s.mkdir()
+        (k8s / "pods.json").write_text(json.dumps(k8s_pod_targets({n: net.addresses[n] for n in rpcps})))
+        (k8s / "prometheus.yml").write_text(yaml.safe_dump(k8s_prometheus_config(k8s / "pods.json")))
+        shutil.copy(REPO / "deploy" / "alerts.yml", k8s / "alerts.yml")
+        hosts.run_on("prometheus", "prometheus-k8s", [shutil.which("prometheus"), f"--config.file={k8s / 'prometheus.yml'}",
+                     f"--storage.tsdb.path={k8s / 'data'}", "--web.listen-address=0.0.0.0:9091"], k8s)
+        prometheus_k8s = f"http://{net.addresses['prometheus']}:9091"
+
+        def scraped_by_annotation() -> bool:
+            hosts.alive()
+            try:
+                up = [(s["metric"].get("role"), s["metric"].get("name"), s["value"][1]) for s in query(prometheus_k8s, "up")]
+            except httpx.HTTPError:
+                return False
+            return sorted(up) == sorted((n.rstrip("0123456789"), n, "1") for n in rpcps)
+        wait_until(scraped_by_annotation, 90, "the k8s configuration: up == 1 once per role, named as the roles are")
+
+        # `docker compose down`: every role stops cleanly, and a final checkpoint is left (taken when
+        # ps1, the first server to stop, stops).
+        codes = hosts.down()
+        assert all(code == 0 for name, code in codes.items() if name != "prometheus"), codes
+        final = max((p for p in folder.parent.glob("step-*") if (p / "manifest.json").exists()),
+                    key=lambda p: int(p.name.split("-")[1]))
+        assert int(final.name.split("-")[1]) > taken["step"]
+        # The trainers stopped first; they left their positions with ps0, so the final checkpoint has them.
+        assert set(json.loads((final / "manifest.json").read_text())["files"]) == {
+            "ps0.pt", "ps1.pt", "trainer0.pt", "trainer1.pt"}
+
+        # `docker compose up` again: the servers resume from it.
+        hosts.up(["ps0", "ps1"])
+        for name in ("ps0", "ps1"):
+            def resumed(name=name) -> bool:
+                hosts.alive()
+                try:
+                    return get_json(hosts.url(name, "/status")).get("resumed_from", {}).get("id") == final.name
+                except httpx.HTTPError:
+                    return False
+            wait_until(resumed, 120, f"{name} resumed from {final.name}")
+    except AssertionError as exc:
+        logs = "\n".join(f"--- {n} ---\n{hosts.log(n)}" for n in hosts.order)
+        raise AssertionError(f"{exc}\n{logs}") from None
+    finally:
+        hosts.down()

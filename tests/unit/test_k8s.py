@@ -1,0 +1,158 @@
+"""deploy/k8s/, checked without a cluster: against the Kubernetes schemas, and against the code its
+pods run (each pod's expanded command parses with the real CLI into the role name it must have,
+every variable is read, probes and scrape annotations meet the sidecar, servers find ps-0 before
+anything is ready, and each server shard has a checkpoint volume of its own)."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from services import cli
+from services.config import env_name, load
+from services.sidecar import create_app
+from tests.support.deploy import REPO, TORCH_VARIABLES, image_env
+from tests.support.fakes import FakeControl
+from tests.unit.test_deploy import run, tool
+
+K8S = REPO / "deploy" / "k8s"
+VERSIONS = ("1.29", "1.37")     # the oldest with every field used here that we check, and the newest
+
+
+def resources() -> dict[tuple[str, str], dict]:
+    out = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            out[(doc["kind"], doc["metadata"]["name"])] = doc
+    return out
+
+
+def workloads() -> dict[str, dict]:
+    return {name: doc for (kind, name), doc in resources().items() if kind in ("StatefulSet", "Deployment", "Job")}
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+def pods(name: str, workload: dict) -> list[dict[str, str]]:
+    """The downward-API and Job variables each pod of ``workload`` gets."""
+    kind, spec = workload["kind"], workload["spec"]
+    if kind == "StatefulSet":
+        return [{"POD_NAME": f"{name}-{i}", "HOSTNAME": f"{name}-{i}"} for i in range(spec["replicas"])]
+    if kind == "Job" and spec.get("completionMode") == "Indexed":
+        return [{"JOB_COMPLETION_INDEX": str(i), "POD_NAME": f"{name}-{i}-x1y2z"} for i in range(spec["completions"])]
+    return [{"POD_NAME": f"{name}-7d9f8-x1y2z"} for _ in range(spec.get("replicas", 1))]
+
+
+@pytest.fixture(scope="module")
+def stub_rpcps(tmp_path_factory) -> Path:
+    """An ``rpcps`` on PATH that prints the argv it was given: what a pod's shell really execs."""
+    folder = tmp_path_factory.mktemp("bin")
+    stub = folder / "rpcps"
+    stub.write_text("#!/bin/sh\nexec python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    return folder
+
+
+def executed_argv(command: list[str], pod_env: dict[str, str], stub_folder: Path) -> list[str]:
+    env = {"PATH": f"{stub_folder}:{os.environ['PATH']}", **pod_env}
+    if command[0] != "rpcps":
+        assert command[:2] == ["sh", "-c"] and command[2].startswith("exec rpcps "), command
+    r = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def container_env(container: dict) -> dict[str, str]:
+    """Literal values; secret and field references count as unset (they are not the config's concern)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_manifests_match_the_kubernetes_schemas(version):
+    files = [str(p) for p in sorted(K8S.glob("*.yaml"))]
+    assert len(files) >= 3
+    r = run(tool("kubernetes-validate"), "--strict", "-k", version, *files)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_pod_runs_a_role_the_cli_accepts_under_its_own_name(stub_rpcps):
+    names: dict[str, list[str]] = {}
+    for name, workload in workloads().items():
+        container = pod_spec(workload)["containers"][0]
+        assert container["image"].startswith("rpcps:")
+        env = {**image_env(), **container_env(container)}
+        for pod_env in pods(name, workload):
+            argv = executed_argv(container["command"], pod_env, stub_rpcps)
+            args = cli._parser().parse_args(argv)
+            model = cli._ROLES[args.command]
+            cfg = load(model, vars(args), env)               # raises ConfigError on any bad value
+            names.setdefault(args.command, []).append(cfg.name)
+            known = {env_name(f, i) for f, i in model.model_fields.items()} | TORCH_VARIABLES
+            unknown = sorted(k for k in env if (k.startswith("RPCPS_") or k in TORCH_VARIABLES) and k not in known)
+            assert not unknown, f"{name}: {unknown} are not read by `rpcps {args.command}`"
+            if args.command in ("ps", "trainer"):
+                assert cfg.num_ps == workloads()["ps"]["spec"]["replicas"], f"{name}: RPCPS_NUM_PS"
+            if args.command == "trainer":
+                assert cfg.num_trainers == workload["spec"]["completions"]
+    assert names == {"ps": ["ps0", "ps1"], "trainer": ["trainer0", "trainer1"], "agent": ["agent"],
+                     "observer": ["observer0", "observer1", "observer2", "observer3"]}
+    agent = pod_spec(workloads()["agent"])["containers"][0]["command"]
+    assert agent[agent.index("--min-observers") + 1] == str(workloads()["observer"]["spec"]["completions"])
+
+
+def test_peers_find_the_store_before_anything_is_ready():
+    docs = resources()
+    for workload_name, service_name in (("ps", "ps"), ("agent", "agent")):
+        service = docs[("Service", service_name)]["spec"]
+        assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
+        workload = workloads()[workload_name]
+        assert service["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+        assert 29500 in [p["port"] for p in service["ports"]]
+    ps = workloads()["ps"]["spec"]
+    assert ps["serviceName"] == "ps" and ps["podManagementPolicy"] == "Parallel"
+    for name, workload in workloads().items():
+        env = container_env(pod_spec(workload)["containers"][0])
+        leader = "agent" if name in ("agent", "observer") else "ps-0.ps"   # pod 0's DNS name under the Service
+        assert env["MASTER_ADDR"] == leader and env["MASTER_PORT"] == "29500", name
+        assert env["TP_SOCKET_IFNAME"] == "eth0", f"{name}: TensorPipe would advertise loopback"
+
+
+def test_each_server_shard_has_its_own_checkpoint_volume():
+    ps = workloads()["ps"]
+    templates = {t["metadata"]["name"]: t for t in ps["spec"]["volumeClaimTemplates"]}
+    mount = {m["name"]: m["mountPath"] for m in pod_spec(ps)["containers"][0]["volumeMounts"]}
+    assert set(templates) == set(mount) and mount["checkpoints"] == image_env()["RPCPS_CHECKPOINT_DIR"]
+    assert "ReadWriteOnce" in templates["checkpoints"]["spec"]["accessModes"]
+    assert pod_spec(ps)["securityContext"]["fsGroup"] == 10001     # the image's user can write the volume
+    agent = pod_spec(workloads()["agent"])
+    assert agent["containers"][0]["volumeMounts"][0]["mountPath"] == image_env()["RPCPS_CHECKPOINT_DIR"]
+    assert workloads()["agent"]["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_probes_ports_annotations_and_token_meet_the_sidecar():
+    routes = {r.path for r in create_app(FakeControl(), CollectorRegistry(), None).routes}
+    port = int(image_env()["RPCPS_SIDECAR_PORT"])
+    for name, workload in workloads().items():
+        container = pod_spec(workload)["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["sidecar"] == port, name
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            get = container[probe]["httpGet"]
+            assert get["path"] in routes and get["port"] in ("sidecar", port), (name, probe)
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == port
+        assert annotations["prometheus.io/path"] in routes
+        token = next(e for e in container["env"] if e["name"] == "RPCPS_CONTROL_TOKEN")
+        assert "value" not in token and token["valueFrom"]["secretKeyRef"]["name"] == "rpcps-control"
+        assert pod_spec(workload)["securityContext"]["runAsNonRoot"] is True
+        assert pod_spec(workload)["terminationGracePeriodSeconds"] >= 20, "room for the final checkpoint"
