@@ -93,9 +93,8 @@ def test_restored_training_gives_the_same_losses_as_training_straight_on(tmp_pat
     common = ["--trainers", "1", "--dropout", "0", "--eval-tokens", "100"]
     _, straight = run_up(tmp_path / "straight", *common, "--steps", "20", "--no-resume")
     # 10 steps, a checkpoint at the stop, then 10 more from it: the last 10 losses must match.
-    run_up(tmp_path / "split", *common, "--steps", "10")
+    _, first_half = run_up(tmp_path / "split", *common, "--steps", "10")     # nothing to resume: fresh
     _, continued = run_up(tmp_path / "split", *common, "--steps", "10")
-    _, first_half = run_up(tmp_path / "half", *common, "--steps", "10", "--no-resume")
     # loss_last is the mean of (at most) the last 20 step losses of the episode.
     straight_tail = (straight["loss_last"] * 20 - first_half["loss_last"] * 10) / 10
     assert continued["loss_last"] == pytest.approx(straight_tail, rel=1e-5)
