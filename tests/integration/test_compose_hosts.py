@@ -27,16 +27,25 @@ TOKEN = "netns-test-token"
 
 @pytest.fixture
 def network():
-    services = {n: s for n, s in compose()["services"].items() if not s.get("profiles")}
-    net = HostNetwork(list(services))
+    """Makes the hosts of the given compose services (one network per test); removes them after."""
+    made: list[HostNetwork] = []
+
+    def make(services: dict[str, dict]) -> HostNetwork:
+        if shutil.which("prometheus") is None or shutil.which("curl") is None:
+            pytest.skip("needs Debian's prometheus package and curl")
+        net = HostNetwork(list(services))
+        try:
+            net.create()
+        except Unavailable as exc:
+            pytest.skip(f"cannot run the compose services as separate hosts here: {exc}")
+        made.append(net)
+        return net
+
     try:
-        net.create()
-    except Unavailable as exc:
-        pytest.skip(f"cannot run the compose services as separate hosts here: {exc}")
-    try:
-        yield net, services
+        yield make
     finally:
-        net.close()
+        for net in made:
+            net.close()
 
 
 class Hosts:
@@ -99,11 +108,29 @@ def query(prometheus: str, expr: str) -> list[dict]:
     return r.json()["data"]["result"]
 
 
+def wait_scraped(hosts: Hosts, prometheus: str, roles: list[str], series: dict[str, set[str]]) -> None:
+    """Until Prometheus has ``up == 1`` for exactly ``roles`` (labelled with their role and name),
+    and each query in ``series`` is nonzero for exactly the names given."""
+    def scraped() -> bool:
+        hosts.alive()
+        try:
+            up = {(s["metric"].get("role"), s["metric"].get("name")): s["value"][1] for s in query(prometheus, "up")}
+            found = {expr: {s["metric"]["name"] for s in query(prometheus, expr)} for expr in series}
+        except httpx.HTTPError:
+            return False
+        return up == {(n.rstrip("0123456789"), n): "1" for n in roles} and found == series
+    wait_until(scraped, 90, f"Prometheus: up == 1 for {roles}, and {series}")
+
+
+def newest_checkpoint(volume: Path) -> Path:
+    return max((p for p in volume.glob("step-*") if (p / "manifest.json").exists()),
+               key=lambda p: int(p.name.split("-")[1]))
+
+
 @pytest.mark.timeout(420)
 def test_compose_services_as_separate_hosts(network, tmp_path):
-    if shutil.which("prometheus") is None or shutil.which("curl") is None:
-        pytest.skip("needs Debian's prometheus package and curl")
-    net, services = network
+    services = {n: s for n, s in compose()["services"].items() if not s.get("profiles")}   # `docker compose up`
+    net = network(services)
     hosts = Hosts(net, services, tmp_path)
     rpcps = [n for n in hosts.order if n != "prometheus"]
     try:
@@ -133,17 +160,9 @@ def test_compose_services_as_separate_hosts(network, tmp_path):
         # Prometheus with the shipped configuration finds every role through DNS and scrapes it.
         prometheus = f"http://{net.addresses['prometheus']}:9090"
 
-        def scraped() -> bool:
-            hosts.alive()
-            try:
-                up = {(s["metric"].get("role"), s["metric"].get("name")): s["value"][1] for s in query(prometheus, "up")}
-                trained = {s["metric"]["name"] for s in query(prometheus, "rpcps_trainer_steps_total > 0")}
-                served = {s["metric"]["name"] for s in query(prometheus, "sum by (name) (rpcps_ps_optimizer_steps_total) > 0")}
-            except httpx.HTTPError:
-                return False
-            return (up == {(n.rstrip("0123456789"), n): "1" for n in rpcps} and trained == {"trainer0", "trainer1"}
-                    and served == {"ps0", "ps1"})
-        wait_until(scraped, 90, "Prometheus: up == 1 for every role, trainer steps and server updates")
+        wait_scraped(hosts, prometheus, rpcps, {
+            "rpcps_trainer_steps_total > 0": {"trainer0", "trainer1"},
+            "sum by (name) (rpcps_ps_optimizer_steps_total) > 0": {"ps0", "ps1"}})
         assert (tmp_path / "volumes" / "prometheus-data" / "wal").is_dir(), "Prometheus stored its data elsewhere"
 
         # deploy/k8s/prometheus.yml's discovery by annotation, on the same roles: pods listed as
@@ -170,8 +189,7 @@ def test_compose_services_as_separate_hosts(network, tmp_path):
         # ps1, the first server to stop, stops).
         codes = hosts.down()
         assert all(code == 0 for name, code in codes.items() if name != "prometheus"), codes
-        final = max((p for p in folder.parent.glob("step-*") if (p / "manifest.json").exists()),
-                    key=lambda p: int(p.name.split("-")[1]))
+        final = newest_checkpoint(folder.parent)
         assert int(final.name.split("-")[1]) > taken["step"]
         # The trainers stopped first; they left their positions with ps0, so the final checkpoint has them.
         assert set(json.loads((final / "manifest.json").read_text())["files"]) == {
@@ -187,6 +205,48 @@ def test_compose_services_as_separate_hosts(network, tmp_path):
                 except httpx.HTTPError:
                     return False
             wait_until(resumed, 120, f"{name} resumed from {final.name}")
+    except AssertionError as exc:
+        logs = "\n".join(f"--- {n} ---\n{hosts.log(n)}" for n in hosts.order)
+        raise AssertionError(f"{exc}\n{logs}") from None
+    finally:
+        hosts.down()
+
+
+@pytest.mark.timeout(300)
+def test_rl_profile_as_separate_hosts(network, tmp_path):
+    # `docker compose --profile rl up agent observer0 observer1 observer2 observer3 prometheus`
+    everything = compose()["services"]
+    services = {n: everything[n] for n in ("agent", "observer0", "observer1", "observer2", "observer3", "prometheus")}
+    assert all(everything[n].get("profiles") == ["rl"] for n in services if n != "prometheus")
+    net = network(services)
+    hosts = Hosts(net, services, tmp_path)
+    roles = [n for n in hosts.order if n != "prometheus"]
+    observers = [n for n in roles if n.startswith("observer")]
+    try:
+        hosts.up()
+
+        def played() -> bool:
+            hosts.alive()
+            try:
+                s = get_json(hosts.url("agent", "/status"))
+            except httpx.HTTPError:
+                return False
+            return s.get("episode", 0) >= 3 and sorted(s.get("observers") or []) == observers
+        wait_until(played, 120, "3 episodes played by the 4 observers")
+
+        # Asked of an observer, by name, from another host: the agent checkpoints into its volume.
+        taken = json.loads(hosts.curl("prometheus", "-f", "-X", "POST", "-H", f"Authorization: Bearer {TOKEN}",
+                                      "http://observer2:8080/checkpoint"))
+        volume = tmp_path / "volumes" / "rl-checkpoints"
+        assert set(json.loads((volume / taken["id"] / "manifest.json").read_text())["files"]) == {"agent.pt"}
+
+        wait_scraped(hosts, f"http://{net.addresses['prometheus']}:9090", roles,
+                     {'rpcps_rl_env_steps_total{role="observer"} > 0': set(observers)})
+
+        # `down`: observers first, then the agent, which leaves a final checkpoint.
+        codes = hosts.down()
+        assert all(code == 0 for name, code in codes.items() if name != "prometheus"), codes
+        assert int(newest_checkpoint(volume).name.split("-")[1]) > taken["step"]
     except AssertionError as exc:
         logs = "\n".join(f"--- {n} ---\n{hosts.log(n)}" for n in hosts.order)
         raise AssertionError(f"{exc}\n{logs}") from None
