@@ -128,3 +128,16 @@ def test_alert_rules_query_real_series():
     for rule in rules:
         names = set(re.findall(r"\b(rpcps_[a-z_]+|up)\b(?=[{\[\s)]|$)", rule["expr"]))
         assert names and names <= known, f"{rule['alert']}: {sorted(names - known)} are not exported"
+
+
+def test_the_image_holds_every_package_the_project_installs():
+    import tomllib
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in include}
+    on_disk = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"}
+    assert packages == on_disk, "pyproject.toml installs other packages than the repository has"
+    text = DOCKERFILE.read_text()
+    copied = set(re.findall(r"^COPY (\w+) \./(\w+)$", text, re.M))
+    assert copied == {(p, p) for p in packages}, "the image must copy every package"
+    stubbed = re.search(r"mkdir -p ([\w ]+?)\s*\\", text).group(1).split()
+    assert set(stubbed) == packages, "the dependency layer stubs every package, so `pip install .` resolves"
