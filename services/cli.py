@@ -107,7 +107,8 @@ def _status(args: argparse.Namespace) -> int:
             last, running = s.get("last_reward"), s.get("running_reward")
             parts += [f"episode {s.get('episode', 0)}", "reward -" if last is None else f"reward {last:.1f}",
                       "running -" if running is None else f"running {running:.1f}",
-                      f"{s.get('steps_per_s') or 0:.0f} steps/s", f"members {len(s.get('members') or [])}"]
+                      "- steps/s" if s.get("steps_per_s") is None else f"{s['steps_per_s']:.0f} steps/s",
+                      f"members {len(s.get('members') or [])}"]
         elif s.get("role") == "observer":
             parts += [f"episodes {s.get('episodes', 0)}", f"{s.get('env_steps', 0)} env steps"]
         else:

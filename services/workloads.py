@@ -81,7 +81,9 @@ class LmWorkload:
         steps = [((s.get("episode") or {}).get("step") or 0) for s in st]
         return [{"event": "progress", "step": min(steps) if steps else 0, "steps": self.cfg.steps,
                  "loss": sum(losses) / len(losses) if losses else None,
-                 "tokens_per_s": sum(s.get("tokens_per_s") or 0.0 for s in st if s.get("state") == "running"),
+                 # The trainers training now; once all have finished, the rates their episodes ended at.
+                 "tokens_per_s": sum(s.get("tokens_per_s") or 0.0
+                                     for s in ([s for s in st if s.get("state") == "running"] or st)),
                  "trainers": {n: (s.get("episode") or {}).get("step", 0) for n, s in statuses.items()},
                  "evaluating": [n for n, s in statuses.items() if s.get("evaluating")]}]
 
