@@ -101,7 +101,10 @@ class HostNetwork:
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{address} {name}\n")
             (etc / "resolv.conf").write_text(f"nameserver {self.gateway}\noptions timeout:1 attempts:2\n")
         quiet = DNSLogger("-request,-reply", prefix=False)          # errors and truncations only
-        self._dns = DNSServer(_Resolver(self.addresses), address=self.gateway, port=53, logger=quiet)
+        try:
+            self._dns = DNSServer(_Resolver(self.addresses), address=self.gateway, port=53, logger=quiet)
+        except OSError as exc:
+            raise Unavailable(f"no DNS server on {self.gateway}:53: {exc}") from None
         self._dns.start_thread()
 
     def close(self) -> None:
