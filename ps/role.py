@@ -195,11 +195,12 @@ class PsRole(BoardBacked):
         and `rpcps up` stop ps1 before ps0, and ps0 alone could not checkpoint without it."""
         if self.server is None or self.server.optimizer.steps == 0 or not self.endpoint.joined:
             return
-        c = self.coordinator
+        steps, c = self.server.optimizer.steps, self.coordinator
         if c is None:
-            take = lambda: checkpointing.ask_coordinator("take", timeout=FINAL_CHECKPOINT_SECONDS)  # noqa: E731
-        elif c.latest is not None and c.latest.step == self.server.optimizer.steps:
+            take = lambda: checkpointing.ask_coordinator("take_unless_saved", steps,  # noqa: E731
+                                                         timeout=FINAL_CHECKPOINT_SECONDS)
+        elif c.latest is not None and c.latest.step >= steps:
             return
         else:
-            take = c.take
+            take = lambda: c.take_unless_saved(steps)  # noqa: E731
         checkpointing.take_final(take, FINAL_CHECKPOINT_SECONDS)

@@ -65,7 +65,7 @@ class Participant(Protocol):
 PARTICIPANT = Slot("checkpoint participant")
 COORDINATOR = Slot("checkpoint coordinator")
 _PARTICIPANT_METHODS = ("ckpt_prepare", "ckpt_pause", "ckpt_resume", "ckpt_snapshot", "ckpt_write", "ckpt_discard")
-_COORDINATOR_METHODS = ("take", "listing", "trainer_states", "trainer_left")
+_COORDINATOR_METHODS = ("take", "take_unless_saved", "listing", "trainer_states", "trainer_left")
 
 
 def _participant_call(method: str, *args: Any) -> Any:
@@ -128,6 +128,14 @@ class Coordinator:
                 return self._take()
         finally:
             self._lock.release()
+
+    def take_unless_saved(self, steps: int) -> dict[str, Any]:
+        """A stopping server's final checkpoint: none when the newest already holds ``steps``
+        (its shard has not moved since), which spares copying every shard for nothing."""
+        latest = self.latest
+        if latest is not None and latest.step >= steps:
+            return {**latest.describe(), "new": False}
+        return self.take()
 
     def listing(self) -> list[dict[str, Any]]:
         return [c.describe() for c in self.store.list()]

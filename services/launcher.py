@@ -120,6 +120,7 @@ class Launcher:
             code = self._supervise()
             self._poll()
             if self.cfg.final_checkpoint and code == 0:
+                self._stop_waves(1)          # the workers, which leave their positions with the leader
                 self._final_checkpoint()
             self.emit(self._summary())
             return code
@@ -208,7 +209,8 @@ class Launcher:
         return self.workload.summary(self._watched_status(), sum(len(m.restarts) for m in self.members))
 
     def _final_checkpoint(self) -> None:
-        """Before stopping anything, so the trainers' positions are in it too."""
+        """Once the workers have stopped (their final positions are with the leader), before the
+        servers stop: the last state of everything, in one checkpoint."""
         leader = next(m for m in self.members if m.name == self.workload.leader)
         try:
             with SidecarClient(leader.url, token=self._token, timeout=FINAL_CHECKPOINT_TIMEOUT) as c:
@@ -230,9 +232,12 @@ class Launcher:
         tmp.replace(path)
 
     def _stop_all(self) -> None:
-        """Workers first, the leader (the store host) last."""
+        self._stop_waves()
+
+    def _stop_waves(self, count: Optional[int] = None) -> None:
+        """The first ``count`` waves (default all): workers first, the leader (the store host) last."""
         by_name = {m.name: m for m in self.members}
-        waves = self.workload.stop_waves(list(by_name))
+        waves = self.workload.stop_waves(list(by_name))[:count]
         stop_in_waves([[(n, by_name[n].proc) for n in wave if by_name[n].proc is not None] for wave in waves],
                       STOP_TIMEOUT)
 

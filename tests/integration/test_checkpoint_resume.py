@@ -55,10 +55,10 @@ def test_checkpoint_during_training_then_resume(tmp_path):
     finally:
         up.kill()
 
-    # Trainers go on between up's final checkpoint and their stop; ps1, the first server to stop,
-    # takes one more with the positions they left with ps0. Either way nothing before `up`'s is lost.
+    # `up` stops the trainers before its final checkpoint (they leave their positions with ps0), so
+    # it is the last state of all: ps1, stopping after it, finds nothing newer to save.
     newest = CheckpointStore(tmp_path / "ckpt").latest_valid()
-    assert newest.step >= final["step"] and {"trainer0.pt", "trainer1.pt"} <= set(newest.files)
+    assert newest.id == final["id"] and {"trainer0.pt", "trainer1.pt"} <= set(newest.files)
     # The next start resumes from the newest: the loss goes on from where it was.
     resumed_up, resumed = run_up(tmp_path, "--steps", "5")
     logs = resumed_up.full_logs()
