@@ -195,12 +195,10 @@ class PsRole(BoardBacked):
         and `rpcps up` stop ps1 before ps0, and ps0 alone could not checkpoint without it."""
         if self.server is None or self.server.optimizer.steps == 0 or not self.endpoint.joined:
             return
-        steps, c = self.server.optimizer.steps, self.coordinator
-        if c is None:
-            take = lambda: checkpointing.ask_coordinator("take_unless_saved", steps,  # noqa: E731
-                                                         timeout=FINAL_CHECKPOINT_SECONDS)
-        elif c.latest is not None and c.latest.step >= steps:
-            return
+        steps = self.server.optimizer.steps
+        if self.coordinator is not None:
+            take = functools.partial(self.coordinator.take_unless_saved, steps)
         else:
-            take = lambda: c.take_unless_saved(steps)  # noqa: E731
+            take = functools.partial(checkpointing.ask_coordinator, "take_unless_saved", steps,
+                                     timeout=FINAL_CHECKPOINT_SECONDS)
         checkpointing.take_final(take, FINAL_CHECKPOINT_SECONDS)

@@ -352,7 +352,8 @@ def take_final(take: Callable[[], dict], seconds: float) -> None:
 
     def run() -> None:
         try:
-            log.info("final checkpoint %s", take()["id"])
+            result = take()
+            log.info("final checkpoint %s%s", result["id"], "" if result.get("new", True) else " (already saved)")
         except Exception as exc:  # noqa: BLE001 - the previous checkpoint stays the valid one
             log.warning("final checkpoint failed: %s", exc)
         finally:

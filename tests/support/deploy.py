@@ -7,15 +7,29 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
 PROMETHEUS = REPO / "deploy" / "prometheus.yml"
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]'; promtool: Debian's prometheus)")
+    return path
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 
 def compose() -> dict:
@@ -119,35 +133,58 @@ def _label_name(key: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", key)
 
 
+@dataclass
+class Pod:
+    """One pod of a deploy/k8s workload, as Kubernetes would create it."""
+    name: str                       # the pod's name (ps-1)
+    role_name: str                  # the rpcps role it must run as (ps1)
+    env: dict[str, str]             # what the Downward API and the Job controller set
+    index_labels: dict[str, str]    # the labels Kubernetes adds with the pod's index
+    workload: dict
+
+
+def k8s_workloads() -> dict[str, dict]:
+    out = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc["kind"] in ("StatefulSet", "Deployment", "Job"):
+                out[doc["metadata"]["name"]] = doc
+    return out
+
+
+def k8s_pods() -> list[Pod]:
+    pods = []
+    for name, doc in k8s_workloads().items():
+        spec = doc["spec"]
+        if doc["kind"] == "StatefulSet":
+            pods += [Pod(f"{name}-{i}", f"{name}{i}", {"POD_NAME": f"{name}-{i}", "HOSTNAME": f"{name}-{i}"},
+                         {"apps.kubernetes.io/pod-index": str(i)}, doc) for i in range(spec["replicas"])]
+        elif spec.get("completionMode") == "Indexed":
+            pods += [Pod(f"{name}-{i}-x1y2z", f"{name}{i}", {"POD_NAME": f"{name}-{i}-x1y2z", "JOB_COMPLETION_INDEX": str(i)},
+                         {"batch.kubernetes.io/job-completion-index": str(i)}, doc) for i in range(spec["completions"])]
+        else:
+            pods += [Pod(f"{name}-7d9f8-x1y2z", name, {"POD_NAME": f"{name}-7d9f8-x1y2z"}, {}, doc)
+                     for _ in range(spec.get("replicas", 1))]
+    return pods
+
+
 def k8s_pod_targets(addresses: dict[str, str], namespace: str = "default") -> list[dict]:
     """What Prometheus's Kubernetes pod discovery would list for deploy/k8s's pods, in file_sd form:
     one target per declared container port, with the pod's labels, annotations and index. A pod is
-    placed at ``addresses[<its role name>]`` (ps-1 -> ps1); pods without an address are not running."""
+    placed at ``addresses[<its role name>]``; pods without an address are not running."""
     targets = []
-    for path in sorted(K8S.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc["kind"] not in ("StatefulSet", "Deployment", "Job"):
-                continue
-            name, spec, template = doc["metadata"]["name"], doc["spec"], doc["spec"]["template"]
-            if doc["kind"] == "StatefulSet":
-                pods = [(f"{name}-{i}", {"apps.kubernetes.io/pod-index": str(i)}, f"{name}{i}")
-                        for i in range(spec["replicas"])]
-            elif spec.get("completionMode") == "Indexed":
-                pods = [(f"{name}-{i}-x1y2z", {"batch.kubernetes.io/job-completion-index": str(i)}, f"{name}{i}")
-                        for i in range(spec["completions"])]
-            else:
-                pods = [(f"{name}-7d9f8-x1y2z", {}, name)]
-            for pod, extra_labels, role_name in pods:
-                if role_name not in addresses:
-                    continue
-                meta = {"__meta_kubernetes_namespace": namespace, "__meta_kubernetes_pod_name": pod}
-                for key, value in {**template["metadata"].get("labels", {}), **extra_labels}.items():
-                    meta[f"__meta_kubernetes_pod_label_{_label_name(key)}"] = value
-                for key, value in template["metadata"].get("annotations", {}).items():
-                    meta[f"__meta_kubernetes_pod_annotation_{_label_name(key)}"] = value
-                for port in template["spec"]["containers"][0]["ports"]:
-                    targets.append({"targets": [f"{addresses[role_name]}:{port['containerPort']}"],
-                                    "labels": {**meta, "__meta_kubernetes_pod_container_port_name": port["name"]}})
+    for pod in k8s_pods():
+        if pod.role_name not in addresses:
+            continue
+        template = pod.workload["spec"]["template"]
+        meta = {"__meta_kubernetes_namespace": namespace, "__meta_kubernetes_pod_name": pod.name}
+        for key, value in {**template["metadata"].get("labels", {}), **pod.index_labels}.items():
+            meta[f"__meta_kubernetes_pod_label_{_label_name(key)}"] = value
+        for key, value in template["metadata"].get("annotations", {}).items():
+            meta[f"__meta_kubernetes_pod_annotation_{_label_name(key)}"] = value
+        for port in template["spec"]["containers"][0]["ports"]:
+            targets.append({"targets": [f"{addresses[pod.role_name]}:{port['containerPort']}"],
+                            "labels": {**meta, "__meta_kubernetes_pod_container_port_name": port["name"]}})
     return targets
 
 

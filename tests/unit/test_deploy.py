@@ -2,10 +2,7 @@
 and against the code they start (commands, variables, paths, ports)."""
 import json
 import re
-import shutil
-import subprocess
 
-import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
@@ -13,19 +10,8 @@ from services import cli
 from services.config import env_name, load
 from services.sidecar import create_app
 from tests.support.deploy import (COMPOSE, DOCKERFILE, PROMETHEUS, REPO, TORCH_VARIABLES, compose, image_env,
-                                  rpcps_services, service_env)
+                                  rpcps_services, run, service_env, tool)
 from tests.support.fakes import FakeControl
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.skip(f"{name} is not installed (pip install -e '.[test]'; promtool: Debian's prometheus)")
-    return path
-
-
-def run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 
 def test_compose_file_matches_the_compose_specification():

@@ -17,11 +17,9 @@ from prometheus_client import CollectorRegistry
 from services import cli
 from services.config import env_name, load
 from services.sidecar import create_app
-from tests.support.deploy import REPO, TORCH_VARIABLES, image_env
+from tests.support.deploy import K8S, TORCH_VARIABLES, image_env, k8s_pods, k8s_workloads, run, tool
 from tests.support.fakes import FakeControl
-from tests.unit.test_deploy import run, tool
 
-K8S = REPO / "deploy" / "k8s"
 VERSIONS = ("1.29", "1.37")     # the oldest with every field used here that we check, and the newest
 
 
@@ -33,22 +31,8 @@ def resources() -> dict[tuple[str, str], dict]:
     return out
 
 
-def workloads() -> dict[str, dict]:
-    return {name: doc for (kind, name), doc in resources().items() if kind in ("StatefulSet", "Deployment", "Job")}
-
-
 def pod_spec(workload: dict) -> dict:
     return workload["spec"]["template"]["spec"]
-
-
-def pods(name: str, workload: dict) -> list[dict[str, str]]:
-    """The downward-API and Job variables each pod of ``workload`` gets."""
-    kind, spec = workload["kind"], workload["spec"]
-    if kind == "StatefulSet":
-        return [{"POD_NAME": f"{name}-{i}", "HOSTNAME": f"{name}-{i}"} for i in range(spec["replicas"])]
-    if kind == "Job" and spec.get("completionMode") == "Indexed":
-        return [{"JOB_COMPLETION_INDEX": str(i), "POD_NAME": f"{name}-{i}-x1y2z"} for i in range(spec["completions"])]
-    return [{"POD_NAME": f"{name}-7d9f8-x1y2z"} for _ in range(spec.get("replicas", 1))]
 
 
 @pytest.fixture(scope="module")
@@ -85,27 +69,27 @@ def test_manifests_match_the_kubernetes_schemas(version):
 
 def test_every_pod_runs_a_role_the_cli_accepts_under_its_own_name(stub_rpcps):
     names: dict[str, list[str]] = {}
-    for name, workload in workloads().items():
-        container = pod_spec(workload)["containers"][0]
+    for pod in k8s_pods():
+        container = pod_spec(pod.workload)["containers"][0]
         assert container["image"].startswith("rpcps:")
         env = {**image_env(), **container_env(container)}
-        for pod_env in pods(name, workload):
-            argv = executed_argv(container["command"], pod_env, stub_rpcps)
-            args = cli._parser().parse_args(argv)
-            model = cli._ROLES[args.command]
-            cfg = load(model, vars(args), env)               # raises ConfigError on any bad value
-            names.setdefault(args.command, []).append(cfg.name)
-            known = {env_name(f, i) for f, i in model.model_fields.items()} | TORCH_VARIABLES
-            unknown = sorted(k for k in env if (k.startswith("RPCPS_") or k in TORCH_VARIABLES) and k not in known)
-            assert not unknown, f"{name}: {unknown} are not read by `rpcps {args.command}`"
-            if args.command in ("ps", "trainer"):
-                assert cfg.num_ps == workloads()["ps"]["spec"]["replicas"], f"{name}: RPCPS_NUM_PS"
-            if args.command == "trainer":
-                assert cfg.num_trainers == workload["spec"]["completions"]
+        argv = executed_argv(container["command"], pod.env, stub_rpcps)
+        args = cli._parser().parse_args(argv)
+        model = cli._ROLES[args.command]
+        cfg = load(model, vars(args), env)               # raises ConfigError on any bad value
+        assert cfg.name == pod.role_name, f"pod {pod.name} runs {cfg.name}"
+        names.setdefault(args.command, []).append(cfg.name)
+        known = {env_name(f, i) for f, i in model.model_fields.items()} | TORCH_VARIABLES
+        unknown = sorted(k for k in env if (k.startswith("RPCPS_") or k in TORCH_VARIABLES) and k not in known)
+        assert not unknown, f"{pod.name}: {unknown} are not read by `rpcps {args.command}`"
+        if args.command in ("ps", "trainer"):
+            assert cfg.num_ps == k8s_workloads()["ps"]["spec"]["replicas"], f"{pod.name}: RPCPS_NUM_PS"
+        if args.command == "trainer":
+            assert cfg.num_trainers == pod.workload["spec"]["completions"]
     assert names == {"ps": ["ps0", "ps1"], "trainer": ["trainer0", "trainer1"], "agent": ["agent"],
                      "observer": ["observer0", "observer1", "observer2", "observer3"]}
-    agent = pod_spec(workloads()["agent"])["containers"][0]["command"]
-    assert agent[agent.index("--min-observers") + 1] == str(workloads()["observer"]["spec"]["completions"])
+    agent = pod_spec(k8s_workloads()["agent"])["containers"][0]["command"]
+    assert agent[agent.index("--min-observers") + 1] == str(k8s_workloads()["observer"]["spec"]["completions"])
 
 
 def test_peers_find_the_store_before_anything_is_ready():
@@ -113,12 +97,12 @@ def test_peers_find_the_store_before_anything_is_ready():
     for workload_name, service_name in (("ps", "ps"), ("agent", "agent")):
         service = docs[("Service", service_name)]["spec"]
         assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
-        workload = workloads()[workload_name]
+        workload = k8s_workloads()[workload_name]
         assert service["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
         assert 29500 in [p["port"] for p in service["ports"]]
-    ps = workloads()["ps"]["spec"]
+    ps = k8s_workloads()["ps"]["spec"]
     assert ps["serviceName"] == "ps" and ps["podManagementPolicy"] == "Parallel"
-    for name, workload in workloads().items():
+    for name, workload in k8s_workloads().items():
         env = container_env(pod_spec(workload)["containers"][0])
         leader = "agent" if name in ("agent", "observer") else "ps-0.ps"   # pod 0's DNS name under the Service
         assert env["MASTER_ADDR"] == leader and env["MASTER_PORT"] == "29500", name
@@ -126,21 +110,21 @@ def test_peers_find_the_store_before_anything_is_ready():
 
 
 def test_each_server_shard_has_its_own_checkpoint_volume():
-    ps = workloads()["ps"]
+    ps = k8s_workloads()["ps"]
     templates = {t["metadata"]["name"]: t for t in ps["spec"]["volumeClaimTemplates"]}
     mount = {m["name"]: m["mountPath"] for m in pod_spec(ps)["containers"][0]["volumeMounts"]}
     assert set(templates) == set(mount) and mount["checkpoints"] == image_env()["RPCPS_CHECKPOINT_DIR"]
     assert "ReadWriteOnce" in templates["checkpoints"]["spec"]["accessModes"]
     assert pod_spec(ps)["securityContext"]["fsGroup"] == 10001     # the image's user can write the volume
-    agent = pod_spec(workloads()["agent"])
+    agent = pod_spec(k8s_workloads()["agent"])
     assert agent["containers"][0]["volumeMounts"][0]["mountPath"] == image_env()["RPCPS_CHECKPOINT_DIR"]
-    assert workloads()["agent"]["spec"]["strategy"]["type"] == "Recreate"
+    assert k8s_workloads()["agent"]["spec"]["strategy"]["type"] == "Recreate"
 
 
 def test_probes_ports_annotations_and_token_meet_the_sidecar():
     routes = {r.path for r in create_app(FakeControl(), CollectorRegistry(), None).routes}
     port = int(image_env()["RPCPS_SIDECAR_PORT"])
-    for name, workload in workloads().items():
+    for name, workload in k8s_workloads().items():
         container = pod_spec(workload)["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["sidecar"] == port, name
