@@ -138,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             cfg = load(_ROLES[cmd], vars(args), os.environ)
             from services.runtime import run_role
             factory = _role_factory(cmd)
-            sys.exit(run_role(cfg, factory))
+            run_role(cfg, factory)          # exits the process with the role's code
         if cmd == "up":
             cfg = load(UpConfig, vars(args), os.environ)
             from services.launcher import Launcher, emitter

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NoReturn, Protocol
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -37,7 +37,7 @@ class Role(Protocol):
     def close(self) -> None: ...
 
 
-def run_role(cfg: CommonConfig, factory: Callable[[CommonConfig, Metrics], Role]) -> int:
+def run_role(cfg: CommonConfig, factory: Callable[[CommonConfig, Metrics], Role]) -> NoReturn:
     init_logging(cfg.name, cfg.log_level)
     torch.set_num_threads(cfg.threads)
     registry = CollectorRegistry()
@@ -88,8 +88,12 @@ def run_role(cfg: CommonConfig, factory: Callable[[CommonConfig, Metrics], Role]
     if worker.is_alive():
         # Stuck in a blocking wait torch cannot interrupt (a store wait, an RPC to a dead peer).
         log.warning("role thread did not stop within %.0fs; exiting anyway", STOP_GRACE)
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(code)
-    log.info("%s stopped (exit %d)", cfg.name, code)
-    return code
+    else:
+        log.info("%s stopped (exit %d)", cfg.name, code)
+    # Everything worth keeping is on disk (checkpoints are fsynced) or flushed here. The
+    # interpreter's own teardown of torch would take another second for nothing, and a stuck
+    # thread would block it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
