@@ -1,11 +1,6 @@
-"""One optimizer per server process, shared by every trainer.
-
-``DistributedOptimizer`` builds an optimizer per trainer on each server; its default TorchScript path
-loses concurrent updates and each instance keeps its own state. ``ServerOptimizer`` is the class
-trainers hand to ``DistributedOptimizer``: not being a stock optimizer, it takes the locked
-``_LocalOptimizer`` path, and instead of owning state it forwards to the server's one
-``SharedOptimizer``. So every update is applied, one at a time, to one optimizer state.
-"""
+"""One optimizer per server process, shared by every trainer (``ps/service.py``'s
+``ServerOptimizer`` forwards each trainer's step to it), and the lock that orders its steps
+against parameter reads."""
 from __future__ import annotations
 
 import contextlib
@@ -113,40 +108,3 @@ def _all_cores() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-class _Registry:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_param: dict[int, SharedOptimizer] = {}
-
-    def register(self, shared: SharedOptimizer) -> None:
-        with self._lock:
-            for p in shared.params:
-                self._by_param[id(p)] = shared
-
-    def unregister(self, shared: SharedOptimizer) -> None:
-        with self._lock:
-            for p in shared.params:
-                self._by_param.pop(id(p), None)
-
-    def find(self, params: list[torch.Tensor]) -> SharedOptimizer:
-        with self._lock:
-            found = {id(self._by_param.get(id(p))) for p in params}
-            shared = self._by_param.get(id(params[0])) if params else None
-        if shared is None or len(found) != 1:
-            raise RuntimeError("ServerOptimizer got parameters this server does not host")
-        return shared
-
-
-REGISTRY = _Registry()
-
-
-class ServerOptimizer:
-    """The optimizer class trainers pass to DistributedOptimizer (constructed on each server)."""
-
-    def __init__(self, params: list[torch.Tensor], **_ignored: object) -> None:
-        self._shared = REGISTRY.find(list(params))
-
-    def step(self) -> None:
-        self._shared.step()

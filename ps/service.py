@@ -1,16 +1,15 @@
 """The parameter server's RPC surface.
 
-``ParameterServer``'s public methods listed in ``RPC_METHODS`` are the whole remote interface;
-trainers reach them only through ``ps/stub.py``, which calls the module-level ``call``. Every input is
-validated: a bad request raises ``BadRequest`` back to its caller and the server keeps serving.
+``ParameterServer``'s ``@remote`` methods are the whole remote interface; trainers reach them only
+through ``ps/stub.py``. Every input is validated (types by ``services/remote.py``, ranges and shapes
+here): a bad request raises ``BadRequest`` back to its caller and the server keeps serving.
 """
 from __future__ import annotations
 
 import collections
 import logging
 import threading
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -18,20 +17,20 @@ import torch.distributed.rpc as rpc
 
 from ps.messages import ShardInfo
 from ps.modules import DecoderShard, EmbeddingShard, init_decoder, init_embedding, init_lstm_layer, lstm_param_names
-from ps.optim import REGISTRY, SharedOptimizer, grad_sq_norm
+from ps.optim import SharedOptimizer, grad_sq_norm
 from ps.sharding import ShardPlan
 from ps.state import export_shard, gather_shard
 from services.config import ModelConfig
-from services.errors import BadRequest, NotReady
+from services.errors import BadRequest
 from services.metrics import Metrics
+from services.remote import Service, local, remote
 
 log = logging.getLogger(__name__)
 
-RPC_METHODS = ("info", "param_rrefs", "lookup", "dense_params", "decode", "grad_sq_norm", "scale_grads", "parameters")
 _CONTEXTS_KEPT = 4  # a trainer has at most one or two contexts open; older ones it released itself
 
 
-class ParameterServer:
+class ParameterServer(Service):
     def __init__(self, name: str, shard: int, num_shards: int, model: ModelConfig, metrics: Metrics,
                  restore: Optional[list[dict[str, Any]]] = None) -> None:
         """``restore``: the shard states of a checkpoint (any number of shards) to start from."""
@@ -53,7 +52,6 @@ class ParameterServer:
         params = [self.embedding.weight, self.decoder.weight, self.decoder.bias, *(self.dense[n] for n in dense_names)]
         self.optimizer = SharedOptimizer(params, model.optimizer, model.lr, on_step=self._stepped)
         self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.param_names])
-        REGISTRY.register(self.optimizer)
         self._contexts: dict[str, collections.deque] = {}
         self._contexts_lock = threading.Lock()
 
@@ -74,25 +72,27 @@ class ParameterServer:
                             dict(zip(self.param_names, params)),
                             {n: s for n, s in zip(self.param_names, state) if s})
 
-    def close(self) -> None:
-        REGISTRY.unregister(self.optimizer)
-
     def _stepped(self, rows: int) -> None:
         self.metrics.optimizer_steps.inc()
         self.metrics.rows_updated.inc(rows)
 
     # --- the RPC surface ---------------------------------------------------------------------------
+    @remote
     def info(self) -> ShardInfo:
         return ShardInfo(self.name, self.shard, self.plan.num_shards, self.model.model_dump(),
                          self.plan.rows(self.shard), self.layers, self.optimizer.steps)
 
+    @remote
     def param_rrefs(self) -> list[rpc.RRef]:
         return [rpc.RRef(p) for p in self.optimizer.params]
 
+    @remote
     def parameters(self) -> dict[str, torch.Tensor]:
-        """A consistent copy of every parameter this shard holds (no autograd history)."""
+        """A consistent copy of every parameter this shard holds (no autograd history). For tests:
+        they compare a cluster's parameters with a one-process model's; trainers never call it."""
         return dict(zip(self.param_names, self.optimizer.snapshot(self.optimizer.params)))
 
+    @remote
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows [n, emsize] of global ``ids`` [n] that this shard owns."""
         self._check_ids(ids, "ids")
@@ -101,11 +101,13 @@ class ParameterServer:
         self.metrics.rows_looked_up.inc(ids.numel())
         return rows
 
+    @remote
     def dense_params(self) -> dict[str, torch.Tensor]:
         """This shard's LSTM weights; computing with them records the way back for gradients."""
         with self.optimizer.lock:
             return {n: p.clone() for n, p in zip(self.param_names[3:], self.optimizer.params[3:])}
 
+    @remote
     def decode(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token of ``h`` [N, nhid]: this shard's log-sum-exp and its target logit (0 if not owned)."""
         if not isinstance(h, torch.Tensor) or h.dtype != torch.float32 or h.dim() != 2 or h.size(1) != self.model.nhid:
@@ -121,9 +123,11 @@ class ParameterServer:
         with torch.set_grad_enabled(_in_autograd_context()):
             return self.decoder.partials(h, local, owned.to(h.dtype), w, b)
 
+    @remote
     def grad_sq_norm(self, context_id: int) -> float:
         return grad_sq_norm(list(self._context_grads(context_id).values()))
 
+    @remote
     def scale_grads(self, context_id: int, coef: float) -> None:
         if not isinstance(coef, float) or not (0.0 <= coef <= 1.0):
             raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
@@ -131,7 +135,13 @@ class ParameterServer:
             g.mul_(coef)  # the very tensors DistributedOptimizer.step will apply
 
     # --- bookkeeping ---------------------------------------------------------------------------------
-    def remember_context(self, caller: str) -> None:
+    def before_call(self, caller: str, method: str) -> None:
+        self._remember_context(caller)
+
+    def after_call(self, method: str, seconds: float, ok: bool) -> None:
+        self.metrics.observe_request(method, seconds, ok)
+
+    def _remember_context(self, caller: str) -> None:
         if not _in_autograd_context():
             return
         cid = dist_autograd._current_context()._context_id()
@@ -188,45 +198,21 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-class _Hosted:
-    """The server this process hosts, for the RPC entry point; set once at start, cleared at stop."""
+class ServerOptimizer:
+    """The optimizer class trainers pass to ``DistributedOptimizer``, constructed on each server.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._server: Optional[ParameterServer] = None
+    ``DistributedOptimizer`` builds an optimizer per trainer on each server; its default TorchScript
+    path loses concurrent updates and each instance keeps its own state. Not being a stock
+    optimizer, this class takes the locked ``_LocalOptimizer`` path, and instead of owning state it
+    forwards to the served server's one ``SharedOptimizer``: every update is applied, one at a
+    time, to one optimizer state."""
 
-    def set(self, server: Optional[ParameterServer]) -> None:
-        with self._lock:
-            self._server = server
+    def __init__(self, params: list[torch.Tensor], **_ignored: object) -> None:
+        shared = local(ParameterServer).optimizer
+        hosted = {id(p) for p in shared.params}
+        if not params or any(id(p) not in hosted for p in params):
+            raise BadRequest("ServerOptimizer got parameters this server does not host")
+        self._shared = shared
 
-    def get(self) -> ParameterServer:
-        with self._lock:
-            if self._server is None:
-                raise NotReady("this parameter server is not serving yet")
-            return self._server
-
-
-HOSTED = _Hosted()
-
-
-def call(caller: str, method: str, *args: Any) -> Any:
-    """The one RPC entry point: ``method`` of the hosted server, timed, counted and guarded."""
-    server = HOSTED.get()
-    if method not in RPC_METHODS:
-        raise BadRequest(f"unknown method {method!r}; the service offers {', '.join(RPC_METHODS)}")
-    fn: Callable[..., Any] = getattr(server, method)
-    server.remember_context(caller)
-    started = time.perf_counter()
-    ok = False
-    try:
-        result = fn(*args)
-        ok = True
-        return result
-    except BadRequest as exc:
-        log.warning("bad %s request from %s: %s", method, caller, exc)
-        raise
-    except TypeError as exc:  # wrong number of arguments
-        log.warning("bad %s request from %s: %s", method, caller, exc)
-        raise BadRequest(f"{method}: {exc}") from None
-    finally:
-        server.metrics.observe_request(method, time.perf_counter() - started, ok)
+    def step(self) -> None:
+        self._shared.step()

@@ -7,28 +7,27 @@ autograd context, everything it returns carries the way back for gradients.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
 
-from ps import service
 from ps.messages import ShardInfo
 from ps.modules import combine_partials
-from ps.optim import ServerOptimizer
+from ps.service import ParameterServer, ServerOptimizer
 from ps.sharding import ShardPlan
 from services.config import ModelConfig
 from services.errors import PeerUnavailable
-from services.rpc import wait
+from services.remote import call_async, wait
 
 log = logging.getLogger(__name__)
+
 
 class PsClient:
     def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:
         self.me, self.ps_names, self.timeout = me, ps_names, timeout
-        infos: list[ShardInfo] = [wait(f) for f in [self._async(n, "info") for n in ps_names]]
+        infos: list[ShardInfo] = [wait(f) for f in [self._async(n, ParameterServer.info) for n in ps_names]]
         for k, info in enumerate(infos):
             if info.shard != k or info.num_shards != len(ps_names):
                 raise PeerUnavailable(f"{ps_names[k]} serves shard {info.shard} of {info.num_shards}, "
@@ -39,13 +38,13 @@ class PsClient:
         self.plan = ShardPlan(len(ps_names), self.model.ntoken)
         self.layer_owner = {layer: self.plan.layer_owner(layer) for layer in range(self.model.nlayers)}
         self._dense_shards = sorted(set(self.layer_owner.values()))
-        rrefs = [wait(f) for f in [self._async(n, "param_rrefs") for n in ps_names]]
+        rrefs = [wait(f) for f in [self._async(n, ParameterServer.param_rrefs) for n in ps_names]]
         self.param_rrefs = [r for shard in rrefs for r in shard]
 
-    def _async(self, ps: str, method: str, *args: Any) -> torch.futures.Future:
-        return rpc.rpc_async(ps, service.call, args=(self.me, method, *args), timeout=self.timeout)
+    def _async(self, ps: str, method: Callable[..., Any], *args: Any) -> torch.futures.Future:
+        return call_async(ps, method, *args, timeout=self.timeout)
 
-    def call(self, ps: str, method: str, *args: Any) -> Any:
+    def call(self, ps: str, method: Callable[..., Any], *args: Any) -> Any:
         """One method of one server, synchronously."""
         return wait(self._async(ps, method, *args))
 
@@ -55,9 +54,9 @@ class PsClient:
     def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Embeddings of ``ids`` [...] -> [..., emsize], and the LSTM weights, in one parallel round."""
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        parts = [(pos, self._async(self.ps_names[k], "lookup", shard_ids))
+        parts = [(pos, self._async(self.ps_names[k], ParameterServer.lookup, shard_ids))
                  for k, (pos, shard_ids) in enumerate(self.plan.partition(unique)) if pos.numel()]
-        dense = [self._async(self.ps_names[k], "dense_params") for k in self._dense_shards]
+        dense = [self._async(self.ps_names[k], ParameterServer.dense_params) for k in self._dense_shards]
         rows = torch.cat([wait(f) for _, f in parts])               # [unique, emsize], shard order
         order = torch.cat([pos for pos, _ in parts])
         by_unique = rows[torch.argsort(order)]                      # back to torch.unique's order
@@ -68,17 +67,17 @@ class PsClient:
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of ``h`` [N, nhid] against ``targets`` [N], computed by the shards."""
-        futs = [self._async(n, "decode", h, targets) for n in self.ps_names]
+        futs = [self._async(n, ParameterServer.decode, h, targets) for n in self.ps_names]
         results = [wait(f) for f in futs]
         return combine_partials([r[0] for r in results], [r[1] for r in results])
 
     def clip_(self, context_id: int, max_norm: float) -> float:
         """Global gradient-norm clipping over every shard's gradients in ``context_id``."""
-        sq = sum(wait(f) for f in [self._async(n, "grad_sq_norm", context_id) for n in self.ps_names])
+        sq = sum(wait(f) for f in [self._async(n, ParameterServer.grad_sq_norm, context_id) for n in self.ps_names])
         norm = float(sq) ** 0.5
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
-            for f in [self._async(n, "scale_grads", context_id, float(coef)) for n in self.ps_names]:
+            for f in [self._async(n, ParameterServer.scale_grads, context_id, float(coef)) for n in self.ps_names]:
                 wait(f)
         return norm
 

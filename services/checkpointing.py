@@ -25,6 +25,7 @@ of different steps never mix (``follow_leader``).
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import datetime
 import logging
@@ -33,16 +34,13 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Optional, Protocol
-
-import torch.distributed.rpc as rpc
+from typing import Any, Callable, Iterator, Optional
 
 from services.checkpoint import CheckpointInfo, CheckpointStore, FileEntry
 from services.errors import CheckpointError, CheckpointInProgress, NotReady
 from services.membership import current_members
 from services.names import LEADER, parse_name, ps_names
-from services.rpc import wait
-from services.slots import Slot
+from services.remote import Service, call, remote
 
 log = logging.getLogger(__name__)
 
@@ -50,42 +48,50 @@ PAUSE_TIMEOUT = 60.0       # a trainer reaches a step boundary well within this
 TAKE_TIMEOUT = 600.0       # a whole checkpoint, as seen by a member that asked ps0 for one
 
 
-class Participant(Protocol):
-    """What a member offers the coordinator. Servers implement snapshot/write/discard, trainers
-    pause/resume; the other methods raise NotSupported."""
+class ShardParticipant(Service, abc.ABC):
+    """A server: what the coordinator asks of it (its shard is copied, written and discarded)."""
 
-    def ckpt_prepare(self, cid: str) -> None: ...
-    def ckpt_pause(self, cid: str, timeout: float) -> dict[str, Any]: ...
-    def ckpt_resume(self, cid: str) -> None: ...
-    def ckpt_snapshot(self, cid: str) -> int: ...
-    def ckpt_write(self, cid: str, step: int, meta: dict[str, Any]) -> tuple[FileEntry, bool]: ...
-    def ckpt_discard(self, cid: str, committed: bool) -> None: ...
+    @remote
+    @abc.abstractmethod
+    def ckpt_prepare(self, checkpoint_id: str) -> None:
+        """Make the buffers the snapshot will be copied into (before the trainers are held)."""
+
+    @remote
+    @abc.abstractmethod
+    def ckpt_snapshot(self, checkpoint_id: str) -> int:
+        """Copy the shard at this instant; answer its step."""
+
+    @remote
+    @abc.abstractmethod
+    def ckpt_write(self, checkpoint_id: str, step: int, meta: dict) -> tuple[FileEntry, bool]:
+        """Write the copy; True when it went into ps0's folder, False under a manifest of its own."""
+
+    @remote
+    @abc.abstractmethod
+    def ckpt_discard(self, checkpoint_id: str, committed: bool) -> None:
+        """Drop the copy (and, unless ``committed``, anything written of it)."""
 
 
-PARTICIPANT = Slot("checkpoint participant")
-COORDINATOR = Slot("checkpoint coordinator")
-_PARTICIPANT_METHODS = ("ckpt_prepare", "ckpt_pause", "ckpt_resume", "ckpt_snapshot", "ckpt_write", "ckpt_discard")
-_COORDINATOR_METHODS = ("take", "take_unless_saved", "listing", "trainer_states", "trainer_left")
+class PausableParticipant(Service, abc.ABC):
+    """A trainer: held at a step boundary while the servers copy their shards."""
 
+    @remote
+    @abc.abstractmethod
+    def ckpt_pause(self, checkpoint_id: str, timeout: float) -> dict:
+        """Hold at the next step boundary (within ``timeout``) and answer this member's position."""
 
-def _participant_call(method: str, *args: Any) -> Any:
-    if method not in _PARTICIPANT_METHODS:
-        raise CheckpointError(f"unknown participant method {method!r}")
-    return getattr(PARTICIPANT.get(), method)(*args)
-
-
-def _coordinator_call(method: str, *args: Any) -> Any:
-    if method not in _COORDINATOR_METHODS:
-        raise CheckpointError(f"unknown coordinator method {method!r}")
-    return getattr(COORDINATOR.get(), method)(*args)
+    @remote
+    @abc.abstractmethod
+    def ckpt_resume(self, checkpoint_id: str) -> None:
+        """Go on training."""
 
 
 CLUSTER_CHECKPOINT_KEY = "rpcps/checkpoint"   # in the rendezvous store: the cluster's checkpoint id, or ""
 
 
-def marker(cid: str) -> str:
+def marker(checkpoint_id: str) -> str:
     """The file ps0 leaves in a step's folder while it is written: a server that sees it shares the folder."""
-    return f".taking-{cid}"
+    return f".taking-{checkpoint_id}"
 
 
 def announce(store: Any, info: Optional[CheckpointInfo]) -> None:
@@ -100,14 +106,14 @@ def follow_leader(store: Any, timeout: float) -> Optional[str]:
     return ref or None
 
 
-def ask_coordinator(method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
-    """From any member: run ``method`` on ps0's coordinator."""
-    return wait(rpc.rpc_async(LEADER, _coordinator_call, args=(method, *args), timeout=timeout))
+def ask_coordinator(method: Callable[..., Any], *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
+    """From any member: run ``method`` (one of ``Coordinator``'s) on ps0's coordinator."""
+    return call(LEADER, method, *args, timeout=timeout)
 
 
-class Coordinator:
+class Coordinator(Service):
     def __init__(self, store: CheckpointStore, num_ps: int, meta: dict[str, Any], keep: int,
-                 local: Participant, metrics: Any, resumed: Optional[CheckpointInfo] = None,
+                 local: ShardParticipant, metrics: Any, resumed: Optional[CheckpointInfo] = None,
                  on_commit: Callable[[CheckpointInfo], None] = lambda info: None) -> None:
         self.store, self.num_ps, self.meta, self.keep = store, num_ps, meta, keep
         self._on_commit = on_commit
@@ -115,11 +121,11 @@ class Coordinator:
         self._local = local            # ps0's own participant: called directly, not over RPC
         self._lock = threading.Lock()
         self.latest = resumed
-        self.last_pause_seconds: Optional[float] = None
         self._departed: dict[str, dict[str, Any]] = {}   # trainer name -> its position when it stopped
         self._departed_lock = threading.Lock()
 
     # --- asked over RPC or HTTP ----------------------------------------------------------------------
+    @remote
     def take(self) -> dict[str, Any]:
         if not self._lock.acquire(blocking=False):
             raise CheckpointInProgress("a checkpoint is being taken; ask again when it has finished")
@@ -129,6 +135,7 @@ class Coordinator:
         finally:
             self._lock.release()
 
+    @remote
     def take_unless_saved(self, steps: int) -> dict[str, Any]:
         """A stopping server's final checkpoint: none when the newest already holds ``steps``
         (its shard has not moved since), which spares copying every shard for nothing."""
@@ -137,9 +144,11 @@ class Coordinator:
             return {**latest.describe(), "new": False}
         return self.take()
 
+    @remote
     def listing(self) -> list[dict[str, Any]]:
         return [c.describe() for c in self.store.list()]
 
+    @remote
     def trainer_states(self) -> Optional[dict[str, Any]]:
         """The trainers' positions in the newest checkpoint this cluster knows (each trainer works
         out its own from them: ``trainer/position.py``)."""
@@ -149,6 +158,7 @@ class Coordinator:
         names = [n for n in sorted(info.files) if re.fullmatch(r"trainer\d+\.pt", n)]
         return {"checkpoint": info.id, "trainers": [self.store.load_file(info, n) for n in names]}
 
+    @remote
     def trainer_left(self, state: dict[str, Any]) -> None:
         """A trainer stopping says where it was, so checkpoints taken after it left (the final one
         of `docker compose down`, which stops trainers first) still carry its position."""
@@ -159,12 +169,13 @@ class Coordinator:
             self._departed[name] = state
 
     # --- the protocol ----------------------------------------------------------------------------------
-    def _call(self, member: str, method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
+    def _call(self, member: str, method: Callable[..., Any], *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
         if member == LEADER:
-            return getattr(self._local, method)(*args)
-        return wait(rpc.rpc_async(member, _participant_call, args=(method, *args), timeout=timeout))
+            return getattr(self._local, method.__name__)(*args)
+        return call(member, method, *args, timeout=timeout)
 
-    def _on_all(self, members: list[str], method: str, *args: Any, timeout: float = TAKE_TIMEOUT) -> dict[str, Any]:
+    def _on_all(self, members: list[str], method: Callable[..., Any], *args: Any,
+                timeout: float = TAKE_TIMEOUT) -> dict[str, Any]:
         with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
             futures = {m: pool.submit(self._call, m, method, *args, timeout=timeout) for m in members}
             return {m: f.result() for m, f in futures.items()}
@@ -176,29 +187,29 @@ class Coordinator:
         if missing:
             raise NotReady(f"cannot checkpoint without {', '.join(missing)}")
         trainers = [m for m in members if parse_name(m).role == "trainer"]
-        cid = uuid.uuid4().hex
+        checkpoint_id = uuid.uuid4().hex
         committed = False
         try:
-            result = self._take_with(cid, servers, trainers)
+            result = self._take_with(checkpoint_id, servers, trainers)
             committed = True
             return result
         finally:
-            self._on_all(servers, "ckpt_discard", cid, committed)
+            self._on_all(servers, ShardParticipant.ckpt_discard, checkpoint_id, committed)
 
-    def _take_with(self, cid: str, servers: list[str], trainers: list[str]) -> dict[str, Any]:
-        self._on_all(servers, "ckpt_prepare", cid)
+    def _take_with(self, checkpoint_id: str, servers: list[str], trainers: list[str]) -> dict[str, Any]:
+        self._on_all(servers, ShardParticipant.ckpt_prepare, checkpoint_id)
         started = time.monotonic()
         paused: dict[str, dict] = {}
         try:
-            for name, result in self._pause(trainers, cid).items():
+            for name, result in self._pause(trainers, checkpoint_id).items():
                 if isinstance(result, Exception):
                     log.warning("checkpoint without %s: %s", name, result)
                 else:
                     paused[name] = result
-            steps = self._on_all(servers, "ckpt_snapshot", cid)
+            steps = self._on_all(servers, ShardParticipant.ckpt_snapshot, checkpoint_id)
         finally:
             if paused:
-                self._on_all(list(paused), "ckpt_resume", cid)
+                self._on_all(list(paused), PausableParticipant.ckpt_resume, checkpoint_id)
             pause_seconds = time.monotonic() - started
         # Equal, unless a server was restarted alone from an older checkpoint: the cluster's step is
         # the furthest any server has come.
@@ -208,16 +219,16 @@ class Coordinator:
         if self.latest is not None and self.latest.step == step and self.latest.path.exists():
             return {**self.latest.describe(), "pause_seconds": pause_seconds, "new": False}
         folder = self.store.prepare(step)
-        (folder / marker(cid)).touch()
+        (folder / marker(checkpoint_id)).touch()
         meta = {**self.meta, "num_ps": self.num_ps}
         entries: list[FileEntry] = []
         elsewhere: dict[str, dict] = {}
-        for server, (entry, shared) in self._on_all(servers, "ckpt_write", cid, step, meta).items():
+        for server, (entry, shared) in self._on_all(servers, ShardParticipant.ckpt_write, checkpoint_id, step, meta).items():
             if shared:
                 entries.append(entry)
             else:                         # on that server's own volume, under its own manifest
                 elsewhere[entry.name] = {**entry.to_json(), "server": server}
-        (folder / marker(cid)).unlink()
+        (folder / marker(checkpoint_id)).unlink()
         with self._departed_lock:
             positions = {**{n: s for n, s in self._departed.items() if n not in paused}, **paused}
         for name, state in positions.items():
@@ -226,18 +237,19 @@ class Coordinator:
         if elsewhere:
             meta["elsewhere"] = elsewhere
         info = self.store.commit(step, entries, meta)
-        self.latest, self.last_pause_seconds = info, pause_seconds
+        self.latest = info
         self._on_commit(info)
         removed = self.store.prune(self.keep)
         log.info("checkpoint %s: %d files, %.1f MB, training paused %.3fs%s", info.id, len(info.files),
                  info.size / 1e6, pause_seconds, f"; removed {[p.name for p in removed]}" if removed else "")
         return {**info.describe(), "pause_seconds": pause_seconds, "new": True}
 
-    def _pause(self, trainers: list[str], cid: str) -> dict[str, Any]:
+    def _pause(self, trainers: list[str], checkpoint_id: str) -> dict[str, Any]:
         """Pause every trainer; a trainer that cannot be paused (gone) is reported, not fatal."""
         out: dict[str, Any] = {}
         with ThreadPoolExecutor(max_workers=max(1, len(trainers))) as pool:
-            futures = {t: pool.submit(self._call, t, "ckpt_pause", cid, PAUSE_TIMEOUT, timeout=PAUSE_TIMEOUT + 10)
+            futures = {t: pool.submit(self._call, t, PausableParticipant.ckpt_pause, checkpoint_id, PAUSE_TIMEOUT,
+                                    timeout=PAUSE_TIMEOUT + 10)
                        for t in trainers}
             for t, f in futures.items():
                 try:

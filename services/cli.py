@@ -26,7 +26,7 @@ def _role_factory(role: str):
     if role == "observer":
         from trainer.rl.observer import ObserverRole
         return ObserverRole
-    from trainer.role import TrainerRole
+    from trainer.lm.role import TrainerRole
     return TrainerRole
 
 

@@ -81,7 +81,7 @@ class ModelConfig(_Base):
     lr: float = Field(20.0, gt=0)
 
 
-class _Restoring(_Base):
+class RestoringConfig(_Base):
     """A role that saves state in checkpoints and starts from them."""
 
     resume: bool = Field(True, description="start from the newest valid checkpoint in --checkpoint-dir")
@@ -89,7 +89,7 @@ class _Restoring(_Base):
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept; older ones removed after a newer completes")
 
 
-class _Leading(_Base):
+class LeaderConfig(_Base):
     """What the leader (ps0, the agent) uses to watch the group's members."""
 
     probe_interval: float = Field(1.0, gt=0, description="seconds between liveness probes of members (leader)")
@@ -100,7 +100,7 @@ class _LmConfig(CommonConfig):
     num_ps: int = Field(2, ge=1, le=64, description="number of parameter servers (shards) in the cluster")
 
 
-class PsConfig(_LmConfig, _Restoring, _Leading):
+class PsConfig(_LmConfig, RestoringConfig, LeaderConfig):
     name: str = Field("ps0", description="RPC name: ps<index>, index < num_ps")
     ntoken: Optional[int] = Field(None, ge=2, description="vocabulary size; default: from --data")
     data: Optional[Path] = Field(None, description="corpus folder, read only to size the vocabulary")
@@ -148,7 +148,7 @@ class TrainerConfig(_LmConfig):
 ENV_PATTERN = r"^(CartPole-v1(:[1-9][0-9]*)?|fixed:[1-9][0-9]*)$"
 
 
-class AgentConfig(CommonConfig, _Restoring, _Leading):
+class AgentConfig(CommonConfig, RestoringConfig, LeaderConfig):
     name: str = Field("agent", description="RPC name: agent")
     checkpoint_dir: Path = Field(Path("checkpoints/rl"), description="folder of the agent's checkpoints")
     env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="the observers' environment: CartPole-v1; CartPole-v1:<steps> (restarted until that many, for benchmarks); fixed:<steps> (tests)")

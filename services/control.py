@@ -2,8 +2,10 @@
 sidecar, the HTTP client and the CLI, and the pieces of it that roles share."""
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, Optional, Protocol
+import time
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -83,16 +85,53 @@ class EpisodeGate:
             self._wake.notify_all()
 
 
-class BoardBacked:
-    """healthy/ready/status of a role read from its status board (``self.board``)."""
+class StepPause:
+    """A checkpoint's hold on a loop at its step boundary: ``hold``/``release`` from the thread
+    that takes the checkpoint, ``boundary`` from the loop at each step boundary. A loop that is idle
+    (no episode runs) or inside ``quiet`` work (which changes nothing a checkpoint saves) counts as
+    held at once. It shares the role's condition variable with the ``EpisodeGate``, so a stop wakes
+    a held loop."""
 
-    board: Any
+    def __init__(self, wake: threading.Condition, gate: EpisodeGate) -> None:
+        self._wake, self._gate = wake, gate
+        self._requested = False
+        self._held = False
+        self._quiet = False
 
-    def healthy(self) -> tuple[bool, str]:
-        return self.board.healthy()
+    def hold(self, timeout: float) -> bool:
+        """Stop the loop at its next step boundary; False, and no hold, if it is not there within
+        ``timeout``. The hold lasts until ``release``."""
+        deadline = time.monotonic() + timeout
+        with self._wake:
+            self._requested = True
+            self._wake.notify_all()
+            while self._gate.running and not (self._held or self._quiet):
+                if not self._wake.wait(max(0.0, deadline - time.monotonic())):
+                    self._requested = False
+                    self._wake.notify_all()
+                    return False
+            return True
 
-    def ready(self) -> tuple[bool, str]:
-        return self.board.ready()
+    def release(self) -> None:
+        with self._wake:
+            self._requested = False
+            self._wake.notify_all()
 
-    def status(self) -> dict[str, Any]:
-        return self.board.snapshot()
+    def boundary(self) -> None:
+        """The loop, at a step boundary, holding the condition's lock: wait out a hold (or a stop)."""
+        while self._requested and not self._gate.closing:
+            self._held = True
+            self._wake.notify_all()
+            self._wake.wait(1.0)
+        self._held = False
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        with self._wake:
+            self._quiet = True
+            self._wake.notify_all()
+        try:
+            yield
+        finally:
+            with self._wake:
+                self._quiet = False

@@ -1,7 +1,8 @@
 """Domain exceptions.
 
-Each takes a single message string: torch RPC re-raises a remote exception on the caller as
-``exception_type(message)``, so single-argument exceptions arrive as the same type.
+Each takes a single message string. torch RPC delivers a callee's exception to the caller as a
+RuntimeError whose text starts with the type's name; ``services.remote.wait`` raises the types
+defined here again as themselves, with the callee's name before the message.
 """
 
 
@@ -15,6 +16,10 @@ class ConfigError(RpcpsError):
 
 class BadRequest(RpcpsError):
     """A caller sent something a server cannot serve (wrong dtype, shape or id range)."""
+
+
+class InternalError(RpcpsError):
+    """A method failed on a well-formed request: a bug on the serving side, logged there."""
 
 
 class NotReady(RpcpsError):
@@ -43,3 +48,7 @@ class CheckpointInProgress(RpcpsError):
 
 class CheckpointError(RpcpsError):
     """A checkpoint cannot be written, found or trusted."""
+
+
+class Unauthorized(RpcpsError):
+    """A control request without the right bearer token."""

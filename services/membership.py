@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed.rpc as rpc
 
+from services.remote import call, remote, serve, withdraw
+from services.config import LeaderConfig
 from services.errors import JoinRefused
 from services.names import leader_of
 
@@ -65,37 +67,6 @@ def reachable(name: str, timeout: float = 5.0) -> bool:
         raise
 
 
-class _Local:
-    """The process's Membership, reachable by the RPC entry points below."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._membership: Optional[Membership] = None
-
-    def set(self, m: Optional["Membership"]) -> None:
-        with self._lock:
-            self._membership = m
-
-    def get(self) -> "Membership":
-        with self._lock:
-            if self._membership is None:
-                raise RuntimeError("no membership in this process")
-            return self._membership
-
-
-_LOCAL = _Local()
-
-
-def _forget_remote(worker_info: Any) -> None:
-    """Run on every member when the leader removes ``worker_info``."""
-    _LOCAL.get()._forget(worker_info)
-
-
-def _request_leave(name: str) -> None:
-    """Run on the leader when ``name`` leaves voluntarily."""
-    _LOCAL.get().remove({name}, reason="left")
-
-
 class Membership:
     """Every member has one; only the leader's runs the watchdog."""
 
@@ -117,6 +88,13 @@ class Membership:
         self.token_stuck_after = 15.0
         self._first_seen: dict[str, float] = {}  # when the leader first saw each member (its join)
 
+    @classmethod
+    def for_role(cls, cfg: Any, on_evicted: Optional[Callable[[], None]] = None) -> "Membership":
+        """A role's membership; a leader's configuration (``LeaderConfig``) sets how it probes."""
+        probes = ({"probe_interval": cfg.probe_interval, "probe_failures": cfg.probe_failures}
+                  if isinstance(cfg, LeaderConfig) else {})
+        return cls(cfg.name, on_evicted=on_evicted, **probes)
+
     # --- every member -------------------------------------------------------------------------
     def add_listener(self, fn: Callable[[str], None]) -> None:
         """``fn(name)`` runs whenever a member is removed from this process's view."""
@@ -126,7 +104,9 @@ class Membership:
     def members(self) -> list[str]:
         return current_members()
 
-    def _forget(self, worker_info: Any) -> None:
+    @remote
+    def forget(self, worker_info: Any) -> None:
+        """Run on every member when the leader removes ``worker_info``."""
         agent = rpc._get_current_rpc_agent()
         if worker_info.name in {w.name for w in agent.get_worker_infos()}:
             agent._update_group_membership(worker_info, [], {}, False)
@@ -142,10 +122,15 @@ class Membership:
                 log.exception("membership listener failed for %s", name)
 
     def install(self) -> None:
-        _LOCAL.set(self)
+        serve(self)
 
     def uninstall(self) -> None:
-        _LOCAL.set(None)
+        withdraw(self)
+
+    @remote
+    def leave(self, name: str) -> None:
+        """Run on the leader when ``name`` leaves voluntarily."""
+        self.remove({name}, reason="left")
 
     # --- leader ---------------------------------------------------------------------------------
     def start_leader(self, store: Any) -> None:
@@ -276,7 +261,7 @@ class Membership:
                 for info in gone:
                     for n in survivors:
                         try:
-                            rpc.rpc_sync(n, _forget_remote, args=(info,), timeout=5)
+                            call(n, Membership.forget, info, timeout=5)
                         except Exception as exc:
                             log.warning("could not tell %s that %s is gone: %s", n, info.name, str(exc).splitlines()[0])
             finally:
@@ -310,7 +295,7 @@ class Membership:
 def request_leave(me: str, timeout: float = 5.0) -> None:
     """Ask the leader to remove this member; best effort (the watchdog evicts it anyway)."""
     try:
-        rpc.rpc_sync(leader_of(me), _request_leave, args=(me,), timeout=timeout)
+        call(leader_of(me), Membership.leave, me, timeout=timeout)
     except Exception as exc:
         log.warning("leader did not confirm the leave (%s); it will evict us by probe", str(exc).splitlines()[0])
 

@@ -8,7 +8,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STEP_PHASES = ("fetch", "forward", "backward", "clip", "optimize", "total")
-PS_METHODS = ("info", "param_rrefs", "lookup", "dense_params", "decode", "grad_sq_norm", "scale_grads", "parameters")
 
 
 class Metrics:
@@ -74,8 +73,9 @@ class Metrics:
         for phase in STEP_PHASES:
             self._step_seconds.labels(phase=phase, **self.labels)
 
-    def init_ps(self) -> None:
-        for method in PS_METHODS:
+    def init_ps(self, methods: list[str]) -> None:
+        """Create the request series of every remote method at 0."""
+        for method in methods:
             self._requests.labels(method=method, **self.labels)
             self._request_errors.labels(method=method, **self.labels)
             self._request_seconds.labels(method=method, **self.labels)

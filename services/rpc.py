@@ -7,7 +7,6 @@ pipes), queues a join request, and calls ``init_rpc`` only once the leader has a
 """
 from __future__ import annotations
 
-import ast
 import datetime
 import json
 import logging
@@ -16,36 +15,11 @@ from typing import Any, Optional
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from services import errors, membership
+from services import membership
 from services.errors import JoinRefused
 from services.names import leader_of
 
 log = logging.getLogger(__name__)
-
-_DOMAIN_ERRORS = {cls.__name__: cls for cls in vars(errors).values()
-                  if isinstance(cls, type) and issubclass(cls, errors.RpcpsError)}
-
-
-def wait(fut: Any) -> Any:
-    """``fut.wait()``, with a peer's domain error (services/errors.py) raised again as its own type.
-
-    A failed ``rpc_async`` surfaces as RuntimeError("<Type>: On WorkerInfo(...):\n<repr>\n<traceback>").
-    """
-    try:
-        return fut.wait()
-    except RuntimeError as exc:
-        head, _, rest = str(exc).partition(": On WorkerInfo")
-        cls = _DOMAIN_ERRORS.get(head)
-        if cls is None:
-            raise
-        where, _, body = rest.partition(":\n")
-        representation = body.split("\n", 1)[0]
-        try:
-            message = ast.literal_eval(representation[len(head) + 1:-1])
-        except (ValueError, SyntaxError):
-            message = representation
-        name = where.rsplit("name=", 1)[-1].rstrip(")")
-        raise cls(f"{name}: {message}") from None
 
 
 class RpcEndpoint:

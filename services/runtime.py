@@ -21,6 +21,7 @@ from services.http_server import SidecarServer
 from services.lifecycle import RoleState
 from services.log import init_logging
 from services.metrics import Metrics
+from services.role import RoleContext
 from services.sidecar import create_app
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,14 @@ class Role(Protocol):
     def close(self) -> None: ...
 
 
-def run_role(cfg: CommonConfig, factory: Callable[[CommonConfig, Metrics], Role]) -> NoReturn:
+def run_role(cfg: CommonConfig, factory: Callable[[CommonConfig, RoleContext], Role]) -> NoReturn:
+    """Run the role ``factory(cfg, context)`` builds (``factory.role`` names it) until it ends or
+    a signal stops it; exit the process with its code."""
     init_logging(cfg.name, cfg.log_level)
     torch.set_num_threads(cfg.threads)
     registry = CollectorRegistry()
-    role = factory(cfg, Metrics(registry, factory.role, cfg.name))  # type: ignore[attr-defined]
+    kind: str = factory.role  # type: ignore[attr-defined]
+    role = factory(cfg, RoleContext.build(cfg, kind, Metrics(registry, kind, cfg.name)))
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
     stop = threading.Event()
     signalled = threading.Event()

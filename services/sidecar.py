@@ -18,14 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from services.control import Controllable, EpisodeStart
 from services.errors import (BadRequest, CheckpointError, CheckpointInProgress, EpisodeConflict, NotReady,
-                             NotSupported, PeerUnavailable, RpcpsError)
+                             NotSupported, PeerUnavailable, RpcpsError, Unauthorized)
 
-_STATUS = {BadRequest: 400, EpisodeConflict: 409, CheckpointInProgress: 409, NotReady: 503, NotSupported: 501,
-           PeerUnavailable: 503, CheckpointError: 500}
-
-
-class Unauthorized(RpcpsError):
-    pass
+_STATUS = {BadRequest: 400, Unauthorized: 401, EpisodeConflict: 409, CheckpointInProgress: 409, NotReady: 503,
+           NotSupported: 501, PeerUnavailable: 503, CheckpointError: 500}
 
 
 def create_app(control: Controllable, registry: CollectorRegistry, token: Optional[str] = None) -> FastAPI:
@@ -41,8 +37,7 @@ def create_app(control: Controllable, registry: CollectorRegistry, token: Option
 
     @app.exception_handler(RpcpsError)
     def _domain_error(_: Request, exc: RpcpsError) -> JSONResponse:
-        code = 401 if isinstance(exc, Unauthorized) else next(
-            (c for t, c in _STATUS.items() if isinstance(exc, t)), 500)
+        code = next((c for t, c in _STATUS.items() if isinstance(exc, t)), 500)
         return JSONResponse({"error": str(exc), "type": type(exc).__name__}, status_code=code)
 
     @app.exception_handler(RequestValidationError)

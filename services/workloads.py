@@ -42,7 +42,7 @@ class LmWorkload:
         cfg = self.cfg
         ntoken = cfg.ntoken
         if ntoken is None:
-            from trainer.data import vocab_size
+            from trainer.lm.data import vocab_size
             ntoken = vocab_size(cfg.data)
         out = []
         for i in range(cfg.ps):

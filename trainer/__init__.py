@@ -1,1 +1,1 @@
-"""The trainer role (word-level LSTM language model) and its data."""
+"""The workloads, one folder each: ``lm/`` (the language model), ``rl/`` (the RL agent and its observers)."""

@@ -41,7 +41,7 @@ def _model_args(args: argparse.Namespace) -> dict:
 
 
 def _tokens(data: Path | None, ntoken: int):
-    from trainer.data import Corpus
+    from trainer.lm.data import Corpus
     corpus = Corpus.load(data)
     if corpus.ntoken > ntoken:
         raise SystemExit(f"--ntoken {ntoken} is smaller than the corpus vocabulary {corpus.ntoken}")
@@ -52,8 +52,8 @@ def bench_local(args: dict, data: Path | None) -> dict:
     """One process, every core: the reference throughput."""
     import torch
     from services.config import ModelConfig
-    from trainer.data import BatchStream, batchify
-    from trainer.model import LocalLM, init_hidden
+    from trainer.lm.data import BatchStream, batchify
+    from trainer.lm.model import LocalLM, init_hidden
 
     torch.set_num_threads(os.cpu_count() or 1)
     model_cfg = ModelConfig(ntoken=args["ntoken"], emsize=args["emsize"], nhid=args["nhid"], nlayers=args["nlayers"])
@@ -74,7 +74,7 @@ def bench_local(args: dict, data: Path | None) -> dict:
 def bench_seed(args: dict, data: Path | None) -> dict:
     from services.bench.seed import run_seed
     from services.launcher import free_port
-    from trainer.data import batchify
+    from trainer.lm.data import batchify
 
     tokens = batchify(_tokens(data, args["ntoken"]), args["batch_size"])
     with tempfile.TemporaryDirectory() as tmp:

@@ -70,14 +70,14 @@ def _run_trainer(data: torch.Tensor, args: dict) -> dict:
         i = (step * bptt) % (data.size(0) - bptt - 1)
         x, y = data[i:i + bptt], data[i + 1:i + 1 + bptt]
         t0 = time.perf_counter()
-        with dist_autograd.context() as cid:
+        with dist_autograd.context() as context_id:
             hidden = (hidden[0].detach(), hidden[1].detach())
             emb = _remote_method(EmbeddingTable.forward, emb_rref, x)
             out, hidden = lstm(emb, hidden)
             logits = _remote_method(Decoder.forward, dec_rref, out)   # [bptt, batch, ntoken] over RPC
             loss = criterion(logits.view(-1, ntoken), y.reshape(-1))
-            dist_autograd.backward(cid, [loss])
-            opt.step(cid)
+            dist_autograd.backward(context_id, [loss])
+            opt.step(context_id)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
     timed = times[args["warmup"]:]

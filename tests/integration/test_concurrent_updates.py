@@ -9,7 +9,7 @@ import torch
 from services.config import ModelConfig
 from tests.support.cluster import SMALL_MODEL
 from tests.support.driver import hammer_batch, local_parameters
-from trainer.model import LocalLM
+from trainer.lm.model import LocalLM
 
 TRAINERS, STEPS = 3, 30
 

@@ -11,17 +11,18 @@ import sys
 
 import torch
 
+from ps.service import ParameterServer
 from ps.stub import PsClient, backward, new_context
-from services.rpc import wait
 from services.config import TrainerConfig
 from services.log import init_logging
 from services.membership import Membership, current_members
 from services.names import ps_names
+from services.remote import wait
 from services.rpc import RpcEndpoint
 from tests.support.wait import wait_until
-from trainer.data import BatchStream
-from trainer.loop import TrainLoop
-from trainer.model import DistributedLM, LocalLM, init_hidden
+from trainer.lm.data import BatchStream
+from trainer.lm.loop import TrainLoop
+from trainer.lm.model import DistributedLM, LocalLM, init_hidden
 
 
 def full_parameters(client: PsClient) -> dict[str, torch.Tensor]:
@@ -30,7 +31,7 @@ def full_parameters(client: PsClient) -> dict[str, torch.Tensor]:
     full = {"embedding.weight": torch.empty(m.ntoken, m.emsize), "decoder.weight": torch.empty(m.ntoken, m.nhid),
             "decoder.bias": torch.empty(m.ntoken)}
     for k, name in enumerate(client.ps_names):
-        part = client.call(name, "parameters")
+        part = client.call(name, ParameterServer.parameters)
         rows = plan.global_ids(k)
         for key in ("embedding.weight", "decoder.weight", "decoder.bias"):
             full[key][rows] = part.pop(key)
@@ -76,13 +77,13 @@ def hammer(client: PsClient, args: argparse.Namespace) -> dict:
     ids, targets = hammer_batch(client.model.ntoken)
     h = torch.ones(targets.numel(), client.model.nhid)
     for _ in range(args.steps):
-        with new_context() as cid:
+        with new_context() as context_id:
             emb, weights = client.fetch(ids)
-            parts = [client._async(n, "decode", h, targets) for n in client.ps_names]
+            parts = [client._async(n, ParameterServer.decode, h, targets) for n in client.ps_names]
             # Only the target logits: their gradient is one-hot, whatever the parameters are.
             loss = emb.sum() + sum(w.sum() for w in weights.values()) + sum(wait(f)[1].sum() for f in parts)
-            backward(cid, loss)
-            optimizer.step(cid)
+            backward(context_id, loss)
+            optimizer.step(context_id)
     return {"steps": args.steps}
 
 
@@ -100,19 +101,19 @@ def inspect(client: PsClient, args: argparse.Namespace) -> dict:
 def bad(client: PsClient, args: argparse.Namespace) -> dict:
     ps, m = client.ps_names[0], client.model
     cases = {
-        "float ids": ("lookup", torch.tensor([0.0, 1.0])),
-        "2-d ids": ("lookup", torch.zeros(2, 2, dtype=torch.long)),
-        "negative id": ("lookup", torch.tensor([-1])),
-        "id past vocab": ("lookup", torch.tensor([m.ntoken + 5])),
-        "id of another shard": ("lookup", torch.tensor([1])) if len(client.ps_names) > 1 else ("lookup", torch.tensor([], dtype=torch.long)),
-        "empty ids": ("lookup", torch.tensor([], dtype=torch.long)),
-        "not a tensor": ("lookup", [0, 2]),
-        "h wrong width": ("decode", torch.zeros(3, m.nhid + 1), torch.tensor([0, 1, 2])),
-        "targets length": ("decode", torch.zeros(3, m.nhid), torch.tensor([0, 1])),
-        "target out of range": ("decode", torch.zeros(2, m.nhid), torch.tensor([0, m.ntoken])),
-        "unknown context": ("grad_sq_norm", 123456789),
-        "unknown method": ("drop_table",),
-        "missing argument": ("lookup",),
+        "float ids": (ParameterServer.lookup, torch.tensor([0.0, 1.0])),
+        "2-d ids": (ParameterServer.lookup, torch.zeros(2, 2, dtype=torch.long)),
+        "negative id": (ParameterServer.lookup, torch.tensor([-1])),
+        "id past vocab": (ParameterServer.lookup, torch.tensor([m.ntoken + 5])),
+        "id of another shard": (ParameterServer.lookup, torch.tensor([1])) if len(client.ps_names) > 1 else (ParameterServer.lookup, torch.tensor([], dtype=torch.long)),
+        "empty ids": (ParameterServer.lookup, torch.tensor([], dtype=torch.long)),
+        "not a tensor": (ParameterServer.lookup, [0, 2]),
+        "h wrong width": (ParameterServer.decode, torch.zeros(3, m.nhid + 1), torch.tensor([0, 1, 2])),
+        "targets length": (ParameterServer.decode, torch.zeros(3, m.nhid), torch.tensor([0, 1])),
+        "target out of range": (ParameterServer.decode, torch.zeros(2, m.nhid), torch.tensor([0, m.ntoken])),
+        "unknown context": (ParameterServer.grad_sq_norm, 123456789),
+        "not a remote method": (ParameterServer.export_state,),
+        "missing argument": (ParameterServer.lookup,),
     }
     results = {}
     for case, (method, *a) in cases.items():
@@ -122,7 +123,7 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
         except Exception as exc:
             results[case] = {"error": type(exc).__name__, "message": str(exc).splitlines()[0]}
     # ...and the server still answers a good request.
-    rows = client.call(ps, "lookup", torch.tensor([0, 2 * len(client.ps_names)]))
+    rows = client.call(ps, ParameterServer.lookup, torch.tensor([0, 2 * len(client.ps_names)]))
     return {"cases": results, "good_rows": list(rows.shape)}
 
 

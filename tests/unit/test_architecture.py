@@ -8,14 +8,19 @@ PACKAGES = ("services", "ps", "trainer")
 # The seams: only these may touch torch RPC / distributed autograd directly.
 RPC_SEAMS = {
     "services/rpc.py",          # init_rpc / shutdown
+    "services/remote.py",       # the one remote-call mechanism every surface uses
     "services/membership.py",   # the group's membership (private torch internals)
-    "ps/service.py",            # the server side of the PS interface
-    "ps/stub.py",               # the client side of the PS interface
-    "services/checkpointing.py",  # the checkpoint protocol between ps0 and every member
-    "trainer/rl/service.py",    # the RL agent's and observers' interfaces, both sides
+    "ps/service.py",            # the server side of the PS interface (RRefs, autograd contexts)
+    "ps/stub.py",               # the client side of the PS interface (autograd, DistributedOptimizer)
     "services/bench/seed.py",   # the seed design, kept verbatim as the benchmark's baseline
 }
 RPC_MODULES = {"torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim"}
+# Raw calls to another member: the mechanism itself, membership's bootstrap (liveness probes,
+# before any service answers), and the seed's design as written.
+RAW_CALL_SEAMS = {"services/remote.py", "services/membership.py", "services/bench/seed.py"}
+RAW_CALLS = {"rpc_async", "rpc_sync", "remote"}
+# Where the remote method goes in the calls that take one: call(to, method, ...), ask_coordinator(method, ...).
+METHOD_ARGUMENT = {"call": 1, "call_async": 1, "_async": 1, "ask_coordinator": 0}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -39,6 +44,31 @@ def sources():
 def test_only_the_seams_use_torch_rpc():
     offenders = {rel for rel, path in sources() if imported_modules(path) & RPC_MODULES and rel not in RPC_SEAMS}
     assert not offenders, f"RPC used outside the seam modules: {sorted(offenders)}"
+
+
+def test_raw_rpc_calls_only_in_the_mechanism():
+    offenders = {}
+    for rel, path in sources():
+        calls = [n.func.attr for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in RAW_CALLS
+                 and isinstance(n.func.value, ast.Name) and n.func.value.id == "rpc"]
+        if calls and rel not in RAW_CALL_SEAMS:
+            offenders[rel] = calls
+    assert not offenders, f"raw RPC calls outside services/remote.py: {offenders}"
+
+
+def test_remote_methods_are_named_by_the_method_not_a_string():
+    # call/call_async take the method object: a string where it belongs is a dispatch by name.
+    offenders = []
+    for rel, path in list(sources()) + [(p.relative_to(REPO).as_posix(), p) for p in (REPO / "tests").rglob("*.py")]:
+        for n in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))):
+                continue
+            position = METHOD_ARGUMENT.get(n.func.id if isinstance(n.func, ast.Name) else n.func.attr)
+            if (position is not None and len(n.args) > position and isinstance(n.args[position], ast.Constant)
+                    and isinstance(n.args[position].value, str)):
+                offenders.append(f"{rel}:{n.lineno}")
+    assert not offenders, f"remote methods named by a string: {offenders}"
 
 
 def test_main_modules_only_delegate():

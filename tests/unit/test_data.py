@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.support.cluster import WIKITEXT
-from trainer.data import EOS, BatchStream, Corpus, batchify, build_vocab, share, synthetic_text
+from trainer.lm.data import EOS, BatchStream, Corpus, batchify, build_vocab, share, synthetic_text
 
 
 def test_synthetic_text_is_seeded_and_learnable():

@@ -85,10 +85,12 @@ def test_the_token_comes_from_the_environment_never_the_image():
 
 def exported_metric_names() -> set[str]:
     """Every series name an rpcps role can export (all role families initialised)."""
+    from ps.service import ParameterServer
     from services.metrics import Metrics
+    from services.remote import remote_methods
     registry = CollectorRegistry()
     metrics = Metrics(registry, "ps", "ps0")
-    metrics.init_ps(), metrics.init_trainer(), metrics.init_rl()
+    metrics.init_ps(remote_methods(ParameterServer)), metrics.init_trainer(), metrics.init_rl()
     return {sample.name for family in registry.collect() for sample in family.samples}
 
 

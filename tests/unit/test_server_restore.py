@@ -60,5 +60,3 @@ def test_export_restore_round_trip_and_resharding():
         for name in a:
             if name.startswith(("weight_", "bias_")):
                 assert torch.equal(a[name][0], b[name][0]) and torch.equal(a[name][1], b[name][1]), name
-        for s in new:
-            s.close()

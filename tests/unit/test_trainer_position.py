@@ -1,4 +1,4 @@
-from trainer.position import resume_point
+from trainer.lm.position import resume_point
 
 DATA = "wikitext-2"
 

@@ -15,20 +15,21 @@ from typing import Any, Optional
 
 import torch
 
-from services.checkpoint import CheckpointInfo, CheckpointStore
+from services.checkpoint import CheckpointInfo
 from services.checkpointing import counted, take_final
 from services.config import AgentConfig
-from services.control import BoardBacked, EpisodeGate, EpisodeStart
+from services.control import EpisodeGate, EpisodeStart
 from services.errors import BadRequest, CheckpointError, CheckpointInProgress
-from services.lifecycle import RoleState, StatusBoard
-from services.membership import Membership, current_members, reachable
-from services.metrics import Metrics
+from services.lifecycle import RoleState
+from services.membership import current_members, reachable
 from services.names import parse_name
-from services.rpc import RpcEndpoint
+from services.role import RoleBase, RoleContext
 from trainer.rl.batching import ActionBatcher
 from trainer.rl.env import threshold
-from trainer.rl.policy import Learner, LearnerConfig, solved
-from trainer.rl.service import AGENT_SLOT, EpisodeReport, ObserverClient
+from trainer.rl.episodes import Episode
+from trainer.rl.policy import EpisodeResult, Learner, LearnerConfig, solved
+from trainer.rl.service import AgentService, EpisodeReport
+from trainer.rl.stubs import ObserverClient
 
 log = logging.getLogger(__name__)
 
@@ -38,29 +39,22 @@ STOP_WAIT = 5.0          # how long a stopping agent waits for the episode in fl
 HISTORY = 200            # episodes kept in /status for progress readers (rpcps up prints each one)
 
 
-class AgentRole(BoardBacked):
+class AgentRole(RoleBase, AgentService):
     role = "agent"
 
-    def __init__(self, cfg: AgentConfig, metrics: Metrics) -> None:
-        self.cfg, self.metrics = cfg, metrics
-        self.board = StatusBoard(self.role, cfg.name)
-        self.endpoint = RpcEndpoint.for_role(cfg)
-        self.membership = Membership(cfg.name, probe_interval=cfg.probe_interval, probe_failures=cfg.probe_failures,
-                                     on_evicted=metrics.members_evicted.inc)
+    def __init__(self, cfg: AgentConfig, ctx: RoleContext) -> None:
+        super().__init__(ctx)
+        self.cfg = cfg
         self.learner = Learner(LearnerConfig(cfg.hidden, cfg.dropout, cfg.lr, cfg.gamma, cfg.seed))
         self.batcher = ActionBatcher(self._act_batch)
         self.observers = ObserverClient(cfg.rpc_timeout)
-        self.store = CheckpointStore(cfg.checkpoint_dir)
         self.threshold = threshold(cfg.env)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         # A request runs a batch of episodes: N of them, or until solved.
         self.gate = EpisodeGate(self._wake, "agent", EpisodeStart(episodes=cfg.episodes) if cfg.start else None)
         self._batches = 0
-        self._playing = 0                           # the episode in flight (its number)
-        self._in_episode: set[str] = set()          # observers still playing it
-        self._reports: dict[str, EpisodeReport] = {}
-        self._lost: list[str] = []
+        self._episode: Optional[Episode] = None     # the episode in flight
         self._reachable: set[str] = set()
         self._ckpt_lock = threading.Lock()
         self._latest: Optional[CheckpointInfo] = None
@@ -69,7 +63,7 @@ class AgentRole(BoardBacked):
         self._solved = False                        # any batch of this process passed the threshold
         self._played = 0                            # episodes played by this process
         self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
-        metrics.init_rl()
+        self.metrics.init_rl()
 
     # --- Controllable ------------------------------------------------------------------------------
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
@@ -96,22 +90,23 @@ class AgentRole(BoardBacked):
         return [c.describe() for c in self.store.list()]
 
     # --- served over RPC (trainer/rl/service.py) ---------------------------------------------------------
-    def act(self, observer: str, state: list[float]) -> torch.futures.Future:
+    def _act(self, observer: str, state: list[float]) -> torch.futures.Future:
         return self.batcher.submit(observer, state)
 
-    def select_action(self, observer: str, state: list[float]) -> int:
+    def _select_action(self, observer: str, state: list[float]) -> int:
         self._check_playing(observer)
         self.metrics.observe_batch(1)
         return self.learner.act([(observer, state)])[0]
 
-    def report_reward(self, observer: str, reward: float) -> None:
+    def _report_reward(self, observer: str, reward: float) -> None:
         self._check_playing(observer)
         self.learner.reward(observer, [reward])
 
     def _check_playing(self, observer: str) -> None:
         with self._lock:
-            if observer not in self._in_episode:
-                raise BadRequest(f"{observer} is not taking part in the current episode")
+            episode = self._episode
+        if episode is None or not episode.playing(observer):
+            raise BadRequest(f"{observer} is not taking part in the current episode")
 
     def _act_batch(self, requests: list[tuple[str, list[float]]]) -> list[int]:
         self.metrics.observe_batch(len(requests))
@@ -126,16 +121,12 @@ class AgentRole(BoardBacked):
         self._publish()
         self.board.update(env=self.cfg.env, batched=self.cfg.batched, threshold=self.threshold, solved=False,
                           observers_lost=0, env_steps=0, batch=None)
-        self.board.set_state(RoleState.JOINING, "joining the RPC group")
-        self.membership.install()
-        AGENT_SLOT.set(self)
-        self.endpoint.join()
-        self.membership.start_leader(self.endpoint.store)
+        self._join("joining the RPC group")
         self.membership.add_listener(self._member_gone)
         self.metrics.up.set(1)
         self.board.set_state(RoleState.IDLE, "waiting for an episode request")
         while True:
-            request = self.gate.next(lambda: self.board.update(members=current_members()))
+            request = self.gate.next(self._heartbeat)
             if request is None:
                 return
             self._batches += 1
@@ -145,10 +136,7 @@ class AgentRole(BoardBacked):
         self.metrics.up.set(0)
         self.board.set_state(RoleState.STOPPING, "stopping")
         self._final_checkpoint()
-        self.membership.stop()
-        self.endpoint.leave()
-        self.membership.uninstall()
-        AGENT_SLOT.set(None)
+        self._leave()
 
     # --- episodes ------------------------------------------------------------------------------------
     def _run_batch(self, request: EpisodeStart) -> None:
@@ -164,7 +152,7 @@ class AgentRole(BoardBacked):
                 observers = self._wait_for_observers()
                 if observers is None:
                     break
-                result = self._episode(observers)
+                result = self._play(observers)
                 if result is None:
                     continue
                 batch["done"] += 1
@@ -214,35 +202,38 @@ class AgentRole(BoardBacked):
             log.info("%s does not answer yet: %s", observer, str(exc).splitlines()[0])
             return False
 
-    def _episode(self, observers: list[str]):
-        episode = self.learner.episodes + 1
+    def _play(self, observers: list[str]) -> Optional[EpisodeResult]:
+        """One episode on ``observers``, then learn from it; None when no observer finished it."""
+        episode = Episode(self.learner.episodes + 1, observers, self.learner,
+                          self.batcher if self.cfg.batched else None, self._wake, self._observer_lost)
         with self._lock:
-            self._playing = episode
-            self._in_episode, self._reports, self._lost = set(observers), {}, []
-        if self.cfg.batched:
-            self.batcher.begin(observers)
-        self.board.set_state(RoleState.RUNNING, f"episode {episode} with {len(observers)} observers")
+            self._episode = episode
+        self.board.set_state(RoleState.RUNNING, f"episode {episode.number} with {len(observers)} observers")
         started = time.perf_counter()
         for o in observers:
             try:
-                fut = self.observers.run_episode(o, episode, self.cfg.batched, self.cfg.max_steps)
+                fut = self.observers.run_episode(o, episode.number, self.cfg.batched, self.cfg.max_steps)
             except Exception as exc:  # noqa: BLE001 - e.g. evicted a moment ago: the others play on
-                self._lose(o, str(exc).splitlines()[0], episode)
+                episode.lose(o, str(exc).splitlines()[0])
                 continue
-            fut.add_done_callback(lambda f, o=o: self._observer_finished(o, f, episode))
-        self._wait_episode_end(episode)
+            fut.add_done_callback(lambda f, o=o: self._reported(episode, o, f))
+        episode.wait(lambda: self.gate.closing, current_members, STOP_WAIT)
         seconds = time.perf_counter() - started
-        with self._lock:
-            reports, lost, lost_total = dict(self._reports), list(self._lost), self._lost_total
         result = self.learner.finish_episode()
-        steps = sum(r.steps for r in reports.values())
+        steps = sum(r.steps for r in episode.reports.values())
         self._env_steps += steps
         self.metrics.env_steps.inc(steps)
         if result is None:
-            log.warning("episode %d: no observer finished it (lost: %s)", episode, ", ".join(lost) or "none")
+            log.warning("episode %d: no observer finished it (lost: %s)", episode.number,
+                        ", ".join(episode.lost) or "none")
             return None
-        rate = steps / seconds if seconds > 0 else 0.0
         self._played += 1
+        self._publish_episode(result, episode, steps / seconds if seconds > 0 else 0.0)
+        return result
+
+    def _publish_episode(self, result: EpisodeResult, episode: Episode, rate: float) -> None:
+        reports, lost = episode.reports, episode.lost
+        steps = sum(r.steps for r in reports.values())
         self._history.append({"episode": result.episode, "reward": result.reward,
                               "running_reward": result.running_reward, "observers": len(reports),
                               "env_steps": steps, "steps_per_s": rate, "lost": lost})
@@ -250,79 +241,36 @@ class AgentRole(BoardBacked):
         self.metrics.rl_reward.set(result.reward)
         self.metrics.rl_running_reward.set(result.running_reward)
         self.metrics.rl_steps_per_second.set(rate)
+        with self._lock:
+            lost_total = self._lost_total
         self.board.update(episode=result.episode, last_reward=result.reward, running_reward=result.running_reward,
                           rewards=result.rewards, steps_per_s=rate, env_steps=self._env_steps,
                           observers=sorted(reports), members=current_members(), history=list(self._history),
-                          observers_lost=lost_total,
-                          last_lost=lost or None)
+                          observers_lost=lost_total, last_lost=lost or None)
         log.info("episode %d | reward %.1f | running reward %.1f | %d observers | %.0f steps/s%s", result.episode,
                  result.reward, result.running_reward, len(reports), rate,
                  f" | lost {', '.join(lost)}" if lost else "")
-        return result
 
-    def _wait_episode_end(self, episode: int) -> None:
-        stop_deadline: Optional[float] = None
-        while True:
-            with self._lock:
-                if not self._in_episode:
-                    return
-                if self.gate.closing and stop_deadline is None:
-                    stop_deadline = time.monotonic() + STOP_WAIT
-                abandon = stop_deadline is not None and time.monotonic() > stop_deadline
-                if not abandon:
-                    self._wake.wait(0.5)
-                playing = set(self._in_episode)
-            if abandon:
-                for o in sorted(playing):
-                    self._lose(o, "the agent is stopping and waited long enough", episode)
-            # An observer evicted as dead never answers; one still listed gets until its RPC timeout.
-            for o in sorted(playing - set(current_members())):
-                self._lose(o, "no longer a member", episode)
-
-    def _observer_finished(self, observer: str, fut: torch.futures.Future, episode: int) -> None:
+    def _reported(self, episode: Episode, observer: str, fut: torch.futures.Future) -> None:
         try:
             report: EpisodeReport = fut.value()
         except Exception as exc:  # noqa: BLE001 - an observer's failure ends only its part of the episode
-            self._lose(observer, str(exc).splitlines()[0], episode)
+            episode.lose(observer, str(exc).splitlines()[0])
             return
-        if not self._still_playing(observer, episode):
-            return            # already counted as lost
-        # Rewards in, and the batch no longer waiting for it, before the episode can be seen as over:
-        # the next episode must not meet this one's leftovers.
-        if self.cfg.batched:
-            self.learner.reward(observer, report.rewards)
-            self.batcher.leave(observer)
-        with self._lock:
-            if observer in self._in_episode and self._playing == episode:
-                self._in_episode.discard(observer)
-                self._reports[observer] = report
-                self._wake.notify_all()
+        episode.finish(observer, report)
 
-    def _lose(self, observer: str, why: str, episode: int) -> None:
-        if not self._still_playing(observer, episode):
-            return
-        self.learner.drop(observer)
-        if self.cfg.batched:
-            self.batcher.leave(observer)
+    def _observer_lost(self, observer: str, why: str) -> None:
         with self._lock:
-            if observer not in self._in_episode or self._playing != episode:
-                return
-            self._in_episode.discard(observer)
-            self._lost.append(observer)
             self._lost_total += 1
-            self._wake.notify_all()
         log.warning("lost %s in the middle of an episode: %s", observer, why)
         self.metrics.rl_observers_lost.inc()
-
-    def _still_playing(self, observer: str, episode: int) -> bool:
-        with self._lock:
-            return self._playing == episode and observer in self._in_episode
 
     def _member_gone(self, name: str) -> None:
         with self._lock:
             self._reachable.discard(name)
-            episode = self._playing
-        self._lose(name, "removed from the group", episode)
+            episode = self._episode
+        if episode is not None:
+            episode.lose(name, "removed from the group")
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def _restore(self) -> None:

@@ -8,27 +8,24 @@ import time
 from typing import Any, Optional
 
 from services.config import ObserverConfig
-from services.control import BoardBacked, EpisodeStart
-from services.errors import EpisodeConflict, NotReady, NotSupported
-from services.lifecycle import RoleState, StatusBoard
-from services.membership import Membership, current_members
-from services.metrics import Metrics
+from services.errors import EpisodeConflict
+from services.lifecycle import RoleState
 from services.names import parse_name
-from services.rpc import RpcEndpoint
+from services.role import RoleBase, RoleContext, WithoutEpisodes
 from trainer.rl.env import make_env
-from trainer.rl.service import OBSERVER_SLOT, AgentClient, EpisodeReport
+from trainer.rl.service import EpisodeReport, ObserverService
+from trainer.rl.stubs import AgentClient
 
 log = logging.getLogger(__name__)
 
 
-class ObserverRole(BoardBacked):
+class ObserverRole(RoleBase, WithoutEpisodes, ObserverService):
     role = "observer"
+    no_episodes = "observers run the episodes the agent starts; POST /episode/{} on the agent"
 
-    def __init__(self, cfg: ObserverConfig, metrics: Metrics) -> None:
-        self.cfg, self.metrics = cfg, metrics
-        self.board = StatusBoard(self.role, cfg.name)
-        self.endpoint = RpcEndpoint.for_role(cfg)
-        self.membership = Membership(cfg.name)
+    def __init__(self, cfg: ObserverConfig, ctx: RoleContext) -> None:
+        super().__init__(ctx)
+        self.cfg = cfg
         self.env = make_env(cfg.env)
         self.agent = AgentClient(cfg.name, cfg.rpc_timeout)
         self._env_seed: Optional[int] = cfg.seed * 1000 + parse_name(cfg.name).index  # first reset only
@@ -36,27 +33,18 @@ class ObserverRole(BoardBacked):
         self._stop = threading.Event()
         self._episodes = 0
         self._steps = 0
-        metrics.init_rl()
-
-    # --- Controllable ------------------------------------------------------------------------------
-    def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
-        raise NotSupported("observers run the episodes the agent starts; POST /episode/start on the agent")
-
-    def stop_episode(self) -> dict[str, Any]:
-        raise NotSupported("observers run the episodes the agent starts; POST /episode/stop on the agent")
+        self.metrics.init_rl()
 
     def checkpoint(self) -> dict[str, Any]:
-        if not self.endpoint.joined:
-            raise NotReady("not joined yet")
+        self._require_joined()
         return self.agent.checkpoint()
 
     def list_checkpoints(self) -> list[dict[str, Any]]:
-        if not self.endpoint.joined:
-            raise NotReady("not joined yet")
+        self._require_joined()
         return self.agent.list_checkpoints()
 
     # --- served over RPC -----------------------------------------------------------------------------
-    def run_episode(self, episode: int, batched: bool, max_steps: Optional[int]) -> EpisodeReport:
+    def _run_episode(self, episode: int, batched: bool, max_steps: Optional[int]) -> EpisodeReport:
         if not self._busy.acquire(blocking=False):
             raise EpisodeConflict(f"{self.cfg.name} is already running an episode")
         try:
@@ -91,24 +79,16 @@ class ObserverRole(BoardBacked):
 
     def run(self) -> None:
         self.board.update(env=self.cfg.env, episodes=0, env_steps=0)
-        self.board.set_state(RoleState.JOINING, "joining the agent's group")
-        self.membership.install()
-        OBSERVER_SLOT.set(self)
-        self.endpoint.join()
+        self._join("joining the agent's group")
         self.metrics.up.set(1)
         self.board.set_state(RoleState.IDLE, "waiting for the agent")
         while not self._stop.wait(1.0):
-            members = current_members()
-            self.metrics.members.set(len(members))
-            self.board.update(members=members)
+            self._heartbeat()
 
     def close(self) -> None:
         self.metrics.up.set(0)
         self.board.set_state(RoleState.STOPPING, "stopping")
         if self._busy.acquire(timeout=2.0):   # an episode in flight sees the stop within a step
             self._busy.release()
-        self.endpoint.leave()
-        self.membership.uninstall()
-        OBSERVER_SLOT.set(None)
+        self._leave()
         self.env.close()
-

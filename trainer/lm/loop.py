@@ -11,8 +11,8 @@ import torch
 from ps.stub import backward, new_context
 from services.config import TrainerConfig
 from services.metrics import Metrics
-from trainer.data import BatchStream, batchify
-from trainer.model import DistributedLM, Hidden, init_hidden
+from trainer.lm.data import BatchStream, batchify
+from trainer.lm.model import DistributedLM, Hidden, init_hidden
 
 
 @dataclass

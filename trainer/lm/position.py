@@ -44,3 +44,17 @@ def resume_point(saved: list[dict[str, Any]], name: str, num_trainers: int, data
     steps = sum(int(s.get("steps", 0)) for s in same_data) // max(1, num_trainers)
     return ResumePoint(position, epoch, steps, None, exact=False), \
         f"{len(same_data)} trainers saved, {num_trainers} now: re-divided at {progress - epoch:.0%} of epoch {epoch}"
+
+
+def position_of(loop: Any, name: str, num_trainers: int, data: str, steps: int) -> dict[str, Any]:
+    """What a checkpoint saves of a trainer (``loop`` a ``TrainLoop``, held at a step boundary)."""
+    return {"name": name, "num_trainers": num_trainers, "data": data, "position": loop.stream.position,
+            "epoch": loop.stream.epoch, "rows": loop.stream.data.size(0),
+            "hidden": [loop.hidden[0].clone(), loop.hidden[1].clone()], "steps": steps}
+
+
+def move_to(loop: Any, point: ResumePoint) -> None:
+    """Put ``loop`` where ``point`` says (its LSTM state only when it has that state's shape)."""
+    loop.stream.position, loop.stream.epoch = point.position, point.epoch
+    if point.hidden is not None and tuple(point.hidden[0].shape) == tuple(loop.hidden[0].shape):
+        loop.hidden = (point.hidden[0], point.hidden[1])

@@ -126,6 +126,19 @@ def share(tokens: torch.Tensor, index: int, count: int) -> torch.Tensor:
     return tokens[index * per:(index + 1) * per]
 
 
+def trainer_share(corpus: Corpus, index: int, count: int, batch_size: int, eval_tokens: Optional[int],
+                  eval_batch_size: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Trainer ``index`` of ``count``'s training share, batchified, and its held-out share (of the
+    cluster's ``eval_tokens`` at most), or None when the corpus holds nothing out."""
+    train = batchify(share(corpus.train, index, count), batch_size)
+    if corpus.heldout is None:
+        return train, None
+    heldout = share(corpus.heldout, index, count)
+    if eval_tokens is not None:
+        heldout = heldout[: max(eval_tokens // count, eval_batch_size * 2)]
+    return train, heldout
+
+
 def batchify(tokens: torch.Tensor, batch_size: int) -> torch.Tensor:
     """[tokens] -> [rows, batch_size], each column a contiguous stream (the classic layout)."""
     rows = tokens.numel() // batch_size

@@ -1,0 +1,119 @@
+"""What every role is handed, and the skeleton every role shares.
+
+The runtime builds a ``RoleContext`` once per process and gives it to the role, so a role builds
+none of its collaborators: a unit test hands it fakes instead and exercises the role's logic
+without joining RPC.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from services.checkpoint import CheckpointStore
+from services.errors import NotReady, NotSupported, PeerUnavailable
+from services.lifecycle import RoleState, StatusBoard
+from services.membership import Membership, current_members, reachable
+from services.metrics import Metrics
+from services.remote import serve, withdraw
+from services.rpc import RpcEndpoint
+
+
+@dataclass
+class RoleContext:
+    """A role's collaborators."""
+
+    metrics: Metrics
+    board: StatusBoard
+    endpoint: RpcEndpoint
+    membership: Membership
+    store: CheckpointStore
+
+    @classmethod
+    def build(cls, cfg: Any, role: str, metrics: Metrics) -> "RoleContext":
+        """The real ones, as ``cfg`` (a ``services.config.CommonConfig``) describes them."""
+        return cls(metrics=metrics, board=StatusBoard(role, cfg.name), endpoint=RpcEndpoint.for_role(cfg),
+                   membership=Membership.for_role(cfg, on_evicted=metrics.members_evicted.inc),
+                   store=CheckpointStore(cfg.checkpoint_dir))
+
+
+class RoleBase:
+    """Health, readiness and status from the board; joining and leaving the group; the members
+    heartbeat. A role adds ``run``/``request_stop``/``close`` and its control methods."""
+
+    role: ClassVar[str]
+
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx = ctx
+        self.metrics, self.board, self.endpoint = ctx.metrics, ctx.board, ctx.endpoint
+        self.membership, self.store = ctx.membership, ctx.store
+
+    def healthy(self) -> tuple[bool, str]:
+        return self.board.healthy()
+
+    def ready(self) -> tuple[bool, str]:
+        return self.board.ready()
+
+    def status(self) -> dict[str, Any]:
+        return self.board.snapshot()
+
+    def _join(self, why: str) -> None:
+        """Serve this role's RPC surfaces and join the group (as the leader, start leading)."""
+        self.board.set_state(RoleState.JOINING, why)
+        self.membership.install()
+        serve(self)
+        self.endpoint.join()
+        if self.membership.is_leader:
+            self.membership.start_leader(self.endpoint.store)
+
+    def _leave(self) -> None:
+        """Leave the group without waiting on any other member; serve nothing any more."""
+        self.membership.stop()
+        self.endpoint.leave()
+        self.membership.uninstall()
+        withdraw(self)
+
+    def _require_joined(self) -> None:
+        if not self.endpoint.joined:
+            raise NotReady("not joined yet")
+
+    def _await_members(self, names: list[str], timeout: float, wake: threading.Condition,
+                       stopping: Callable[[], bool]) -> None:
+        """Until every one of ``names`` is in the group and answers (torch lists a member a moment
+        before it can be called), or ``PeerUnavailable`` after ``timeout`` or once ``stopping()``."""
+        deadline = time.monotonic() + timeout
+        confirmed: set[str] = set()
+        while True:
+            members = set(current_members())
+            confirmed |= {n for n in names if n in members and n not in confirmed and reachable(n)}
+            missing = [n for n in names if n not in confirmed]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise PeerUnavailable(f"{', '.join(missing)} did not join within {timeout:.0f}s")
+            self.board.set_state(RoleState.JOINING, f"waiting for {', '.join(missing)}")
+            with wake:
+                if stopping():
+                    raise PeerUnavailable(f"stopped while waiting for {', '.join(missing)}")
+                wake.wait(0.2)
+
+    def _heartbeat(self) -> list[str]:
+        """The members as this process sees them, on the board and in the metrics."""
+        members = current_members()
+        self.metrics.members.set(len(members))
+        self.board.update(members=members)
+        return members
+
+
+class WithoutEpisodes:
+    """A role whose work is not started and stopped in episodes. ``no_episodes`` says where they
+    are, with ``{}`` for "start" or "stop"."""
+
+    no_episodes: ClassVar[str]
+
+    def start_episode(self, request: Any) -> dict[str, Any]:
+        raise NotSupported(self.no_episodes.format("start"))
+
+    def stop_episode(self) -> dict[str, Any]:
+        raise NotSupported(self.no_episodes.format("stop"))

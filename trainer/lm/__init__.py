@@ -1,0 +1,1 @@
+"""The language-model workload: the seeds' distributed RNN, made real."""

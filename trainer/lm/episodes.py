@@ -1,0 +1,109 @@
+"""One LM trainer's episodes: steps until the episode's target or a stop, each at a step boundary
+a checkpoint may hold; progress on the status board and in the metrics; then the held-out
+evaluation. Runs on the role thread."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from services.config import TrainerConfig
+from services.control import EpisodeGate, EpisodeStart, StepPause
+from services.lifecycle import RoleState, StatusBoard
+from services.metrics import Metrics
+from trainer.lm.loop import EvalResult, StepResult, TrainLoop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Throughput:
+    """An episode's tokens/s, its first steps (``warmup``) left out: they pay connection set-up and
+    allocation. ``window`` is wall-clock, so ``rpcps up`` can add up trainers' windows."""
+
+    warmup: int
+    tokens: int = 0
+    seconds: float = 0.0
+    window: dict[str, Any] = field(default_factory=lambda: {"tokens": 0, "start": None, "end": None})
+
+    def add(self, step: int, result: StepResult, started: float) -> float:
+        if step > self.warmup:
+            self.tokens += result.tokens
+            self.seconds += result.seconds
+            self.window = {"tokens": self.tokens, "start": self.window["start"] or started, "end": time.time()}
+        return self.tokens / self.seconds if self.seconds else result.tokens / result.seconds
+
+
+class EpisodeRunner:
+    def __init__(self, loop: TrainLoop, cfg: TrainerConfig, board: StatusBoard, metrics: Metrics,
+                 gate: EpisodeGate, pause: StepPause, wake: threading.Condition,
+                 heldout: Optional[torch.Tensor], heartbeat: Callable[[], Any], steps: int = 0) -> None:
+        self.loop, self.cfg, self.board, self.metrics = loop, cfg, board, metrics
+        self.gate, self.pause, self._wake, self.heldout = gate, pause, wake, heldout
+        self._heartbeat = heartbeat       # the members, into the status, with each log line
+        self.steps = steps          # this trainer's steps, across episodes and restores
+        self.episodes = 0
+
+    def run(self, request: EpisodeStart) -> None:
+        self.episodes += 1
+        episode = {"id": self.episodes, "step": 0, "steps": request.steps, "done": False}
+        self.board.update(episode=dict(episode))
+        self.board.set_state(RoleState.RUNNING, f"episode {self.episodes}")
+        self.metrics.episode_running.set(1)
+        log.info("episode %d: %s steps", self.episodes, request.steps or "unbounded")
+        try:
+            self._train(episode, request.steps)
+            with self._wake:
+                shutting_down = self.gate.closing
+            if self.heldout is not None and not shutting_down and episode["step"] > 0:
+                self._evaluate()
+        finally:
+            episode["done"] = True
+            self.metrics.episodes.inc()
+            self.board.update(episode=dict(episode), episodes_completed=self.episodes)
+            self.metrics.episode_running.set(0)
+            self.gate.finish()
+            self.board.set_state(RoleState.IDLE, "waiting for an episode")
+            log.info("episode %d done after %d steps", self.episodes, episode["step"])
+
+    def _train(self, episode: dict[str, Any], target: Optional[int]) -> None:
+        recent: deque[float] = deque(maxlen=20)
+        first_loss: Optional[float] = None
+        throughput = _Throughput(self.cfg.warmup_steps)
+        last_log = time.monotonic()
+        while target is None or episode["step"] < target:
+            with self._wake:
+                self.pause.boundary()
+                if self.gate.stop_requested:
+                    return
+            started = time.time()
+            result = self.loop.step()
+            self.steps += 1
+            episode["step"] += 1
+            first_loss = result.loss if first_loss is None else first_loss
+            recent.append(result.loss)
+            tokens_per_s = throughput.add(episode["step"], result, started)
+            self.metrics.tokens_per_second.set(tokens_per_s)
+            self.board.update(step=self.steps, episode=dict(episode), loss=result.loss,
+                              loss_avg=sum(recent) / len(recent), loss_first=first_loss,
+                              tokens_per_s=tokens_per_s, grad_norm=result.grad_norm, timed=dict(throughput.window),
+                              step_seconds={k: round(v, 6) for k, v in result.phases.items()})
+            if time.monotonic() - last_log >= self.cfg.log_interval:
+                last_log = time.monotonic()
+                self._heartbeat()
+                log.info("step %d | loss %.3f | %.0f tokens/s", self.steps, sum(recent) / len(recent), tokens_per_s)
+
+    def _evaluate(self) -> None:
+        self.board.update(evaluating=True)
+        with self.pause.quiet():     # evaluation changes neither parameters nor position
+            result: EvalResult = self.loop.evaluate(self.heldout, should_stop=lambda: self.gate.closing)
+        self.metrics.eval_loss.set(result.loss)
+        self.board.update(evaluating=False, eval={"loss_sum": result.loss_sum, "tokens": result.tokens,
+                                                  "loss": result.loss, "ppl": result.ppl})
+        log.info("episode %d held-out share: loss %.3f ppl %.1f over %d tokens",
+                 self.episodes, result.loss, result.ppl, result.tokens)

@@ -1,0 +1,152 @@
+"""The trainer role: joins the cluster, then runs language-model episodes on request.
+
+Threads: the role thread (``run``) joins and trains (``trainer/lm/episodes.py``); the sidecar thread
+calls the control methods, which only post requests under ``_lock`` and read the status board; the
+checkpoint coordinator's RPCs hold training at a step boundary (``StepPause``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Optional
+
+from ps.stub import PsClient
+from services import checkpointing
+from services.checkpointing import Coordinator, PausableParticipant
+from services.config import TrainerConfig
+from services.control import EpisodeGate, EpisodeStart, StepPause
+from services.errors import BadRequest, CheckpointError, NotReady, PeerUnavailable
+from services.lifecycle import RoleState
+from services.membership import current_members
+from services.names import parse_name, ps_names
+from services.remote import withdraw
+from services.role import RoleBase, RoleContext
+from trainer.lm.data import BatchStream, Corpus, trainer_share
+from trainer.lm.episodes import EpisodeRunner
+from trainer.lm.loop import TrainLoop
+from trainer.lm.model import DistributedLM
+from trainer.lm.position import move_to, position_of, resume_point
+
+log = logging.getLogger(__name__)
+
+REPORT_TIMEOUT = 5.0   # leaving the position with ps0 on the way out; a stop must stay bounded
+
+
+class TrainerRole(RoleBase, PausableParticipant):
+    role = "trainer"
+
+    def __init__(self, cfg: TrainerConfig, ctx: RoleContext) -> None:
+        super().__init__(ctx)
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self.gate = EpisodeGate(self._wake, "trainer", EpisodeStart(steps=cfg.steps) if cfg.start else None)
+        self.pause = StepPause(self._wake, self.gate)
+        self._episodes: Optional[EpisodeRunner] = None   # once joined and holding the model
+        self._data = ""                                  # the corpus's description, saved with positions
+        self.metrics.init_trainer()
+
+    # --- Controllable ------------------------------------------------------------------------------
+    def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
+        if request.episodes is not None:
+            raise BadRequest("a language-model trainer counts episodes in steps; send {\"steps\": N}")
+        self.gate.start(request, self.board.ready())
+        return {"started": True, "steps": request.steps}
+
+    def stop_episode(self) -> dict[str, Any]:
+        if not self.gate.stop():
+            return {"stopping": False, "cancelled": True}
+        return {"stopping": True, "at_step": self._episodes.steps if self._episodes else 0}
+
+    def checkpoint(self) -> dict[str, Any]:
+        self._require_joined()
+        return checkpointing.ask_coordinator(Coordinator.take)
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        self._require_joined()
+        return checkpointing.ask_coordinator(Coordinator.listing, timeout=30)
+
+    # --- checkpoint participant (called by the coordinator on ps0) ----------------------------------------
+    def ckpt_pause(self, checkpoint_id: str, timeout: float) -> dict[str, Any]:
+        """Hold training at the next step boundary and describe where this trainer is."""
+        if self._episodes is None:
+            raise NotReady("not training yet")
+        if not self.pause.hold(timeout):
+            raise CheckpointError(f"{self.cfg.name} did not reach a step boundary in {timeout:.0f}s")
+        return self._position()
+
+    def ckpt_resume(self, checkpoint_id: str) -> None:
+        self.pause.release()
+
+    def _position(self) -> dict[str, Any]:
+        episodes = self._episodes
+        return position_of(episodes.loop, self.cfg.name, self.cfg.num_trainers, self._data, episodes.steps)
+
+    def _restore_position(self, loop: TrainLoop) -> int:
+        """Move ``loop`` to where the cluster's checkpoint left this trainer; the steps it had taken."""
+        saved = checkpointing.ask_coordinator(Coordinator.trainer_states, timeout=60)
+        if saved is None:
+            return 0
+        point, why = resume_point(saved["trainers"], self.cfg.name, self.cfg.num_trainers, self._data,
+                                  loop.stream.data.size(0))
+        if point is None:
+            log.warning("%s: starting this share from its beginning: %s", saved["checkpoint"], why)
+            return 0
+        move_to(loop, point)
+        log.info("resumed position from %s (%s): token row %d of %d, epoch %d, step %d", saved["checkpoint"], why,
+                 loop.stream.position, loop.stream.data.size(0), loop.stream.epoch, point.steps)
+        return point.steps
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        self.gate.close()
+
+    def run(self) -> None:
+        cfg = self.cfg
+        corpus = Corpus.load(cfg.data, synthetic_tokens=cfg.synthetic_tokens, seed=cfg.seed)
+        index = parse_name(cfg.name).index % cfg.num_trainers
+        train, heldout = trainer_share(corpus, index, cfg.num_trainers, cfg.batch_size, cfg.eval_tokens,
+                                       cfg.eval_batch_size)
+        log.info("data: %s; share %d of %d: %d training tokens", corpus.description, index, cfg.num_trainers, train.numel())
+        self._data = corpus.description
+
+        self._join("joining the RPC group")
+        servers = ps_names(cfg.num_ps)
+        self._await_members(servers, cfg.join_timeout, self._wake, lambda: self.gate.closing)
+        client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
+        if corpus.ntoken > client.model.ntoken:
+            raise PeerUnavailable(f"the corpus has {corpus.ntoken} word types but the servers' model only "
+                                  f"{client.model.ntoken} rows; start the servers with --data or a larger --ntoken")
+        loop = TrainLoop(DistributedLM(client, cfg.dropout), client.optimizer(), BatchStream(train, cfg.bptt),
+                         cfg, self.metrics)
+        steps = self._restore_position(loop)
+        with self._lock:
+            self._episodes = EpisodeRunner(loop, cfg, self.board, self.metrics, self.gate, self.pause, self._wake,
+                                           heldout, self._heartbeat, steps)
+        self.metrics.up.set(1)
+        self.board.update(step=steps, episode=None, episodes_completed=0, members=current_members(),
+                          model=client.model.model_dump(), data=corpus.description)
+        self.board.set_state(RoleState.IDLE, "waiting for an episode")
+        while True:
+            request = self.gate.next(self._heartbeat)
+            if request is None:
+                return
+            self._episodes.run(request)
+
+    def close(self) -> None:
+        self.metrics.up.set(0)
+        self.board.set_state(RoleState.STOPPING, "stopping")
+        withdraw(self)           # no checkpoint may hold it any more
+        self._report_position()
+        self._leave()
+
+    def _report_position(self) -> None:
+        """Tell ps0 where this trainer stopped, for the checkpoints taken after it is gone."""
+        with self._lock:
+            if self._episodes is None or not self.endpoint.joined:
+                return
+            position = self._position()
+        try:
+            checkpointing.ask_coordinator(Coordinator.trainer_left, position, timeout=REPORT_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - ps0 may be gone already; stopping goes on
+            log.warning("could not leave my position with ps0: %s", exc)
