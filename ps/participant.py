@@ -1,59 +1,57 @@
-"""A server's part in cluster checkpoints: its shard copied at the coordinator's instant, written
-into this server's checkpoint folder, and discarded or kept when the coordinator is done."""
+"""A server's part in cluster checkpoints (its shard), and which checkpoint files rebuild it."""
 from __future__ import annotations
 
-import shutil
+import logging
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from ps.service import ParameterServer
-from services.checkpoint import CheckpointStore, FileEntry
-from services.checkpointing import ShardParticipant, marker
+from services.checkpoint.parts import SnapshotPart
+from services.checkpoint.store import CheckpointInfo
+from services.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+COMPATIBLE = ("ntoken", "emsize", "nhid", "nlayers", "optimizer")   # a checkpoint's model must match in these
 
 
-class ShardPart(ShardParticipant):
-    def __init__(self, name: str, server: ParameterServer, store: CheckpointStore, keep: int) -> None:
-        self.name, self.server, self.store, self.keep = name, server, store, keep
+class ServerPart(SnapshotPart):
+    def __init__(self, name: str, server: ParameterServer) -> None:
+        self.name, self.server = name, server
         self._lock = threading.Lock()
-        self._snapshots: dict[str, Any] = {}   # checkpoint id -> buffers, then the copied state
-        self._written: dict[str, int] = {}     # checkpoint id -> step, of parts written under an own manifest
+        self._buffers: Optional[tuple] = None
 
-    def ckpt_prepare(self, checkpoint_id: str) -> None:
+    def prepare(self) -> None:
         buffers = self.server.optimizer.copy_buffers()
         with self._lock:
-            self._snapshots[checkpoint_id] = buffers
+            self._buffers = buffers
 
-    def ckpt_snapshot(self, checkpoint_id: str) -> int:
+    def state_dict(self) -> dict[str, Any]:
         with self._lock:
-            buffers = self._snapshots.get(checkpoint_id)
-        state = self.server.export_state(into=buffers if isinstance(buffers, tuple) else None)
-        with self._lock:
-            self._snapshots[checkpoint_id] = state
-        return state["steps"]
+            buffers, self._buffers = self._buffers, None
+        return self.server.export_state(into=buffers)
 
-    def ckpt_write(self, checkpoint_id: str, step: int, meta: dict[str, Any]) -> tuple[FileEntry, bool]:
-        """Write this shard into this server's checkpoint folder; True when ps0 shares the folder.
-        Otherwise (a volume per server) the shard gets a manifest of its own beside it."""
-        with self._lock:
-            state = self._snapshots[checkpoint_id]
-        file_name = f"{self.name}.pt"
-        if (self.store.folder(step) / marker(checkpoint_id)).exists():
-            return self.store.write_file(step, file_name, state), True
-        # A complete folder of this step here is a part whose cluster checkpoint was never committed.
-        self.store.prepare(step, replace=True)
-        with self._lock:
-            self._written[checkpoint_id] = step
-        entry = self.store.write_file(step, file_name, state)
-        self.store.commit(step, [entry], {**meta, "server": self.name})
-        return entry, False
+    def step(self, state: dict[str, Any]) -> int:
+        return int(state["steps"])
 
-    def ckpt_discard(self, checkpoint_id: str, committed: bool = False) -> None:
-        with self._lock:
-            self._snapshots.pop(checkpoint_id, None)
-            step = self._written.pop(checkpoint_id, None)
-        if step is None:
-            return
-        if committed:
-            self.store.prune(self.keep)
-        else:                # ps0 never committed it: it is no checkpoint of the cluster's
-            shutil.rmtree(self.store.folder(step), ignore_errors=True)
+
+def shard_files(info: CheckpointInfo, model: dict[str, Any], shard: int, num_ps: int) -> list[str]:
+    """The files of ``info`` that server ``shard`` of ``num_ps`` rebuilds itself from: its own, or,
+    when the number of servers changed, every old shard's (rows are resharded on load)."""
+    saved = info.meta.get("model", {})
+    for key in COMPATIBLE:
+        if saved.get(key) != model.get(key):
+            raise CheckpointError(f"{info.id} was taken with {key}={saved.get(key)!r}, this server has "
+                                  f"{model.get(key)!r}; start with matching flags, --resume-from another, or --no-resume")
+    old = int(info.meta.get("num_ps", 0))
+    if old == num_ps:
+        return [f"ps{shard}.pt"]  # same shape: this shard's own file is all it needs
+    names = [f"ps{k}.pt" for k in range(old)]
+    missing = [n for n in names if n not in info.files]
+    if missing:
+        raise CheckpointError(
+            f"{info.id} was taken with {old} servers, each keeping its shard on its own volume "
+            f"({', '.join(missing)} are not in {info.path}); changing to {num_ps} servers needs every shard: "
+            f"restart with {old} servers, or use one checkpoint folder shared by all servers")
+    log.info("resharding %s from %d to %d servers", info.id, old, num_ps)
+    return names

@@ -6,15 +6,16 @@ import logging
 import threading
 from typing import Any, Optional
 
-from ps.participant import ShardPart
+from ps.participant import ServerPart, shard_files
 from ps.service import ParameterServer
-from services import checkpointing
-from services.checkpoint import CheckpointInfo
-from services.checkpointing import Coordinator
+from services.checkpoint.coordinator import CheckpointPlan, Coordinator, announce, follow_leader
+from services.checkpoint.parts import restore_newest
+from services.checkpoint.periodic import Periodic, take_final
+from services.checkpoint.store import CheckpointInfo
 from services.config import ModelConfig, PsConfig
 from services.errors import CheckpointError
 from services.lifecycle import RoleState
-from services.names import parse_name
+from services.names import parse_name, ps_names
 from services.remote import remote_methods, serve, withdraw
 from services.role import RoleBase, RoleContext, WithoutEpisodes
 from trainer.lm.data import vocab_size
@@ -38,16 +39,14 @@ class PsRole(RoleBase, WithoutEpisodes):
         super().__init__(ctx)
         self.cfg = cfg
         self.server: Optional[ParameterServer] = None
-        self.part: Optional[ShardPart] = None
         self.coordinator: Optional[Coordinator] = None
-        self._periodic: Optional[checkpointing.Periodic] = None
+        self._periodic: Optional[Periodic] = None
         self._stop = threading.Event()
         self.metrics.init_ps(remote_methods(ParameterServer))
 
     def checkpoint(self) -> dict[str, Any]:
         if self.coordinator is None:
-            self._require_joined()
-            result = checkpointing.ask_coordinator(Coordinator.take)
+            result = self._ask_coordinator(Coordinator.take)
         else:
             result = self.coordinator.take()
         self.board.update(last_checkpoint={k: result[k] for k in ("id", "step", "path")})
@@ -69,9 +68,8 @@ class PsRole(RoleBase, WithoutEpisodes):
                  shard, self.cfg.num_ps, info.rows, list(info.layers), model.model_dump())
         self.board.update(shard=shard, num_shards=self.cfg.num_ps, rows=info.rows, layers=list(info.layers),
                           model=model.model_dump())
-        self.part = ShardPart(self.cfg.name, self.server, self.store, self.cfg.keep_checkpoints)
+        self.checkpoints.add(ServerPart(self.cfg.name, self.server))
         serve(self.server)
-        serve(self.part)
         self.membership.add_listener(self.server.forget)
         self._join("joining the RPC group")
         if self.membership.is_leader:
@@ -87,12 +85,12 @@ class PsRole(RoleBase, WithoutEpisodes):
         resume, resume_from = self.cfg.resume, self.cfg.resume_from
         if self.endpoint.leader != self.cfg.name:
             self.board.set_state(RoleState.JOINING, f"asking {self.endpoint.leader} which checkpoint to restore")
-            resume_from = checkpointing.follow_leader(self.endpoint.connect(), self.cfg.join_timeout)
+            resume_from = follow_leader(self.endpoint.connect(), self.cfg.join_timeout)
             resume = resume_from is not None
             log.info("%s stands on %s", self.endpoint.leader, resume_from or "no checkpoint (a fresh start)")
         try:
-            resumed, server = checkpointing.restore(
-                self.store, resume, resume_from, model.model_dump(), shard, self.cfg.num_ps,
+            resumed, server = restore_newest(
+                self.store, resume, resume_from, lambda info: shard_files(info, model.model_dump(), shard, self.cfg.num_ps),
                 lambda states: ParameterServer(self.cfg.name, shard, self.cfg.num_ps, model, self.metrics, restore=states))
         except CheckpointError as exc:
             if self.endpoint.leader == self.cfg.name or resume_from is None:
@@ -105,15 +103,15 @@ class PsRole(RoleBase, WithoutEpisodes):
 
     def _lead(self, model: ModelConfig, resumed: Optional[CheckpointInfo]) -> None:
         """ps0: coordinate checkpoints, and announce the one the cluster stands on."""
-        announce = functools.partial(checkpointing.announce, self.endpoint.store)
-        announce(resumed)
-        self.coordinator = Coordinator(
-            self.store, self.cfg.num_ps, {"model": model.model_dump()}, self.cfg.keep_checkpoints,
-            local=self.part, metrics=self.metrics, resumed=resumed, on_commit=announce)
+        publish = functools.partial(announce, self.endpoint.store)
+        publish(resumed)
+        plan = CheckpointPlan(holders=tuple(ps_names(self.cfg.num_ps)), paused_role="trainer",
+                              meta={"model": model.model_dump(), "num_ps": self.cfg.num_ps})
+        self.coordinator = Coordinator(self.store, plan, self.cfg.keep_checkpoints, local=self.checkpoints,
+                                       metrics=self.metrics, resumed=resumed, on_commit=publish)
         serve(self.coordinator)
-        self._periodic = checkpointing.Periodic(self.checkpoint, lambda: self.server.optimizer.steps,
-                                                self.cfg.checkpoint_every_steps,
-                                                self.cfg.checkpoint_every_seconds).start()
+        self._periodic = Periodic(self.checkpoint, lambda: self.server.optimizer.steps,
+                                  self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_seconds).start()
 
     def close(self) -> None:
         self.metrics.up.set(0)
@@ -122,7 +120,7 @@ class PsRole(RoleBase, WithoutEpisodes):
             self._periodic.stop()
         self._final_checkpoint()
         self._leave()
-        for served in (self.server, self.part, self.coordinator):
+        for served in (self.server, self.coordinator):
             if served is not None:
                 withdraw(served)
 
@@ -137,6 +135,6 @@ class PsRole(RoleBase, WithoutEpisodes):
         if self.coordinator is not None:
             take = functools.partial(self.coordinator.take_unless_saved, steps)
         else:
-            take = functools.partial(checkpointing.ask_coordinator, Coordinator.take_unless_saved, steps,
+            take = functools.partial(self._ask_coordinator, Coordinator.take_unless_saved, steps,
                                      timeout=FINAL_CHECKPOINT_SECONDS)
-        checkpointing.take_final(take, FINAL_CHECKPOINT_SECONDS)
+        take_final(take, FINAL_CHECKPOINT_SECONDS)

@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from services.checkpoint import CheckpointStore
+from services.checkpoint.coordinator import TAKE_TIMEOUT, ask_coordinator
+from services.checkpoint.member import CheckpointMember
+from services.checkpoint.store import CheckpointStore
 from services.errors import NotReady, NotSupported, PeerUnavailable
 from services.lifecycle import RoleState, StatusBoard
 from services.membership import Membership, current_members, reachable
@@ -29,13 +31,15 @@ class RoleContext:
     endpoint: RpcEndpoint
     membership: Membership
     store: CheckpointStore
+    checkpoints: CheckpointMember     # this process's side of cluster checkpoints; roles add their parts
 
     @classmethod
     def build(cls, cfg: Any, role: str, metrics: Metrics) -> "RoleContext":
         """The real ones, as ``cfg`` (a ``services.config.CommonConfig``) describes them."""
+        store = CheckpointStore(cfg.checkpoint_dir)
         return cls(metrics=metrics, board=StatusBoard(role, cfg.name), endpoint=RpcEndpoint.for_role(cfg),
                    membership=Membership.for_role(cfg, on_evicted=metrics.members_evicted.inc),
-                   store=CheckpointStore(cfg.checkpoint_dir))
+                   store=store, checkpoints=CheckpointMember(cfg.name, store))
 
 
 class RoleBase:
@@ -47,7 +51,7 @@ class RoleBase:
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx = ctx
         self.metrics, self.board, self.endpoint = ctx.metrics, ctx.board, ctx.endpoint
-        self.membership, self.store = ctx.membership, ctx.store
+        self.membership, self.store, self.checkpoints = ctx.membership, ctx.store, ctx.checkpoints
 
     def healthy(self) -> tuple[bool, str]:
         return self.board.healthy()
@@ -63,6 +67,7 @@ class RoleBase:
         self.board.set_state(RoleState.JOINING, why)
         self.membership.install()
         serve(self)
+        serve(self.checkpoints)
         self.endpoint.join()
         if self.membership.is_leader:
             self.membership.start_leader(self.endpoint.store)
@@ -73,6 +78,12 @@ class RoleBase:
         self.endpoint.leave()
         self.membership.uninstall()
         withdraw(self)
+        withdraw(self.checkpoints)
+
+    def _ask_coordinator(self, method: Callable[..., Any], *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
+        """``method`` (one of ``services.checkpoint.coordinator.Coordinator``'s) on the leader."""
+        self._require_joined()
+        return ask_coordinator(self.endpoint.leader, method, *args, timeout=timeout)
 
     def _require_joined(self) -> None:
         if not self.endpoint.joined:

@@ -100,9 +100,10 @@ def run(ns: argparse.Namespace) -> int:
     import torch
     from prometheus_client import CollectorRegistry
 
+    from ps.participant import shard_files
     from ps.service import ParameterServer
-    from services.checkpoint import CheckpointStore
-    from services.checkpointing import restore
+    from services.checkpoint.parts import restore_newest
+    from services.checkpoint.store import CheckpointStore
     from services.config import ModelConfig
     from services.metrics import Metrics
 
@@ -143,9 +144,11 @@ def run(ns: argparse.Namespace) -> int:
             if cold:
                 _drop_caches()
             t3 = time.perf_counter()
-            info, restored = restore(store, True, None, model.model_dump(), 0, 1,   # as a server starts
-                                     lambda states: ParameterServer("ps0", 0, 1, model, Metrics(CollectorRegistry(), "ps", "ps0"),
-                                                                    restore=states))
+            info, restored = restore_newest(store, True, None,   # as a server starts
+                                            lambda info: shard_files(info, model.model_dump(), 0, 1),
+                                            lambda states: ParameterServer("ps0", 0, 1, model,
+                                                                           Metrics(CollectorRegistry(), "ps", "ps0"),
+                                                                           restore=states))
             t4 = time.perf_counter()
             assert info is not None and info.step == 1
             rounds.append((dd_read, file_bytes / (t4 - t3) / 1e6, t4 - t3))

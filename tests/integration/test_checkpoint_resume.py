@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from services.checkpoint import CheckpointStore
+from services.checkpoint.store import CheckpointStore
 from tests.support.upcli import UpProcess, run_to_done
 from tests.support.wait import wait_until
 

@@ -4,7 +4,7 @@ checkpoint ps0 chose, never a newer part of its own that the cluster did not com
 import json
 import shutil
 
-from services.checkpoint import CheckpointStore
+from services.checkpoint.store import CheckpointStore
 from tests.integration.test_roles import MODEL, TRAINER, episode
 from tests.support.wait import wait_until
 

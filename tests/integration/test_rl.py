@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from services.checkpoint import CheckpointStore
+from services.checkpoint.store import CheckpointStore
 from services.client import SidecarError
 from tests.support.upcli import run_to_done
 from tests.support.wait import wait_until

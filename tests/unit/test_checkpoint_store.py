@@ -6,8 +6,8 @@ import torch
 
 import hashlib
 
-from services import checkpoint
-from services.checkpoint import MANIFEST, CheckpointStore
+from services.checkpoint import store as checkpoint
+from services.checkpoint.store import MANIFEST, CheckpointStore
 from services.errors import CheckpointError
 
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from ps.participant import shard_files
 from ps.service import ParameterServer
-from services.checkpoint import CheckpointStore
-from services.checkpointing import restore
+from services.checkpoint.parts import restore_newest
+from services.checkpoint.store import CheckpointStore
 from services.config import ModelConfig
 from services.metrics import Metrics
 from trainer.lm.position import resume_point
@@ -53,10 +54,11 @@ def test_language_model_shards_restore_identical(lm_store, num_ps):
     model = ModelConfig.model_validate(info.meta["model"])
     servers = []
     for shard in range(num_ps):
-        resumed, server = restore(lm_store, True, None, model.model_dump(), shard, num_ps,
-                                  lambda states, k=shard: ParameterServer(
-                                      f"ps{k}", k, num_ps, model, Metrics(CollectorRegistry(), "ps", f"ps{k}"),
-                                      restore=states))
+        resumed, server = restore_newest(lm_store, True, None,
+                                         lambda info, k=shard: shard_files(info, model.model_dump(), k, num_ps),
+                                         lambda states, k=shard: ParameterServer(
+                                             f"ps{k}", k, num_ps, model, Metrics(CollectorRegistry(), "ps", f"ps{k}"),
+                                             restore=states))
         assert resumed is not None and resumed.id == "step-12"
         assert server.optimizer.steps == 12
         servers.append(server)

@@ -90,15 +90,16 @@ def test_metrics_exposition_names_and_labels(control, registry):
 
 
 def test_overlapping_checkpoint_is_409(registry, tmp_path):
-    from services.checkpoint import CheckpointStore
-    from services.checkpointing import Coordinator
+    from services.checkpoint.store import CheckpointStore
+    from services.checkpoint.coordinator import CheckpointPlan, Coordinator
     from services.errors import CheckpointInProgress
 
     from prometheus_client import CollectorRegistry
 
     from services.metrics import Metrics
     metrics = Metrics(CollectorRegistry(), "ps", "ps0")
-    coordinator = Coordinator(CheckpointStore(tmp_path), 1, {}, keep=3, local=None, metrics=metrics)
+    coordinator = Coordinator(CheckpointStore(tmp_path), CheckpointPlan(holders=("ps0",)), keep=3, local=None,
+                              metrics=metrics)
     with coordinator._lock:  # a checkpoint under way
         with pytest.raises(CheckpointInProgress):
             coordinator.take()

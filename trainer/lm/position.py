@@ -1,4 +1,5 @@
-"""Where a trainer resumes in its data, from the positions a checkpoint saved.
+"""A trainer's position in its data: what checkpoints save of it (``PositionPart``), and where it
+resumes from the positions a checkpoint saved.
 
 The same trainer count on the same data resumes exactly: position, epoch, LSTM state. A different
 count re-divides the data, so there is no exact position for a new share; each trainer starts its
@@ -8,7 +9,11 @@ run in near lockstep), with fresh LSTM state. No RPC here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from services.checkpoint.parts import PausedPart
+from services.control import StepPause
+from services.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -58,3 +63,21 @@ def move_to(loop: Any, point: ResumePoint) -> None:
     loop.stream.position, loop.stream.epoch = point.position, point.epoch
     if point.hidden is not None and tuple(point.hidden[0].shape) == tuple(loop.hidden[0].shape):
         loop.hidden = (point.hidden[0], point.hidden[1])
+
+
+class PositionPart(PausedPart):
+    """A trainer's position in cluster checkpoints: held at a step boundary while the servers copy
+    their shards, then saved by the coordinator."""
+
+    def __init__(self, name: str, pause: StepPause, position: Callable[[], dict[str, Any]]) -> None:
+        self.name, self._pause, self._position = name, pause, position
+
+    def pause(self, timeout: float) -> None:
+        if not self._pause.hold(timeout):
+            raise CheckpointError(f"{self.name} did not reach a step boundary in {timeout:.0f}s")
+
+    def resume(self) -> None:
+        self._pause.release()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._position()

@@ -2,7 +2,7 @@
 
 Threads: the role thread (``run``) joins and trains (``trainer/lm/episodes.py``); the sidecar thread
 calls the control methods, which only post requests under ``_lock`` and read the status board; the
-checkpoint coordinator's RPCs hold training at a step boundary (``StepPause``).
+checkpoint coordinator's RPCs hold training at a step boundary (``PositionPart``).
 """
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import threading
 from typing import Any, Optional
 
 from ps.stub import PsClient
-from services import checkpointing
-from services.checkpointing import Coordinator, PausableParticipant
+from services.checkpoint.coordinator import Coordinator
 from services.config import TrainerConfig
 from services.control import EpisodeGate, EpisodeStart, StepPause
-from services.errors import BadRequest, CheckpointError, NotReady, PeerUnavailable
+from services.errors import BadRequest, PeerUnavailable
 from services.lifecycle import RoleState
 from services.membership import current_members
 from services.names import parse_name, ps_names
@@ -25,14 +24,14 @@ from trainer.lm.data import BatchStream, Corpus, trainer_share
 from trainer.lm.episodes import EpisodeRunner
 from trainer.lm.loop import TrainLoop
 from trainer.lm.model import DistributedLM
-from trainer.lm.position import move_to, position_of, resume_point
+from trainer.lm.position import PositionPart, move_to, position_of, resume_point
 
 log = logging.getLogger(__name__)
 
 REPORT_TIMEOUT = 5.0   # leaving the position with ps0 on the way out; a stop must stay bounded
 
 
-class TrainerRole(RoleBase, PausableParticipant):
+class TrainerRole(RoleBase):
     role = "trainer"
 
     def __init__(self, cfg: TrainerConfig, ctx: RoleContext) -> None:
@@ -59,24 +58,10 @@ class TrainerRole(RoleBase, PausableParticipant):
         return {"stopping": True, "at_step": self._episodes.steps if self._episodes else 0}
 
     def checkpoint(self) -> dict[str, Any]:
-        self._require_joined()
-        return checkpointing.ask_coordinator(Coordinator.take)
+        return self._ask_coordinator(Coordinator.take)
 
     def list_checkpoints(self) -> list[dict[str, Any]]:
-        self._require_joined()
-        return checkpointing.ask_coordinator(Coordinator.listing, timeout=30)
-
-    # --- checkpoint participant (called by the coordinator on ps0) ----------------------------------------
-    def ckpt_pause(self, checkpoint_id: str, timeout: float) -> dict[str, Any]:
-        """Hold training at the next step boundary and describe where this trainer is."""
-        if self._episodes is None:
-            raise NotReady("not training yet")
-        if not self.pause.hold(timeout):
-            raise CheckpointError(f"{self.cfg.name} did not reach a step boundary in {timeout:.0f}s")
-        return self._position()
-
-    def ckpt_resume(self, checkpoint_id: str) -> None:
-        self.pause.release()
+        return self._ask_coordinator(Coordinator.listing, timeout=30)
 
     def _position(self) -> dict[str, Any]:
         episodes = self._episodes
@@ -84,10 +69,10 @@ class TrainerRole(RoleBase, PausableParticipant):
 
     def _restore_position(self, loop: TrainLoop) -> int:
         """Move ``loop`` to where the cluster's checkpoint left this trainer; the steps it had taken."""
-        saved = checkpointing.ask_coordinator(Coordinator.trainer_states, timeout=60)
+        saved = self._ask_coordinator(Coordinator.positions, timeout=60)
         if saved is None:
             return 0
-        point, why = resume_point(saved["trainers"], self.cfg.name, self.cfg.num_trainers, self._data,
+        point, why = resume_point(saved["states"], self.cfg.name, self.cfg.num_trainers, self._data,
                                   loop.stream.data.size(0))
         if point is None:
             log.warning("%s: starting this share from its beginning: %s", saved["checkpoint"], why)
@@ -123,6 +108,7 @@ class TrainerRole(RoleBase, PausableParticipant):
         with self._lock:
             self._episodes = EpisodeRunner(loop, cfg, self.board, self.metrics, self.gate, self.pause, self._wake,
                                            heldout, self._heartbeat, steps)
+        self.checkpoints.add(PositionPart(cfg.name, self.pause, self._position))
         self.metrics.up.set(1)
         self.board.update(step=steps, episode=None, episodes_completed=0, members=current_members(),
                           model=client.model.model_dump(), data=corpus.description)
@@ -136,7 +122,7 @@ class TrainerRole(RoleBase, PausableParticipant):
     def close(self) -> None:
         self.metrics.up.set(0)
         self.board.set_state(RoleState.STOPPING, "stopping")
-        withdraw(self)           # no checkpoint may hold it any more
+        withdraw(self.checkpoints)    # no checkpoint may hold it any more
         self._report_position()
         self._leave()
 
@@ -147,6 +133,6 @@ class TrainerRole(RoleBase, PausableParticipant):
                 return
             position = self._position()
         try:
-            checkpointing.ask_coordinator(Coordinator.trainer_left, position, timeout=REPORT_TIMEOUT)
+            self._ask_coordinator(Coordinator.left, self.cfg.name, position, timeout=REPORT_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - ps0 may be gone already; stopping goes on
             log.warning("could not leave my position with ps0: %s", exc)

@@ -7,6 +7,7 @@ and complete their episodes; the sidecar thread calls the control methods. Share
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -15,25 +16,27 @@ from typing import Any, Optional
 
 import torch
 
-from services.checkpoint import CheckpointInfo
-from services.checkpointing import counted, take_final
+from services.checkpoint.coordinator import CheckpointPlan, Coordinator
+from services.checkpoint.parts import restore_newest
+from services.checkpoint.periodic import take_final
+from services.checkpoint.store import CheckpointInfo
 from services.config import AgentConfig
 from services.control import EpisodeGate, EpisodeStart
-from services.errors import BadRequest, CheckpointError, CheckpointInProgress
+from services.errors import BadRequest, CheckpointError, CheckpointInProgress, NotReady
 from services.lifecycle import RoleState
 from services.membership import current_members, reachable
 from services.names import parse_name
+from services.remote import serve, withdraw
 from services.role import RoleBase, RoleContext
 from trainer.rl.batching import ActionBatcher
 from trainer.rl.env import threshold
 from trainer.rl.episodes import Episode
-from trainer.rl.policy import EpisodeResult, Learner, LearnerConfig, solved
+from trainer.rl.policy import EpisodeResult, Learner, LearnerConfig, LearnerPart, solved
 from trainer.rl.service import AgentService, EpisodeReport
 from trainer.rl.stubs import ObserverClient
 
 log = logging.getLogger(__name__)
 
-AGENT_FILE = "agent.pt"
 FINAL_CHECKPOINT_SECONDS = 5.0
 STOP_WAIT = 5.0          # how long a stopping agent waits for the episode in flight
 HISTORY = 200            # episodes kept in /status for progress readers (rpcps up prints each one)
@@ -56,8 +59,7 @@ class AgentRole(RoleBase, AgentService):
         self._batches = 0
         self._episode: Optional[Episode] = None     # the episode in flight
         self._reachable: set[str] = set()
-        self._ckpt_lock = threading.Lock()
-        self._latest: Optional[CheckpointInfo] = None
+        self.coordinator: Optional[Coordinator] = None   # checkpoints of this cluster of one, once joined
         self._env_steps = 0
         self._lost_total = 0                        # observers lost mid-episode since start
         self._solved = False                        # any batch of this process passed the threshold
@@ -78,13 +80,11 @@ class AgentRole(RoleBase, AgentService):
         return {"stopping": True, "after_episode": self.learner.episodes + 1}
 
     def checkpoint(self) -> dict[str, Any]:
-        if not self._ckpt_lock.acquire(blocking=False):
-            raise CheckpointInProgress("a checkpoint is being taken; ask again when it has finished")
-        try:
-            with counted(self.metrics):
-                return self._checkpoint()
-        finally:
-            self._ckpt_lock.release()
+        if self.coordinator is None:
+            raise NotReady("not joined yet")
+        result = self.coordinator.take()
+        self.board.update(last_checkpoint={k: result[k] for k in ("id", "step", "path")})
+        return result
 
     def list_checkpoints(self) -> list[dict[str, Any]]:
         return [c.describe() for c in self.store.list()]
@@ -117,11 +117,15 @@ class AgentRole(RoleBase, AgentService):
         self.gate.close()
 
     def run(self) -> None:
-        self._restore()
+        resumed = self._restore()
         self._publish()
         self.board.update(env=self.cfg.env, batched=self.cfg.batched, threshold=self.threshold, solved=False,
                           observers_lost=0, env_steps=0, batch=None)
+        self.checkpoints.add(LearnerPart(self.learner))
         self._join("joining the RPC group")
+        self.coordinator = Coordinator(self.store, self._plan(), self.cfg.keep_checkpoints, local=self.checkpoints,
+                                       metrics=self.metrics, resumed=resumed)
+        serve(self.coordinator)
         self.membership.add_listener(self._member_gone)
         self.metrics.up.set(1)
         self.board.set_state(RoleState.IDLE, "waiting for an episode request")
@@ -137,6 +141,8 @@ class AgentRole(RoleBase, AgentService):
         self.board.set_state(RoleState.STOPPING, "stopping")
         self._final_checkpoint()
         self._leave()
+        if self.coordinator is not None:
+            withdraw(self.coordinator)
 
     # --- episodes ------------------------------------------------------------------------------------
     def _run_batch(self, request: EpisodeStart) -> None:
@@ -273,52 +279,40 @@ class AgentRole(RoleBase, AgentService):
             episode.lose(name, "removed from the group")
 
     # --- checkpoints ---------------------------------------------------------------------------------
-    def _restore(self) -> None:
-        if self.cfg.resume_from:
-            info = self.store.resolve(self.cfg.resume_from)   # the user asked for this one: errors are fatal
-        elif self.cfg.resume:
-            info = self.store.latest_valid()
-        else:
-            return
-        if info is None:
-            log.info("no valid checkpoint in %s; starting fresh", self.store.root)
-            return
-        if AGENT_FILE not in info.files:
-            raise CheckpointError(f"{info.id} in {self.store.root} is not an RL agent checkpoint (it has "
-                                  f"{sorted(info.files)}); use another --checkpoint-dir or --no-resume")
-        try:
-            self.learner.load(self.store.load_file(info, AGENT_FILE))
-        except (KeyError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"{info.id}: cannot load the agent from it: {exc}") from None
-        self._latest = info
-        self.board.update(resumed_from={"id": info.id, "step": info.step, "path": str(info.path)})
-        log.info("resuming from %s: episode %d, running reward %.1f", info.id, self.learner.episodes,
-                 self.learner.running_reward)
+    def _restore(self) -> Optional[CheckpointInfo]:
+        """The learner from the newest valid checkpoint in this agent's folder (or a fresh one)."""
+        def files(info: CheckpointInfo) -> list[str]:
+            if LearnerPart.FILE not in info.files:
+                raise CheckpointError(f"{info.id} in {self.store.root} is not an RL agent checkpoint (it has "
+                                      f"{sorted(info.files)}); use another --checkpoint-dir or --no-resume")
+            return [LearnerPart.FILE]
+
+        def load(states: Optional[list[dict[str, Any]]]) -> None:
+            if states is None:
+                return
+            try:
+                self.learner.load(states[0])
+            except (KeyError, ValueError, RuntimeError) as exc:
+                raise CheckpointError(f"cannot load the agent from the checkpoint: {exc}") from None
+
+        info, _ = restore_newest(self.store, self.cfg.resume, self.cfg.resume_from, files, load)
+        if info is not None:
+            self.board.update(resumed_from={"id": info.id, "step": info.step, "path": str(info.path)})
+            log.info("resuming from %s: episode %d, running reward %.1f", info.id, self.learner.episodes,
+                     self.learner.running_reward)
+        return info
+
+    def _plan(self) -> CheckpointPlan:
+        cfg = self.cfg
+        return CheckpointPlan(holders=(LearnerPart.name,), meta={
+            "workload": "rl", "env": cfg.env,
+            "policy": {"hidden": cfg.hidden, "dropout": cfg.dropout, "lr": cfg.lr, "gamma": cfg.gamma, "seed": cfg.seed}})
 
     def _publish(self) -> None:
         """The learner's numbers on the board and metrics (after a restore, before any episode)."""
         self.board.update(episode=self.learner.episodes, last_reward=self.learner.last_reward,
                           running_reward=self.learner.running_reward)
         self.metrics.rl_running_reward.set(self.learner.running_reward)
-
-    def _checkpoint(self) -> dict[str, Any]:
-        state = self.learner.state()
-        step = int(state["episodes"])
-        latest = self._latest
-        if latest is not None and latest.step == step and latest.path.exists():
-            return {**latest.describe(), "new": False}
-        self.store.prepare(step)
-        entry = self.store.write_file(step, AGENT_FILE, state)
-        meta = {"workload": "rl", "env": self.cfg.env, "running_reward": state["running_reward"],
-                "policy": {"hidden": self.cfg.hidden, "dropout": self.cfg.dropout, "lr": self.cfg.lr,
-                           "gamma": self.cfg.gamma, "seed": self.cfg.seed}}
-        info = self.store.commit(step, [entry], meta)
-        self._latest = info
-        removed = self.store.prune(self.cfg.keep_checkpoints)
-        log.info("checkpoint %s (episode %d, running reward %.1f)%s", info.id, step, state["running_reward"],
-                 f"; removed {[p.name for p in removed]}" if removed else "")
-        self.board.update(last_checkpoint={"id": info.id, "step": info.step, "path": str(info.path)})
-        return {**info.describe(), "new": True}
 
     def _checkpoint_quietly(self) -> None:
         try:
@@ -329,6 +323,7 @@ class AgentRole(RoleBase, AgentService):
             log.exception("periodic checkpoint failed")
 
     def _final_checkpoint(self) -> None:
-        if self.learner.episodes == (self._latest.step if self._latest else 0):
+        if self.coordinator is None or (self.coordinator.latest is None and self.learner.episodes == 0):
             return
-        take_final(self.checkpoint, FINAL_CHECKPOINT_SECONDS)
+        take_final(functools.partial(self.coordinator.take_unless_saved, self.learner.episodes),
+                   FINAL_CHECKPOINT_SECONDS)

@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from services.checkpoint.coordinator import Coordinator
 from services.config import ObserverConfig
 from services.errors import EpisodeConflict
 from services.lifecycle import RoleState
@@ -17,6 +18,8 @@ from trainer.rl.service import EpisodeReport, ObserverService
 from trainer.rl.stubs import AgentClient
 
 log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT = 120.0   # a checkpoint asked for through an observer
 
 
 class ObserverRole(RoleBase, WithoutEpisodes, ObserverService):
@@ -36,12 +39,10 @@ class ObserverRole(RoleBase, WithoutEpisodes, ObserverService):
         self.metrics.init_rl()
 
     def checkpoint(self) -> dict[str, Any]:
-        self._require_joined()
-        return self.agent.checkpoint()
+        return self._ask_coordinator(Coordinator.take, timeout=CONTROL_TIMEOUT)
 
     def list_checkpoints(self) -> list[dict[str, Any]]:
-        self._require_joined()
-        return self.agent.list_checkpoints()
+        return self._ask_coordinator(Coordinator.listing, timeout=CONTROL_TIMEOUT)
 
     # --- served over RPC -----------------------------------------------------------------------------
     def _run_episode(self, episode: int, batched: bool, max_steps: Optional[int]) -> EpisodeReport:

@@ -20,6 +20,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from services.checkpoint.parts import SnapshotPart
+
 OBS_DIM, ACTIONS = 4, 2           # CartPole-v1
 RUNNING_DECAY = 0.05              # running reward = 0.05 * this episode + 0.95 * before (as the seed)
 
@@ -171,6 +173,25 @@ class Learner:
                 self._generators[name] = torch.Generator()
                 self._generators[name].set_state(g_state)
             self._episode = {}
+
+
+class LearnerPart(SnapshotPart):
+    """The agent's learner in its checkpoints (a cluster of one: the agent holds all there is)."""
+
+    name = "agent"
+    FILE = "agent.pt"
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.learner.state()
+
+    def step(self, state: dict[str, Any]) -> int:
+        return int(state["episodes"])
+
+    def describe(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {"running_reward": state["running_reward"]}
 
 
 def _inverse_cdf(probs: list[float], u: float) -> int:

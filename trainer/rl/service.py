@@ -5,7 +5,6 @@ Agent (RPC name ``agent``):
   ``act(observer, state) -> action``             batched: answered when every observer's state is in
   ``select_action(observer, state) -> action``   the seed's way: one forward pass for this observer
   ``report_reward(observer, reward)``            the seed's way: one call per environment step
-  ``checkpoint()``, ``list_checkpoints()``       for an observer's sidecar
 Observer (``observer<N>``):
   ``run_episode(episode, batched, max_steps) -> EpisodeReport``
 
@@ -18,7 +17,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -55,14 +54,6 @@ class AgentService(Service, abc.ABC):
         if not math.isfinite(reward):
             raise BadRequest(f"reward must be a finite number, got {reward!r}")
         self._report_reward(check_observer(observer), reward)
-
-    @remote
-    @abc.abstractmethod
-    def checkpoint(self) -> dict[str, Any]: ...
-
-    @remote
-    @abc.abstractmethod
-    def list_checkpoints(self) -> list[dict[str, Any]]: ...
 
     @abc.abstractmethod
     def _act(self, observer: str, state: list[float]) -> torch.futures.Future: ...

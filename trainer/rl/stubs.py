@@ -1,14 +1,12 @@
 """The RL workload's stubs: how an observer calls the agent and the agent its observers."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from services.remote import call, call_async
 from trainer.rl.service import AGENT, AgentService, ObserverService
-
-CONTROL_TIMEOUT = 120.0   # a checkpoint asked for through an observer
 
 
 class AgentClient:
@@ -25,12 +23,6 @@ class AgentClient:
 
     def report_reward(self, reward: float) -> None:
         call(AGENT, AgentService.report_reward, self.me, reward, timeout=self.timeout)
-
-    def checkpoint(self) -> dict[str, Any]:
-        return call(AGENT, AgentService.checkpoint, timeout=CONTROL_TIMEOUT)
-
-    def list_checkpoints(self) -> list[dict[str, Any]]:
-        return call(AGENT, AgentService.list_checkpoints, timeout=CONTROL_TIMEOUT)
 
 
 class ObserverClient:

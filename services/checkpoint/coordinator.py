@@ -1,0 +1,259 @@
+"""Consistent cluster checkpoints: the protocol and the layout, in one place.
+
+The leader (ps0; the RL agent, a cluster of one) coordinates. One checkpoint, over the members
+its ``CheckpointPlan`` names (their ``CheckpointMember`` services, ``member.py``):
+
+0. every holder prepares buffers for its copy (allocating memory is the slow part of copying it);
+1. every member of the paused role (the trainers) is held at its next step boundary and answers
+   its position;
+2. every holder copies its snapshot parts (parameters, optimizer state, step) at that quiet instant;
+3. the paused members go on: training stops only for steps 1-3;
+4. every holder writes its copies, the coordinator writes the positions, and the manifest is written
+   last (``store.py``), so a crash at any moment leaves the previous checkpoint the newest valid one.
+
+Any sidecar's ``POST /checkpoint`` ends up in ``Coordinator.take`` on the leader.
+
+Where the files go: each holder writes into its own checkpoint folder. When that is one folder
+shared by all (``rpcps up``, one compose volume), a step's folder holds every file and one
+manifest. When each has a volume of its own (a Kubernetes StatefulSet's ``volumeClaimTemplates``),
+a holder finds no marker of the leader's in its folder, so it writes a manifest of its own beside
+its files, and the leader's manifest records them under ``meta.elsewhere``. The leader's manifest
+is written last either way: it is what makes a step the cluster's checkpoint.
+
+Which checkpoint a cluster resumes is the leader's choice alone: it announces the one it restored
+(and each one it commits) in the rendezvous store, and every other holder restores exactly that
+one, so parts of different steps never mix (``follow_leader``).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+from services.checkpoint.member import OWN_MANIFEST_KEY, CheckpointMember, marker
+from services.checkpoint.store import CheckpointInfo, CheckpointStore, FileEntry
+from services.errors import CheckpointError, CheckpointInProgress, NotReady
+from services.membership import current_members
+from services.names import parse_name
+from services.remote import Service, call, remote
+
+log = logging.getLogger(__name__)
+
+PAUSE_TIMEOUT = 60.0       # a trainer reaches a step boundary well within this
+TAKE_TIMEOUT = 600.0       # a whole checkpoint, as seen by a member that asked the leader for one
+CLUSTER_CHECKPOINT_KEY = "rpcps/checkpoint"   # in the rendezvous store: the cluster's checkpoint id, or ""
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Who takes part in the cluster's checkpoints, and what every manifest says of the cluster."""
+
+    holders: tuple[str, ...]          # members whose snapshot parts every checkpoint needs
+    paused_role: Optional[str] = None  # present members of this role are held, and their positions saved
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def announce(store: Any, info: Optional[CheckpointInfo]) -> None:
+    """The leader: publish the checkpoint the cluster stands on (in the rendezvous store) for holders that start later."""
+    store.set(CLUSTER_CHECKPOINT_KEY, info.id if info is not None else "")
+
+
+def follow_leader(store: Any, timeout: float) -> Optional[str]:
+    """A holder other than the leader: the checkpoint the leader restored or committed last (None: it started fresh)."""
+    store.wait([CLUSTER_CHECKPOINT_KEY], datetime.timedelta(seconds=timeout))
+    ref = store.get(CLUSTER_CHECKPOINT_KEY).decode()
+    return ref or None
+
+
+def ask_coordinator(leader: str, method: Callable[..., Any], *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
+    """From any member: run ``method`` (one of ``Coordinator``'s) on the leader's coordinator."""
+    return call(leader, method, *args, timeout=timeout)
+
+
+class Coordinator(Service):
+    def __init__(self, store: CheckpointStore, plan: CheckpointPlan, keep: int, local: CheckpointMember,
+                 metrics: Any, resumed: Optional[CheckpointInfo] = None,
+                 on_commit: Callable[[CheckpointInfo], None] = lambda info: None,
+                 members: Callable[[], list[str]] = current_members,
+                 transport: Callable[..., Any] = call) -> None:
+        """``local``: the leader's own member, called directly. ``members`` lists the group and
+        ``transport`` calls the others (``services.remote.call``; a unit test passes in-process ones)."""
+        self.store, self.plan, self.keep = store, plan, keep
+        self._local, self._metrics, self._on_commit = local, metrics, on_commit
+        self._members, self._transport = members, transport
+        self._lock = threading.Lock()       # one checkpoint at a time
+        self.latest = resumed
+        self._departed: dict[str, dict[str, Any]] = {}   # paused member -> its position when it stopped
+        self._departed_lock = threading.Lock()
+
+    # --- asked over RPC or HTTP ----------------------------------------------------------------------
+    @remote
+    def take(self) -> dict[str, Any]:
+        if not self._lock.acquire(blocking=False):
+            raise CheckpointInProgress("a checkpoint is being taken; ask again when it has finished")
+        try:
+            with counted(self._metrics):
+                return self._take()
+        finally:
+            self._lock.release()
+
+    @remote
+    def take_unless_saved(self, step: int) -> dict[str, Any]:
+        """A stopping holder's final checkpoint: none when the newest already holds ``step`` (its
+        state has not moved since), which spares copying every part for nothing."""
+        latest = self.latest
+        if latest is not None and latest.step >= step:
+            return {**latest.describe(), "new": False}
+        return self.take()
+
+    @remote
+    def listing(self) -> list[dict[str, Any]]:
+        return [c.describe() for c in self.store.list()]
+
+    @remote
+    def positions(self) -> Optional[dict[str, Any]]:
+        """The paused members' states in the newest checkpoint this cluster knows,
+        ``{"checkpoint": id, "states": [...]}`` (each member works out its own from them)."""
+        info = self.latest
+        if info is None:
+            return None
+        names = [n for n in sorted(info.files) if self._is_position(n)]
+        return {"checkpoint": info.id, "states": [self.store.load_file(info, n) for n in names]}
+
+    @remote
+    def left(self, name: str, state: dict) -> None:
+        """A paused member stopping says where it was, so checkpoints taken after it left (the final
+        one of `docker compose down`, which stops trainers first) still carry its position."""
+        if not self._is_position(f"{name}.pt"):
+            raise CheckpointError(f"{name} is not a member whose position checkpoints keep")
+        with self._departed_lock:
+            self._departed[name] = state
+
+    def _is_position(self, file_name: str) -> bool:
+        stem = file_name[:-3] if file_name.endswith(".pt") else ""
+        try:
+            return self.plan.paused_role is not None and parse_name(stem).role == self.plan.paused_role
+        except ValueError:
+            return False
+
+    # --- the protocol ----------------------------------------------------------------------------------
+    def _call(self, member: str, method: Callable[..., Any], *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
+        if member == self._local.name:
+            return getattr(self._local, method.__name__)(*args)
+        return self._transport(member, method, *args, timeout=timeout)
+
+    def _on_all(self, members: list[str], method: Callable[..., Any], *args: Any,
+                timeout: float = TAKE_TIMEOUT) -> dict[str, Any]:
+        with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+            futures = {m: pool.submit(self._call, m, method, *args, timeout=timeout) for m in members}
+            return {m: f.result() for m, f in futures.items()}
+
+    def _take(self) -> dict[str, Any]:
+        members = self._members()
+        holders = list(self.plan.holders)
+        missing = sorted(set(holders) - set(members))
+        if missing:
+            raise NotReady(f"cannot checkpoint without {', '.join(missing)}")
+        paused = [m for m in members if self.plan.paused_role and parse_name(m).role == self.plan.paused_role]
+        checkpoint_id = uuid.uuid4().hex
+        committed = False
+        try:
+            result = self._take_with(checkpoint_id, holders, paused)
+            committed = True
+            return result
+        finally:
+            self._on_all(holders, CheckpointMember.discard, checkpoint_id, committed, self.keep)
+
+    def _take_with(self, checkpoint_id: str, holders: list[str], paused: list[str]) -> dict[str, Any]:
+        self._on_all(holders, CheckpointMember.prepare, checkpoint_id)
+        started = time.monotonic()
+        positions: dict[str, dict] = {}
+        held: list[str] = []
+        try:
+            for name, result in self._pause(paused, checkpoint_id).items():
+                if isinstance(result, Exception):
+                    log.warning("checkpoint without %s: %s", name, result)
+                else:
+                    held.append(name)
+                    positions.update(result)
+            snapshots = self._on_all(holders, CheckpointMember.snapshot, checkpoint_id)
+        finally:
+            if held:
+                self._on_all(held, CheckpointMember.resume, checkpoint_id)
+            pause_seconds = time.monotonic() - started
+        steps = {m: s["step"] for m, s in snapshots.items()}
+        # Equal, unless a holder was restarted alone from an older checkpoint: the cluster's step is
+        # the furthest any holder has come.
+        step = max(steps.values())
+        if len(set(steps.values())) != 1:
+            log.warning("holders report different steps %s (one was restarted alone); checkpoint at %d", steps, step)
+        if self.latest is not None and self.latest.step == step and self.latest.path.exists():
+            return {**self.latest.describe(), "pause_seconds": pause_seconds, "new": False}
+        meta = dict(self.plan.meta)
+        for s in snapshots.values():
+            meta.update(s["meta"])
+        entries, elsewhere = self._write(checkpoint_id, step, holders, meta)
+        with self._departed_lock:
+            positions = {**{n: s for n, s in self._departed.items() if n not in positions}, **positions}
+        for name, state in positions.items():
+            entries.append(self.store.write_file(step, f"{name}.pt", state))
+        meta = {**meta, "positions": sorted(positions), "pause_seconds": pause_seconds}
+        if elsewhere:
+            meta["elsewhere"] = elsewhere
+        info = self.store.commit(step, entries, meta)
+        self.latest = info
+        self._on_commit(info)
+        removed = self.store.prune(self.keep)
+        log.info("checkpoint %s: %d files, %.1f MB, training paused %.3fs%s", info.id, len(info.files),
+                 info.size / 1e6, pause_seconds, f"; removed {[p.name for p in removed]}" if removed else "")
+        return {**info.describe(), "pause_seconds": pause_seconds, "new": True}
+
+    def _write(self, checkpoint_id: str, step: int, holders: list[str],
+               meta: dict[str, Any]) -> tuple[list[FileEntry], dict[str, dict]]:
+        """Every holder's files: those in the leader's folder, and those under manifests of their own."""
+        folder = self.store.prepare(step)
+        (folder / marker(checkpoint_id)).touch()
+        entries: list[FileEntry] = []
+        elsewhere: dict[str, dict] = {}
+        for holder, written in self._on_all(holders, CheckpointMember.write, checkpoint_id, step, meta).items():
+            for entry, shared in written:
+                if shared:
+                    entries.append(entry)
+                else:                         # on that holder's own volume, under its own manifest
+                    elsewhere[entry.name] = {**entry.to_json(), OWN_MANIFEST_KEY: holder}
+        (folder / marker(checkpoint_id)).unlink()
+        return entries, elsewhere
+
+    def _pause(self, members: list[str], checkpoint_id: str) -> dict[str, Any]:
+        """Hold every paused member; one that cannot be held (gone) is reported, not fatal."""
+        out: dict[str, Any] = {}
+        with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+            futures = {m: pool.submit(self._call, m, CheckpointMember.pause, checkpoint_id, PAUSE_TIMEOUT,
+                                      timeout=PAUSE_TIMEOUT + 10)
+                       for m in members}
+            for m, f in futures.items():
+                try:
+                    out[m] = f.result()
+                except Exception as exc:  # noqa: BLE001 - a dead trainer must not block the checkpoint
+                    out[m] = exc
+        return out
+
+
+@contextlib.contextmanager
+def counted(metrics: Any) -> Iterator[None]:
+    """Count a checkpoint attempt in the leader's metrics: its time when it succeeds, a failure
+    when it fails (an overlapping request's 409 is neither)."""
+    try:
+        yield
+    except CheckpointInProgress:
+        raise
+    except Exception:
+        metrics.checkpoint_failures.inc()
+        raise
+    metrics.checkpoint_last_success.set(time.time())

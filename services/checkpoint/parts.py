@@ -1,0 +1,99 @@
+"""What a process offers cluster checkpoints: parts of its state, in torch's ``state_dict`` manner.
+
+A part is named by its file in a checkpoint (``{name}.pt``). Two kinds take part differently:
+
+* ``SnapshotPart``: big state, copied at the checkpoint's instant and written by its own process
+  into its own checkpoint folder (a server's shard, the RL agent's learner). Its state fixes the
+  checkpoint's step. ``prepare`` runs before anything is held, to allocate what the copy goes into.
+* ``PausedPart``: small state of a loop that is held at a step boundary while the snapshots are
+  taken (a trainer's position in its data); its state travels to the coordinator, which writes it.
+
+How they are driven, and where the files go, is ``member.py``'s and ``coordinator.py``'s alone.
+``restore_newest`` is the one walk back through a folder's checkpoints to the newest valid one.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional, TypeVar
+
+from services.checkpoint.store import CheckpointInfo, CheckpointStore
+from services.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Part(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """This part's state: private copies, taken at one instant."""
+
+
+class SnapshotPart(Part):
+    def prepare(self) -> None:
+        """Before the trainers are held: allocate (and touch) what ``state_dict`` copies into."""
+
+    @abc.abstractmethod
+    def step(self, state: dict[str, Any]) -> int:
+        """The step ``state`` is at: the checkpoint's step is the furthest of its snapshots'."""
+
+    def describe(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What the manifest's ``meta`` should say of ``state`` besides the coordinator's own."""
+        return {}
+
+
+class PausedPart(Part):
+    @abc.abstractmethod
+    def pause(self, timeout: float) -> None:
+        """Hold at the next step boundary, or ``CheckpointError`` after ``timeout`` (and no hold)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Go on."""
+
+
+def restore_newest(store: CheckpointStore, resume: bool, resume_from: Optional[str],
+                   files: Callable[[CheckpointInfo], list[str]],
+                   build: Callable[[Optional[list[dict[str, Any]]]], T]) -> tuple[Optional[CheckpointInfo], T]:
+    """``build`` from the newest valid checkpoint in ``store`` (or fresh: ``build(None)``).
+
+    ``files(info)`` names the files to build from (or raises ``CheckpointError``: that checkpoint
+    can never serve, which is fatal); ``build`` gets them loaded, in that order. Their checksums are
+    verified (chunks on every core) while ``build`` runs: hashing releases the GIL, and the
+    mmap-loaded files are read only as they are touched. A checkpoint that fails verification is
+    skipped, with a log line, for the next older one. One named by ``resume_from`` that fails is an
+    error: the user asked for that one.
+    """
+    if resume_from:
+        candidates = [store.resolve(resume_from, verify=False)]   # verified below, with the build
+    elif resume:
+        candidates = store.list()
+    else:
+        return None, build(None)
+    for info in candidates:
+        names = files(info)
+        with ThreadPoolExecutor(max_workers=1) as check:
+            verified = check.submit(store.verify, info, names)
+            built, failure = None, None
+            try:
+                built = build([store.load_file(info, n) for n in names])
+            except Exception as exc:  # noqa: BLE001 - a corrupt file may fail to load; verification decides
+                failure = exc
+            try:
+                verified.result()
+            except CheckpointError as exc:
+                if resume_from:
+                    raise
+                log.warning("skipping %s: %s", info.id, exc)
+                continue
+        if failure is not None:
+            raise failure
+        log.info("resuming from %s (step %d)", info.id, info.step)
+        return info, built
+    log.info("no valid checkpoint in %s; starting fresh", store.root)
+    return None, build(None)
