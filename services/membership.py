@@ -25,9 +25,9 @@ from typing import Any, Callable, Optional
 
 import torch.distributed.rpc as rpc
 
-from services.remote import call, remote, serve, withdraw
+from services.remote import Service, call, remote, serve, withdraw
 from services.config import LeaderConfig
-from services.errors import JoinRefused
+from services.errors import JoinRefused, NotSupported
 from services.names import leader_of
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ JOIN_QUEUE = "rpcps/join_queue"
 RANK_COUNTER = "rpcps/next_rank"
 MAX_RANK = 32767  # torch's worker-id limit; ranks are never reused, so this bounds joins per store life
 JOIN_SETTLE = 5.0  # seconds a just-joined member may take to answer probes before it counts as dead
+TOKEN_STUCK_AFTER = 15.0  # seconds one holder may keep the group's membership token
 _TOKEN = "RpcGroupManagementToken"
 _MEMBERS_KEY = "names/_ALL_WORKER_INFOS"
 
@@ -67,26 +68,68 @@ def reachable(name: str, timeout: float = 5.0) -> bool:
         raise
 
 
-class Membership:
-    """Every member has one; only the leader's runs the watchdog."""
+class ProbeLedger:
+    """The leader's record of its members' liveness: when it first saw each (its join), and each
+    one's failed probes in a row. Pure: the leader feeds it probe results and asks who is dead."""
+
+    def __init__(self, failures: int, settle: float = JOIN_SETTLE, clock: Callable[[], float] = time.monotonic) -> None:
+        self.failures, self.settle, self._clock = failures, settle, clock
+        self._misses: dict[str, int] = {}
+        self._first_seen: dict[str, float] = {}
+
+    def seen(self, names: list[str]) -> None:
+        now = self._clock()
+        for n in names:
+            self._first_seen.setdefault(n, now)
+
+    def after_round(self, results: dict[str, bool]) -> set[str]:
+        """Record one probe round; the members that have now missed ``failures`` in a row."""
+        for n, ok in results.items():
+            self._misses[n] = 0 if ok else self._misses.get(n, 0) + 1
+        for n in [n for n in self._misses if n not in results]:
+            del self._misses[n]
+        return {n for n, misses in self._misses.items() if misses >= self.failures}
+
+    def settled(self, unreachable: set[str], deadline: float) -> set[str]:
+        """Of members that did not answer before a join, those to evict now: a member that joined
+        a moment ago may still be inside ``init_rpc``, so it gets ``settle`` seconds (or until
+        ``deadline``) before it counts as dead."""
+        now = self._clock()
+        return {n for n in unreachable if now - self._first_seen.get(n, now) >= self.settle or now >= deadline}
+
+    def forget(self, name: str) -> None:
+        """``name`` is gone: a later member of that name is a new one."""
+        self._misses.pop(name, None)
+        self._first_seen.pop(name, None)
+
+
+class TokenWatch:
+    """Who holds the group's membership token, and since when. One holder keeping it past
+    ``stuck_after`` seconds is a joiner that died holding it: it would block every later join and
+    leave, so the leader forces it free."""
+
+    def __init__(self, stuck_after: float = TOKEN_STUCK_AFTER, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stuck_after, self._clock = stuck_after, clock
+        self._holder, self._since = "", 0.0
+
+    def stuck(self, holder: str) -> bool:
+        now = self._clock()
+        if holder != self._holder:
+            self._holder, self._since = holder, now
+            return False
+        return bool(holder) and now - self._since > self.stuck_after
+
+
+class Membership(Service):
+    """Every member has one; the leader's also leads (``GroupLeader``)."""
 
     def __init__(self, me: str, *, probe_interval: float = 1.0, probe_failures: int = 2,
                  on_evicted: Optional[Callable[[], None]] = None) -> None:
         self.me = me
         self.is_leader = me == leader_of(me)
-        self._probe_interval = probe_interval
-        self._probe_failures = probe_failures
-        self._on_evicted = on_evicted
         self._listeners: list[Callable[[str], None]] = []
         self._listeners_lock = threading.Lock()
-        self._op_lock = threading.Lock()  # one removal at a time (watchdog vs. leave requests)
-        self._misses: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._store: Any = None  # the leader's plain client of the rendezvous store
-        self._token_seen: tuple[str, float] = ("", 0.0)
-        self.token_stuck_after = 15.0
-        self._first_seen: dict[str, float] = {}  # when the leader first saw each member (its join)
+        self.leader = GroupLeader(me, probe_interval, probe_failures, self._notify, on_evicted) if self.is_leader else None
 
     @classmethod
     def for_role(cls, cfg: Any, on_evicted: Optional[Callable[[], None]] = None) -> "Membership":
@@ -95,14 +138,10 @@ class Membership:
                   if isinstance(cfg, LeaderConfig) else {})
         return cls(cfg.name, on_evicted=on_evicted, **probes)
 
-    # --- every member -------------------------------------------------------------------------
     def add_listener(self, fn: Callable[[str], None]) -> None:
         """``fn(name)`` runs whenever a member is removed from this process's view."""
         with self._listeners_lock:
             self._listeners.append(fn)
-
-    def members(self) -> list[str]:
-        return current_members()
 
     @remote
     def forget(self, worker_info: Any) -> None:
@@ -111,6 +150,13 @@ class Membership:
         if worker_info.name in {w.name for w in agent.get_worker_infos()}:
             agent._update_group_membership(worker_info, [], {}, False)
         self._notify(worker_info.name)
+
+    @remote
+    def leave(self, name: str) -> None:
+        """Run on the leader when ``name`` leaves voluntarily."""
+        if self.leader is None:
+            raise NotSupported(f"{self.me} does not lead the group; ask {leader_of(self.me)}")
+        self.leader.remove({name}, reason="left")
 
     def _notify(self, name: str) -> None:
         with self._listeners_lock:
@@ -127,14 +173,31 @@ class Membership:
     def uninstall(self) -> None:
         withdraw(self)
 
-    @remote
-    def leave(self, name: str) -> None:
-        """Run on the leader when ``name`` leaves voluntarily."""
-        self.remove({name}, reason="left")
-
-    # --- leader ---------------------------------------------------------------------------------
     def start_leader(self, store: Any) -> None:
-        assert self.is_leader
+        assert self.leader is not None, f"{self.me} is no leader"
+        self.leader.start(store)
+
+    def stop(self) -> None:
+        if self.leader is not None:
+            self.leader.stop()
+
+
+class GroupLeader:
+    """The leader's watchdog: answers join requests, probes members, evicts the dead, frees a stuck token."""
+
+    def __init__(self, me: str, probe_interval: float, probe_failures: int, notify: Callable[[str], None],
+                 on_evicted: Optional[Callable[[], None]]) -> None:
+        self.me = me
+        self._probe_interval = probe_interval
+        self._notify, self._on_evicted = notify, on_evicted
+        self._ledger = ProbeLedger(probe_failures)
+        self._token = TokenWatch()
+        self._op_lock = threading.Lock()  # one removal at a time (watchdog vs. leave requests)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._store: Any = None  # the leader's plain client of the rendezvous store
+
+    def start(self, store: Any) -> None:
         self._store = store
         self._thread = threading.Thread(target=self._watch, name="membership", daemon=True)
         self._thread.start()
@@ -151,7 +214,9 @@ class Membership:
                 self._answer_joins()
                 if time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + self._probe_interval
-                    self._probe_round()
+                    dead = self._ledger.after_round(probe(self._others()))
+                    if dead:
+                        self.remove(dead, reason=f"missed {self._ledger.failures} liveness probes")
                     self._repair_token()
             except Exception:  # the watchdog must survive any single failure
                 if self._stop.is_set():
@@ -168,17 +233,14 @@ class Membership:
             self._store.set(approval_key(rank), answer)
 
     def _admit(self, name: str) -> str:
-        # A join contacts every member; make sure each one answers first. A member that joined a
-        # moment ago may not answer yet (it is still inside init_rpc): give it time to settle
-        # instead of evicting it.
+        # A join contacts every member; make sure each one answers first.
         deadline = time.monotonic() + JOIN_SETTLE
         while True:
-            dead = {n for n, ok in self._probe(self._others()).items() if not ok}
-            now = time.monotonic()
-            settled = {n for n in dead if now - self._first_seen.get(n, now) >= JOIN_SETTLE or now >= deadline}
+            unreachable = {n for n, ok in probe(self._others()).items() if not ok}
+            settled = self._ledger.settled(unreachable, deadline)
             if settled:
                 self.remove(settled, reason="unreachable before a join")
-            if not dead - settled:
+            if not unreachable - settled:
                 break
             self._stop.wait(0.1)
         if name in self._others():
@@ -187,57 +249,14 @@ class Membership:
 
     def _others(self) -> list[str]:
         names = [n for n in current_members() if n != self.me]
-        now = time.monotonic()
-        for n in names:
-            self._first_seen.setdefault(n, now)
+        self._ledger.seen(names)
         return names
 
-    def _probe(self, names: list[str], timeout: float = 2.0) -> dict[str, bool]:
-        futs = {}
-        for n in names:
-            try:
-                futs[n] = rpc.rpc_async(n, noop, timeout=timeout)
-            except Exception:
-                futs[n] = None
-        result = {}
-        for n, f in futs.items():
-            try:
-                if f is None:
-                    raise RuntimeError("send failed")
-                f.wait()
-                result[n] = True
-            except Exception:
-                result[n] = False
-        return result
-
-    def _probe_round(self) -> None:
-        results = self._probe(self._others())
-        dead = set()
-        for n, ok in results.items():
-            self._misses[n] = 0 if ok else self._misses.get(n, 0) + 1
-            if self._misses[n] >= self._probe_failures:
-                dead.add(n)
-        for n in list(self._misses):
-            if n not in results:
-                del self._misses[n]
-        if dead:
-            self.remove(dead, reason=f"missed {self._probe_failures} liveness probes")
-
     def _repair_token(self) -> None:
-        """A joiner that died holding the group token would block every later join and leave."""
         store = rpc._get_current_rpc_agent().store
         holder = store.get(_TOKEN).decode()  # exists since the leader's own join
-        if not holder:
-            self._token_seen = ("", 0.0)
-            return
-        seen, since = self._token_seen
-        if seen != holder:
-            self._token_seen = (holder, time.monotonic())
-        elif time.monotonic() - since > self.token_stuck_after:
-            log.warning("membership token held by %r for %.0fs; forcing it free", holder, self.token_stuck_after)
-            store.set(holder, "Done")
-            store.compare_set(_TOKEN, holder, "")
-            self._token_seen = ("", 0.0)
+        if self._token.stuck(holder):
+            _force_free(store, holder, self._token.stuck_after)
 
     def remove(self, names: set[str], reason: str) -> None:
         """Take the group token, drop ``names`` (and any half-joined leftovers) from the store's
@@ -247,7 +266,7 @@ class Membership:
             store = agent.store
             infos = {w.name: w for w in agent.get_worker_infos()}
             mine = f"Token_for_{self.me}_evict"
-            self._acquire_token(store, mine)
+            _acquire_token(store, mine)
             try:
                 listed = [e for e in store.get(_MEMBERS_KEY).decode().split(",") if e]
                 # An entry the leader never heard of, while we hold the token, is a joiner that died
@@ -268,8 +287,7 @@ class Membership:
                 store.set(_TOKEN, "")
                 store.set(mine, "Done")
             for info in gone:
-                self._misses.pop(info.name, None)
-                self._first_seen.pop(info.name, None)  # a later member with this name is new
+                self._ledger.forget(info.name)
                 log.info("removed %s from the group (%s)", info.name, reason)
                 self._notify(info.name)
                 if reason != "left" and self._on_evicted is not None:
@@ -278,18 +296,44 @@ class Membership:
                 if e.rsplit("-", 1)[0] not in infos:
                     log.warning("dropped half-joined member %s from the store", e)
 
-    def _acquire_token(self, store: Any, mine: str, stuck_after: float = 15.0) -> None:
-        holder_since: dict[str, float] = {}
-        while True:
-            cur = store.compare_set(_TOKEN, "", mine).decode()
-            if cur == mine:
-                return
-            first = holder_since.setdefault(cur, time.monotonic())
-            if time.monotonic() - first > stuck_after:
-                log.warning("membership token held by %r for %.0fs; forcing it free", cur, stuck_after)
-                store.set(cur, "Done")
-                store.compare_set(_TOKEN, cur, "")
-            time.sleep(0.05)
+
+def probe(names: list[str], timeout: float = 2.0) -> dict[str, bool]:
+    """Whether each member answers a no-op RPC within ``timeout`` (all asked at once)."""
+    futs = {}
+    for n in names:
+        try:
+            futs[n] = rpc.rpc_async(n, noop, timeout=timeout)
+        except Exception:
+            futs[n] = None
+    result = {}
+    for n, f in futs.items():
+        try:
+            if f is None:
+                raise RuntimeError("send failed")
+            f.wait()
+            result[n] = True
+        except Exception:
+            result[n] = False
+    return result
+
+
+def _acquire_token(store: Any, mine: str) -> None:
+    """Take the group's membership token. Bounded: a holder that keeps it past the watch's limit is
+    forced free, so the wait ends within about that long."""
+    watch = TokenWatch()
+    while True:
+        holder = store.compare_set(_TOKEN, "", mine).decode()
+        if holder == mine:
+            return
+        if watch.stuck(holder):
+            _force_free(store, holder, watch.stuck_after)
+        time.sleep(0.05)  # noqa: sleep-ok (polling the store, bounded by the forced release)
+
+
+def _force_free(store: Any, holder: str, seconds: float) -> None:
+    log.warning("membership token held by %r for %.0fs; forcing it free", holder, seconds)
+    store.set(holder, "Done")
+    store.compare_set(_TOKEN, holder, "")
 
 
 def request_leave(me: str, timeout: float = 5.0) -> None:

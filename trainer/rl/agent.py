@@ -1,6 +1,6 @@
 """The RL agent role: holds the policy, runs episodes on the observers, learns after each one.
 
-Threads: the role thread (``run``) runs batches of episodes on request; RPC threads answer the
+Threads: the role thread (``run``) runs batches of episodes on request (``trainer/rl/episodes.py``); RPC threads answer the
 observers' action requests (``act``, batched, or the seed's ``select_action``/``report_reward``)
 and complete their episodes; the sidecar thread calls the control methods. Shared state is under
 ``_lock``; the learner and the batcher have their own locks and are never called with ``_lock`` held.
@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
-from collections import deque
 from typing import Any, Optional
 
 import torch
@@ -24,22 +22,18 @@ from services.config import AgentConfig
 from services.control import EpisodeGate, EpisodeStart
 from services.errors import BadRequest, CheckpointError, CheckpointInProgress, NotReady
 from services.lifecycle import RoleState
-from services.membership import current_members, reachable
-from services.names import parse_name
 from services.remote import serve, withdraw
 from services.role import RoleBase, RoleContext
 from trainer.rl.batching import ActionBatcher
 from trainer.rl.env import threshold
-from trainer.rl.episodes import Episode
-from trainer.rl.policy import EpisodeResult, Learner, LearnerConfig, LearnerPart, solved
-from trainer.rl.service import AgentService, EpisodeReport
+from trainer.rl.episodes import EpisodePlayer
+from trainer.rl.policy import Learner, LearnerConfig, LearnerPart, solved
+from trainer.rl.service import AgentService
 from trainer.rl.stubs import ObserverClient
 
 log = logging.getLogger(__name__)
 
 FINAL_CHECKPOINT_SECONDS = 5.0
-STOP_WAIT = 5.0          # how long a stopping agent waits for the episode in flight
-HISTORY = 200            # episodes kept in /status for progress readers (rpcps up prints each one)
 
 
 class AgentRole(RoleBase, AgentService):
@@ -50,21 +44,16 @@ class AgentRole(RoleBase, AgentService):
         self.cfg = cfg
         self.learner = Learner(LearnerConfig(cfg.hidden, cfg.dropout, cfg.lr, cfg.gamma, cfg.seed))
         self.batcher = ActionBatcher(self._act_batch)
-        self.observers = ObserverClient(cfg.rpc_timeout)
         self.threshold = threshold(cfg.env)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         # A request runs a batch of episodes: N of them, or until solved.
         self.gate = EpisodeGate(self._wake, "agent", EpisodeStart(episodes=cfg.episodes) if cfg.start else None)
-        self._batches = 0
-        self._episode: Optional[Episode] = None     # the episode in flight
-        self._reachable: set[str] = set()
+        self.player = EpisodePlayer(cfg, self.learner, self.batcher, ObserverClient(cfg.rpc_timeout), self.board,
+                                    self.metrics, self.gate, self._wake)
         self.coordinator: Optional[Coordinator] = None   # checkpoints of this cluster of one, once joined
-        self._env_steps = 0
-        self._lost_total = 0                        # observers lost mid-episode since start
+        self._batches = 0
         self._solved = False                        # any batch of this process passed the threshold
-        self._played = 0                            # episodes played by this process
-        self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.metrics.init_rl()
 
     # --- Controllable ------------------------------------------------------------------------------
@@ -103,9 +92,7 @@ class AgentRole(RoleBase, AgentService):
         self.learner.reward(observer, [reward])
 
     def _check_playing(self, observer: str) -> None:
-        with self._lock:
-            episode = self._episode
-        if episode is None or not episode.playing(observer):
+        if not self.player.playing(observer):
             raise BadRequest(f"{observer} is not taking part in the current episode")
 
     def _act_batch(self, requests: list[tuple[str, list[float]]]) -> list[int]:
@@ -126,7 +113,7 @@ class AgentRole(RoleBase, AgentService):
         self.coordinator = Coordinator(self.store, self._plan(), self.cfg.keep_checkpoints, local=self.checkpoints,
                                        metrics=self.metrics, resumed=resumed)
         serve(self.coordinator)
-        self.membership.add_listener(self._member_gone)
+        self.membership.add_listener(self.player.member_gone)
         self.metrics.up.set(1)
         self.board.set_state(RoleState.IDLE, "waiting for an episode request")
         while True:
@@ -155,10 +142,10 @@ class AgentRole(RoleBase, AgentService):
                 with self._lock:
                     if self.gate.stop_requested:
                         break
-                observers = self._wait_for_observers()
+                observers = self.player.wait_for_observers()
                 if observers is None:
                     break
-                result = self._play(observers)
+                result = self.player.play(observers)
                 if result is None:
                     continue
                 batch["done"] += 1
@@ -179,106 +166,6 @@ class AgentRole(RoleBase, AgentService):
             self.board.set_state(RoleState.IDLE, "solved; waiting for an episode request" if batch["solved"]
                                  else "waiting for an episode request")
 
-    def _wait_for_observers(self) -> Optional[list[str]]:
-        while True:
-            members = current_members()
-            observers = [m for m in members if parse_name(m).role == "observer"]
-            # A member is listed a moment before it can be called (services.membership.reachable).
-            with self._lock:
-                known = set(self._reachable)
-            fresh = {o for o in observers if o not in known and self._answers(o)}
-            with self._lock:
-                self._reachable |= fresh
-                ready = [o for o in observers if o in self._reachable]
-            need = self.cfg.min_observers if self._played == 0 else 1
-            if len(ready) >= need:
-                return ready
-            self.board.update(members=members)
-            self.board.set_state(RoleState.RUNNING, f"waiting for observers ({len(ready)} of {need})")
-            with self._lock:
-                if self.gate.stop_requested:
-                    return None
-                self._wake.wait(0.5)
-
-    @staticmethod
-    def _answers(observer: str) -> bool:
-        try:
-            return reachable(observer, timeout=2.0)
-        except Exception as exc:  # noqa: BLE001 - a dead observer still listed: the watchdog evicts it
-            log.info("%s does not answer yet: %s", observer, str(exc).splitlines()[0])
-            return False
-
-    def _play(self, observers: list[str]) -> Optional[EpisodeResult]:
-        """One episode on ``observers``, then learn from it; None when no observer finished it."""
-        episode = Episode(self.learner.episodes + 1, observers, self.learner,
-                          self.batcher if self.cfg.batched else None, self._wake, self._observer_lost)
-        with self._lock:
-            self._episode = episode
-        self.board.set_state(RoleState.RUNNING, f"episode {episode.number} with {len(observers)} observers")
-        started = time.perf_counter()
-        for o in observers:
-            try:
-                fut = self.observers.run_episode(o, episode.number, self.cfg.batched, self.cfg.max_steps)
-            except Exception as exc:  # noqa: BLE001 - e.g. evicted a moment ago: the others play on
-                episode.lose(o, str(exc).splitlines()[0])
-                continue
-            fut.add_done_callback(lambda f, o=o: self._reported(episode, o, f))
-        episode.wait(lambda: self.gate.closing, current_members, STOP_WAIT)
-        seconds = time.perf_counter() - started
-        result = self.learner.finish_episode()
-        steps = sum(r.steps for r in episode.reports.values())
-        self._env_steps += steps
-        self.metrics.env_steps.inc(steps)
-        if result is None:
-            log.warning("episode %d: no observer finished it (lost: %s)", episode.number,
-                        ", ".join(episode.lost) or "none")
-            return None
-        self._played += 1
-        self._publish_episode(result, episode, steps / seconds if seconds > 0 else 0.0)
-        return result
-
-    def _publish_episode(self, result: EpisodeResult, episode: Episode, rate: float) -> None:
-        reports, lost = episode.reports, episode.lost
-        steps = sum(r.steps for r in reports.values())
-        self._history.append({"episode": result.episode, "reward": result.reward,
-                              "running_reward": result.running_reward, "observers": len(reports),
-                              "env_steps": steps, "steps_per_s": rate, "lost": lost})
-        self.metrics.episodes.inc()
-        self.metrics.rl_reward.set(result.reward)
-        self.metrics.rl_running_reward.set(result.running_reward)
-        self.metrics.rl_steps_per_second.set(rate)
-        with self._lock:
-            lost_total = self._lost_total
-        self.board.update(episode=result.episode, last_reward=result.reward, running_reward=result.running_reward,
-                          rewards=result.rewards, steps_per_s=rate, env_steps=self._env_steps,
-                          observers=sorted(reports), members=current_members(), history=list(self._history),
-                          observers_lost=lost_total, last_lost=lost or None)
-        log.info("episode %d | reward %.1f | running reward %.1f | %d observers | %.0f steps/s%s", result.episode,
-                 result.reward, result.running_reward, len(reports), rate,
-                 f" | lost {', '.join(lost)}" if lost else "")
-
-    def _reported(self, episode: Episode, observer: str, fut: torch.futures.Future) -> None:
-        try:
-            report: EpisodeReport = fut.value()
-        except Exception as exc:  # noqa: BLE001 - an observer's failure ends only its part of the episode
-            episode.lose(observer, str(exc).splitlines()[0])
-            return
-        episode.finish(observer, report)
-
-    def _observer_lost(self, observer: str, why: str) -> None:
-        with self._lock:
-            self._lost_total += 1
-        log.warning("lost %s in the middle of an episode: %s", observer, why)
-        self.metrics.rl_observers_lost.inc()
-
-    def _member_gone(self, name: str) -> None:
-        with self._lock:
-            self._reachable.discard(name)
-            episode = self._episode
-        if episode is not None:
-            episode.lose(name, "removed from the group")
-
-    # --- checkpoints ---------------------------------------------------------------------------------
     def _restore(self) -> Optional[CheckpointInfo]:
         """The learner from the newest valid checkpoint in this agent's folder (or a fresh one)."""
         def files(info: CheckpointInfo) -> list[str]:

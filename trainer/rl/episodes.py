@@ -1,16 +1,37 @@
-"""The bookkeeping of one RL episode on the observers: who still plays, whose report is in, who
-was lost. RPC callbacks (an observer's report or failure), the membership listener and the agent's
-role thread all touch it, under the agent's condition variable, which also wakes the role thread
-when the episode is over or a stop comes. No RPC here."""
+"""The agent's episodes on its observers.
+
+``EpisodePlayer`` plays one episode after another: it waits for observers that answer, starts the
+episode on each, waits for it to end, learns from it, and publishes the result. ``Episode`` is
+the bookkeeping of one episode: who still plays, whose report is in, who was lost. RPC callbacks
+(an observer's report or failure), the membership listener and the agent's role thread all touch
+them, under the agent's condition variable, which also wakes the role thread when the episode is
+over or a stop comes.
+"""
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Callable, Optional
+from collections import deque
+from typing import Any, Callable, Optional
 
+import torch
+
+from services.control import EpisodeGate
+from services.lifecycle import RoleState, StatusBoard
+from services.membership import current_members, reachable
+from services.metrics import Metrics
+from services.names import parse_name
 from trainer.rl.batching import ActionBatcher
-from trainer.rl.policy import Learner
+from services.config import AgentConfig
+from trainer.rl.policy import EpisodeResult, Learner
 from trainer.rl.service import EpisodeReport
+from trainer.rl.stubs import ObserverClient
+
+log = logging.getLogger(__name__)
+
+STOP_WAIT = 5.0          # how long a stopping agent waits for the episode in flight
+HISTORY = 200            # episodes kept in /status for progress readers (rpcps up prints each one)
 
 
 class Episode:
@@ -80,3 +101,122 @@ class Episode:
                     self.lose(o, "the agent is stopping and waited long enough")
             for o in sorted(playing - set(members())):
                 self.lose(o, "no longer a member")
+
+
+class EpisodePlayer:
+    def __init__(self, cfg: AgentConfig, learner: Learner, batcher: ActionBatcher, observers: ObserverClient,
+                 board: StatusBoard, metrics: Metrics, gate: EpisodeGate, wake: threading.Condition) -> None:
+        self.cfg, self.learner, self.batcher, self.observers = cfg, learner, batcher, observers
+        self.board, self.metrics, self.gate, self._wake = board, metrics, gate, wake
+        self._episode: Optional[Episode] = None     # the episode in flight
+        self._reachable: set[str] = set()
+        self._env_steps = 0
+        self._lost_total = 0                        # observers lost mid-episode since start
+        self._played = 0                            # episodes played by this process
+        self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+
+    def playing(self, observer: str) -> bool:
+        with self._wake:
+            episode = self._episode
+        return episode is not None and episode.playing(observer)
+
+    def wait_for_observers(self) -> Optional[list[str]]:
+        while True:
+            members = current_members()
+            observers = [m for m in members if parse_name(m).role == "observer"]
+            # A member is listed a moment before it can be called (services.membership.reachable).
+            with self._wake:
+                known = set(self._reachable)
+            fresh = {o for o in observers if o not in known and self._answers(o)}
+            with self._wake:
+                self._reachable |= fresh
+                ready = [o for o in observers if o in self._reachable]
+            need = self.cfg.min_observers if self._played == 0 else 1
+            if len(ready) >= need:
+                return ready
+            self.board.update(members=members)
+            self.board.set_state(RoleState.RUNNING, f"waiting for observers ({len(ready)} of {need})")
+            with self._wake:
+                if self.gate.stop_requested:
+                    return None
+                self._wake.wait(0.5)
+
+    @staticmethod
+    def _answers(observer: str) -> bool:
+        try:
+            return reachable(observer, timeout=2.0)
+        except Exception as exc:  # noqa: BLE001 - a dead observer still listed: the watchdog evicts it
+            log.info("%s does not answer yet: %s", observer, str(exc).splitlines()[0])
+            return False
+
+    def play(self, observers: list[str]) -> Optional[EpisodeResult]:
+        """One episode on ``observers``, then learn from it; None when no observer finished it."""
+        episode = Episode(self.learner.episodes + 1, observers, self.learner,
+                          self.batcher if self.cfg.batched else None, self._wake, self._observer_lost)
+        with self._wake:
+            self._episode = episode
+        self.board.set_state(RoleState.RUNNING, f"episode {episode.number} with {len(observers)} observers")
+        started = time.perf_counter()
+        for o in observers:
+            try:
+                fut = self.observers.run_episode(o, episode.number, self.cfg.batched, self.cfg.max_steps)
+            except Exception as exc:  # noqa: BLE001 - e.g. evicted a moment ago: the others play on
+                episode.lose(o, str(exc).splitlines()[0])
+                continue
+            fut.add_done_callback(lambda f, o=o: self._reported(episode, o, f))
+        episode.wait(lambda: self.gate.closing, current_members, STOP_WAIT)
+        seconds = time.perf_counter() - started
+        result = self.learner.finish_episode()
+        steps = sum(r.steps for r in episode.reports.values())
+        self._env_steps += steps
+        self.metrics.env_steps.inc(steps)
+        if result is None:
+            log.warning("episode %d: no observer finished it (lost: %s)", episode.number,
+                        ", ".join(episode.lost) or "none")
+            return None
+        self._played += 1
+        self._publish_episode(result, episode, steps / seconds if seconds > 0 else 0.0)
+        return result
+
+    def _publish_episode(self, result: EpisodeResult, episode: Episode, rate: float) -> None:
+        reports, lost = episode.reports, episode.lost
+        steps = sum(r.steps for r in reports.values())
+        self._history.append({"episode": result.episode, "reward": result.reward,
+                              "running_reward": result.running_reward, "observers": len(reports),
+                              "env_steps": steps, "steps_per_s": rate, "lost": lost})
+        self.metrics.episodes.inc()
+        self.metrics.rl_reward.set(result.reward)
+        self.metrics.rl_running_reward.set(result.running_reward)
+        self.metrics.rl_steps_per_second.set(rate)
+        with self._wake:
+            lost_total = self._lost_total
+        self.board.update(episode=result.episode, last_reward=result.reward, running_reward=result.running_reward,
+                          rewards=result.rewards, steps_per_s=rate, env_steps=self._env_steps,
+                          observers=sorted(reports), members=current_members(), history=list(self._history),
+                          observers_lost=lost_total, last_lost=lost or None)
+        log.info("episode %d | reward %.1f | running reward %.1f | %d observers | %.0f steps/s%s", result.episode,
+                 result.reward, result.running_reward, len(reports), rate,
+                 f" | lost {', '.join(lost)}" if lost else "")
+
+    def _reported(self, episode: Episode, observer: str, fut: torch.futures.Future) -> None:
+        try:
+            report: EpisodeReport = fut.value()
+        except Exception as exc:  # noqa: BLE001 - an observer's failure ends only its part of the episode
+            episode.lose(observer, str(exc).splitlines()[0])
+            return
+        episode.finish(observer, report)
+
+    def _observer_lost(self, observer: str, why: str) -> None:
+        with self._wake:
+            self._lost_total += 1
+        log.warning("lost %s in the middle of an episode: %s", observer, why)
+        self.metrics.rl_observers_lost.inc()
+
+    def member_gone(self, name: str) -> None:
+        with self._wake:
+            self._reachable.discard(name)
+            episode = self._episode
+        if episode is not None:
+            episode.lose(name, "removed from the group")
+
+    # --- checkpoints ---------------------------------------------------------------------------------
