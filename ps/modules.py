@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from services.config import ModelConfig
+from ps.config import ModelConfig
 
 
 def _generator(cfg: ModelConfig, tag: str) -> torch.Generator:

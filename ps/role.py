@@ -12,10 +12,10 @@ from services.checkpoint.coordinator import CheckpointPlan, Coordinator, announc
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.periodic import Periodic, take_final
 from services.checkpoint.store import CheckpointInfo
-from services.config import ModelConfig, PsConfig
+from ps.config import ModelConfig, PsConfig, ps_names
 from services.errors import CheckpointError
 from services.lifecycle import RoleState
-from services.names import parse_name, ps_names
+from services.names import parse_name
 from services.remote import remote_methods, serve, withdraw
 from services.role import RoleBase, RoleContext, WithoutEpisodes
 from trainer.lm.data import vocab_size

@@ -20,7 +20,7 @@ from ps.modules import DecoderShard, EmbeddingShard, init_decoder, init_embeddin
 from ps.optim import SharedOptimizer, grad_sq_norm
 from ps.sharding import ShardPlan
 from ps.state import export_shard, gather_shard
-from services.config import ModelConfig
+from ps.config import ModelConfig
 from services.errors import BadRequest
 from services.metrics import Metrics
 from services.remote import Service, local, remote

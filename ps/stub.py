@@ -17,7 +17,7 @@ from ps.messages import ShardInfo
 from ps.modules import combine_partials
 from ps.service import ParameterServer, ServerOptimizer
 from ps.sharding import ShardPlan
-from services.config import ModelConfig
+from ps.config import ModelConfig
 from services.errors import PeerUnavailable
 from services.remote import call_async, wait
 

@@ -1,6 +1,7 @@
 """``rpcps up``: start a cluster as local processes, report its progress, supervise, stop it cleanly.
 
-What to start and how to read its progress is the workload's (``services/workloads.py``). Roles run
+What to start and how to read its progress is the workload's (its ``Launch``, found through
+``services/workload.py``); its settings join the launcher's own in ``UpConfig``. Roles run
 as ``python -m services.cli <role>`` in their own sessions (so a terminal's Ctrl-C reaches only the
 launcher, which then stops the workers first and the leader, the store host, last). A member other
 than the leader that dies is restarted, at a bounded rate (a server reloads its shard from the
@@ -20,11 +21,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, ClassVar, Literal, Optional
+
+from pydantic import Field, SecretStr, create_model, model_validator
+from pydantic.fields import FieldInfo
 
 from services.client import SidecarClient
-from services.config import UpConfig
-from services.workloads import LmWorkload, RlWorkload, flags, make_workload
+from services.config import ConfigBase, flag_name
+from services.lifecycle import RoleStatus
+from services.names import parse_name
+from services.workload import Launch, roles, workloads
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +38,86 @@ STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
 STATUS_POLL = 1.0  # seconds between status polls of the watched roles
 FINAL_CHECKPOINT_TIMEOUT = 30.0
 _COMMON_FLAGS = ("threads", "log_level", "sidecar_host", "rpc_transport")
+
+
+class LauncherConfig(ConfigBase):
+    """``rpcps up``: the launcher's own settings, whatever the workload."""
+
+    workload: str = Field("lm", description="which workload to run: "
+                          "lm (parameter servers and trainers), rl (the agent and its observers)")
+    as_json: bool = Field(False, description="print JSON lines instead of human progress",
+                          json_schema_extra={"flag": "--json", "env": "RPCPS_JSON"})
+    threads: int = Field(1, ge=1, description="torch threads per process")
+    rpc_transport: Literal["uv", "shm"] = Field("uv", description="TensorPipe transport of every role")
+    master_addr: str = Field("127.0.0.1", description="address of the rendezvous store (the leader: ps0 or the agent)")
+    master_port: int = Field(0, ge=0, le=65535, description="rendezvous port (0: a free port)")
+    sidecar_host: str = Field("127.0.0.1", description="address the sidecars bind")
+    sidecar_port: int = Field(0, ge=0, le=65535, description="first sidecar port, one per role in order (0: free ports)")
+    progress_interval: float = Field(5.0, gt=0, description="seconds between progress lines")
+    max_restarts: int = Field(3, ge=0, description="trainer restarts allowed within --restart-window")
+    restart_window: float = Field(60.0, gt=0, description="seconds over which restarts are counted")
+    ready_timeout: float = Field(180.0, gt=0, description="seconds for every role to become ready")
+    state_dir: Path = Field(Path(".rpcps"), description="where role logs and cluster.json go")
+    resume: bool = Field(True, description="resume from the newest valid checkpoint (--no-resume: start fresh)")
+    resume_from: Optional[str] = Field(None, description="resume from this checkpoint (step-N or its path)")
+    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
+    final_checkpoint: bool = Field(True, description="take a checkpoint when stopping")
+    checkpoint_dir: Optional[Path] = Field(None, description="folder of the checkpoints (default: the workload's, "
+                                                            "checkpoints or checkpoints/rl)")
+    control_token: Optional[SecretStr] = Field(None, description="bearer token for the sidecars' POST routes")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of every role")
+
+    # Set on the composed ``UpConfig``: each workload's own settings, by name.
+    workload_settings: ClassVar[dict[str, type[ConfigBase]]] = {}
+
+    @model_validator(mode="after")
+    def _check(self) -> "LauncherConfig":
+        settings = type(self).workload_settings
+        if self.workload not in settings:
+            raise ValueError(f"--workload: unknown workload {self.workload!r}; one of {', '.join(settings)}")
+        # A setting of another workload would be silently ignored: refuse it instead.
+        mine = set(settings[self.workload].model_fields) | set(LauncherConfig.model_fields)
+        wrong = sorted(self.model_fields_set - mine)
+        if wrong:
+            names = ", ".join(flag_name(f, type(self).model_fields[f]) for f in wrong)
+            raise ValueError(f"{names}: not a setting of --workload {self.workload}")
+        return self
+
+    def settings(self) -> ConfigBase:
+        """The chosen workload's settings: those given, its defaults for the rest."""
+        model = type(self).workload_settings[self.workload]
+        return model.model_validate({f: getattr(self, f) for f in self.model_fields_set if f in model.model_fields})
+
+    def restoring_flags(self) -> list[str]:
+        """How the leader (and the servers) should restore and keep checkpoints."""
+        out = ["--resume" if self.resume else "--no-resume", "--keep-checkpoints", str(self.keep_checkpoints)]
+        return out + (["--resume-from", self.resume_from] if self.resume_from else [])
+
+
+def compose_up_config() -> type[LauncherConfig]:
+    """``LauncherConfig`` with every registered workload's settings as fields (one flag each, as
+    `rpcps up --help` lists them): a field two workloads share takes each one's default from it."""
+    settings = {name: spec.up for name, spec in workloads().items()}
+    declared: dict[str, list[tuple[str, FieldInfo]]] = {}
+    for name, model in settings.items():
+        for setting, info in model.model_fields.items():
+            declared.setdefault(setting, []).append((name, info))
+    fields: dict[str, Any] = {}
+    for setting, where in declared.items():
+        first = where[0][1]
+        if len(where) == 1:
+            about = f"{where[0][0]}: {first.description}"
+        else:
+            about = "; ".join(f"{name}: {info.description} (default {info.default})" for name, info in where)
+        fields[setting] = (Optional[first.annotation], FieldInfo.merge_field_infos(first, default=None, description=about))
+    workload = LauncherConfig.model_fields["workload"]
+    fields["workload"] = (Literal[tuple(settings)], FieldInfo.merge_field_infos(workload))   # its choices on the command line
+    composed = create_model("UpConfig", __base__=LauncherConfig, **fields)
+    composed.workload_settings = settings
+    return composed
+
+
+UpConfig = compose_up_config()
 
 
 def free_port() -> int:
@@ -51,14 +137,14 @@ class Member:
     restarts: deque = field(default_factory=deque)
 
 
-def emitter(as_json: bool, out=sys.stdout) -> Callable[[dict], None]:
+def emitter(as_json: bool, workload: Optional[Launch] = None, out=sys.stdout) -> Callable[[dict], None]:
     def emit(event: dict) -> None:
-        out.write((json.dumps(event) if as_json else _human(event)) + "\n")
+        out.write((json.dumps(event) if as_json else _human(event, workload)) + "\n")
         out.flush()
     return emit
 
 
-def _human(e: dict) -> str:
+def _human(e: dict, workload: Optional[Launch]) -> str:
     kind = e["event"]
     if kind == "started":
         return "started " + ", ".join(f"{n} {u}" for n, u in e["sidecars"].items())
@@ -68,15 +154,18 @@ def _human(e: dict) -> str:
         return f"checkpoint {e['id']} (step {e['step']}) in {e['path']}"
     if kind == "error":
         return f"error: {e['message']}"
-    text = (RlWorkload if "episode" in e or "solved" in e else LmWorkload).human(e)
+    text = workload.human(e) if workload is not None else None
     return text if text is not None else " ".join(f"{k}={v}" for k, v in e.items())
 
 
 class Launcher:
-    def __init__(self, cfg: UpConfig, emit: Callable[[dict], None]) -> None:
-        self.cfg, self.emit = cfg, emit
-        self.workload = make_workload(cfg)
-        self.checkpoint_dir = cfg.checkpoint_dir or self.workload.checkpoint_dir
+    def __init__(self, cfg: LauncherConfig, emit: Optional[Callable[[dict], None]] = None) -> None:
+        spec = workloads()[cfg.workload]
+        self.cfg = cfg
+        self.workload: Launch = spec.launcher(cfg, cfg.settings())
+        self.leader = spec.leader
+        self.emit = emit or emitter(cfg.as_json, self.workload)
+        self.checkpoint_dir = cfg.checkpoint_dir or Path(spec.checkpoint_dir)
         self._stop = threading.Event()
         self.members: list[Member] = []
         self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
@@ -202,8 +291,9 @@ class Launcher:
             except Exception:
                 pass  # restarting or gone: keep the last answer
 
-    def _watched_status(self) -> dict[str, dict]:
-        return {m.name: self._last_status.get(m.name, {}) for m in self._watched()}
+    def _watched_status(self) -> dict[str, RoleStatus]:
+        return {m.name: roles()[parse_name(m.name).role].status.model_validate(self._last_status.get(m.name, {}))
+                for m in self._watched()}
 
     def _summary(self) -> dict:
         return self.workload.summary(self._watched_status(), sum(len(m.restarts) for m in self.members))
@@ -211,7 +301,7 @@ class Launcher:
     def _final_checkpoint(self) -> None:
         """Once the workers have stopped (their final positions are with the leader), before the
         servers stop: the last state of everything, in one checkpoint."""
-        leader = next(m for m in self.members if m.name == self.workload.leader)
+        leader = next(m for m in self.members if m.name == self.leader)
         try:
             with SidecarClient(leader.url, token=self._token, timeout=FINAL_CHECKPOINT_TIMEOUT) as c:
                 result = c.checkpoint()
@@ -270,3 +360,13 @@ def stop_in_waves(waves: list[list[tuple[str, subprocess.Popen]]], timeout: floa
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def flags(settings: ConfigBase, fields: tuple[str, ...]) -> list[str]:
+    """The role flags that pass on ``settings``' values of ``fields`` (those that are set)."""
+    out: list[str] = []
+    for f in fields:
+        v: Any = getattr(settings, f)
+        if v is not None:
+            out += [flag_name(f), str(v)]
+    return out

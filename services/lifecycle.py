@@ -8,7 +8,9 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict
 
 
 class RoleState(str, enum.Enum):
@@ -23,10 +25,29 @@ class RoleState(str, enum.Enum):
 READY_STATES = {RoleState.IDLE, RoleState.RUNNING}
 
 
+class RoleStatus(BaseModel):
+    """What every role's /status holds; each role's schema adds its own fields (``RoleSpec.status``).
+    Every field has a default, so a status not yet read is the empty one."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: str = ""
+    name: str = ""
+    state: str = "unknown"
+    reason: str = ""
+    members: Optional[list[str]] = None
+    resumed_from: Optional[dict[str, Any]] = None
+    last_checkpoint: Optional[dict[str, Any]] = None
+
+    def line(self) -> list[str]:
+        """The columns `rpcps status` prints after the name, the role and the state."""
+        return [self.reason]
+
+
 class StatusBoard:
-    def __init__(self, role: str, name: str) -> None:
+    def __init__(self, role: str, name: str, schema: type[RoleStatus] = RoleStatus) -> None:
         self._lock = threading.Lock()
         self._role, self._name = role, name
+        self._known = set(schema.model_fields) - {"role", "name", "state", "reason"}
         self._state = RoleState.STARTING
         self._reason = "starting"
         self._fields: dict[str, Any] = {}
@@ -43,6 +64,9 @@ class StatusBoard:
             return self._state
 
     def update(self, **fields: Any) -> None:
+        unknown = fields.keys() - self._known
+        if unknown:  # a key the role's schema lacks: readers would never see it
+            raise KeyError(f"{self._role} status has no field {', '.join(sorted(unknown))}")
         with self._lock:
             self._fields.update(fields)
             self._beat = time.monotonic()

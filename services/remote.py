@@ -20,7 +20,7 @@ and an IDE lead from every call to the code that serves it. On the callee, ``_in
   which is a bug on this side, as ``InternalError`` with its traceback in this process's log.
 
 Only this module calls ``rpc_async``; membership's bootstrap (``services/membership.py``) and the
-seed baseline (``services/bench/seed.py``) are the only other raw RPC users.
+seed baseline (``trainer/lm/bench_seed.py``) are the only other raw RPC users.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from services.checkpoint.coordinator import TAKE_TIMEOUT, ask_coordinator
 from services.checkpoint.member import CheckpointMember
 from services.checkpoint.store import CheckpointStore
 from services.errors import NotReady, NotSupported, PeerUnavailable
-from services.lifecycle import RoleState, StatusBoard
+from services.lifecycle import RoleState, RoleStatus, StatusBoard
 from services.membership import Membership, current_members, reachable
 from services.metrics import Metrics
 from services.remote import serve, withdraw
@@ -34,10 +34,11 @@ class RoleContext:
     checkpoints: CheckpointMember     # this process's side of cluster checkpoints; roles add their parts
 
     @classmethod
-    def build(cls, cfg: Any, role: str, metrics: Metrics) -> "RoleContext":
-        """The real ones, as ``cfg`` (a ``services.config.CommonConfig``) describes them."""
+    def build(cls, cfg: Any, role: str, metrics: Metrics, status: type[RoleStatus] = RoleStatus) -> "RoleContext":
+        """The real ones, as ``cfg`` (a ``services.config.CommonConfig``) describes them; the
+        status board keeps to the role's ``status`` schema."""
         store = CheckpointStore(cfg.checkpoint_dir)
-        return cls(metrics=metrics, board=StatusBoard(role, cfg.name), endpoint=RpcEndpoint.for_role(cfg),
+        return cls(metrics=metrics, board=StatusBoard(role, cfg.name, status), endpoint=RpcEndpoint.for_role(cfg),
                    membership=Membership.for_role(cfg, on_evicted=metrics.members_evicted.inc),
                    store=store, checkpoints=CheckpointMember(cfg.name, store))
 

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -23,6 +23,7 @@ from services.log import init_logging
 from services.metrics import Metrics
 from services.role import RoleContext
 from services.sidecar import create_app
+from services.workload import RoleSpec
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +39,14 @@ class Role(Protocol):
     def close(self) -> None: ...
 
 
-def run_role(cfg: CommonConfig, factory: Callable[[CommonConfig, RoleContext], Role]) -> NoReturn:
-    """Run the role ``factory(cfg, context)`` builds (``factory.role`` names it) until it ends or
-    a signal stops it; exit the process with its code."""
+def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
+    """Run the role ``spec`` describes, as ``cfg`` sets it, until it ends or a signal stops it;
+    exit the process with its code."""
     init_logging(cfg.name, cfg.log_level)
     torch.set_num_threads(cfg.threads)
     registry = CollectorRegistry()
-    kind: str = factory.role  # type: ignore[attr-defined]
-    role = factory(cfg, RoleContext.build(cfg, kind, Metrics(registry, kind, cfg.name)))
+    context = RoleContext.build(cfg, spec.name, Metrics(registry, spec.name, cfg.name), spec.status)
+    role: Role = spec.build()(cfg, context)
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
     stop = threading.Event()
     signalled = threading.Event()

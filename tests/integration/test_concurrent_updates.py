@@ -6,7 +6,7 @@ with every update applied once, in any order; replaying them in one process give
 import pytest
 import torch
 
-from services.config import ModelConfig
+from ps.config import ModelConfig
 from tests.support.cluster import SMALL_MODEL
 from tests.support.driver import hammer_batch, local_parameters
 from trainer.lm.model import LocalLM

@@ -11,15 +11,15 @@ import sys
 
 import torch
 
+from ps.config import ps_names
 from ps.service import ParameterServer
 from ps.stub import PsClient, backward, new_context
-from services.config import TrainerConfig
 from services.log import init_logging
 from services.membership import Membership, current_members
-from services.names import ps_names
 from services.remote import wait
 from services.rpc import RpcEndpoint
 from tests.support.wait import wait_until
+from trainer.lm.config import TrainerConfig
 from trainer.lm.data import BatchStream
 from trainer.lm.loop import TrainLoop
 from trainer.lm.model import DistributedLM, LocalLM, init_hidden

@@ -12,12 +12,12 @@ RPC_SEAMS = {
     "services/membership.py",   # the group's membership (private torch internals)
     "ps/service.py",            # the server side of the PS interface (RRefs, autograd contexts)
     "ps/stub.py",               # the client side of the PS interface (autograd, DistributedOptimizer)
-    "services/bench/seed.py",   # the seed design, kept verbatim as the benchmark's baseline
+    "trainer/lm/bench_seed.py",   # the seed design, kept verbatim as the benchmark's baseline
 }
 RPC_MODULES = {"torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim"}
 # Raw calls to another member: the mechanism itself, membership's bootstrap (liveness probes,
 # before any service answers), and the seed's design as written.
-RAW_CALL_SEAMS = {"services/remote.py", "services/membership.py", "services/bench/seed.py"}
+RAW_CALL_SEAMS = {"services/remote.py", "services/membership.py", "trainer/lm/bench_seed.py"}
 RAW_CALLS = {"rpc_async", "rpc_sync", "remote"}
 # Where the remote method goes in the calls that take one: call(to, method, ...), ask_coordinator(method, ...).
 METHOD_ARGUMENT = {"call": 1, "call_async": 1, "_async": 1, "ask_coordinator": 0}
@@ -71,6 +71,24 @@ def test_remote_methods_are_named_by_the_method_not_a_string():
     assert not offenders, f"remote methods named by a string: {offenders}"
 
 
+def test_services_know_no_workload_and_no_server():
+    # Workloads and roles reach the CLI, the launcher and the benches through the registry
+    # (services/workload.py, entry points in pyproject.toml), not by import, not even a lazy one.
+    offenders = {rel: sorted(m for m in imported_modules(path) if m.split(".")[0] in ("ps", "trainer"))
+                 for rel, path in sources() if rel.startswith("services/")}
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
+def test_workloads_are_registered_and_their_specs_import_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys; from services.workload import workloads, roles, benches; "
+            "w = workloads(); [b.load() for b in benches().values()]; "
+            "print(sorted(w), sorted(roles()), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.split() == ["['lm',", "'rl']", "['agent',", "'observer',", "'ps',", "'trainer']", "False"], out
+
+
 def test_main_modules_only_delegate():
     # torch RPC pickles functions by module path: nothing callable may be defined in __main__.
     for pkg in ("ps", "trainer"):
@@ -80,8 +98,8 @@ def test_main_modules_only_delegate():
 
 def test_no_print_in_roles():
     # Logging only; printing is for the CLI's and the benchmark's own output.
-    allowed = {"services/cli.py", "services/bench/lm.py", "services/bench/seed.py", "services/bench/checkpoint.py",
-               "services/bench/rl.py", "services/launcher.py"}
+    allowed = {"services/cli.py", "trainer/lm/bench.py", "trainer/lm/bench_seed.py", "ps/bench.py",
+               "trainer/rl/bench.py", "services/launcher.py"}
     for rel, path in sources():
         if rel in allowed:
             continue

@@ -1,6 +1,9 @@
 import pytest
 
-from services.config import ConfigError, PsConfig, TrainerConfig, UpConfig, load
+from ps.config import PsConfig
+from services.config import ConfigError, load
+from services.launcher import UpConfig
+from trainer.lm.config import TrainerConfig
 from services.names import format_name, parse_name
 
 
@@ -56,7 +59,7 @@ def test_control_token_is_secret():
 
 
 def test_rl_roles_configs_and_leaders():
-    from services.config import AgentConfig, ObserverConfig
+    from trainer.rl.config import AgentConfig, ObserverConfig
     from services.names import leader_of
     agent = load(AgentConfig, {}, {"RPCPS_EPISODES": "5"})
     assert agent.name == "agent" and agent.episodes == 5 and str(agent.checkpoint_dir) == "checkpoints/rl"

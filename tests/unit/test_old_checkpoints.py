@@ -13,7 +13,7 @@ from ps.participant import shard_files
 from ps.service import ParameterServer
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.store import CheckpointStore
-from services.config import ModelConfig
+from ps.config import ModelConfig
 from services.metrics import Metrics
 from trainer.lm.position import resume_point
 from trainer.rl.policy import Learner, LearnerConfig

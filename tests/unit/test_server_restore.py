@@ -3,7 +3,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ps.service import ParameterServer
-from services.config import ModelConfig
+from ps.config import ModelConfig
 from services.metrics import Metrics
 
 MODEL = ModelConfig(ntoken=50, emsize=8, nhid=8, nlayers=3, lr=0.1, optimizer="adagrad")

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from services.config import TrainerConfig
+from trainer.lm.config import TrainerConfig
 from services.control import EpisodeGate, EpisodeStart, StepPause
 from services.lifecycle import RoleState, StatusBoard
 from services.metrics import Metrics

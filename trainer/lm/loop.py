@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ps.stub import backward, new_context
-from services.config import TrainerConfig
+from trainer.lm.config import TrainerConfig
 from services.metrics import Metrics
 from trainer.lm.data import BatchStream, batchify
 from trainer.lm.model import DistributedLM, Hidden, init_hidden

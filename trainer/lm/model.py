@@ -16,7 +16,7 @@ from torch.func import functional_call
 from ps.modules import init_decoder, init_embedding, init_lstm_layer
 from ps.optim import grad_sq_norm, make_optimizer
 from ps.stub import PsClient
-from services.config import ModelConfig
+from ps.config import ModelConfig
 
 Hidden = tuple[torch.Tensor, torch.Tensor]
 

@@ -10,14 +10,15 @@ import logging
 import threading
 from typing import Any, Optional
 
+from ps.config import ps_names
 from ps.stub import PsClient
 from services.checkpoint.coordinator import Coordinator
-from services.config import TrainerConfig
+from trainer.lm.config import TrainerConfig
 from services.control import EpisodeGate, EpisodeStart, StepPause
 from services.errors import BadRequest, PeerUnavailable
 from services.lifecycle import RoleState
 from services.membership import current_members
-from services.names import parse_name, ps_names
+from services.names import parse_name
 from services.remote import withdraw
 from services.role import RoleBase, RoleContext
 from trainer.lm.data import BatchStream, Corpus, trainer_share

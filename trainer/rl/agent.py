@@ -18,7 +18,7 @@ from services.checkpoint.coordinator import CheckpointPlan, Coordinator
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.periodic import take_final
 from services.checkpoint.store import CheckpointInfo
-from services.config import AgentConfig
+from trainer.rl.config import AgentConfig
 from services.control import EpisodeGate, EpisodeStart
 from services.errors import BadRequest, CheckpointError, CheckpointInProgress, NotReady
 from services.lifecycle import RoleState

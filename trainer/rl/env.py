@@ -15,8 +15,10 @@ import numpy as np
 
 CARTPOLE = "CartPole-v1"
 CARTPOLE_THRESHOLD = 475.0        # gymnasium's reward_threshold for CartPole-v1
-_FIXED = re.compile(r"^fixed:(\d+)$")
-_RESTARTING = re.compile(r"^CartPole-v1:(\d+)$")
+_STEPS = r"[1-9][0-9]*"
+_FIXED = re.compile(rf"^fixed:({_STEPS})$")
+_RESTARTING = re.compile(rf"^{CARTPOLE}:({_STEPS})$")
+ENV_PATTERN = rf"^({CARTPOLE}|{CARTPOLE}:{_STEPS}|fixed:{_STEPS})$"   # every kind above, for settings
 
 
 class FixedLengthEnv:

@@ -23,7 +23,7 @@ from services.membership import current_members, reachable
 from services.metrics import Metrics
 from services.names import parse_name
 from trainer.rl.batching import ActionBatcher
-from services.config import AgentConfig
+from trainer.rl.config import AgentConfig
 from trainer.rl.policy import EpisodeResult, Learner
 from trainer.rl.service import EpisodeReport
 from trainer.rl.stubs import ObserverClient

@@ -8,7 +8,7 @@ import time
 from typing import Any, Optional
 
 from services.checkpoint.coordinator import Coordinator
-from services.config import ObserverConfig
+from trainer.rl.config import ObserverConfig
 from services.errors import EpisodeConflict
 from services.lifecycle import RoleState
 from services.names import parse_name

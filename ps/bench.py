@@ -104,7 +104,7 @@ def run(ns: argparse.Namespace) -> int:
     from ps.service import ParameterServer
     from services.checkpoint.parts import restore_newest
     from services.checkpoint.store import CheckpointStore
-    from services.config import ModelConfig
+    from ps.config import ModelConfig
     from services.metrics import Metrics
 
     torch.set_num_threads(1)

@@ -105,6 +105,6 @@ def run_seed(data: torch.Tensor, args: dict, port: int, out_path: str) -> dict:
         return json.load(f)
 
 
-if __name__ == "__main__":  # pragma: no cover - invoked by services.bench.lm
+if __name__ == "__main__":  # pragma: no cover - invoked by trainer.lm.bench
     print("run through `rpcps bench lm`", file=sys.stderr)
     sys.exit(2)

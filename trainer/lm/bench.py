@@ -51,7 +51,7 @@ def _tokens(data: Path | None, ntoken: int):
 def bench_local(args: dict, data: Path | None) -> dict:
     """One process, every core: the reference throughput."""
     import torch
-    from services.config import ModelConfig
+    from ps.config import ModelConfig
     from trainer.lm.data import BatchStream, batchify
     from trainer.lm.model import LocalLM, init_hidden
 
@@ -72,7 +72,7 @@ def bench_local(args: dict, data: Path | None) -> dict:
 
 
 def bench_seed(args: dict, data: Path | None) -> dict:
-    from services.bench.seed import run_seed
+    from trainer.lm.bench_seed import run_seed
     from services.launcher import free_port
     from trainer.lm.data import batchify
 
@@ -104,7 +104,7 @@ VARIANTS = {"local": bench_local, "seed": bench_seed, "rpcps": bench_rpcps}
 
 def _run_variant(name: str, args: dict, data: Path | None) -> dict:
     """Each variant in a fresh interpreter, so thread settings and allocations never leak between them."""
-    argv = [sys.executable, "-m", "services.bench.lm", name, json.dumps(args), str(data) if data else ""]
+    argv = [sys.executable, "-m", "trainer.lm.bench", name, json.dumps(args), str(data) if data else ""]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"variant {name} failed: {r.stderr[-3000:]}")

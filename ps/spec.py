@@ -1,0 +1,60 @@
+"""What a workload hands the parameter servers: the model they host, described, not built.
+
+The servers know nothing of any workload's model. A ``ModelSpec`` names
+
+* **tables**: parameters indexed by the same ids (their first dimension), row ``i`` of each on
+  shard ``i % n`` (an embedding and the decoder of the same vocabulary, say);
+* **dense groups**: tensors kept whole and together, the ``g``-th group on shard ``g % n`` (a layer);
+* **ops**: named operations a server runs on its own rows for a trainer, so that what crosses RPC is
+  a partial result instead of a whole table (the language model's sharded softmax);
+* the optimizer the servers apply updates with, and ``meta``: what the workload says its model is,
+  which trainers read back and checkpoints record (``compatible``: the keys a checkpoint must match).
+
+Initial values are drawn for the whole model and each shard keeps its slice, so a cluster of any
+size starts from exactly the one-process model's parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Table:
+    rows: int
+    params: dict[str, tuple[int, ...]]                # name -> the shape of one row
+    init: Callable[[], dict[str, torch.Tensor]]       # every param's whole initial value, [rows, *shape]
+
+
+@dataclass(frozen=True)
+class DenseGroup:
+    params: dict[str, tuple[int, ...]]                # name -> shape
+    init: Callable[[], dict[str, torch.Tensor]]
+
+
+class ServerOp(Protocol):
+    """A named server-side operation: ``op(server, *args)`` on one shard (a ``ParameterServer``),
+    inside the caller's distributed autograd context when there is one."""
+
+    def __call__(self, server: Any, *args: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    tables: dict[str, Table]
+    dense: tuple[DenseGroup, ...] = ()
+    ops: dict[str, ServerOp] = field(default_factory=dict)
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    meta: dict[str, Any] = field(default_factory=dict)
+    compatible: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [n for t in self.tables.values() for n in t.params] + [n for g in self.dense for n in g.params]
+        if len(names) != len(set(names)):
+            raise ValueError(f"a parameter name is used twice in {names}")
+        missing = [k for k in self.compatible if k not in self.meta]
+        if missing:
+            raise ValueError(f"compatible keys {missing} are not in the model's meta")

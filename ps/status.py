@@ -1,0 +1,18 @@
+"""A parameter server's /status."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from services.lifecycle import RoleStatus
+
+
+class PsStatus(RoleStatus):
+    shard: Optional[int] = None
+    num_shards: Optional[int] = None
+    rows: Optional[int] = None             # vocabulary rows this shard owns
+    layers: Optional[list[int]] = None     # LSTM layers it holds
+    model: Optional[dict[str, Any]] = None
+    steps: int = 0                         # updates applied
+
+    def line(self) -> list[str]:
+        return [f"shard {self.shard}/{self.num_shards}", f"{self.rows} rows", f"members {len(self.members or [])}"]

@@ -1,1 +1,0 @@
-"""``rpcps bench``: benchmarks that print JSON; never asserted as timed tests."""

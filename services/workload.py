@@ -1,0 +1,121 @@
+"""Workloads, as the shared services see them, and how they are found.
+
+A workload (the language model, the RL agent and its observers, later others) lives in one folder
+under ``trainer/`` and registers a ``WorkloadSpec`` under the entry-point group ``rpcps.workloads``
+(``pyproject.toml``). The CLI, the launcher and the benches reach its roles, settings, launch
+plan, status schemas and benchmarks only through this registry: ``services/`` imports no workload.
+What a spec names as ``"module:attribute"`` is imported only when it is used, so ``rpcps status``
+never pays for importing torch.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from pydantic import BaseModel
+
+GROUP = "rpcps.workloads"
+
+
+def _resolve(ref: str) -> Any:
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    name: str                  # the `rpcps <name>` subcommand, and the role word of its RPC names
+    config: type[BaseModel]    # its settings (flags and RPCPS_* variables)
+    status: type[BaseModel]    # its /status schema; ``line()`` gives `rpcps status`'s columns
+    factory: str               # "module:attribute" building the role from (config, RoleContext)
+    help: str
+    indexed: bool = True       # named ps0, ps1, … (False: the one agent)
+    episodes: bool = False     # its work comes in episodes that `rpcps episode start|stop` controls
+
+    def build(self) -> Callable[..., Any]:
+        return _resolve(self.factory)
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    name: str                  # `rpcps bench <name>`
+    help: str
+    module: str                # its ``add_arguments(parser)`` and ``run(args) -> exit code``
+
+    def load(self) -> Any:
+        return importlib.import_module(self.module)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A process of a local cluster: its RPC name, its role, and its flags besides name, ports
+    and rendezvous."""
+
+    name: str
+    role: str
+    argv: list[str]
+
+
+class Launch(Protocol):
+    """What ``rpcps up`` asks a workload: what to start, how to read its progress, when it is done."""
+
+    def plan(self) -> list[Planned]: ...
+    def restartable(self, name: str) -> bool: ...
+    def watched(self, names: list[str]) -> list[str]: ...
+    def stop_waves(self, names: list[str]) -> list[list[str]]: ...
+    def finished(self, statuses: dict[str, Any]) -> bool: ...
+    def progress(self, statuses: dict[str, Any]) -> list[dict]: ...
+    def summary(self, statuses: dict[str, Any], restarts: int) -> dict: ...
+    def human(self, event: dict) -> Optional[str]: ...
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    name: str                  # `rpcps up --workload <name>`
+    help: str
+    leader: str                # the member that hosts the rendezvous store and leads the group
+    roles: tuple[RoleSpec, ...]
+    up: type[BaseModel]        # its `rpcps up` settings, besides the launcher's own
+    launch: str                # "module:attribute" building its ``Launch`` from (launcher settings, ``up``)
+    checkpoint_dir: str        # where `rpcps up` puts its checkpoints unless told
+    benches: tuple[BenchSpec, ...] = ()
+
+    def launcher(self, common: Any, settings: Any) -> Launch:
+        return _resolve(self.launch)(common, settings)
+
+
+@functools.cache
+def workloads() -> dict[str, WorkloadSpec]:
+    """Every registered workload, by name (the order of registration)."""
+    found: dict[str, WorkloadSpec] = {}
+    seen_roles: dict[str, str] = {}
+    for entry in sorted(importlib.metadata.entry_points(group=GROUP), key=lambda e: e.name):
+        spec = entry.load()
+        if not isinstance(spec, WorkloadSpec) or spec.name != entry.name:
+            raise RuntimeError(f"entry point {entry.name} = {entry.value} is not the WorkloadSpec {entry.name!r}")
+        for role in spec.roles:
+            if role.name in seen_roles:
+                raise RuntimeError(f"workloads {seen_roles[role.name]} and {spec.name} both define the role {role.name}")
+            seen_roles[role.name] = spec.name
+        found[spec.name] = spec
+    if not found:
+        raise RuntimeError(f"no workload is registered under {GROUP}: is rpcps installed (pip install -e .)?")
+    return found
+
+
+def roles() -> dict[str, RoleSpec]:
+    return {role.name: role for spec in workloads().values() for role in spec.roles}
+
+
+def workload_of(role: str) -> WorkloadSpec:
+    for spec in workloads().values():
+        if any(r.name == role for r in spec.roles):
+            return spec
+    raise KeyError(role)
+
+
+def benches() -> dict[str, BenchSpec]:
+    return {bench.name: bench for spec in workloads().values() for bench in spec.benches}

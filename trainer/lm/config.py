@@ -1,0 +1,60 @@
+"""The language-model workload's settings: its trainers', and what `rpcps up --workload lm` takes."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from ps.config import ServersConfig
+from services.config import ConfigBase
+
+
+class TrainerConfig(ServersConfig):
+    name: str = Field("trainer0", description="RPC name: trainer<index>")
+    data: Optional[Path] = Field(None, description="WikiText-style folder; default: built-in synthetic corpus")
+    num_trainers: int = Field(2, ge=1, description="how many disjoint shares the training text is cut into")
+    batch_size: int = Field(20, ge=1, description="sequences per step")
+    bptt: int = Field(35, ge=1, description="tokens per sequence per step")
+    dropout: float = Field(0.2, ge=0, lt=1, description="dropout on embeddings, between layers, before the decoder")
+    clip: float = Field(0.25, ge=0, description="global gradient-norm clip (0: off)")
+    start: bool = Field(False, description="start an episode at launch instead of waiting for one")
+    steps: Optional[int] = Field(None, ge=1, description="steps of the episode started at launch (default: unbounded)")
+    eval_batch_size: int = Field(10, ge=1, description="sequences per evaluation batch")
+    eval_tokens: Optional[int] = Field(None, ge=1, description="cap on held-out tokens evaluated (whole cluster)")
+    synthetic_tokens: int = Field(200_000, ge=1000, description="size of the built-in corpus")
+    seed: int = Field(1111, description="seed of dropout and the synthetic corpus")
+    log_interval: float = Field(10.0, gt=0, description="seconds between progress lines in the log")
+    warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of its tokens/s")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        self._check_role("trainer")
+        return self
+
+
+class LmUpSettings(ConfigBase):
+    """`rpcps up --workload lm`: the servers' and trainers' settings a local cluster starts with."""
+
+    num_ps: int = Field(2, ge=1, le=16, description="parameter servers to start",
+                        json_schema_extra={"flag": "--ps", "env": "RPCPS_PS"})
+    num_trainers: int = Field(2, ge=1, le=64, description="trainers to start",
+                              json_schema_extra={"flag": "--trainers", "env": "RPCPS_TRAINERS"})
+    steps: Optional[int] = Field(None, ge=1, description="steps per trainer, then stop and exit 0 (default: until Ctrl-C)")
+    data: Optional[Path] = Field(None, description="WikiText-style folder (default: built-in synthetic corpus)")
+    ntoken: Optional[int] = Field(None, ge=2, description="vocabulary rows (default: the corpus vocabulary)")
+    emsize: int = Field(200, ge=1, description="embedding size")
+    nhid: int = Field(200, ge=1, description="LSTM hidden size")
+    nlayers: int = Field(2, ge=1, le=16, description="LSTM layers")
+    optimizer: Literal["sgd", "adagrad"] = Field("sgd", description="the servers' optimizer")
+    lr: float = Field(20.0, gt=0, description="learning rate")
+    seed: int = Field(1111, description="seed of init, dropout and the synthetic corpus")
+    batch_size: int = Field(20, ge=1, description="sequences per trainer step")
+    bptt: int = Field(35, ge=1, description="tokens per sequence per step")
+    dropout: float = Field(0.2, ge=0, lt=1, description="dropout")
+    clip: float = Field(0.25, ge=0, description="global gradient-norm clip (0: off)")
+    eval_tokens: Optional[int] = Field(None, ge=1, description="cap on held-out tokens evaluated per episode")
+    synthetic_tokens: int = Field(200_000, ge=1000, description="size of the built-in corpus")
+    warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of tokens/s")
+    checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N cluster steps")
+    checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="checkpoint every M seconds")
