@@ -1,7 +1,7 @@
 """``rpcps bench checkpoint``: one server shard's checkpoint save and restore, against ``dd``.
 
-The shard holds a ROWS x DIM embedding table with Adagrad state (a ParameterServer built in this
-process; checkpoints do not need RPC to be measured). Reported: save and restore MB/s next to what
+The shard holds one ROWS x DIM table with Adagrad state (a ParameterServer built in this process
+from a one-table ``ModelSpec``; checkpoints do not need RPC to be measured). Reported: save and restore MB/s next to what
 ``dd`` with fsync writes and reads on the same disk in the same run, the time training would be
 paused (the in-memory snapshot), and the peak extra resident memory while saving.
 
@@ -100,20 +100,23 @@ def run(ns: argparse.Namespace) -> int:
     import torch
     from prometheus_client import CollectorRegistry
 
+    from ps.metrics import PsMetrics
     from ps.participant import shard_files
     from ps.service import ParameterServer
+    from ps.spec import ModelSpec, Table
     from services.checkpoint.parts import restore_newest
     from services.checkpoint.store import CheckpointStore
-    from ps.config import ModelConfig
-    from services.metrics import Metrics
 
     torch.set_num_threads(1)
-    model = ModelConfig(ntoken=ns.rows, emsize=ns.dim, nhid=1, nlayers=1, optimizer="adagrad", lr=0.1)
-    server = ParameterServer("ps0", 0, 1, model, Metrics(CollectorRegistry(), "ps", "ps0"))
+    g = torch.Generator().manual_seed(0)
+    spec = ModelSpec({"rows": Table(ns.rows, {"rows.weight": (ns.dim,)},
+                                    lambda: {"rows.weight": torch.rand(ns.rows, ns.dim, generator=g)})},
+                     optimizer="adagrad", lr=0.1, meta={"rows": ns.rows, "dim": ns.dim}, compatible=("rows", "dim"))
+    server = ParameterServer("ps0", 0, 1, spec, PsMetrics(CollectorRegistry(), "ps", "ps0"))
     # One sparse update so the optimizer state is live, as in training.
     ids = torch.randint(0, ns.rows, (8192,))
-    server.embedding.weight.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), torch.ones(8192, ns.dim),
-                                                           (ns.rows, ns.dim), check_invariants=True)
+    server.param("rows.weight").grad = torch.sparse_coo_tensor(ids.unsqueeze(0), torch.ones(8192, ns.dim),
+                                                               (ns.rows, ns.dim), check_invariants=True)
     server.optimizer.step()
     shard_bytes = sum(p.numel() * p.element_size() for p in server.optimizer.params)
     shard_bytes += sum(v.numel() * v.element_size() for s in server.optimizer.optimizer.state.values()
@@ -133,7 +136,7 @@ def run(ns: argparse.Namespace) -> int:
             t1 = time.perf_counter()
             store.prepare(1)
             entry = store.write_file(1, "ps0.pt", state)
-            store.commit(1, [entry], {"num_ps": 1, "model": model.model_dump()})
+            store.commit(1, [entry], {"num_ps": 1, "model": spec.meta})
             t2 = time.perf_counter()
         del state, buffers  # as a server does once the file is written
         file_bytes = entry.size
@@ -145,9 +148,9 @@ def run(ns: argparse.Namespace) -> int:
                 _drop_caches()
             t3 = time.perf_counter()
             info, restored = restore_newest(store, True, None,   # as a server starts
-                                            lambda info: shard_files(info, model.model_dump(), 0, 1),
-                                            lambda states: ParameterServer("ps0", 0, 1, model,
-                                                                           Metrics(CollectorRegistry(), "ps", "ps0"),
+                                            lambda info: shard_files(info, spec, 0, 1),
+                                            lambda states: ParameterServer("ps0", 0, 1, spec,
+                                                                           PsMetrics(CollectorRegistry(), "ps", "ps0"),
                                                                            restore=states))
             t4 = time.perf_counter()
             assert info is not None and info.step == 1

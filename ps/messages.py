@@ -9,7 +9,8 @@ class ShardInfo:
     name: str
     shard: int
     num_shards: int
-    model: dict          # ModelConfig as a dict: trainers take the model's shape from the servers
-    rows: int            # vocabulary rows this shard owns
-    layers: tuple[int, ...]  # LSTM layers this shard owns
-    steps: int = 0           # updates applied so far (continues across restores)
+    model: dict                 # the model's ``ModelSpec.meta``: trainers take its shape from the servers
+    tables: dict[str, int]      # rows of each table this shard owns
+    table_params: dict[str, tuple[str, ...]]   # each table's parameters
+    dense: tuple[str, ...]      # the dense tensors it holds
+    steps: int = 0              # updates applied so far (continues across restores)

@@ -6,13 +6,12 @@ import threading
 from typing import Any, Optional
 
 from ps.service import ParameterServer
+from ps.spec import ModelSpec
 from services.checkpoint.parts import SnapshotPart
 from services.checkpoint.store import CheckpointInfo
 from services.errors import CheckpointError
 
 log = logging.getLogger(__name__)
-
-COMPATIBLE = ("ntoken", "emsize", "nhid", "nlayers", "optimizer")   # a checkpoint's model must match in these
 
 
 class ServerPart(SnapshotPart):
@@ -35,14 +34,16 @@ class ServerPart(SnapshotPart):
         return int(state["steps"])
 
 
-def shard_files(info: CheckpointInfo, model: dict[str, Any], shard: int, num_ps: int) -> list[str]:
+def shard_files(info: CheckpointInfo, spec: ModelSpec, shard: int, num_ps: int) -> list[str]:
     """The files of ``info`` that server ``shard`` of ``num_ps`` rebuilds itself from: its own, or,
-    when the number of servers changed, every old shard's (rows are resharded on load)."""
+    when the number of servers changed, every old shard's (rows are resharded on load). A
+    checkpoint of another model (in the keys ``spec.compatible`` names) is refused."""
     saved = info.meta.get("model", {})
-    for key in COMPATIBLE:
-        if saved.get(key) != model.get(key):
+    for key in spec.compatible:
+        if saved.get(key) != spec.meta.get(key):
             raise CheckpointError(f"{info.id} was taken with {key}={saved.get(key)!r}, this server has "
-                                  f"{model.get(key)!r}; start with matching flags, --resume-from another, or --no-resume")
+                                  f"{spec.meta.get(key)!r}; start with matching flags, --resume-from another, "
+                                  "or --no-resume")
     old = int(info.meta.get("num_ps", 0))
     if old == num_ps:
         return [f"ps{shard}.pt"]  # same shape: this shard's own file is all it needs

@@ -1,48 +1,45 @@
-"""The parameter-server role: build this shard, join the group, serve until told to stop."""
+"""The parameter-server role: build this shard of the model a workload declares (its ``ModelSpec``),
+join the group, serve until told to stop."""
 from __future__ import annotations
 
 import functools
 import logging
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from ps.config import PsConfig, ps_names
 from ps.participant import ServerPart, shard_files
 from ps.service import ParameterServer
+from ps.spec import ModelSpec
 from services.checkpoint.coordinator import CheckpointPlan, Coordinator, announce, follow_leader
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.periodic import Periodic, take_final
 from services.checkpoint.store import CheckpointInfo
-from ps.config import ModelConfig, PsConfig, ps_names
 from services.errors import CheckpointError
 from services.lifecycle import RoleState
 from services.names import parse_name
 from services.remote import remote_methods, serve, withdraw
 from services.role import RoleBase, RoleContext, WithoutEpisodes
-from trainer.lm.data import vocab_size
 
 log = logging.getLogger(__name__)
 
 FINAL_CHECKPOINT_SECONDS = 5.0  # inside the 10 s a stop may take
 
 
-def model_config(cfg: PsConfig) -> ModelConfig:
-    ntoken = cfg.ntoken if cfg.ntoken is not None else vocab_size(cfg.data)
-    return ModelConfig(ntoken=ntoken, emsize=cfg.emsize, nhid=cfg.nhid, nlayers=cfg.nlayers,
-                       init_range=cfg.init_range, seed=cfg.seed, optimizer=cfg.optimizer, lr=cfg.lr)
-
-
 class PsRole(RoleBase, WithoutEpisodes):
     role = "ps"
     no_episodes = "parameter servers have no episodes; {} them on the trainers"
 
-    def __init__(self, cfg: PsConfig, ctx: RoleContext) -> None:
+    def __init__(self, cfg: PsConfig, ctx: RoleContext, model: Callable[[], ModelSpec]) -> None:
+        """``model``: what this server hosts, described by its workload when the role runs (it may
+        read a corpus to size a table)."""
         super().__init__(ctx)
-        self.cfg = cfg
+        self.cfg, self._model = cfg, model
+        self.spec: Optional[ModelSpec] = None
         self.server: Optional[ParameterServer] = None
         self.coordinator: Optional[Coordinator] = None
         self._periodic: Optional[Periodic] = None
         self._stop = threading.Event()
-        self.metrics.init_ps(remote_methods(ParameterServer))
 
     def checkpoint(self) -> dict[str, Any]:
         if self.coordinator is None:
@@ -59,28 +56,30 @@ class PsRole(RoleBase, WithoutEpisodes):
         self._stop.set()
 
     def run(self) -> None:
-        model = model_config(self.cfg)
+        self.spec = self._model()
+        # Each operation is timed as a method of its own.
+        self.metrics.init_ps([m for m in remote_methods(ParameterServer) if m != "op"] + list(self.spec.ops))
         shard = parse_name(self.cfg.name).index
         # Build before joining: once trainers can see this server, it must be able to answer.
-        resumed, self.server = self._build(model, shard)
+        resumed, self.server = self._build(shard)
         info = self.server.info()
-        log.info("shard %d of %d: %d vocabulary rows, LSTM layers %s, model %s",
-                 shard, self.cfg.num_ps, info.rows, list(info.layers), model.model_dump())
-        self.board.update(shard=shard, num_shards=self.cfg.num_ps, rows=info.rows, layers=list(info.layers),
-                          model=model.model_dump())
+        log.info("shard %d of %d: rows %s, dense %s, model %s", shard, self.cfg.num_ps, info.tables,
+                 list(info.dense), info.model)
+        self.board.update(shard=shard, num_shards=self.cfg.num_ps, rows=sum(info.tables.values()),
+                          tables=info.tables, dense=list(info.dense), model=info.model)
         self.checkpoints.add(ServerPart(self.cfg.name, self.server))
         serve(self.server)
         self.membership.add_listener(self.server.forget)
         self._join("joining the RPC group")
         if self.membership.is_leader:
-            self._lead(model, resumed)
+            self._lead(resumed)
         self.metrics.up.set(1)
         self.board.set_state(RoleState.RUNNING, "serving")
         while not self._stop.wait(1.0):
             self._heartbeat()
             self.board.update(steps=self.server.optimizer.steps)
 
-    def _build(self, model: ModelConfig, shard: int) -> tuple[Optional[CheckpointInfo], ParameterServer]:
+    def _build(self, shard: int) -> tuple[Optional[CheckpointInfo], ParameterServer]:
         """This shard, from the checkpoint the cluster stands on (ps0's choice) or fresh."""
         resume, resume_from = self.cfg.resume, self.cfg.resume_from
         if self.endpoint.leader != self.cfg.name:
@@ -90,8 +89,9 @@ class PsRole(RoleBase, WithoutEpisodes):
             log.info("%s stands on %s", self.endpoint.leader, resume_from or "no checkpoint (a fresh start)")
         try:
             resumed, server = restore_newest(
-                self.store, resume, resume_from, lambda info: shard_files(info, model.model_dump(), shard, self.cfg.num_ps),
-                lambda states: ParameterServer(self.cfg.name, shard, self.cfg.num_ps, model, self.metrics, restore=states))
+                self.store, resume, resume_from, lambda info: shard_files(info, self.spec, shard, self.cfg.num_ps),
+                lambda states: ParameterServer(self.cfg.name, shard, self.cfg.num_ps, self.spec, self.metrics,
+                                               restore=states))
         except CheckpointError as exc:
             if self.endpoint.leader == self.cfg.name or resume_from is None:
                 raise
@@ -101,12 +101,12 @@ class PsRole(RoleBase, WithoutEpisodes):
             self.board.update(resumed_from={"id": resumed.id, "step": resumed.step, "path": str(resumed.path)})
         return resumed, server
 
-    def _lead(self, model: ModelConfig, resumed: Optional[CheckpointInfo]) -> None:
+    def _lead(self, resumed: Optional[CheckpointInfo]) -> None:
         """ps0: coordinate checkpoints, and announce the one the cluster stands on."""
         publish = functools.partial(announce, self.endpoint.store)
         publish(resumed)
         plan = CheckpointPlan(holders=tuple(ps_names(self.cfg.num_ps)), paused_role="trainer",
-                              meta={"model": model.model_dump(), "num_ps": self.cfg.num_ps})
+                              meta={"model": self.spec.meta, "num_ps": self.cfg.num_ps})
         self.coordinator = Coordinator(self.store, plan, self.cfg.keep_checkpoints, local=self.checkpoints,
                                        metrics=self.metrics, resumed=resumed, on_commit=publish)
         serve(self.coordinator)

@@ -1,8 +1,10 @@
 """The parameter server's RPC surface.
 
-``ParameterServer``'s ``@remote`` methods are the whole remote interface; trainers reach them only
-through ``ps/stub.py``. Every input is validated (types by ``services/remote.py``, ranges and shapes
-here): a bad request raises ``BadRequest`` back to its caller and the server keeps serving.
+``ParameterServer`` hosts one shard of what a workload's ``ModelSpec`` declares: its rows of every
+table, its dense groups, and the spec's named operations. Its ``@remote`` methods are the whole
+remote interface; trainers reach them only through ``ps/stub.py``. Every input is validated (types
+by ``services/remote.py``, ids and names here, an operation's own arguments by the operation): a
+bad request raises ``BadRequest`` back to its caller and the server keeps serving.
 """
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from ps.messages import ShardInfo
-from ps.modules import DecoderShard, EmbeddingShard, init_decoder, init_embedding, init_lstm_layer, lstm_param_names
-from ps.optim import SharedOptimizer, grad_sq_norm
-from ps.sharding import ShardPlan
+from ps.sharding import Layout
+from ps.spec import ModelSpec
 from ps.state import export_shard, gather_shard
-from ps.config import ModelConfig
+from ps.tables import RowShard
+from ps.update import SharedOptimizer, grad_sq_norm
 from services.errors import BadRequest
-from services.metrics import Metrics
+from ps.metrics import PsMetrics
 from services.remote import Service, local, remote
 
 log = logging.getLogger(__name__)
@@ -31,45 +33,47 @@ _CONTEXTS_KEPT = 4  # a trainer has at most one or two contexts open; older ones
 
 
 class ParameterServer(Service):
-    def __init__(self, name: str, shard: int, num_shards: int, model: ModelConfig, metrics: Metrics,
+    def __init__(self, name: str, shard: int, num_shards: int, spec: ModelSpec, metrics: PsMetrics,
                  restore: Optional[list[dict[str, Any]]] = None) -> None:
         """``restore``: the shard states of a checkpoint (any number of shards) to start from."""
-        self.name, self.shard, self.model = name, shard, model
-        self.plan = ShardPlan(num_shards, model.ntoken)
-        self.metrics = metrics
-        self.layers = tuple(self.plan.layers_of(shard, model.nlayers))
-        dense_names = [n for layer in self.layers for n in lstm_param_names(layer)]
+        self.name, self.shard, self.spec, self.metrics = name, shard, spec, metrics
+        self.layout = Layout.of(spec, num_shards)
         if restore is None:
-            values = self._initial_values(dense_names)
-            optim_state, steps = {}, 0
+            values, optim_state, steps = self._initial_values(), {}, 0
         else:
-            values, optim_state, steps = gather_shard(restore, self.plan, shard, self.layers, dense_names)
-        self.embedding = EmbeddingShard(values["embedding.weight"])
-        self.decoder = DecoderShard(values["decoder.weight"], values["decoder.bias"])
-        self.dense = torch.nn.ParameterDict({n: torch.nn.Parameter(values[n]) for n in dense_names})
-        self.param_names = ["embedding.weight", "decoder.weight", "decoder.bias", *dense_names]
-        # In param_names order (a ParameterDict does not keep ours).
-        params = [self.embedding.weight, self.decoder.weight, self.decoder.bias, *(self.dense[n] for n in dense_names)]
-        self.optimizer = SharedOptimizer(params, model.optimizer, model.lr, on_step=self._stepped)
+            values, optim_state, steps = gather_shard(restore, self.layout, shard)
+        self.rows = torch.nn.ModuleDict({n.replace(".", "/"): RowShard(values[n]) for n in self.layout.row_params()})
+        self.dense = torch.nn.ParameterDict({n.replace(".", "/"): torch.nn.Parameter(values[n])
+                                             for n in self.layout.dense_of(shard)})
+        self.param_names = [*self.layout.row_params(), *self.layout.dense_of(shard)]
+        self.optimizer = SharedOptimizer([self.param(n) for n in self.param_names], spec.optimizer, spec.lr,
+                                         on_step=self._stepped)
         self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.param_names])
         self._contexts: dict[str, collections.deque] = {}
         self._contexts_lock = threading.Lock()
+        self._op_name = threading.local()   # the operation an RPC thread runs, for its metrics label
 
-    def _initial_values(self, dense_names: list[str]) -> dict[str, torch.Tensor]:
-        rows = self.plan.global_ids(self.shard)
-        w, b = init_decoder(self.model)
-        values = {"embedding.weight": init_embedding(self.model)[rows].clone(),
-                  "decoder.weight": w[rows].clone(), "decoder.bias": b[rows].clone()}
-        for layer in self.layers:
-            values.update(init_lstm_layer(self.model, layer))
+    def _initial_values(self) -> dict[str, torch.Tensor]:
+        values: dict[str, torch.Tensor] = {}
+        for table_name, table in self.spec.tables.items():
+            rows = self.layout.plans[table_name].global_ids(self.shard)
+            values.update({n: v[rows].clone() for n, v in table.init().items()})
+        for g in self.layout.groups_of(self.shard):
+            values.update(self.spec.dense[g].init())
         return values
+
+    def param(self, name: str) -> torch.nn.Parameter:
+        """The live parameter ``name`` (a table's rows on this shard, or a dense tensor)."""
+        key = name.replace(".", "/")   # module and parameter dicts take no dots in keys
+        if key in self.rows:
+            return self.rows[key].weight
+        return self.dense[key]
 
     def export_state(self, into: Optional[tuple] = None) -> dict[str, Any]:
         """This shard for a checkpoint: parameters, optimizer state and step, copied at one instant
         (into buffers from ``self.optimizer.copy_buffers()`` when given)."""
         steps, params, state = self.optimizer.state_copy(into)
-        return export_shard(self.shard, self.plan, self.model.model_dump(), steps,
-                            dict(zip(self.param_names, params)),
+        return export_shard(self.shard, self.layout, self.spec.meta, steps, dict(zip(self.param_names, params)),
                             {n: s for n, s in zip(self.param_names, state) if s})
 
     def _stepped(self, rows: int) -> None:
@@ -79,8 +83,9 @@ class ParameterServer(Service):
     # --- the RPC surface ---------------------------------------------------------------------------
     @remote
     def info(self) -> ShardInfo:
-        return ShardInfo(self.name, self.shard, self.plan.num_shards, self.model.model_dump(),
-                         self.plan.rows(self.shard), self.layers, self.optimizer.steps)
+        return ShardInfo(self.name, self.shard, self.layout.num_shards, self.spec.meta,
+                         {t: p.rows(self.shard) for t, p in self.layout.plans.items()}, dict(self.layout.table_params),
+                         tuple(self.layout.dense_of(self.shard)), self.optimizer.steps)
 
     @remote
     def param_rrefs(self) -> list[rpc.RRef]:
@@ -93,35 +98,30 @@ class ParameterServer(Service):
         return dict(zip(self.param_names, self.optimizer.snapshot(self.optimizer.params)))
 
     @remote
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows [n, emsize] of global ``ids`` [n] that this shard owns."""
-        self._check_ids(ids, "ids")
+    def lookup(self, param: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows [n, *row shape] of table parameter ``param`` at global ``ids`` [n] this shard owns."""
+        table = self._table_of(param)
+        self.check_ids(table, ids, "ids")
         with self.optimizer.lock:  # rows are read whole, never mid-update
-            rows = self.embedding(self.plan.to_local(ids))
+            rows = self.rows[param.replace(".", "/")](self.layout.plans[table].to_local(ids))
         self.metrics.rows_looked_up.inc(ids.numel())
         return rows
 
     @remote
     def dense_params(self) -> dict[str, torch.Tensor]:
-        """This shard's LSTM weights; computing with them records the way back for gradients."""
+        """This shard's dense tensors; computing with them records the way back for gradients."""
+        names = self.layout.dense_of(self.shard)
         with self.optimizer.lock:
-            return {n: p.clone() for n, p in zip(self.param_names[3:], self.optimizer.params[3:])}
+            return {n: self.param(n).clone() for n in names}
 
     @remote
-    def decode(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token of ``h`` [N, nhid]: this shard's log-sum-exp and its target logit (0 if not owned)."""
-        if not isinstance(h, torch.Tensor) or h.dtype != torch.float32 or h.dim() != 2 or h.size(1) != self.model.nhid:
-            raise BadRequest(f"h must be a float32 tensor [N, {self.model.nhid}], got {_describe(h)}")
-        self._check_ids(targets, "targets", any_shard=True)
-        if targets.numel() != h.size(0):
-            raise BadRequest(f"targets has {targets.numel()} entries for {h.size(0)} rows of h")
-        owned = (self.plan.owner(targets) == self.shard)
-        local = torch.where(owned, self.plan.to_local(targets), torch.zeros_like(targets))
-        w, b = self.optimizer.snapshot([self.decoder.weight, self.decoder.bias])
-        # Outside a distributed autograd context (evaluation) nothing will ever call backward:
-        # skip saving the [N, rows] probabilities.
-        with torch.set_grad_enabled(_in_autograd_context()):
-            return self.decoder.partials(h, local, owned.to(h.dtype), w, b)
+    def op(self, name: str, *args: Any) -> Any:
+        """The model's server-side operation ``name`` on this shard."""
+        operation = self.spec.ops.get(name)
+        if operation is None:
+            raise BadRequest(f"no operation {name!r}; this model has {', '.join(self.spec.ops) or 'none'}")
+        self._op_name.value = name
+        return operation(self, *args)
 
     @remote
     def grad_sq_norm(self, context_id: int) -> float:
@@ -129,35 +129,61 @@ class ParameterServer(Service):
 
     @remote
     def scale_grads(self, context_id: int, coef: float) -> None:
-        if not isinstance(coef, float) or not (0.0 <= coef <= 1.0):
+        if not (0.0 <= coef <= 1.0):
             raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
         for g in self._context_grads(context_id).values():
             g.mul_(coef)  # the very tensors DistributedOptimizer.step will apply
 
+    # --- for operations ------------------------------------------------------------------------------
+    def snapshot(self, names: list[str]) -> list[torch.Tensor]:
+        """Consistent private copies of these parameters: other trainers' updates change the live
+        ones in place, so anything saved for a backward must be a copy."""
+        return self.optimizer.snapshot([self.param(n) for n in names])
+
+    def check_ids(self, table: str, ids: Any, what: str, any_shard: bool = False) -> None:
+        plan = self.layout.plans[table]
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise BadRequest(f"{what} must be an int64 tensor [n], got {describe(ids)}")
+        if ids.numel() == 0:
+            raise BadRequest(f"{what} is empty")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= plan.num_ids:
+            raise BadRequest(f"{what} out of range: [{lo}, {hi}] not within [0, {plan.num_ids})")
+        if not any_shard and bool((plan.owner(ids) != self.shard).any()):
+            raise BadRequest(f"{what} holds ids that shard {self.shard} of {plan.num_shards} does not own")
+
     # --- bookkeeping ---------------------------------------------------------------------------------
     def before_call(self, caller: str, method: str) -> None:
+        self._op_name.value = None
         self._remember_context(caller)
 
     def after_call(self, method: str, seconds: float, ok: bool) -> None:
-        self.metrics.observe_request(method, seconds, ok)
+        # An operation is timed under its own name, as each was a method of its own.
+        self.metrics.observe_request(getattr(self._op_name, "value", None) or method, seconds, ok)
+
+    def _table_of(self, param: str) -> str:
+        try:
+            return self.layout.table_of(param)
+        except KeyError:
+            raise BadRequest(f"no table parameter {param!r}; this model has {', '.join(self.layout.row_params())}") from None
 
     def _remember_context(self, caller: str) -> None:
-        if not _in_autograd_context():
+        if not in_autograd_context():
             return
-        cid = dist_autograd._current_context()._context_id()
+        context_id = dist_autograd._current_context()._context_id()
         with self._contexts_lock:
             recent = self._contexts.setdefault(caller, collections.deque(maxlen=_CONTEXTS_KEPT))
-            if cid not in recent:
-                recent.append(cid)
+            if context_id not in recent:
+                recent.append(context_id)
 
     def forget(self, caller: str) -> None:
         """Free what a departed trainer left behind (its autograd contexts would otherwise leak)."""
         with self._contexts_lock:
             ids = self._contexts.pop(caller, ())
         released = 0
-        for cid in ids:
+        for context_id in ids:
             try:
-                dist_autograd._release_context(cid)
+                dist_autograd._release_context(context_id)
                 released += 1
             except Exception:
                 pass  # already released by the trainer itself
@@ -165,26 +191,13 @@ class ParameterServer(Service):
             log.info("released %d autograd context(s) left by %s", released, caller)
 
     def _context_grads(self, context_id: int) -> dict:
-        if not isinstance(context_id, int):
-            raise BadRequest(f"context_id must be an int, got {type(context_id).__name__}")
         try:
             return dist_autograd.get_gradients(context_id)
         except RuntimeError as exc:
             raise BadRequest(f"unknown autograd context {context_id}: {str(exc).splitlines()[0]}") from None
 
-    def _check_ids(self, ids: Any, what: str, any_shard: bool = False) -> None:
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-            raise BadRequest(f"{what} must be an int64 tensor [n], got {_describe(ids)}")
-        if ids.numel() == 0:
-            raise BadRequest(f"{what} is empty")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.model.ntoken:
-            raise BadRequest(f"{what} out of range: [{lo}, {hi}] not within [0, {self.model.ntoken})")
-        if not any_shard and bool((self.plan.owner(ids) != self.shard).any()):
-            raise BadRequest(f"{what} holds ids that shard {self.shard} of {self.plan.num_shards} does not own")
 
-
-def _in_autograd_context() -> bool:
+def in_autograd_context() -> bool:
     try:
         dist_autograd._current_context()
         return True
@@ -192,7 +205,7 @@ def _in_autograd_context() -> bool:
         return False
 
 
-def _describe(x: Any) -> str:
+def describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"{x.dtype} tensor {list(x.shape)}"
     return type(x).__name__

@@ -1,7 +1,7 @@
-"""Where every row and dense parameter lives: a pure value computed before any RPC.
+"""Where everything lives: pure values computed before any RPC.
 
-Vocabulary rows (embedding and decoder alike) go to shard ``id % num_shards`` at local row
-``id // num_shards``; LSTM layer ``l`` lives on shard ``l % num_shards``.
+A table's rows (every parameter of the table alike) go to shard ``id % num_shards`` at local row
+``id // num_shards``; the ``g``-th dense group lives on shard ``g % num_shards``.
 """
 from __future__ import annotations
 
@@ -9,24 +9,28 @@ from dataclasses import dataclass
 
 import torch
 
+from ps.spec import ModelSpec
+
 
 @dataclass(frozen=True)
 class ShardPlan:
+    """One id space (a table's rows) over ``num_shards`` shards."""
+
     num_shards: int
-    ntoken: int
+    num_ids: int         # the ids: 0 .. num_ids - 1
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
-        if self.ntoken < self.num_shards:
-            raise ValueError(f"ntoken ({self.ntoken}) must be >= num_shards ({self.num_shards})")
+        if self.num_ids < self.num_shards:
+            raise ValueError(f"num_ids ({self.num_ids}) must be >= num_shards ({self.num_shards})")
 
     def rows(self, shard: int) -> int:
-        """How many vocabulary ids shard ``shard`` owns."""
-        return (self.ntoken - shard + self.num_shards - 1) // self.num_shards
+        """How many ids shard ``shard`` owns."""
+        return (self.num_ids - shard + self.num_shards - 1) // self.num_shards
 
     def global_ids(self, shard: int) -> torch.Tensor:
-        return torch.arange(shard, self.ntoken, self.num_shards)
+        return torch.arange(shard, self.num_ids, self.num_shards)
 
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
         return ids % self.num_shards
@@ -43,8 +47,36 @@ class ShardPlan:
             out.append((pos, unique_ids[pos]))
         return out
 
-    def layer_owner(self, layer: int) -> int:
-        return layer % self.num_shards
 
-    def layers_of(self, shard: int, nlayers: int) -> list[int]:
-        return [layer for layer in range(nlayers) if self.layer_owner(layer) == shard]
+@dataclass(frozen=True)
+class Layout:
+    """A model's tables and dense groups over ``num_shards`` shards."""
+
+    num_shards: int
+    plans: dict[str, ShardPlan]                    # per table
+    table_params: dict[str, tuple[str, ...]]       # per table, its parameters
+    dense_groups: tuple[tuple[str, ...], ...]      # the g-th group's parameters
+
+    @classmethod
+    def of(cls, spec: ModelSpec, num_shards: int) -> "Layout":
+        return cls(num_shards, {t: ShardPlan(num_shards, table.rows) for t, table in spec.tables.items()},
+                   {t: tuple(table.params) for t, table in spec.tables.items()},
+                   tuple(tuple(group.params) for group in spec.dense))
+
+    def group_owner(self, group: int) -> int:
+        return group % self.num_shards
+
+    def groups_of(self, shard: int) -> list[int]:
+        return [g for g in range(len(self.dense_groups)) if self.group_owner(g) == shard]
+
+    def dense_of(self, shard: int) -> list[str]:
+        return [name for g in self.groups_of(shard) for name in self.dense_groups[g]]
+
+    def table_of(self, param: str) -> str:
+        for table, params in self.table_params.items():
+            if param in params:
+                return table
+        raise KeyError(param)
+
+    def row_params(self) -> list[str]:
+        return [name for params in self.table_params.values() for name in params]

@@ -9,10 +9,11 @@ from services.lifecycle import RoleStatus
 class PsStatus(RoleStatus):
     shard: Optional[int] = None
     num_shards: Optional[int] = None
-    rows: Optional[int] = None             # vocabulary rows this shard owns
-    layers: Optional[list[int]] = None     # LSTM layers it holds
+    rows: Optional[int] = None                     # rows of every table this shard owns
+    tables: Optional[dict[str, int]] = None        # the same, per table
+    dense: Optional[list[str]] = None              # the dense tensors it holds
     model: Optional[dict[str, Any]] = None
-    steps: int = 0                         # updates applied
+    steps: int = 0                                 # updates applied
 
     def line(self) -> list[str]:
         return [f"shard {self.shard}/{self.num_shards}", f"{self.rows} rows", f"members {len(self.members or [])}"]

@@ -1,23 +1,25 @@
 """The trainer-side client of the parameter servers: the only place trainers touch RPC.
 
 It hides the fan-out: a lookup deduplicates ids, asks every owning shard in parallel and reassembles
-the batch; a decode asks every shard for its partials in parallel. Called inside a distributed
-autograd context, everything it returns carries the way back for gradients.
+the batch; an operation asks every shard in parallel. A training step is a ``StepSession``: inside
+its distributed autograd context everything fetched carries the way back for gradients, and
+``finish`` runs backward, clips the global gradient norm and has the servers apply the update —
+the step protocol in one place, so that another update rule changes only this and ``ps/update.py``.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.autograd as dist_autograd
 from torch.distributed.optim import DistributedOptimizer
 
 from ps.messages import ShardInfo
-from ps.modules import combine_partials
 from ps.service import ParameterServer, ServerOptimizer
 from ps.sharding import ShardPlan
-from ps.config import ModelConfig
 from services.errors import PeerUnavailable
 from services.remote import call_async, wait
 
@@ -34,12 +36,13 @@ class PsClient:
                                       f"expected shard {k} of {len(ps_names)}: check --num-ps everywhere")
             if info.model != infos[0].model:
                 raise PeerUnavailable(f"{ps_names[k]} hosts a different model than {ps_names[0]}")
-        self.model = ModelConfig.model_validate(infos[0].model)
-        self.plan = ShardPlan(len(ps_names), self.model.ntoken)
-        self.layer_owner = {layer: self.plan.layer_owner(layer) for layer in range(self.model.nlayers)}
-        self._dense_shards = sorted(set(self.layer_owner.values()))
+        self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
+        self.plans = {table: ShardPlan(len(ps_names), sum(i.tables[table] for i in infos)) for table in infos[0].tables}
+        self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
+        self._dense_shards = [k for k, info in enumerate(infos) if info.dense]
         rrefs = [wait(f) for f in [self._async(n, ParameterServer.param_rrefs) for n in ps_names]]
         self.param_rrefs = [r for shard in rrefs for r in shard]
+        self._optimizer: Optional[DistributedOptimizer] = None
 
     def _async(self, ps: str, method: Callable[..., Any], *args: Any) -> torch.futures.Future:
         return call_async(ps, method, *args, timeout=self.timeout)
@@ -48,28 +51,39 @@ class PsClient:
         """One method of one server, synchronously."""
         return wait(self._async(ps, method, *args))
 
-    def optimizer(self) -> DistributedOptimizer:
-        return DistributedOptimizer(ServerOptimizer, self.param_rrefs)
+    def step(self) -> "StepSession":
+        """A training step: ``with client.step() as step: ... step.finish(loss, clip)``."""
+        if self._optimizer is None:
+            self._optimizer = DistributedOptimizer(ServerOptimizer, self.param_rrefs)
+        return StepSession(self, self._optimizer)
 
-    def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Embeddings of ``ids`` [...] -> [..., emsize], and the LSTM weights, in one parallel round."""
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        parts = [(pos, self._async(self.ps_names[k], ParameterServer.lookup, shard_ids))
-                 for k, (pos, shard_ids) in enumerate(self.plan.partition(unique)) if pos.numel()]
-        dense = [self._async(self.ps_names[k], ParameterServer.dense_params) for k in self._dense_shards]
-        rows = torch.cat([wait(f) for _, f in parts])               # [unique, emsize], shard order
-        order = torch.cat([pos for pos, _ in parts])
-        by_unique = rows[torch.argsort(order)]                      # back to torch.unique's order
+    def fetch(self, lookups: dict[str, torch.Tensor], dense: bool = True
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Rows of table parameters (``lookups``: parameter -> ids [...] of its table; each result
+        [..., *row shape]) and, with ``dense``, every dense tensor, in one parallel round."""
+        pending = []
+        for param, ids in lookups.items():
+            unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+            table = self.table_of[param]
+            parts = [(pos, self._async(self.ps_names[k], ParameterServer.lookup, param, shard_ids))
+                     for k, (pos, shard_ids) in enumerate(self.plans[table].partition(unique)) if pos.numel()]
+            pending.append((param, ids.shape, inverse, parts))
+        dense_futures = [self._async(self.ps_names[k], ParameterServer.dense_params) for k in self._dense_shards] \
+            if dense else []
+        rows: dict[str, torch.Tensor] = {}
+        for key, shape, inverse, parts in pending:
+            found = torch.cat([wait(f) for _, f in parts])                # [unique, ...], shard order
+            order = torch.cat([pos for pos, _ in parts])
+            by_unique = found[torch.argsort(order)]                       # back to torch.unique's order
+            rows[key] = by_unique[inverse].view(*shape, *found.shape[1:])
         weights: dict[str, torch.Tensor] = {}
-        for f in dense:
+        for f in dense_futures:
             weights.update(wait(f))
-        return by_unique[inverse].view(*ids.shape, self.model.emsize), weights
+        return rows, weights
 
-    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of ``h`` [N, nhid] against ``targets`` [N], computed by the shards."""
-        futs = [self._async(n, ParameterServer.decode, h, targets) for n in self.ps_names]
-        results = [wait(f) for f in futs]
-        return combine_partials([r[0] for r in results], [r[1] for r in results])
+    def op(self, name: str, *args: Any) -> list[Any]:
+        """The model's server-side operation ``name`` on every shard at once; their answers in shard order."""
+        return [wait(f) for f in [self._async(n, ParameterServer.op, name, *args) for n in self.ps_names]]
 
     def clip_(self, context_id: int, max_norm: float) -> float:
         """Global gradient-norm clipping over every shard's gradients in ``context_id``."""
@@ -82,9 +96,44 @@ class PsClient:
         return norm
 
 
-def new_context() -> Any:
-    return dist_autograd.context()
+@dataclass
+class Finished:
+    """What ``StepSession.finish`` did, and how long each part took."""
+
+    grad_norm: float          # before clipping (nan when not clipped)
+    backward: float
+    clip: float
+    optimize: float
 
 
-def backward(context_id: int, loss: torch.Tensor) -> None:
-    dist_autograd.backward(context_id, [loss])
+class StepSession:
+    """One step's distributed autograd context, and its end: backward, clipping, the update."""
+
+    def __init__(self, client: PsClient, optimizer: DistributedOptimizer) -> None:
+        self.client, self._optimizer = client, optimizer
+        self._context: Any = None
+        self.context_id = -1
+
+    def __enter__(self) -> "StepSession":
+        self._context = dist_autograd.context()
+        self.context_id = self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._context.__exit__(*exc)
+
+    def fetch(self, lookups: dict[str, torch.Tensor], dense: bool = True
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return self.client.fetch(lookups, dense)
+
+    def finish(self, loss: torch.Tensor, clip: float) -> Finished:
+        """Send ``loss``'s gradients back to the servers, clip their global norm to ``clip`` (0:
+        off), and apply them."""
+        t0 = time.perf_counter()
+        dist_autograd.backward(self.context_id, [loss])
+        t1 = time.perf_counter()
+        norm = self.client.clip_(self.context_id, clip) if clip > 0 else float("nan")
+        t2 = time.perf_counter()
+        self._optimizer.step(self.context_id)
+        t3 = time.perf_counter()
+        return Finished(norm, t1 - t0, t2 - t1, t3 - t2)

@@ -43,8 +43,7 @@ _COMMON_FLAGS = ("threads", "log_level", "sidecar_host", "rpc_transport")
 class LauncherConfig(ConfigBase):
     """``rpcps up``: the launcher's own settings, whatever the workload."""
 
-    workload: str = Field("lm", description="which workload to run: "
-                          "lm (parameter servers and trainers), rl (the agent and its observers)")
+    workload: str = Field(description="which workload to run")
     as_json: bool = Field(False, description="print JSON lines instead of human progress",
                           json_schema_extra={"flag": "--json", "env": "RPCPS_JSON"})
     threads: int = Field(1, ge=1, description="torch threads per process")
@@ -62,8 +61,7 @@ class LauncherConfig(ConfigBase):
     resume_from: Optional[str] = Field(None, description="resume from this checkpoint (step-N or its path)")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
     final_checkpoint: bool = Field(True, description="take a checkpoint when stopping")
-    checkpoint_dir: Optional[Path] = Field(None, description="folder of the checkpoints (default: the workload's, "
-                                                            "checkpoints or checkpoints/rl)")
+    checkpoint_dir: Optional[Path] = Field(None, description="folder of the checkpoints (default: the workload's own)")
     control_token: Optional[SecretStr] = Field(None, description="bearer token for the sidecars' POST routes")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of every role")
 
@@ -110,8 +108,9 @@ def compose_up_config() -> type[LauncherConfig]:
         else:
             about = "; ".join(f"{name}: {info.description} (default {info.default})" for name, info in where)
         fields[setting] = (Optional[first.annotation], FieldInfo.merge_field_infos(first, default=None, description=about))
-    workload = LauncherConfig.model_fields["workload"]
-    fields["workload"] = (Literal[tuple(settings)], FieldInfo.merge_field_infos(workload))   # its choices on the command line
+    specs = workloads()
+    about = "which workload to run: " + ", ".join(f"{name} ({spec.help})" for name, spec in specs.items())
+    fields["workload"] = (Literal[tuple(specs)], Field(next(iter(specs)), description=about))
     composed = create_model("UpConfig", __base__=LauncherConfig, **fields)
     composed.workload_settings = settings
     return composed

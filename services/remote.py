@@ -150,7 +150,7 @@ def _checked(method: Callable[..., Any], service: object, args: tuple) -> list[A
         bound = sig.parameters.bind(service, *args)
     except TypeError as exc:
         raise BadRequest(f"{method.__name__}: {exc}") from None
-    values = []
+    values: list[Any] = []
     for name, value in list(bound.arguments.items())[1:]:
         adapter = sig.adapters.get(name)
         if adapter is not None:
@@ -161,7 +161,10 @@ def _checked(method: Callable[..., Any], service: object, args: tuple) -> list[A
                 where = "".join(f"[{p}]" for p in problem["loc"])
                 raise BadRequest(f"{method.__name__}: {name}{where}: {problem['msg']}, "
                                  f"got {_describe(problem['input'])}") from None
-        values.append(value)
+        if sig.parameters.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            values.extend(value)      # *args: passed on as they came
+        else:
+            values.append(value)
     return values
 
 

@@ -20,7 +20,6 @@ from services.config import CommonConfig
 from services.http_server import SidecarServer
 from services.lifecycle import RoleState
 from services.log import init_logging
-from services.metrics import Metrics
 from services.role import RoleContext
 from services.sidecar import create_app
 from services.workload import RoleSpec
@@ -45,7 +44,7 @@ def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     init_logging(cfg.name, cfg.log_level)
     torch.set_num_threads(cfg.threads)
     registry = CollectorRegistry()
-    context = RoleContext.build(cfg, spec.name, Metrics(registry, spec.name, cfg.name), spec.status)
+    context = RoleContext.build(cfg, spec.name, spec.metrics(registry, spec.name, cfg.name), spec.status)
     role: Role = spec.build()(cfg, context)
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
     stop = threading.Event()

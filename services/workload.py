@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional, Protocol
 
 from pydantic import BaseModel
 
+from services.metrics import Metrics
+
 GROUP = "rpcps.workloads"
 
 
@@ -34,6 +36,7 @@ class RoleSpec:
     help: str
     indexed: bool = True       # named ps0, ps1, … (False: the one agent)
     episodes: bool = False     # its work comes in episodes that `rpcps episode start|stop` controls
+    metrics: type[Metrics] = Metrics   # its metric families (every role's, and its own)
 
     def build(self) -> Callable[..., Any]:
         return _resolve(self.factory)

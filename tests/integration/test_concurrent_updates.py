@@ -6,9 +6,9 @@ with every update applied once, in any order; replaying them in one process give
 import pytest
 import torch
 
-from ps.config import ModelConfig
 from tests.support.cluster import SMALL_MODEL
 from tests.support.driver import hammer_batch, local_parameters
+from trainer.lm.config import LmModelConfig as ModelConfig
 from trainer.lm.model import LocalLM
 
 TRAINERS, STEPS = 3, 30

@@ -13,13 +13,12 @@ import torch
 
 from ps.config import ps_names
 from ps.service import ParameterServer
-from ps.stub import PsClient, backward, new_context
+from ps.stub import PsClient
 from services.log import init_logging
 from services.membership import Membership, current_members
-from services.remote import wait
 from services.rpc import RpcEndpoint
 from tests.support.wait import wait_until
-from trainer.lm.config import TrainerConfig
+from trainer.lm.config import LmModelConfig, TrainerConfig
 from trainer.lm.data import BatchStream
 from trainer.lm.loop import TrainLoop
 from trainer.lm.model import DistributedLM, LocalLM, init_hidden
@@ -27,7 +26,7 @@ from trainer.lm.model import DistributedLM, LocalLM, init_hidden
 
 def full_parameters(client: PsClient) -> dict[str, torch.Tensor]:
     """Reassemble the whole model's parameters from every shard."""
-    m, plan = client.model, client.plan
+    m, plan = LmModelConfig.model_validate(client.model), client.plans["vocabulary"]
     full = {"embedding.weight": torch.empty(m.ntoken, m.emsize), "decoder.weight": torch.empty(m.ntoken, m.nhid),
             "decoder.bias": torch.empty(m.ntoken)}
     for k, name in enumerate(client.ps_names):
@@ -49,10 +48,11 @@ def local_parameters(model: LocalLM) -> dict[str, torch.Tensor]:
 def equivalence(client: PsClient, args: argparse.Namespace) -> dict:
     cfg = TrainerConfig(name=args.name, num_ps=args.num_ps, batch_size=4, bptt=5, dropout=0.0, clip=args.clip)
     g = torch.Generator().manual_seed(7)
-    data = torch.randint(0, client.model.ntoken, (cfg.bptt * args.steps + 1, cfg.batch_size), generator=g)
-    dist_loop = TrainLoop(DistributedLM(client, 0.0), client.optimizer(), BatchStream(data, cfg.bptt), cfg)
-    local = LocalLM(client.model, 0.0)
-    local_stream, hidden = BatchStream(data, cfg.bptt), init_hidden(client.model, cfg.batch_size)
+    model = LmModelConfig.model_validate(client.model)
+    data = torch.randint(0, model.ntoken, (cfg.bptt * args.steps + 1, cfg.batch_size), generator=g)
+    dist_loop = TrainLoop(DistributedLM(client, 0.0), BatchStream(data, cfg.bptt), cfg)
+    local = LocalLM(model, 0.0)
+    local_stream, hidden = BatchStream(data, cfg.bptt), init_hidden(model, cfg.batch_size)
     initial = full_parameters(client)
     initial_diff = _max_diffs(initial, local_parameters(local))
     losses = []
@@ -73,17 +73,16 @@ def _max_diffs(a: dict, b: dict) -> dict:
 
 def hammer(client: PsClient, args: argparse.Namespace) -> dict:
     """Steps whose gradients do not depend on the parameters, so the exact end state is known."""
-    optimizer = client.optimizer()
-    ids, targets = hammer_batch(client.model.ntoken)
-    h = torch.ones(targets.numel(), client.model.nhid)
+    model = LmModelConfig.model_validate(client.model)
+    ids, targets = hammer_batch(model.ntoken)
+    h = torch.ones(targets.numel(), model.nhid)
     for _ in range(args.steps):
-        with new_context() as context_id:
-            emb, weights = client.fetch(ids)
-            parts = [client._async(n, ParameterServer.decode, h, targets) for n in client.ps_names]
+        with client.step() as step:
+            rows, weights = step.fetch({"embedding.weight": ids})
+            parts = client.op("decode", h, targets)
             # Only the target logits: their gradient is one-hot, whatever the parameters are.
-            loss = emb.sum() + sum(w.sum() for w in weights.values()) + sum(wait(f)[1].sum() for f in parts)
-            backward(context_id, loss)
-            optimizer.step(context_id)
+            loss = rows["embedding.weight"].sum() + sum(w.sum() for w in weights.values()) + sum(p[1].sum() for p in parts)
+            step.finish(loss, clip=0.0)
     return {"steps": args.steps}
 
 
@@ -99,21 +98,24 @@ def inspect(client: PsClient, args: argparse.Namespace) -> dict:
 
 
 def bad(client: PsClient, args: argparse.Namespace) -> dict:
-    ps, m = client.ps_names[0], client.model
+    ps, m = client.ps_names[0], LmModelConfig.model_validate(client.model)
+    lookup, decode, emb = ParameterServer.lookup, ParameterServer.op, "embedding.weight"
     cases = {
-        "float ids": (ParameterServer.lookup, torch.tensor([0.0, 1.0])),
-        "2-d ids": (ParameterServer.lookup, torch.zeros(2, 2, dtype=torch.long)),
-        "negative id": (ParameterServer.lookup, torch.tensor([-1])),
-        "id past vocab": (ParameterServer.lookup, torch.tensor([m.ntoken + 5])),
-        "id of another shard": (ParameterServer.lookup, torch.tensor([1])) if len(client.ps_names) > 1 else (ParameterServer.lookup, torch.tensor([], dtype=torch.long)),
-        "empty ids": (ParameterServer.lookup, torch.tensor([], dtype=torch.long)),
-        "not a tensor": (ParameterServer.lookup, [0, 2]),
-        "h wrong width": (ParameterServer.decode, torch.zeros(3, m.nhid + 1), torch.tensor([0, 1, 2])),
-        "targets length": (ParameterServer.decode, torch.zeros(3, m.nhid), torch.tensor([0, 1])),
-        "target out of range": (ParameterServer.decode, torch.zeros(2, m.nhid), torch.tensor([0, m.ntoken])),
+        "float ids": (lookup, emb, torch.tensor([0.0, 1.0])),
+        "2-d ids": (lookup, emb, torch.zeros(2, 2, dtype=torch.long)),
+        "negative id": (lookup, emb, torch.tensor([-1])),
+        "id past vocab": (lookup, emb, torch.tensor([m.ntoken + 5])),
+        "id of another shard": (lookup, emb, torch.tensor([1])) if len(client.ps_names) > 1 else (lookup, emb, torch.tensor([], dtype=torch.long)),
+        "empty ids": (lookup, emb, torch.tensor([], dtype=torch.long)),
+        "not a tensor": (lookup, emb, [0, 2]),
+        "no such table": (lookup, "embedding.bias", torch.tensor([0])),
+        "h wrong width": (decode, "decode", torch.zeros(3, m.nhid + 1), torch.tensor([0, 1, 2])),
+        "targets length": (decode, "decode", torch.zeros(3, m.nhid), torch.tensor([0, 1])),
+        "target out of range": (decode, "decode", torch.zeros(2, m.nhid), torch.tensor([0, m.ntoken])),
+        "no such operation": (decode, "encode", torch.zeros(2, m.nhid)),
         "unknown context": (ParameterServer.grad_sq_norm, 123456789),
         "not a remote method": (ParameterServer.export_state,),
-        "missing argument": (ParameterServer.lookup,),
+        "missing argument": (lookup, emb),
     }
     results = {}
     for case, (method, *a) in cases.items():
@@ -123,7 +125,7 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
         except Exception as exc:
             results[case] = {"error": type(exc).__name__, "message": str(exc).splitlines()[0]}
     # ...and the server still answers a good request.
-    rows = client.call(ps, ParameterServer.lookup, torch.tensor([0, 2 * len(client.ps_names)]))
+    rows = client.call(ps, ParameterServer.lookup, emb, torch.tensor([0, 2 * len(client.ps_names)]))
     return {"cases": results, "good_rows": list(rows.shape)}
 
 

@@ -106,3 +106,55 @@ def test_no_print_in_roles():
         calls = [n for n in ast.walk(ast.parse(path.read_text()))
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print"]
         assert not calls, f"print() in {rel}"
+
+
+def test_the_parameter_server_knows_no_workload():
+    offenders = {rel: sorted(m for m in imported_modules(path) if m.split(".")[0] == "trainer")
+                 for rel, path in sources() if rel.startswith("ps/")}
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
+# Words a workload's settings or status use that shared code also uses in their ordinary sense.
+SHARED_WORDS = {
+    "step": "the cluster's step: checkpoints and the servers' update counter",
+    "steps": "the HTTP API's episode body ({\"steps\": N}) and counts of steps",
+    "episode": "the HTTP API's episode routes", "episodes": "the HTTP API's episode body ({\"episodes\": N})",
+    "id": "checkpoint ids", "model": "what a server hosts (its ModelSpec's meta)",
+    "optimizer": "the update rule (a ModelSpec names its optimizer)", "lr": "the update rule's learning rate",
+    "loss": "the step protocol (StepSession.finish)", "clip": "the step protocol's gradient clipping",
+    "grad_norm": "the step protocol's result", "data": "file contents", "env": "environment variables",
+    "start": "threads", "done": "events", "finished": "events",
+}
+
+
+def test_nothing_outside_a_workload_names_its_settings_or_status_keys():
+    # A workload's own names: fields of its settings and /status declared only in its folder.
+    from services.workload import workloads
+    declared: dict[str, set[str]] = {}          # field -> the modules of the classes declaring it
+    for spec in workloads().values():
+        for model in [spec.up] + [r.config for r in spec.roles] + [r.status for r in spec.roles]:
+            for info_model in [model, *(m for i in model.model_fields.values() for m in _models_in(i.annotation))]:
+                for cls in info_model.__mro__:
+                    for field in getattr(cls, "__annotations__", {}):
+                        declared.setdefault(field, set()).add(cls.__module__)
+    owned = {field: modules.pop().split(".")[1] for field, modules in declared.items()
+             if all(m.startswith("trainer.") for m in modules) and len({m.split(".")[1] for m in modules}) == 1
+             and field not in SHARED_WORDS}
+    assert {"emsize", "bptt", "ntoken", "observers", "running_reward", "loss_avg", "tokens_per_s"} <= owned.keys(), owned
+    offenders = []
+    for rel, path in sources():
+        if not rel.startswith(("services/", "ps/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                    else node.arg if isinstance(node, (ast.arg, ast.keyword)) and node.arg
+                    else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+            if name in owned:
+                offenders.append(f"{rel}:{node.lineno} {name!r} ({owned[name]})")
+    assert not offenders, offenders
+
+
+def _models_in(annotation) -> list[type]:
+    import typing
+    from pydantic import BaseModel
+    return [a for a in (annotation, *typing.get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]

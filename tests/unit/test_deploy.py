@@ -85,13 +85,16 @@ def test_the_token_comes_from_the_environment_never_the_image():
 
 def exported_metric_names() -> set[str]:
     """Every series name an rpcps role can export (all role families initialised)."""
+    from ps.metrics import PsMetrics
     from ps.service import ParameterServer
-    from services.metrics import Metrics
     from services.remote import remote_methods
-    registry = CollectorRegistry()
-    metrics = Metrics(registry, "ps", "ps0")
-    metrics.init_ps(remote_methods(ParameterServer)), metrics.init_trainer(), metrics.init_rl()
-    return {sample.name for family in registry.collect() for sample in family.samples}
+    from trainer.lm.metrics import TrainerMetrics
+    from trainer.rl.metrics import RlMetrics
+    registries = [CollectorRegistry() for _ in range(3)]     # one per kind of role, as in their processes
+    PsMetrics(registries[0], "ps", "ps0").init_ps(remote_methods(ParameterServer))
+    TrainerMetrics(registries[1], "trainer", "trainer0")
+    RlMetrics(registries[2], "agent", "agent")
+    return {sample.name for registry in registries for family in registry.collect() for sample in family.samples}
 
 
 def test_grafana_dashboard_queries_are_valid_promql_over_real_series(tmp_path):

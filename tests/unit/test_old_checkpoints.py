@@ -9,12 +9,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from ps.metrics import PsMetrics
 from ps.participant import shard_files
 from ps.service import ParameterServer
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.store import CheckpointStore
-from ps.config import ModelConfig
-from services.metrics import Metrics
+from trainer.lm.config import LmModelConfig
+from trainer.lm.model import model_spec
 from trainer.lm.position import resume_point
 from trainer.rl.policy import Learner, LearnerConfig
 
@@ -37,12 +38,13 @@ def whole(shards: list[dict], part: str) -> dict[str, torch.Tensor]:
     """Every parameter (``part="params"``) or Adagrad sum (``"optim"``) of the cluster, rows by global id."""
     out: dict[str, torch.Tensor] = {}
     for shard in shards:
+        ids = shard["tables"]["vocabulary"] if "tables" in shard else shard["global_ids"]   # today's, and e73f547's
         for name, value in shard[part].items():
             value = value["sum"] if part == "optim" else value
             if name in ROW_PARAMS:
                 if name not in out:
                     out[name] = torch.empty(shard["model"]["ntoken"], *value.shape[1:])
-                out[name][shard["global_ids"]] = value
+                out[name][ids] = value
             else:
                 out[name] = value
     return out
@@ -51,13 +53,13 @@ def whole(shards: list[dict], part: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("num_ps", [2, 1, 3])
 def test_language_model_shards_restore_identical(lm_store, num_ps):
     info = lm_store.latest_valid()
-    model = ModelConfig.model_validate(info.meta["model"])
+    spec = model_spec(LmModelConfig.model_validate(info.meta["model"]))
     servers = []
     for shard in range(num_ps):
         resumed, server = restore_newest(lm_store, True, None,
-                                         lambda info, k=shard: shard_files(info, model.model_dump(), k, num_ps),
+                                         lambda info, k=shard: shard_files(info, spec, k, num_ps),
                                          lambda states, k=shard: ParameterServer(
-                                             f"ps{k}", k, num_ps, model, Metrics(CollectorRegistry(), "ps", f"ps{k}"),
+                                             f"ps{k}", k, num_ps, spec, PsMetrics(CollectorRegistry(), "ps", f"ps{k}"),
                                              restore=states))
         assert resumed is not None and resumed.id == "step-12"
         assert server.optimizer.steps == 12

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -30,6 +30,10 @@ class Counter(Service, abc.ABC):
     @remote.remote
     def broken(self) -> None:
         return {}["missing"]
+
+    @remote.remote
+    def apply(self, name: str, *args: Any) -> tuple:
+        return (name, *args)
 
     def not_remote(self) -> str:
         return "must never run for a caller"
@@ -65,7 +69,8 @@ def test_a_call_names_the_surface_method_and_runs_the_served_override(served):
     assert _invoke(Counter.add, "trainer0", 2) == 2
     assert _invoke(Counter.add, "trainer1", 3, "note") == 5
     assert served.calls[:2] == [("before", "trainer0", "add"), ("after", "add", True)]
-    assert remote_methods(Counter) == ["add", "scale", "rows", "broken"]
+    assert remote_methods(Counter) == ["add", "scale", "rows", "broken", "apply"]
+    assert _invoke(Counter.apply, "t", "decode", 1, [2]) == ("decode", 1, [2])      # *args pass through
 
 
 @pytest.mark.parametrize("args, says", [

@@ -2,15 +2,17 @@
 import torch
 from prometheus_client import CollectorRegistry
 
+from ps.metrics import PsMetrics
 from ps.service import ParameterServer
-from ps.config import ModelConfig
-from services.metrics import Metrics
+from trainer.lm.config import LmModelConfig
+from trainer.lm.model import model_spec
 
-MODEL = ModelConfig(ntoken=50, emsize=8, nhid=8, nlayers=3, lr=0.1, optimizer="adagrad")
+MODEL = LmModelConfig(ntoken=50, emsize=8, nhid=8, nlayers=3, lr=0.1, optimizer="adagrad")
 
 
 def servers(num, restore=None):
-    return [ParameterServer(f"ps{k}", k, num, MODEL, Metrics(CollectorRegistry(), "ps", f"ps{k}"), restore=restore)
+    return [ParameterServer(f"ps{k}", k, num, model_spec(MODEL), PsMetrics(CollectorRegistry(), "ps", f"ps{k}"),
+                            restore=restore)
             for k in range(num)]
 
 
@@ -25,7 +27,7 @@ def train_a_little(server):
 def full_view(group):
     out = {}
     for s in group:
-        rows = s.plan.global_ids(s.shard)
+        rows = s.layout.plans["vocabulary"].global_ids(s.shard)
         for name, p in zip(s.param_names, s.optimizer.params):
             state = s.optimizer.optimizer.state.get(p, {})
             if name in ("embedding.weight", "decoder.weight", "decoder.bias"):

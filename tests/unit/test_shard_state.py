@@ -1,10 +1,19 @@
 import pytest
 import torch
 
-from ps.sharding import ShardPlan
-from ps.state import ROW_PARAMS, export_shard, gather_shard
+from ps.sharding import Layout
+from ps.spec import DenseGroup, ModelSpec, Table
+from ps.state import export_shard, gather_shard
 
 NTOKEN, EM, NHID, NLAYERS = 23, 3, 4, 3
+ROW_PARAMS = ("embedding.weight", "decoder.weight", "decoder.bias")
+
+
+def layout(num_shards, ntoken=NTOKEN):
+    """The language model's shape: one vocabulary table of three parameters, a dense group per layer."""
+    spec = ModelSpec({"vocabulary": Table(ntoken, {n: () for n in ROW_PARAMS}, dict)},
+                     tuple(DenseGroup({f"weight_ih_l{layer}": ()}, dict) for layer in range(NLAYERS)))
+    return Layout.of(spec, num_shards)
 
 
 def full_model():
@@ -18,16 +27,17 @@ def full_model():
 
 def shard_states(num_shards):
     params, optim = full_model()
-    plan = ShardPlan(num_shards, NTOKEN)
+    lay = layout(num_shards)
+    plan = lay.plans["vocabulary"]
     out = []
     for k in range(num_shards):
         rows = plan.global_ids(k)
         sp = {n: params[n][rows] for n in ROW_PARAMS}
         so = {n: {"sum": optim[n]["sum"][rows], "step": optim[n]["step"]} for n in ROW_PARAMS}
-        for layer in plan.layers_of(k, NLAYERS):
-            sp[f"weight_ih_l{layer}"] = params[f"weight_ih_l{layer}"]
-            so[f"weight_ih_l{layer}"] = optim[f"weight_ih_l{layer}"]
-        out.append(export_shard(k, plan, {"ntoken": NTOKEN}, 42, sp, so))
+        for name in lay.dense_of(k):
+            sp[name] = params[name]
+            so[name] = optim[name]
+        out.append(export_shard(k, lay, {"ntoken": NTOKEN}, 42, sp, so))
     return out
 
 
@@ -35,12 +45,12 @@ def shard_states(num_shards):
 def test_resharding_reassembles_exactly_the_saved_model(old, new):
     params, optim = full_model()
     states = shard_states(old)
-    plan = ShardPlan(new, NTOKEN)
+    lay = layout(new)
+    plan = lay.plans["vocabulary"]
     seen_dense = set()
     for k in range(new):
-        layers = tuple(plan.layers_of(k, NLAYERS))
-        dense = [f"weight_ih_l{layer}" for layer in layers]
-        p, o, steps = gather_shard(states, plan, k, layers, dense)
+        dense = lay.dense_of(k)
+        p, o, steps = gather_shard(states, lay, k)
         rows = plan.global_ids(k)
         assert steps == 42
         for n in ROW_PARAMS:
@@ -54,16 +64,16 @@ def test_resharding_reassembles_exactly_the_saved_model(old, new):
 def test_missing_shard_or_other_model_is_refused():
     states = shard_states(3)
     with pytest.raises(ValueError, match="every old shard"):
-        gather_shard(states[:2], ShardPlan(2, NTOKEN), 0, (0,), ["weight_ih_l0"])
+        gather_shard(states[:2], layout(2), 0)
     with pytest.raises(ValueError, match="vocabulary rows"):
-        gather_shard(states, ShardPlan(2, NTOKEN + 1), 0, (0,), ["weight_ih_l0"])
+        gather_shard(states, layout(2, NTOKEN + 1), 0)
 
 
 def test_same_shape_restores_from_the_shards_own_file_alone():
     params, optim = full_model()
     states = shard_states(2)
-    plan = ShardPlan(2, NTOKEN)
-    p, o, steps = gather_shard([states[1]], plan, 1, (1,), ["weight_ih_l1"])
+    plan = layout(2).plans["vocabulary"]
+    p, o, steps = gather_shard([states[1]], layout(2), 1)
     rows = plan.global_ids(1)
     assert steps == 42 and torch.equal(p["decoder.bias"], params["decoder.bias"][rows])
     assert torch.equal(o["embedding.weight"]["sum"], optim["embedding.weight"]["sum"][rows])

@@ -2,8 +2,8 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-from ps.modules import DecoderShard, combine_partials
 from ps.sharding import ShardPlan
+from trainer.lm.softmax import DecoderShard, combine_partials
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 5])
@@ -57,7 +57,7 @@ def test_softmax_partials_equal_cross_entropy_and_its_gradients(shards):
 
 
 def test_buffer_pool_reuses_by_size_and_never_hands_out_one_buffer_twice():
-    from ps.modules import BufferPool
+    from ps.tables import BufferPool
 
     pool = BufferPool(keep=2)
     a, b = pool.take(10, 10), pool.take(25, 10)

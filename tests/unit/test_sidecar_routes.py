@@ -4,9 +4,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.metrics import Metrics
 from services.sidecar import create_app
 from tests.support.fakes import FakeControl
+from trainer.lm.metrics import TrainerMetrics
 
 
 def request(app, method, path, **kw):
@@ -24,8 +24,7 @@ def control():
 @pytest.fixture
 def registry():
     r = CollectorRegistry()
-    m = Metrics(r, "trainer", "trainer0")
-    m.init_trainer()
+    m = TrainerMetrics(r, "trainer", "trainer0")
     m.steps.inc(3)
     return r
 

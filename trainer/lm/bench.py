@@ -51,12 +51,12 @@ def _tokens(data: Path | None, ntoken: int):
 def bench_local(args: dict, data: Path | None) -> dict:
     """One process, every core: the reference throughput."""
     import torch
-    from ps.config import ModelConfig
+    from trainer.lm.config import LmModelConfig
     from trainer.lm.data import BatchStream, batchify
     from trainer.lm.model import LocalLM, init_hidden
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model_cfg = ModelConfig(ntoken=args["ntoken"], emsize=args["emsize"], nhid=args["nhid"], nlayers=args["nlayers"])
+    model_cfg = LmModelConfig(ntoken=args["ntoken"], emsize=args["emsize"], nhid=args["nhid"], nlayers=args["nlayers"])
     model = LocalLM(model_cfg, args["dropout"])
     stream = BatchStream(batchify(_tokens(data, args["ntoken"]), args["batch_size"]), args["bptt"])
     hidden = init_hidden(model_cfg, args["batch_size"])

@@ -1,4 +1,5 @@
-"""The language-model workload's settings: its trainers', and what `rpcps up --workload lm` takes."""
+"""The language-model workload's settings: its model, its servers' and trainers', and what
+`rpcps up --workload lm` takes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,8 +7,36 @@ from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
-from ps.config import ServersConfig
+from ps.config import PsConfig, ServersConfig
 from services.config import ConfigBase
+
+
+class LmModelConfig(ConfigBase):
+    """The model's shape and training rule: the servers' truth (their ``ModelSpec.meta``), which
+    trainers fetch on join."""
+
+    ntoken: int = Field(ge=2, description="vocabulary size (rows of the embedding and decoder)")
+    emsize: int = Field(200, ge=1)
+    nhid: int = Field(200, ge=1)
+    nlayers: int = Field(2, ge=1)
+    init_range: float = Field(0.1, gt=0)
+    seed: int = 1111
+    optimizer: Literal["sgd", "adagrad"] = "sgd"
+    lr: float = Field(20.0, gt=0)
+
+
+class LmServerConfig(PsConfig):
+    """`rpcps ps`: a parameter server hosting the language model."""
+
+    ntoken: Optional[int] = Field(None, ge=2, description="vocabulary size; default: from --data")
+    data: Optional[Path] = Field(None, description="corpus folder, read only to size the vocabulary")
+    emsize: int = Field(200, ge=1, description="embedding size")
+    nhid: int = Field(200, ge=1, description="LSTM hidden size")
+    nlayers: int = Field(2, ge=1, le=16, description="LSTM layers")
+    init_range: float = Field(0.1, gt=0, description="uniform init range of embedding and decoder")
+    seed: int = Field(1111, description="seed of the parameter init")
+    optimizer: Literal["sgd", "adagrad"] = Field("sgd", description="the servers' optimizer (both take sparse grads)")
+    lr: float = Field(20.0, gt=0, description="learning rate")
 
 
 class TrainerConfig(ServersConfig):

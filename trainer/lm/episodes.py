@@ -15,8 +15,8 @@ import torch
 from trainer.lm.config import TrainerConfig
 from services.control import EpisodeGate, EpisodeStart, StepPause
 from services.lifecycle import RoleState, StatusBoard
-from services.metrics import Metrics
 from trainer.lm.loop import EvalResult, StepResult, TrainLoop
+from trainer.lm.metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class _Throughput:
 
 
 class EpisodeRunner:
-    def __init__(self, loop: TrainLoop, cfg: TrainerConfig, board: StatusBoard, metrics: Metrics,
+    def __init__(self, loop: TrainLoop, cfg: TrainerConfig, board: StatusBoard, metrics: TrainerMetrics,
                  gate: EpisodeGate, pause: StepPause, wake: threading.Condition,
                  heldout: Optional[torch.Tensor], heartbeat: Callable[[], Any], steps: int = 0) -> None:
         self.loop, self.cfg, self.board, self.metrics = loop, cfg, board, metrics

@@ -1,4 +1,5 @@
-"""One trainer's training and evaluation steps against the servers; no HTTP, no process concerns."""
+"""One trainer's training and evaluation steps against the servers: fetch, compute, finish (the
+step protocol is ``ps/stub.py``'s ``StepSession``); no HTTP, no process concerns."""
 from __future__ import annotations
 
 import math
@@ -8,10 +9,9 @@ from typing import Optional
 
 import torch
 
-from ps.stub import backward, new_context
 from trainer.lm.config import TrainerConfig
-from services.metrics import Metrics
 from trainer.lm.data import BatchStream, batchify
+from trainer.lm.metrics import TrainerMetrics
 from trainer.lm.model import DistributedLM, Hidden, init_hidden
 
 
@@ -39,33 +39,29 @@ class EvalResult:
 
 
 class TrainLoop:
-    def __init__(self, model: DistributedLM, optimizer, stream: BatchStream, cfg: TrainerConfig,
-                 metrics: Optional[Metrics] = None) -> None:
-        self.model, self.optimizer, self.stream, self.cfg = model, optimizer, stream, cfg
+    def __init__(self, model: DistributedLM, stream: BatchStream, cfg: TrainerConfig,
+                 metrics: Optional[TrainerMetrics] = None) -> None:
+        self.model, self.stream, self.cfg = model, stream, cfg
         self.metrics = metrics
-        self.hidden: Hidden = init_hidden(model.client.model, cfg.batch_size)
+        self.hidden: Hidden = init_hidden(model.config, cfg.batch_size)
 
     def step(self) -> StepResult:
         x, y, wrapped = self.stream.next()
         if wrapped:  # a new pass over the text: the carried state belongs to its end
-            self.hidden = init_hidden(self.model.client.model, self.cfg.batch_size)
+            self.hidden = init_hidden(self.model.config, self.cfg.batch_size)
         self.model.train()
-        phases: dict[str, float] = {}
         t0 = time.perf_counter()
-        with new_context() as context_id:
+        with self.model.client.step() as step:
             emb, weights = self.model.fetch(x)
             t_fetch = time.perf_counter()
             loss, hidden = self.model.compute(emb, weights, y, self.hidden)
-            t1 = time.perf_counter()
-            backward(context_id, loss)
-            t2 = time.perf_counter()
-            norm = self.model.client.clip_(context_id, self.cfg.clip) if self.cfg.clip > 0 else float("nan")
-            t3 = time.perf_counter()
-            self.optimizer.step(context_id)
-            t4 = time.perf_counter()
+            t_forward = time.perf_counter()
+            done = step.finish(loss, self.cfg.clip)
+        total = time.perf_counter() - t0
         self.hidden = (hidden[0].detach(), hidden[1].detach())
-        phases.update(fetch=t_fetch - t0, forward=t1 - t_fetch, backward=t2 - t1, clip=t3 - t2, optimize=t4 - t3, total=t4 - t0)
-        result = StepResult(float(loss.detach()), x.numel(), t4 - t0, norm, phases)
+        phases = {"fetch": t_fetch - t0, "forward": t_forward - t_fetch, "backward": done.backward, "clip": done.clip,
+                  "optimize": done.optimize, "total": total}
+        result = StepResult(float(loss.detach()), x.numel(), total, done.grad_norm, phases)
         if self.metrics is not None:
             for phase, seconds in phases.items():
                 self.metrics.observe_phase(phase, seconds)
@@ -77,7 +73,7 @@ class TrainLoop:
     def evaluate(self, heldout: torch.Tensor, should_stop=lambda: False) -> EvalResult:
         data = batchify(heldout, self.cfg.eval_batch_size)
         stream = BatchStream(data, self.cfg.bptt)
-        hidden = init_hidden(self.model.client.model, self.cfg.eval_batch_size)
+        hidden = init_hidden(self.model.config, self.cfg.eval_batch_size)
         self.model.eval()
         total, tokens = 0.0, 0
         with torch.no_grad():

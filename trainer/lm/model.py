@@ -1,11 +1,18 @@
-"""The word-level LSTM language model, two ways with the same math and the same initial parameters:
+"""The word-level LSTM language model: what the servers host (``model_spec``), and the model two
+ways with the same math and the same initial parameters:
 
 * ``DistributedLM``: the trainer's view. Embeddings, LSTM weights and the decoder live on the servers;
-  each step fetches the current values and the loss comes from the shards' partial results.
+  each step fetches the current values and the loss comes from the shards' partial results
+  (``trainer/lm/softmax.py``).
 * ``LocalLM``: the whole model in one process, the reference for equivalence tests and benchmarks.
+
+Initialisation is defined for the whole model (one seeded stream per tensor), and each shard takes
+its slice, so a sharded cluster starts from exactly the one-process model's parameters.
 """
 from __future__ import annotations
 
+import math
+import zlib
 from typing import Optional
 
 import torch
@@ -13,15 +20,60 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from ps.modules import init_decoder, init_embedding, init_lstm_layer
-from ps.optim import grad_sq_norm, make_optimizer
+from ps.spec import DenseGroup, ModelSpec, Table
 from ps.stub import PsClient
-from ps.config import ModelConfig
+from ps.update import grad_sq_norm, make_optimizer
+from trainer.lm.config import LmModelConfig
+from trainer.lm.softmax import DECODER, VOCABULARY, Decode, combine_partials
 
 Hidden = tuple[torch.Tensor, torch.Tensor]
+EMBEDDING = "embedding.weight"
+COMPATIBLE = ("ntoken", "emsize", "nhid", "nlayers", "optimizer")   # a checkpoint's model must match in these
 
 
-def init_hidden(model: ModelConfig, batch_size: int) -> Hidden:
+def _generator(cfg: LmModelConfig, tag: str) -> torch.Generator:
+    # One stream per tensor, so a shard can build its part without drawing everyone else's.
+    return torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(tag.encode()))
+
+
+def init_embedding(cfg: LmModelConfig) -> torch.Tensor:
+    """[ntoken, emsize]"""
+    return torch.empty(cfg.ntoken, cfg.emsize).uniform_(-cfg.init_range, cfg.init_range, generator=_generator(cfg, "emb"))
+
+
+def init_decoder(cfg: LmModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [ntoken, nhid], bias [ntoken]"""
+    w = torch.empty(cfg.ntoken, cfg.nhid).uniform_(-cfg.init_range, cfg.init_range, generator=_generator(cfg, "dec"))
+    return w, torch.zeros(cfg.ntoken)
+
+
+def lstm_shapes(cfg: LmModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    inp = cfg.emsize if layer == 0 else cfg.nhid
+    return {f"weight_ih_l{layer}": (4 * cfg.nhid, inp), f"weight_hh_l{layer}": (4 * cfg.nhid, cfg.nhid),
+            f"bias_ih_l{layer}": (4 * cfg.nhid,), f"bias_hh_l{layer}": (4 * cfg.nhid,)}
+
+
+def init_lstm_layer(cfg: LmModelConfig, layer: int) -> dict[str, torch.Tensor]:
+    """nn.LSTM's own rule (uniform ±1/sqrt(nhid)), drawn from a per-layer stream."""
+    g = _generator(cfg, f"lstm{layer}")
+    k = 1.0 / math.sqrt(cfg.nhid)
+    return {n: torch.empty(s).uniform_(-k, k, generator=g) for n, s in lstm_shapes(cfg, layer).items()}
+
+
+def model_spec(cfg: LmModelConfig) -> ModelSpec:
+    """What the servers host: one vocabulary table (embedding and decoder rows), an LSTM layer per
+    dense group, and the decoder's sharded softmax as the ``decode`` operation."""
+    def vocabulary() -> dict[str, torch.Tensor]:
+        return {EMBEDDING: init_embedding(cfg), **dict(zip(DECODER, init_decoder(cfg)))}
+
+    table = Table(cfg.ntoken, {EMBEDDING: (cfg.emsize,), DECODER[0]: (cfg.nhid,), DECODER[1]: ()}, vocabulary)
+    layers = tuple(DenseGroup(lstm_shapes(cfg, layer), lambda layer=layer: init_lstm_layer(cfg, layer))
+                   for layer in range(cfg.nlayers))
+    return ModelSpec({VOCABULARY: table}, layers, {"decode": Decode(cfg.nhid)}, cfg.optimizer, cfg.lr,
+                     meta=cfg.model_dump(), compatible=COMPATIBLE)
+
+
+def init_hidden(model: LmModelConfig, batch_size: int) -> Hidden:
     """(h, c), each [nlayers, batch, nhid]"""
     z = torch.zeros(model.nlayers, batch_size, model.nhid)
     return z, z.clone()
@@ -30,7 +82,7 @@ def init_hidden(model: ModelConfig, batch_size: int) -> Hidden:
 class _Body(nn.Module):
     """Dropout, LSTM, dropout: the part of a step both models compute in the trainer's process."""
 
-    def __init__(self, model: ModelConfig, dropout: float) -> None:
+    def __init__(self, model: LmModelConfig, dropout: float) -> None:
         super().__init__()
         self.dropout = dropout
         self.lstm = nn.LSTM(model.emsize, model.nhid, model.nlayers, dropout=dropout)
@@ -50,25 +102,28 @@ class DistributedLM(nn.Module):
     def __init__(self, client: PsClient, dropout: float) -> None:
         super().__init__()
         self.client = client
-        self.body = _Body(client.model, dropout)
+        self.config = LmModelConfig.model_validate(client.model)
+        self.body = _Body(self.config, dropout)
         for p in self.body.parameters():
             p.requires_grad_(False)  # a skeleton only: the weights used are the servers'
 
     def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The servers' current embeddings of ``ids`` and LSTM weights."""
-        return self.client.fetch(ids)
+        """The servers' current embeddings of ``ids`` and LSTM weights, in one parallel round."""
+        rows, weights = self.client.fetch({EMBEDDING: ids})
+        return rows[EMBEDDING], weights
 
     def compute(self, emb: torch.Tensor, weights: dict[str, torch.Tensor], targets: torch.Tensor,
                 hidden: Hidden) -> tuple[torch.Tensor, Hidden]:
         out, hidden = self.body.run(emb, hidden, weights)
-        return self.client.loss(out, targets.reshape(-1)), hidden
+        partials = self.client.op("decode", out, targets.reshape(-1))
+        return combine_partials([p[0] for p in partials], [p[1] for p in partials]), hidden
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, hidden: Hidden) -> tuple[torch.Tensor, Hidden]:
         return self.compute(*self.fetch(ids), targets, hidden)
 
 
 class LocalLM(nn.Module):
-    def __init__(self, model: ModelConfig, dropout: float) -> None:
+    def __init__(self, model: LmModelConfig, dropout: float) -> None:
         super().__init__()
         self.model_config = model
         self.embedding = nn.Embedding(model.ntoken, model.emsize, sparse=True)

@@ -44,7 +44,6 @@ class TrainerRole(RoleBase):
         self.pause = StepPause(self._wake, self.gate)
         self._episodes: Optional[EpisodeRunner] = None   # once joined and holding the model
         self._data = ""                                  # the corpus's description, saved with positions
-        self.metrics.init_trainer()
 
     # --- Controllable ------------------------------------------------------------------------------
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
@@ -100,11 +99,11 @@ class TrainerRole(RoleBase):
         servers = ps_names(cfg.num_ps)
         self._await_members(servers, cfg.join_timeout, self._wake, lambda: self.gate.closing)
         client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
-        if corpus.ntoken > client.model.ntoken:
+        model = DistributedLM(client, cfg.dropout)
+        if corpus.ntoken > model.config.ntoken:
             raise PeerUnavailable(f"the corpus has {corpus.ntoken} word types but the servers' model only "
-                                  f"{client.model.ntoken} rows; start the servers with --data or a larger --ntoken")
-        loop = TrainLoop(DistributedLM(client, cfg.dropout), client.optimizer(), BatchStream(train, cfg.bptt),
-                         cfg, self.metrics)
+                                  f"{model.config.ntoken} rows; start the servers with --data or a larger --ntoken")
+        loop = TrainLoop(model, BatchStream(train, cfg.bptt), cfg, self.metrics)
         steps = self._restore_position(loop)
         with self._lock:
             self._episodes = EpisodeRunner(loop, cfg, self.board, self.metrics, self.gate, self.pause, self._wake,
@@ -112,7 +111,7 @@ class TrainerRole(RoleBase):
         self.checkpoints.add(PositionPart(cfg.name, self.pause, self._position))
         self.metrics.up.set(1)
         self.board.update(step=steps, episode=None, episodes_completed=0, members=current_members(),
-                          model=client.model.model_dump(), data=corpus.description)
+                          model=client.model, data=corpus.description)
         self.board.set_state(RoleState.IDLE, "waiting for an episode")
         while True:
             request = self.gate.next(self._heartbeat)

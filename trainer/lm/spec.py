@@ -2,19 +2,21 @@
 status schemas and benchmarks (registered in pyproject.toml under ``rpcps.workloads``).
 
 Light on purpose: what it names as ``"module:attribute"`` is imported only when used."""
-from ps.config import PsConfig
+from ps.metrics import PsMetrics
 from ps.status import PsStatus
 from services.workload import BenchSpec, RoleSpec, WorkloadSpec
-from trainer.lm.config import LmUpSettings, TrainerConfig
+from trainer.lm.config import LmServerConfig, LmUpSettings, TrainerConfig
+from trainer.lm.metrics import TrainerMetrics
 from trainer.lm.status import TrainerStatus
 
 SPEC = WorkloadSpec(
     name="lm",
     help="parameter servers and language-model trainers",
     leader="ps0",
-    roles=(RoleSpec("ps", PsConfig, PsStatus, "ps.role:PsRole", "run one parameter server"),
+    roles=(RoleSpec("ps", LmServerConfig, PsStatus, "trainer.lm.server:lm_server",
+                    "run one parameter server (hosting the language model)", metrics=PsMetrics),
            RoleSpec("trainer", TrainerConfig, TrainerStatus, "trainer.lm.role:TrainerRole", "run one trainer",
-                    episodes=True)),
+                    episodes=True, metrics=TrainerMetrics)),
     up=LmUpSettings,
     launch="trainer.lm.launch:LmLaunch",
     checkpoint_dir="checkpoints",

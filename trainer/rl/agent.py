@@ -54,7 +54,6 @@ class AgentRole(RoleBase, AgentService):
         self.coordinator: Optional[Coordinator] = None   # checkpoints of this cluster of one, once joined
         self._batches = 0
         self._solved = False                        # any batch of this process passed the threshold
-        self.metrics.init_rl()
 
     # --- Controllable ------------------------------------------------------------------------------
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:

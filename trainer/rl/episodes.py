@@ -20,10 +20,10 @@ import torch
 from services.control import EpisodeGate
 from services.lifecycle import RoleState, StatusBoard
 from services.membership import current_members, reachable
-from services.metrics import Metrics
 from services.names import parse_name
 from trainer.rl.batching import ActionBatcher
 from trainer.rl.config import AgentConfig
+from trainer.rl.metrics import RlMetrics
 from trainer.rl.policy import EpisodeResult, Learner
 from trainer.rl.service import EpisodeReport
 from trainer.rl.stubs import ObserverClient
@@ -105,7 +105,7 @@ class Episode:
 
 class EpisodePlayer:
     def __init__(self, cfg: AgentConfig, learner: Learner, batcher: ActionBatcher, observers: ObserverClient,
-                 board: StatusBoard, metrics: Metrics, gate: EpisodeGate, wake: threading.Condition) -> None:
+                 board: StatusBoard, metrics: RlMetrics, gate: EpisodeGate, wake: threading.Condition) -> None:
         self.cfg, self.learner, self.batcher, self.observers = cfg, learner, batcher, observers
         self.board, self.metrics, self.gate, self._wake = board, metrics, gate, wake
         self._episode: Optional[Episode] = None     # the episode in flight

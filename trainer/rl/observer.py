@@ -36,7 +36,6 @@ class ObserverRole(RoleBase, WithoutEpisodes, ObserverService):
         self._stop = threading.Event()
         self._episodes = 0
         self._steps = 0
-        self.metrics.init_rl()
 
     def checkpoint(self) -> dict[str, Any]:
         return self._ask_coordinator(Coordinator.take, timeout=CONTROL_TIMEOUT)

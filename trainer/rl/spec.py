@@ -4,6 +4,7 @@ launch plan, status schemas and benchmark (registered in pyproject.toml under ``
 Light on purpose: what it names as ``"module:attribute"`` is imported only when used."""
 from services.workload import BenchSpec, RoleSpec, WorkloadSpec
 from trainer.rl.config import AgentConfig, ObserverConfig, RlUpSettings
+from trainer.rl.metrics import RlMetrics
 from trainer.rl.status import AgentStatus, ObserverStatus
 
 SPEC = WorkloadSpec(
@@ -11,9 +12,9 @@ SPEC = WorkloadSpec(
     help="the RL agent and its observers on CartPole",
     leader="agent",
     roles=(RoleSpec("agent", AgentConfig, AgentStatus, "trainer.rl.agent:AgentRole", "run the RL agent",
-                    indexed=False, episodes=True),
+                    indexed=False, episodes=True, metrics=RlMetrics),
            RoleSpec("observer", ObserverConfig, ObserverStatus, "trainer.rl.observer:ObserverRole",
-                    "run one RL observer")),
+                    "run one RL observer", metrics=RlMetrics)),
     up=RlUpSettings,
     launch="trainer.rl.launch:RlLaunch",
     checkpoint_dir="checkpoints/rl",

@@ -1,6 +1,9 @@
-"""One optimizer per server process, shared by every trainer (``ps/service.py``'s
-``ServerOptimizer`` forwards each trainer's step to it), and the lock that orders its steps
-against parameter reads."""
+"""The update rule: how a server applies trainers' gradients to its parameters.
+
+Today's rule is asynchronous: each trainer's step is applied as it arrives, one at a time, by one
+optimizer per server process shared by every trainer (``ps/service.py``'s ``ServerOptimizer``
+forwards each trainer's step to it), under the lock that also orders parameter reads. The trainer's
+side of a step (backward, clipping, the step itself) is ``ps/stub.py``'s ``StepSession``."""
 from __future__ import annotations
 
 import contextlib

@@ -1,0 +1,35 @@
+"""A parameter server's metrics, besides every role's (``services/metrics.py``)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from services.metrics import Metrics
+
+
+class PsMetrics(Metrics):
+    def __init__(self, registry: CollectorRegistry, role: str, name: str) -> None:
+        super().__init__(registry, role, name)
+        self._requests = self.counter("rpcps_ps_requests_total", "RPC requests served, by method", ("method",))
+        self._request_errors = self.counter("rpcps_ps_request_errors_total", "RPC requests answered with an error",
+                                            ("method",))
+        self._request_seconds = self.histogram("rpcps_ps_request_seconds", "server time of an RPC request, by method",
+                                               ("method",))
+        self.rows_looked_up = self.counter("rpcps_ps_rows_looked_up_total",
+                                           "table rows returned by lookups").labels(**self.labels)
+        self.rows_updated = self.counter("rpcps_ps_rows_updated_total",
+                                         "table rows changed by optimizer steps").labels(**self.labels)
+        self.optimizer_steps = self.counter("rpcps_ps_optimizer_steps_total",
+                                            "optimizer steps applied").labels(**self.labels)
+
+    def init_ps(self, methods: list[str]) -> None:
+        """Create the request series of every remote method (and operation) at 0."""
+        for method in methods:
+            self._requests.labels(method=method, **self.labels)
+            self._request_errors.labels(method=method, **self.labels)
+            self._request_seconds.labels(method=method, **self.labels)
+
+    def observe_request(self, method: str, seconds: float, ok: bool) -> None:
+        self._requests.labels(method=method, **self.labels).inc()
+        self._request_seconds.labels(method=method, **self.labels).observe(seconds)
+        if not ok:
+            self._request_errors.labels(method=method, **self.labels).inc()
