@@ -96,87 +96,116 @@ def _dd_read(path: Path, cold: bool) -> float:
     return path.stat().st_size / (time.perf_counter() - t0) / 1e6
 
 
-def run(ns: argparse.Namespace) -> int:
+def _server(rows: int, dim: int, restore=None):
+    """One shard of a one-table model with live Adagrad state (after one sparse update, as in training)."""
     import torch
     from prometheus_client import CollectorRegistry
 
     from ps.metrics import PsMetrics
-    from ps.participant import shard_files
     from ps.service import ParameterServer
     from ps.spec import ModelSpec, Table
+
+    g = torch.Generator().manual_seed(0)
+    spec = ModelSpec({"rows": Table(rows, {"rows.weight": (dim,)},
+                                    lambda: {"rows.weight": torch.rand(rows, dim, generator=g)})},
+                     optimizer="adagrad", lr=0.1, meta={"rows": rows, "dim": dim}, compatible=("rows", "dim"))
+    server = ParameterServer("ps0", 0, 1, spec, PsMetrics(CollectorRegistry(), "ps", "ps0"), restore=restore)
+    if restore is None:
+        ids = torch.randint(0, rows, (8192,))
+        server.param("rows.weight").grad = torch.sparse_coo_tensor(ids.unsqueeze(0), torch.ones(8192, dim),
+                                                                   (rows, dim), check_invariants=True)
+        server.optimizer.step()
+    return server
+
+
+def _bytes(server) -> int:
+    import torch
+    state = server.optimizer.optimizer.state.values()
+    return (sum(p.numel() * p.element_size() for p in server.optimizer.params)
+            + sum(v.numel() * v.element_size() for s in state for v in s.values() if isinstance(v, torch.Tensor)))
+
+
+def _save(server, store) -> dict:
+    """A checkpoint's save as a server makes it: buffers prepared, the copy (the pause), the write."""
+    before = _rss()
+    with _PeakRss() as rss:
+        t_prepare = time.perf_counter()
+        buffers = server.optimizer.copy_buffers()   # before the trainers are held
+        t0 = time.perf_counter()
+        state = server.export_state(into=buffers)   # while they are held at a step boundary
+        t1 = time.perf_counter()
+        store.prepare(1)
+        entry = store.write_file(1, "ps0.pt", state)
+        store.commit(1, [entry], {"num_ps": 1, "model": server.spec.meta})
+        t2 = time.perf_counter()
+    del state, buffers  # as a server does once the file is written
+    return {"save_s": t2 - t_prepare, "pause_s": t1 - t0, "file_bytes": entry.size, "peak_extra": rss.peak - before}
+
+
+def _restore_rounds(server, store, rounds: int, cold: bool) -> tuple[list[tuple[float, float, float]], object]:
+    """(dd read MB/s, restore MB/s, restore s) per round, each restore right after dd reads the file."""
+    from ps.participant import shard_files
     from services.checkpoint.parts import restore_newest
+
+    out, restored = [], None
+    path = store.folder(1) / "ps0.pt"
+    for _ in range(max(1, rounds)):
+        dd_read = _dd_read(path, cold)
+        if cold:
+            _drop_caches()
+        t0 = time.perf_counter()
+        info, restored = restore_newest(store, True, None,   # as a server starts
+                                        lambda info: shard_files(info, server.spec, 0, 1),
+                                        lambda states: _server(server.spec.meta["rows"], server.spec.meta["dim"], states))
+        seconds = time.perf_counter() - t0
+        assert info is not None and info.step == 1
+        out.append((dd_read, path.stat().st_size / seconds / 1e6, seconds))
+    return out, restored
+
+
+def _identical(a, b) -> bool:
+    import torch
+    same = all(torch.equal(x, y) for x, y in zip(a.optimizer.params, b.optimizer.params))
+    for x, y in zip(a.optimizer.params, b.optimizer.params):
+        saved, back = a.optimizer.optimizer.state.get(x, {}), b.optimizer.optimizer.state.get(y, {})
+        same &= saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in saved)
+    return same
+
+
+def run(ns: argparse.Namespace) -> int:
+    import torch
+
     from services.checkpoint.store import CheckpointStore
 
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    spec = ModelSpec({"rows": Table(ns.rows, {"rows.weight": (ns.dim,)},
-                                    lambda: {"rows.weight": torch.rand(ns.rows, ns.dim, generator=g)})},
-                     optimizer="adagrad", lr=0.1, meta={"rows": ns.rows, "dim": ns.dim}, compatible=("rows", "dim"))
-    server = ParameterServer("ps0", 0, 1, spec, PsMetrics(CollectorRegistry(), "ps", "ps0"))
-    # One sparse update so the optimizer state is live, as in training.
-    ids = torch.randint(0, ns.rows, (8192,))
-    server.param("rows.weight").grad = torch.sparse_coo_tensor(ids.unsqueeze(0), torch.ones(8192, ns.dim),
-                                                               (ns.rows, ns.dim), check_invariants=True)
-    server.optimizer.step()
-    shard_bytes = sum(p.numel() * p.element_size() for p in server.optimizer.params)
-    shard_bytes += sum(v.numel() * v.element_size() for s in server.optimizer.optimizer.state.values()
-                       for v in s.values() if isinstance(v, torch.Tensor))
-
+    server = _server(ns.rows, ns.dim)
+    shard_bytes = _bytes(server)
     tmp = Path(tempfile.mkdtemp(prefix="rpcps-bench-ckpt-", dir=ns.dir))
     try:
         cold = _drop_caches()  # where allowed, both reads below start from the disk, not the cache
         dd_write = _dd_write(tmp, shard_bytes)
         store = CheckpointStore(tmp / "ckpt")
-        before = _rss()
-        with _PeakRss() as rss:
-            t_prepare = time.perf_counter()
-            buffers = server.optimizer.copy_buffers()   # before the trainers are held
-            t0 = time.perf_counter()
-            state = server.export_state(into=buffers)   # while they are held at a step boundary
-            t1 = time.perf_counter()
-            store.prepare(1)
-            entry = store.write_file(1, "ps0.pt", state)
-            store.commit(1, [entry], {"num_ps": 1, "model": spec.meta})
-            t2 = time.perf_counter()
-        del state, buffers  # as a server does once the file is written
-        file_bytes = entry.size
-
-        rounds = []   # (dd read MB/s, restore MB/s, restore s)
-        for _ in range(max(1, ns.rounds)):
-            dd_read = _dd_read(store.folder(1) / "ps0.pt", cold)
-            if cold:
-                _drop_caches()
-            t3 = time.perf_counter()
-            info, restored = restore_newest(store, True, None,   # as a server starts
-                                            lambda info: shard_files(info, spec, 0, 1),
-                                            lambda states: ParameterServer("ps0", 0, 1, spec,
-                                                                           PsMetrics(CollectorRegistry(), "ps", "ps0"),
-                                                                           restore=states))
-            t4 = time.perf_counter()
-            assert info is not None and info.step == 1
-            rounds.append((dd_read, file_bytes / (t4 - t3) / 1e6, t4 - t3))
-        identical = all(torch.equal(a, b) for a, b in zip(server.optimizer.params, restored.optimizer.params))
-        for a, b in zip(server.optimizer.params, restored.optimizer.params):
-            saved, back = server.optimizer.optimizer.state.get(a, {}), restored.optimizer.optimizer.state.get(b, {})
-            identical &= saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in saved)
+        saved = _save(server, store)
+        rounds, restored = _restore_rounds(server, store, ns.rounds, cold)
+        identical = _identical(server, restored)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    save_s, pause_s = t2 - t_prepare, t1 - t0
-    restore_ratios = [r / d for d, r, _ in rounds]
+    save_s, pause_s, file_bytes = saved["save_s"], saved["pause_s"], saved["file_bytes"]
     result = {
         "shard_mb": shard_bytes / 1e6, "file_mb": file_bytes / 1e6,
         "save_mb_per_s": file_bytes / save_s / 1e6, "dd_write_fsync_mb_per_s": dd_write,
         "save_s": save_s, "pause_s": pause_s,
         "restore_rounds": [{"dd_read_mb_per_s": d, "restore_mb_per_s": r, "restore_s": t, "restore_vs_dd": r / d}
                            for d, r, t in rounds],
-        "peak_extra_mb": (rss.peak - before) / 1e6, "bit_identical": identical, "reads_from_cold_cache": cold,
+        "peak_extra_mb": saved["peak_extra"] / 1e6, "bit_identical": identical, "reads_from_cold_cache": cold,
     }
-    ratios = {"save_vs_dd": result["save_mb_per_s"] / dd_write, "restore_vs_dd": statistics.median(restore_ratios),
-              "pause_vs_save": pause_s / save_s, "extra_memory_vs_shard": (rss.peak - before) / shard_bytes}
+    ratios = {"save_vs_dd": result["save_mb_per_s"] / dd_write,
+              "restore_vs_dd": statistics.median(r / d for d, r, _ in rounds),
+              "pause_vs_save": pause_s / save_s, "extra_memory_vs_shard": saved["peak_extra"] / shard_bytes}
     met = {k: (v <= TARGETS[k] if k in ("pause_vs_save", "extra_memory_vs_shard") else v >= TARGETS[k])
            for k, v in ratios.items()}
     print(json.dumps({"bench": "checkpoint", "results": result, "ratios": ratios, "targets": TARGETS, "met": met,
-                      "config": {"rows": ns.rows, "dim": ns.dim, "rounds": ns.rounds, "optimizer": "adagrad", "dir": str(ns.dir.resolve()),
-                                 "load_avg": os.getloadavg()}}), flush=True)
+                      "config": {"rows": ns.rows, "dim": ns.dim, "rounds": ns.rounds, "optimizer": "adagrad",
+                                 "dir": str(ns.dir.resolve()), "load_avg": os.getloadavg()}}), flush=True)
     return 0

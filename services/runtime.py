@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Optional, Protocol
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -38,6 +38,51 @@ class Role(Protocol):
     def close(self) -> None: ...
 
 
+class _RoleThread(threading.Thread):
+    """``role.run()`` in a thread of its own, while the main thread waits for it or a signal."""
+
+    def __init__(self, role: Role) -> None:
+        super().__init__(name="role", daemon=True)
+        self.role = role
+        self.failure: Optional[BaseException] = None
+        self._ended = threading.Event()
+        self._signalled = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.role.run()
+        except BaseException as exc:  # reported by the main thread
+            self.failure = exc
+        finally:
+            self._ended.set()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        self._signalled.set()
+        self._ended.set()
+
+    def run_until_stopped(self, name: str) -> int:
+        """Start the role, wait until it ends or a signal comes, then give it a bounded grace to
+        stop; its exit code."""
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.start()
+        # Signal handlers run only between the main thread's bytecodes: wake up to let them.
+        while not self._ended.wait(0.5):
+            pass
+        self.role.request_stop()
+        self.join(STOP_GRACE)
+        exc = self.failure
+        if exc is not None and self._signalled.is_set():
+            # Asked to stop; what broke on the way out (e.g. a peer already gone) is not a failure.
+            log.warning("while stopping: %s: %s", type(exc).__name__, str(exc).splitlines()[0])
+        elif exc is not None:
+            log.error("%s failed: %s: %s", name, type(exc).__name__, exc, exc_info=exc)
+            self.role.board.set_state(RoleState.FAILED, f"{type(exc).__name__}: {exc}")
+            return 1
+        return 0
+
+
 def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     """Run the role ``spec`` describes, as ``cfg`` sets it, until it ends or a signal stops it;
     exit the process with its code."""
@@ -47,43 +92,10 @@ def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     context = RoleContext.build(cfg, spec.name, spec.metrics(registry, spec.name, cfg.name), spec.status)
     role: Role = spec.build()(cfg, context)
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
-    stop = threading.Event()
-    signalled = threading.Event()
-    failure: list[BaseException] = []
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("received %s; stopping", signal.Signals(signum).name)
-        signalled.set()
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    def work() -> None:
-        try:
-            role.run()
-        except BaseException as exc:  # reported by the main thread
-            failure.append(exc)
-        finally:
-            stop.set()
-
     sidecar = SidecarServer(create_app(role, registry, token), cfg.sidecar_host, cfg.sidecar_port).start()
-    log.info("%s %s: sidecar %s", role.role, cfg.name, sidecar.url)
-    worker = threading.Thread(target=work, name="role", daemon=True)
-    worker.start()
-    while not stop.wait(0.5):
-        pass
-    role.request_stop()
-    worker.join(STOP_GRACE)
-    code = 0
-    if failure and signalled.is_set():
-        # Asked to stop; what broke on the way out (e.g. a peer already gone) is not a failure.
-        log.warning("while stopping: %s: %s", type(failure[0]).__name__, str(failure[0]).splitlines()[0])
-    elif failure:
-        exc = failure[0]
-        log.error("%s failed: %s: %s", cfg.name, type(exc).__name__, exc, exc_info=exc)
-        role.board.set_state(RoleState.FAILED, f"{type(exc).__name__}: {exc}")
-        code = 1
+    log.info("%s %s: sidecar %s", spec.name, cfg.name, sidecar.url)
+    worker = _RoleThread(role)
+    code = worker.run_until_stopped(cfg.name)
     try:
         role.close()
     except Exception:

@@ -158,3 +158,45 @@ def _models_in(annotation) -> list[type]:
     import typing
     from pydantic import BaseModel
     return [a for a in (annotation, *typing.get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
+
+
+def test_one_process_wide_registry():
+    # RPC entry points reach the objects they act on through services/remote.py's one registry;
+    # no module keeps an instance of its own class at module level for them (the old slots).
+    offenders = []
+    for rel, path in sources():
+        tree = ast.parse(path.read_text())
+        classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+        for node in tree.body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and isinstance(node.value.func, ast.Name) and node.value.func.id in classes):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert offenders == ["services/remote.py:" + str(_line_of("services/remote.py", "_HOSTED = _Hosted()"))], offenders
+
+
+def _line_of(rel: str, text: str) -> int:
+    return next(i for i, line in enumerate((REPO / rel).read_text().splitlines(), 1) if line.startswith(text))
+
+
+ROLE_MODULES = ("ps/role.py", "trainer/lm/role.py", "trainer/rl/agent.py", "trainer/rl/observer.py")
+COLLABORATORS = {"RpcEndpoint", "Membership", "StatusBoard", "CheckpointStore", "CheckpointMember", "Metrics"}
+
+
+def test_roles_receive_their_collaborators():
+    for rel in ROLE_MODULES:
+        built = {n.func.id for n in ast.walk(ast.parse((REPO / rel).read_text()))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in COLLABORATORS}
+        assert not built, f"{rel} builds {built} instead of taking them from its RoleContext"
+
+
+def test_only_the_checkpoint_package_writes_checkpoints():
+    # Participants offer state; where and how it is written is services/checkpoint/'s alone (the
+    # checkpoint benchmark measures the store itself).
+    writes = {"write_file", "commit", "prune"}
+    offenders = []
+    for rel, path in sources():
+        if rel.startswith("services/checkpoint/") or rel == "ps/bench.py":
+            continue
+        offenders += [f"{rel}:{n.lineno} {n.func.attr}" for n in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in writes]
+    assert not offenders, offenders

@@ -45,7 +45,6 @@ class TrainerRole(RoleBase):
         self._episodes: Optional[EpisodeRunner] = None   # once joined and holding the model
         self._data = ""                                  # the corpus's description, saved with positions
 
-    # --- Controllable ------------------------------------------------------------------------------
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
         if request.episodes is not None:
             raise BadRequest("a language-model trainer counts episodes in steps; send {\"steps\": N}")
@@ -82,7 +81,6 @@ class TrainerRole(RoleBase):
                  loop.stream.position, loop.stream.data.size(0), loop.stream.epoch, point.steps)
         return point.steps
 
-    # --- lifecycle -----------------------------------------------------------------------------------
     def request_stop(self) -> None:
         self.gate.close()
 

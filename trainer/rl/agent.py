@@ -55,7 +55,6 @@ class AgentRole(RoleBase, AgentService):
         self._batches = 0
         self._solved = False                        # any batch of this process passed the threshold
 
-    # --- Controllable ------------------------------------------------------------------------------
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
         if request.steps is not None:
             raise BadRequest('the agent counts episodes: send {"episodes": N}, or {} to run until solved')
@@ -77,7 +76,6 @@ class AgentRole(RoleBase, AgentService):
     def list_checkpoints(self) -> list[dict[str, Any]]:
         return [c.describe() for c in self.store.list()]
 
-    # --- served over RPC (trainer/rl/service.py) ---------------------------------------------------------
     def _act(self, observer: str, state: list[float]) -> torch.futures.Future:
         return self.batcher.submit(observer, state)
 
@@ -98,7 +96,6 @@ class AgentRole(RoleBase, AgentService):
         self.metrics.observe_batch(len(requests))
         return self.learner.act(requests)
 
-    # --- lifecycle -----------------------------------------------------------------------------------
     def request_stop(self) -> None:
         self.gate.close()
 
@@ -130,7 +127,6 @@ class AgentRole(RoleBase, AgentService):
         if self.coordinator is not None:
             withdraw(self.coordinator)
 
-    # --- episodes ------------------------------------------------------------------------------------
     def _run_batch(self, request: EpisodeStart) -> None:
         batch = {"id": self._batches, "episodes": request.episodes, "done": 0, "finished": False, "solved": False}
         self.board.update(batch=dict(batch))

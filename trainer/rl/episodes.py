@@ -218,5 +218,3 @@ class EpisodePlayer:
             episode = self._episode
         if episode is not None:
             episode.lose(name, "removed from the group")
-
-    # --- checkpoints ---------------------------------------------------------------------------------

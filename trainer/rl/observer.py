@@ -43,7 +43,6 @@ class ObserverRole(RoleBase, WithoutEpisodes, ObserverService):
     def list_checkpoints(self) -> list[dict[str, Any]]:
         return self._ask_coordinator(Coordinator.listing, timeout=CONTROL_TIMEOUT)
 
-    # --- served over RPC -----------------------------------------------------------------------------
     def _run_episode(self, episode: int, batched: bool, max_steps: Optional[int]) -> EpisodeReport:
         if not self._busy.acquire(blocking=False):
             raise EpisodeConflict(f"{self.cfg.name} is already running an episode")
@@ -73,7 +72,6 @@ class ObserverRole(RoleBase, WithoutEpisodes, ObserverService):
             self.board.set_state(RoleState.IDLE, "waiting for the agent")
             self._busy.release()
 
-    # --- lifecycle -----------------------------------------------------------------------------------
     def request_stop(self) -> None:
         self._stop.set()
 
