@@ -109,6 +109,7 @@ def workloads() -> dict[str, WorkloadSpec]:
     return found
 
 
+@functools.cache
 def roles() -> dict[str, RoleSpec]:
     return {role.name: role for spec in workloads().values() for role in spec.roles}
 
