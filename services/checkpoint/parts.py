@@ -33,6 +33,11 @@ class Part(abc.ABC):
     def state_dict(self) -> dict[str, Any]:
         """This part's state: private copies, taken at one instant."""
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt a state that ``state_dict`` gave. A part rebuilt from several files (a server's
+        shard, resharded from every old shard's) is built from them instead of offering this."""
+        raise NotImplementedError(f"{type(self).__name__} is restored as it is built")
+
 
 class SnapshotPart(Part):
     def prepare(self) -> None:

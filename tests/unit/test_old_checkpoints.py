@@ -17,7 +17,7 @@ from services.checkpoint.store import CheckpointStore
 from trainer.lm.config import LmModelConfig
 from trainer.lm.model import model_spec
 from trainer.lm.position import resume_point
-from trainer.rl.policy import Learner, LearnerConfig
+from trainer.rl.policy import Learner, LearnerConfig, LearnerPart
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints-e73f547"
 ROW_PARAMS = ("embedding.weight", "decoder.weight", "decoder.bias")
@@ -86,9 +86,9 @@ def test_rl_agent_restores_identical(tmp_path):
     shutil.copytree(FIXTURES / "rl", tmp_path / "rl")
     store = CheckpointStore(tmp_path / "rl")
     state = store.load_file(store.latest_valid(), "agent.pt")
-    learner = Learner(LearnerConfig(seed=1111))
-    learner.load(state)
-    back = learner.state()
+    part = LearnerPart(Learner(LearnerConfig(seed=1111)))
+    part.load_state_dict(state)
+    back = part.state_dict()
     assert (back["episodes"], back["running_reward"]) == (3, state["running_reward"])
     assert all(torch.equal(back["policy"][k], v) for k, v in state["policy"].items())
     assert back["generators"].keys() == state["generators"].keys()

@@ -43,6 +43,7 @@ class AgentRole(RoleBase, AgentService):
         super().__init__(ctx)
         self.cfg = cfg
         self.learner = Learner(LearnerConfig(cfg.hidden, cfg.dropout, cfg.lr, cfg.gamma, cfg.seed))
+        self.learner_part = LearnerPart(self.learner)    # what its checkpoints hold
         self.batcher = ActionBatcher(self._act_batch)
         self.threshold = threshold(cfg.env)
         self._lock = threading.Lock()
@@ -104,7 +105,7 @@ class AgentRole(RoleBase, AgentService):
         self._publish()
         self.board.update(env=self.cfg.env, batched=self.cfg.batched, threshold=self.threshold, solved=False,
                           observers_lost=0, env_steps=0, batch=None)
-        self.checkpoints.add(LearnerPart(self.learner))
+        self.checkpoints.add(self.learner_part)
         self._join("joining the RPC group")
         self.coordinator = Coordinator(self.store, self._plan(), self.cfg.keep_checkpoints, local=self.checkpoints,
                                        metrics=self.metrics, resumed=resumed)
@@ -173,7 +174,7 @@ class AgentRole(RoleBase, AgentService):
             if states is None:
                 return
             try:
-                self.learner.load(states[0])
+                self.learner_part.load_state_dict(states[0])
             except (KeyError, ValueError, RuntimeError) as exc:
                 raise CheckpointError(f"cannot load the agent from the checkpoint: {exc}") from None
 

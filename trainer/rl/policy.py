@@ -187,6 +187,9 @@ class LearnerPart(SnapshotPart):
     def state_dict(self) -> dict[str, Any]:
         return self.learner.state()
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.learner.load(state)
+
     def step(self, state: dict[str, Any]) -> int:
         return int(state["episodes"])
 
