@@ -8,7 +8,6 @@ which the coordinator then records in the cluster's manifest.
 """
 from __future__ import annotations
 
-import logging
 import shutil
 import threading
 from typing import Any
@@ -16,8 +15,6 @@ from typing import Any
 from services.checkpoint.parts import Part, PausedPart, SnapshotPart
 from services.checkpoint.store import CheckpointStore, FileEntry
 from services.remote import Service, remote
-
-log = logging.getLogger(__name__)
 
 OWN_MANIFEST_KEY = "server"   # in a part's own manifest and the leader's ``elsewhere``: who wrote it
 
