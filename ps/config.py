@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from ps.consistency import checked
 from services.config import CommonConfig, LeaderConfig, RestoringConfig
 from services.names import format_name, parse_name
 
@@ -24,6 +25,10 @@ class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
     name: str = Field("ps0", description="RPC name: ps<index>, index < num_ps")
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="take a checkpoint every N cluster steps (ps0)")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="take a checkpoint every M seconds (ps0)")
+    consistency: str = Field("async", description="how updates are applied: async, sync (averaged, in lockstep) or "
+                                                  "ssp:K (no trainer more than K steps ahead); every server the same")
+
+    _consistency = field_validator("consistency")(classmethod(lambda cls, v: checked(v)))
 
     @model_validator(mode="after")
     def _check(self) -> "PsConfig":

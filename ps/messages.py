@@ -14,3 +14,4 @@ class ShardInfo:
     table_params: dict[str, tuple[str, ...]]   # each table's parameters
     dense: tuple[str, ...]      # the dense tensors it holds
     steps: int = 0              # updates applied so far (continues across restores)
+    consistency: str = "async"  # how the job applies updates (``ps/consistency.py``)

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from services.metrics import Metrics
+from services.metrics import LATENCY_BUCKETS, Metrics
+
+WAIT_BUCKETS = LATENCY_BUCKETS + (30.0, 60.0)
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class PsMetrics(Metrics):
@@ -20,6 +23,26 @@ class PsMetrics(Metrics):
                                          "table rows changed by optimizer steps").labels(**self.labels)
         self.optimizer_steps = self.counter("rpcps_ps_optimizer_steps_total",
                                             "optimizer steps applied").labels(**self.labels)
+        # The step clock's, on the leader (sync and ssp modes).
+        self.barrier_wait = self.histogram(
+            "rpcps_ps_barrier_wait_seconds", "time a trainer waited at the step clock (sync: for the step to be "
+            "applied; ssp: for the slowest to catch up)", buckets=WAIT_BUCKETS).labels(**self.labels)
+        self.staleness = self.histogram(
+            "rpcps_ps_update_staleness_steps", "other trainers' updates applied between a trainer's read and its "
+            "own update (sync: 0)", buckets=STALENESS_BUCKETS).labels(**self.labels)
+        self.short_steps = self.counter(
+            "rpcps_ps_short_steps_total", "sync steps applied with fewer trainers than began them (one died or "
+            "left)").labels(**self.labels)
+
+    # The step clock's metrics (``ps/clock.py``'s ``ClockMetrics``).
+    def observe_wait(self, seconds: float) -> None:
+        self.barrier_wait.observe(seconds)
+
+    def observe_staleness(self, steps: int) -> None:
+        self.staleness.observe(steps)
+
+    def short_step(self) -> None:
+        self.short_steps.inc()
 
     def init_ps(self, methods: list[str]) -> None:
         """Create the request series of every remote method (and operation) at 0."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ps.service import ParameterServer
 from ps.spec import ModelSpec
@@ -15,8 +15,10 @@ log = logging.getLogger(__name__)
 
 
 class ServerPart(SnapshotPart):
-    def __init__(self, name: str, server: ParameterServer) -> None:
-        self.name, self.server = name, server
+    def __init__(self, name: str, server: ParameterServer,
+                 describe: Callable[[], dict[str, Any]] = lambda: {}) -> None:
+        """``describe``: what the manifest should say besides the shard's step (ps0: the step clock)."""
+        self.name, self.server, self._describe = name, server, describe
         self._lock = threading.Lock()
         self._buffers: Optional[tuple] = None
 
@@ -32,6 +34,9 @@ class ServerPart(SnapshotPart):
 
     def step(self, state: dict[str, Any]) -> int:
         return int(state["steps"])
+
+    def describe(self, state: dict[str, Any]) -> dict[str, Any]:
+        return self._describe()
 
 
 def shard_files(info: CheckpointInfo, spec: ModelSpec, shard: int, num_ps: int) -> list[str]:

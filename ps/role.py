@@ -7,9 +7,12 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
+from ps.clock import StepClock, StepClockService, applier
 from ps.config import PsConfig, ps_names
+from ps.consistency import Consistency
 from ps.participant import ServerPart, shard_files
 from ps.service import ParameterServer
+from ps.stub import apply_sync_step
 from ps.spec import ModelSpec
 from services.checkpoint.coordinator import CheckpointPlan, Coordinator, announce, follow_leader
 from services.checkpoint.parts import restore_newest
@@ -18,7 +21,7 @@ from services.checkpoint.store import CheckpointInfo
 from services.errors import CheckpointError
 from services.lifecycle import RoleState
 from services.names import parse_name
-from services.remote import remote_methods, serve, withdraw
+from services.remote import local, remote_methods, serve, withdraw
 from services.role import RoleBase, RoleContext, WithoutEpisodes
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class PsRole(RoleBase, WithoutEpisodes):
         self.spec: Optional[ModelSpec] = None
         self.server: Optional[ParameterServer] = None
         self.coordinator: Optional[Coordinator] = None
+        self.clock: Optional[StepClock] = None           # ps0, in sync and ssp modes
         self._periodic: Optional[Periodic] = None
         self._stop = threading.Event()
 
@@ -66,8 +70,10 @@ class PsRole(RoleBase, WithoutEpisodes):
         log.info("shard %d of %d: rows %s, dense %s, model %s", shard, self.cfg.num_ps, info.tables,
                  list(info.dense), info.model)
         self.board.update(shard=shard, num_shards=self.cfg.num_ps, rows=sum(info.tables.values()),
-                          tables=info.tables, dense=list(info.dense), model=info.model)
-        self.checkpoints.add(ServerPart(self.cfg.name, self.server))
+                          tables=info.tables, dense=list(info.dense), model=info.model, consistency=info.consistency)
+        if self.membership.is_leader:
+            self._start_clock(resumed)
+        self.checkpoints.add(ServerPart(self.cfg.name, self.server, self._describe))
         serve(self.server)
         self.membership.add_listener(self.server.forget)
         self._join("joining the RPC group")
@@ -77,6 +83,9 @@ class PsRole(RoleBase, WithoutEpisodes):
         self.board.set_state(RoleState.RUNNING, "serving")
         while not self._stop.wait(1.0):
             self._heartbeat()
+            if self.clock is not None:
+                self.clock.tick()
+                self.board.update(clock=self.clock.describe())
             self.board.update(steps=self.server.optimizer.steps)
 
     def _build(self, shard: int) -> tuple[Optional[CheckpointInfo], ParameterServer]:
@@ -91,7 +100,7 @@ class PsRole(RoleBase, WithoutEpisodes):
             resumed, server = restore_newest(
                 self.store, resume, resume_from, lambda info: shard_files(info, self.spec, shard, self.cfg.num_ps),
                 lambda states: ParameterServer(self.cfg.name, shard, self.cfg.num_ps, self.spec, self.metrics,
-                                               restore=states))
+                                               restore=states, consistency=Consistency.parse(self.cfg.consistency)))
         except CheckpointError as exc:
             if self.endpoint.leader == self.cfg.name or resume_from is None:
                 raise
@@ -100,6 +109,31 @@ class PsRole(RoleBase, WithoutEpisodes):
         if resumed is not None:
             self.board.update(resumed_from={"id": resumed.id, "step": resumed.step, "path": str(resumed.path)})
         return resumed, server
+
+    def _start_clock(self, resumed: Optional[CheckpointInfo]) -> None:
+        """ps0: keep the trainers' step clock (sync, ssp), continuing the checkpoint's."""
+        consistency = self.server.consistency
+        saved = resumed.meta.get("consistency", "async") if resumed is not None else None
+        if saved is not None and saved != str(consistency):
+            log.warning("consistency changed across the restart: %s was taken with %s, this job runs %s",
+                        resumed.id, saved, consistency)
+        if not consistency.clocked:
+            return
+        servers = ps_names(self.cfg.num_ps)
+        clocks = resumed.meta.get("clocks", {}) if resumed is not None and saved == str(consistency) else {}
+        self.clock = StepClock(consistency, apply=functools.partial(apply_sync_step, servers, self.cfg.rpc_timeout),
+                               run=applier(), metrics=self.metrics, step=self.server.optimizer.steps,
+                               saved=dict(clocks))
+        serve(StepClockService(self.clock))
+        self.membership.add_listener(self.clock.drop)
+        self.board.update(clock=self.clock.describe())
+
+    def _describe(self) -> dict[str, Any]:
+        """What ps0's part adds to a checkpoint's manifest: the mode and its step clock."""
+        out: dict[str, Any] = {"consistency": str(self.server.consistency)}
+        if self.clock is not None:
+            out["clocks"] = self.clock.clocks()
+        return out
 
     def _lead(self, resumed: Optional[CheckpointInfo]) -> None:
         """ps0: coordinate checkpoints, and announce the one the cluster stands on."""
@@ -123,6 +157,8 @@ class PsRole(RoleBase, WithoutEpisodes):
         for served in (self.server, self.coordinator):
             if served is not None:
                 withdraw(served)
+        if self.clock is not None:
+            withdraw(local(StepClockService))
 
     def _final_checkpoint(self) -> None:
         """On the way out, keep what was trained since the last checkpoint, within a bound.

@@ -17,12 +17,13 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
+from ps.consistency import Consistency
 from ps.messages import ShardInfo
 from ps.sharding import Layout
 from ps.spec import ModelSpec
 from ps.state import export_shard, gather_shard
 from ps.tables import RowShard
-from ps.update import SharedOptimizer, grad_sq_norm
+from ps.update import SharedOptimizer, SyncSteps, grad_sq_norm
 from services.errors import BadRequest
 from ps.metrics import PsMetrics
 from services.remote import Service, local, remote
@@ -34,9 +35,10 @@ _CONTEXTS_KEPT = 4  # a trainer has at most one or two contexts open; older ones
 
 class ParameterServer(Service):
     def __init__(self, name: str, shard: int, num_shards: int, spec: ModelSpec, metrics: PsMetrics,
-                 restore: Optional[list[dict[str, Any]]] = None) -> None:
+                 restore: Optional[list[dict[str, Any]]] = None, consistency: Consistency = Consistency()) -> None:
         """``restore``: the shard states of a checkpoint (any number of shards) to start from."""
         self.name, self.shard, self.spec, self.metrics = name, shard, spec, metrics
+        self.consistency = consistency
         self.layout = Layout.of(spec, num_shards)
         if restore is None:
             values, optim_state, steps = self._initial_values(), {}, 0
@@ -49,9 +51,10 @@ class ParameterServer(Service):
         self.optimizer = SharedOptimizer([self.param(n) for n in self.param_names], spec.optimizer, spec.lr,
                                          on_step=self._stepped)
         self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.param_names])
+        self.sync = SyncSteps(self.optimizer)
         self._contexts: dict[str, collections.deque] = {}
         self._contexts_lock = threading.Lock()
-        self._op_name = threading.local()   # the operation an RPC thread runs, for its metrics label
+        self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
 
     def _initial_values(self) -> dict[str, torch.Tensor]:
         values: dict[str, torch.Tensor] = {}
@@ -85,7 +88,7 @@ class ParameterServer(Service):
     def info(self) -> ShardInfo:
         return ShardInfo(self.name, self.shard, self.layout.num_shards, self.spec.meta,
                          {t: p.rows(self.shard) for t, p in self.layout.plans.items()}, dict(self.layout.table_params),
-                         tuple(self.layout.dense_of(self.shard)), self.optimizer.steps)
+                         tuple(self.layout.dense_of(self.shard)), self.optimizer.steps, str(self.consistency))
 
     @remote
     def param_rrefs(self) -> list[rpc.RRef]:
@@ -120,7 +123,7 @@ class ParameterServer(Service):
         operation = self.spec.ops.get(name)
         if operation is None:
             raise BadRequest(f"no operation {name!r}; this model has {', '.join(self.spec.ops) or 'none'}")
-        self._op_name.value = name
+        self._call.op = name
         return operation(self, *args)
 
     @remote
@@ -133,6 +136,34 @@ class ParameterServer(Service):
             raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
         for g in self._context_grads(context_id).values():
             g.mul_(coef)  # the very tensors DistributedOptimizer.step will apply
+
+    # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
+    @remote
+    def contribute(self, context_id: int, step: int) -> None:
+        """The caller's gradients in ``context_id``, for step ``step`` (the open one)."""
+        self._require("sync", "hand over gradients")
+        self.sync.contribute(step, self._call.caller, self._context_grads(context_id))
+
+    @remote
+    def sync_sq_norm(self, step: int, trainers: list[str]) -> float:
+        self._require("sync", "average gradients")
+        return self.sync.sq_norm(step, tuple(trainers))
+
+    @remote
+    def sync_apply(self, step: int, trainers: list[str], coef: float) -> None:
+        """Apply step ``step``: the average of ``trainers``' gradients, scaled by ``coef``."""
+        self._require("sync", "apply a step")
+        if not (0.0 <= coef <= 1.0):
+            raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
+        self.sync.apply(step, tuple(trainers), coef)
+
+    def _require_not(self, kind: str, what: str) -> None:
+        if self.consistency.kind == kind:
+            raise BadRequest(f"cannot {what}: this job's consistency is {kind}")
+
+    def _require(self, kind: str, what: str) -> None:
+        if self.consistency.kind != kind:
+            raise BadRequest(f"cannot {what}: this job's consistency is {self.consistency}, not {kind}")
 
     # --- for operations ------------------------------------------------------------------------------
     def snapshot(self, names: list[str]) -> list[torch.Tensor]:
@@ -154,12 +185,12 @@ class ParameterServer(Service):
 
     # --- bookkeeping ---------------------------------------------------------------------------------
     def before_call(self, caller: str, method: str) -> None:
-        self._op_name.value = None
+        self._call.caller, self._call.op = caller, None
         self._remember_context(caller)
 
     def after_call(self, method: str, seconds: float, ok: bool) -> None:
         # An operation is timed under its own name, as each was a method of its own.
-        self.metrics.observe_request(getattr(self._op_name, "value", None) or method, seconds, ok)
+        self.metrics.observe_request(getattr(self._call, "op", None) or method, seconds, ok)
 
     def _table_of(self, param: str) -> str:
         try:
@@ -221,11 +252,13 @@ class ServerOptimizer:
     time, to one optimizer state."""
 
     def __init__(self, params: list[torch.Tensor], **_ignored: object) -> None:
-        shared = local(ParameterServer).optimizer
-        hosted = {id(p) for p in shared.params}
+        server = local(ParameterServer)
+        hosted = {id(p) for p in server.optimizer.params}
         if not params or any(id(p) not in hosted for p in params):
             raise BadRequest("ServerOptimizer got parameters this server does not host")
-        self._shared = shared
+        self._server = server
 
     def step(self) -> None:
-        self._shared.step()
+        # A sync job's updates are whole steps of every trainer; a lone trainer's would bypass them.
+        self._server._require_not("sync", "apply one trainer's update")
+        self._server.optimizer.step()

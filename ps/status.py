@@ -14,6 +14,13 @@ class PsStatus(RoleStatus):
     dense: Optional[list[str]] = None              # the dense tensors it holds
     model: Optional[dict[str, Any]] = None
     steps: int = 0                                 # updates applied
+    consistency: Optional[str] = None              # async, sync or ssp:K
+    clock: Optional[dict[str, Any]] = None         # ps0 in sync/ssp: trainers' step clocks, whom a barrier waits for
 
     def line(self) -> list[str]:
-        return [f"shard {self.shard}/{self.num_shards}", f"{self.rows} rows", f"members {len(self.members or [])}"]
+        out = [f"shard {self.shard}/{self.num_shards}", f"{self.rows} rows", f"members {len(self.members or [])}",
+               f"consistency {self.consistency}"]
+        waiting = (self.clock or {}).get("waiting")
+        if waiting:
+            out.append(f"step {waiting['step']} waiting {waiting['seconds']:.1f}s for {', '.join(waiting['on'])}")
+        return out

@@ -3,8 +3,15 @@
 It hides the fan-out: a lookup deduplicates ids, asks every owning shard in parallel and reassembles
 the batch; an operation asks every shard in parallel. A training step is a ``StepSession``: inside
 its distributed autograd context everything fetched carries the way back for gradients, and
-``finish`` runs backward, clips the global gradient norm and has the servers apply the update —
-the step protocol in one place, so that another update rule changes only this and ``ps/update.py``.
+``finish`` runs backward and ends the step as the job's consistency says (``ps/update.py``):
+
+* async: clip this trainer's gradient norm, have the servers apply it;
+* ssp:K: the same, then report the step to the leader's step clock;
+* sync: hand the gradients to every server, then arrive at the clock, which answers once the
+  step's averaged (and clipped) update is applied everywhere.
+
+In sync and ssp modes ``begin`` at each step boundary waits until the clock lets this trainer
+begin its next step, and ``ClockPause`` holds the trainer there for a checkpoint.
 """
 from __future__ import annotations
 
@@ -17,11 +24,13 @@ import torch
 import torch.distributed.autograd as dist_autograd
 from torch.distributed.optim import DistributedOptimizer
 
+from ps.clock import FREEZE_SECONDS, Applied, StepClockService
+from ps.consistency import Consistency
 from ps.messages import ShardInfo
 from ps.service import ParameterServer, ServerOptimizer
 from ps.sharding import ShardPlan
 from services.errors import PeerUnavailable
-from services.remote import call_async, wait
+from services.remote import call, call_async, wait
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,12 @@ class PsClient:
                                       f"expected shard {k} of {len(ps_names)}: check --num-ps everywhere")
             if info.model != infos[0].model:
                 raise PeerUnavailable(f"{ps_names[k]} hosts a different model than {ps_names[0]}")
+            if info.consistency != infos[0].consistency:
+                raise PeerUnavailable(f"{ps_names[k]} runs consistency {info.consistency}, {ps_names[0]} "
+                                      f"{infos[0].consistency}: start every server with the same --consistency")
+        self.consistency = Consistency.parse(infos[0].consistency)
+        self.leader = ps_names[0]                             # keeps the step clock
+        self.granted: Optional[int] = None                    # the clock's number of the step under way
         self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
         self.plans = {table: ShardPlan(len(ps_names), sum(i.tables[table] for i in infos)) for table in infos[0].tables}
         self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
@@ -53,9 +68,25 @@ class PsClient:
 
     def step(self) -> "StepSession":
         """A training step: ``with client.step() as step: ... step.finish(loss, clip)``."""
-        if self._optimizer is None:
+        if self._optimizer is None and self.consistency.kind != "sync":
             self._optimizer = DistributedOptimizer(ServerOptimizer, self.param_rrefs)
         return StepSession(self, self._optimizer)
+
+    def begin(self) -> float:
+        """At a step boundary: wait until the job's consistency lets this trainer begin its next
+        step (async: at once; no wait either when it has begun that step already). The seconds it
+        waited."""
+        if not self.consistency.clocked or self.granted is not None:
+            return 0.0
+        started = time.perf_counter()
+        self.granted = wait(self._async(self.leader, StepClockService.begin))
+        return time.perf_counter() - started
+
+    def end(self) -> None:
+        """This trainer takes no more steps for now (its episode ended): nobody waits for it."""
+        if self.consistency.clocked:
+            self.granted = None
+            self.call(self.leader, StepClockService.leave)
 
     def fetch(self, lookups: dict[str, torch.Tensor], dense: bool = True
               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -100,10 +131,11 @@ class PsClient:
 class Finished:
     """What ``StepSession.finish`` did, and how long each part took."""
 
-    grad_norm: float          # before clipping (nan when not clipped)
+    grad_norm: float          # before clipping (nan when not clipped); sync: of the averaged gradient
     backward: float
     clip: float
-    optimize: float
+    optimize: float           # sync: handing the gradients over
+    barrier: float = 0.0      # at the step clock (sync: until the step was applied everywhere)
 
 
 class StepSession:
@@ -128,12 +160,64 @@ class StepSession:
 
     def finish(self, loss: torch.Tensor, clip: float) -> Finished:
         """Send ``loss``'s gradients back to the servers, clip their global norm to ``clip`` (0:
-        off), and apply them."""
+        off), and apply them as the job's consistency says."""
+        client = self.client
         t0 = time.perf_counter()
         dist_autograd.backward(self.context_id, [loss])
         t1 = time.perf_counter()
-        norm = self.client.clip_(self.context_id, clip) if clip > 0 else float("nan")
+        if client.consistency.kind == "sync":
+            if client.granted is None:
+                raise RuntimeError("a sync step needs client.begin() at its boundary first")
+            for f in [client._async(n, ParameterServer.contribute, self.context_id, client.granted)
+                      for n in client.ps_names]:
+                wait(f)
+            t2 = t3 = time.perf_counter()
+            applied: Applied = wait(client._async(client.leader, StepClockService.arrive, float(clip)))
+            client.granted = None
+            return Finished(applied.grad_norm, t1 - t0, 0.0, t3 - t1, time.perf_counter() - t3)
+        norm = client.clip_(self.context_id, clip) if clip > 0 else float("nan")
         t2 = time.perf_counter()
         self._optimizer.step(self.context_id)
         t3 = time.perf_counter()
-        return Finished(norm, t1 - t0, t2 - t1, t3 - t2)
+        if client.consistency.clocked:
+            wait(client._async(client.leader, StepClockService.arrive, float(clip)))
+            client.granted = None
+        return Finished(norm, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+
+
+class ClockPause:
+    """A checkpoint's hold on a trainer in sync and ssp modes, at the step clock: the clock stops
+    at the furthest step begun, so trainers inside a barrier finish it, and the hold is there once
+    this trainer waits at its next ``begin``. (A trainer's own step boundary would deadlock: the
+    others in its barrier could never arrive.) ``hold``/``release`` as ``services.control.StepPause``."""
+
+    def __init__(self, client: PsClient) -> None:
+        self.client = client
+
+    def hold(self, timeout: float) -> bool:
+        client = self.client
+        client.call(client.leader, StepClockService.freeze, FREEZE_SECONDS)
+        try:
+            return bool(wait(call_async(client.leader, StepClockService.parked, timeout=timeout)))
+        except Exception as exc:  # noqa: BLE001 - not held: say so, and let the others go on
+            log.warning("not held at the step clock within %.0fs: %s", timeout, str(exc).splitlines()[0])
+            client.call(client.leader, StepClockService.thaw)
+            return False
+
+    def release(self) -> None:
+        self.client.call(self.client.leader, StepClockService.thaw)
+
+
+def apply_sync_step(servers: list[str], timeout: float, step: int, trainers: list[str], clip: float) -> float:
+    """The leader's side of a sync step: the averaged gradient's global norm over every server,
+    then every server applies the average, clipped to ``clip`` (0: off). The norm before clipping."""
+    if clip > 0:
+        sq = sum(wait(f) for f in [call_async(n, ParameterServer.sync_sq_norm, step, trainers, timeout=timeout)
+                                   for n in servers])
+        norm = float(sq) ** 0.5
+        coef = min(1.0, clip / (norm + 1e-6))
+    else:
+        norm, coef = float("nan"), 1.0
+    for f in [call_async(n, ParameterServer.sync_apply, step, trainers, coef, timeout=timeout) for n in servers]:
+        wait(f)
+    return norm

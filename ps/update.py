@@ -1,17 +1,27 @@
 """The update rule: how a server applies trainers' gradients to its parameters.
 
-Today's rule is asynchronous: each trainer's step is applied as it arrives, one at a time, by one
-optimizer per server process shared by every trainer (``ps/service.py``'s ``ServerOptimizer``
-forwards each trainer's step to it), under the lock that also orders parameter reads. The trainer's
-side of a step (backward, clipping, the step itself) is ``ps/stub.py``'s ``StepSession``."""
+One optimizer per server process is shared by every trainer, under the lock that also orders
+parameter reads. The job's consistency (``ps/consistency.py``) decides what reaches it:
+
+* async and ssp:K: each trainer's step as it arrives (``ps/service.py``'s ``ServerOptimizer``, built
+  by the trainer's ``DistributedOptimizer``, forwards it); ssp's bound is the step clock's
+  (``ps/clock.py``), which only decides when a trainer may read;
+* sync: each trainer hands its step's gradients over (``SyncSteps.contribute``); when the leader's
+  step clock closes the step, every server averages the arrived trainers' gradients, scales them
+  by the clip factor computed from the average's global norm, and applies them as one update.
+
+The trainer's side of a step (backward, clipping, the hand-over) is ``ps/stub.py``'s ``StepSession``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from typing import Callable, Iterator, Optional
 
 import torch
+
+from services.errors import BadRequest
 
 
 def make_optimizer(kind: str, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -37,6 +47,68 @@ def grad_sq_norm(grads: list[torch.Tensor]) -> float:
     return total
 
 
+def finite(grads: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(g.coalesce().values() if g.is_sparse else g).all()) for g in grads)
+
+
+def average(grads: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The mean over ``n`` trainers of one parameter's gradients, ``grads`` those that gave one (a
+    trainer whose batch did not touch a shard's rows gave none: zero). Sparse ones stay sparse."""
+    total = functools.reduce(torch.add, grads)
+    return total.coalesce() * (1.0 / n) if total.is_sparse else total.div_(n)
+
+
+class SyncSteps:
+    """sync mode on one server: each trainer's gradients for the open step, until the leader's
+    step clock closes the step and names whose gradients count."""
+
+    def __init__(self, optimizer: "SharedOptimizer") -> None:
+        self.optimizer = optimizer
+        self._lock = threading.Lock()
+        self._given: dict[str, dict[torch.Tensor, torch.Tensor]] = {}   # trainer -> its gradients
+        self._average: Optional[tuple[int, tuple[str, ...], dict[torch.Tensor, torch.Tensor]]] = None
+
+    def contribute(self, step: int, trainer: str, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        self._check_open(step)
+        if not finite(list(grads.values())):
+            raise BadRequest(f"{trainer}'s gradients for step {step} are not finite; nothing was applied")
+        with self._lock:
+            self._given[trainer] = grads     # a retried hand-over replaces the first
+
+    def sq_norm(self, step: int, trainers: tuple[str, ...]) -> float:
+        """The squared norm of this server's share of the step's averaged gradient."""
+        return grad_sq_norm(list(self._averaged(step, trainers).values()))
+
+    def apply(self, step: int, trainers: tuple[str, ...], coef: float) -> None:
+        grads = self._averaged(step, trainers)
+        if coef < 1.0:
+            for g in grads.values():
+                g.mul_(coef)
+        self.optimizer.apply(grads)
+        with self._lock:
+            self._given.clear()       # a dead trainer's partial hand-over goes with the step
+            self._average = None
+
+    def _check_open(self, step: int) -> None:
+        if step != self.optimizer.steps + 1:
+            raise BadRequest(f"step {step} is not open on this server: it has applied {self.optimizer.steps} "
+                             f"steps, so the open one is {self.optimizer.steps + 1}")
+
+    def _averaged(self, step: int, trainers: tuple[str, ...]) -> dict[torch.Tensor, torch.Tensor]:
+        self._check_open(step)
+        with self._lock:
+            if self._average is not None and self._average[:2] == (step, trainers):
+                return self._average[2]
+            missing = [t for t in trainers if t not in self._given]
+            if missing or not trainers:
+                raise BadRequest(f"step {step}: no gradients from {', '.join(missing) or 'any trainer'} on this server")
+            given = [self._given[t] for t in trainers]
+            params = {p: None for g in given for p in g}
+            averaged = {p: average([g[p] for g in given if p in g], len(given)) for p in params}
+            self._average = (step, trainers, averaged)
+            return averaged
+
+
 class SharedOptimizer:
     """The server's optimizer and the lock that orders its steps against parameter reads."""
 
@@ -49,15 +121,29 @@ class SharedOptimizer:
         self.steps = 0  # updates applied: the cluster's step, the same on every server at a pause
 
     def step(self) -> None:
+        """Apply the gradients already set on the parameters (``DistributedOptimizer``'s way)."""
         with self.lock:
-            rows = sum(p.grad._nnz() for p in self.params if p.grad is not None and p.grad.is_sparse)
-            self.optimizer.step()
-            self.steps += 1
-            # A parameter this context did not touch must not see the previous context's gradient.
-            for p in self.params:
-                p.grad = None
+            rows = self._step()
         if self._on_step is not None:
             self._on_step(rows)
+
+    def apply(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Apply ``grads`` (parameter -> gradient; parameters left out are not updated)."""
+        with self.lock:
+            for p in self.params:
+                p.grad = grads.get(p)
+            rows = self._step()
+        if self._on_step is not None:
+            self._on_step(rows)
+
+    def _step(self) -> int:
+        rows = sum(p.grad._nnz() for p in self.params if p.grad is not None and p.grad.is_sparse)
+        self.optimizer.step()
+        self.steps += 1
+        # A parameter this step did not touch must not see this step's gradient next time.
+        for p in self.params:
+            p.grad = None
+        return rows
 
     def snapshot(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Consistent copies: never half-way through another trainer's update."""

@@ -1,7 +1,7 @@
 """A scripted trainer for integration tests: joins the real cluster as a real RPC member, drives the
 servers through the real stub, and prints one JSON line with what it observed.
 
-    python -m tests.support.driver equivalence|hammer|inspect|bad --name trainerN --num-ps K --master-port P
+    python -m tests.support.driver equivalence|sync|hammer|inspect|bad --name trainerN --num-ps K --master-port P
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from ps.clock import StepClockService
 from ps.config import ps_names
 from ps.service import ParameterServer
 from ps.stub import PsClient
@@ -64,6 +65,34 @@ def equivalence(client: PsClient, args: argparse.Namespace) -> dict:
     final = full_parameters(client)
     return {"losses": losses, "initial_diff": initial_diff, "param_diff": _max_diffs(final, local_parameters(local)),
             "update_size": _max_diffs(final, initial)}
+
+
+def sync(client: PsClient, args: argparse.Namespace) -> dict:
+    """One of ``--trainers`` sync trainers, each on its slice of one batch of M*B sequences; trainer0
+    also trains the one-process model on the whole batch and compares the parameters at the end."""
+    index, batch = int(args.name.removeprefix("trainer")), 4
+    cfg = TrainerConfig(name=args.name, num_ps=args.num_ps, batch_size=batch, bptt=5, dropout=0.0, clip=args.clip)
+    model = LmModelConfig.model_validate(client.model)
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, model.ntoken, (cfg.bptt * args.steps + 1, batch * args.trainers), generator=g)
+    loop = TrainLoop(DistributedLM(client, 0.0), BatchStream(data[:, index * batch:(index + 1) * batch], cfg.bptt), cfg)
+    # Everyone in step 1: a trainer joins the open step only while nobody has finished it.
+    client.begin()
+    wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
+               "every trainer on the step clock")
+    losses = [loop.step().loss for _ in range(args.steps)]
+    result: dict = {"losses": losses, "consistency": str(client.consistency)}
+    if index == 0:
+        local = LocalLM(model, 0.0)
+        stream, hidden = BatchStream(data, cfg.bptt), init_hidden(model, batch * args.trainers)
+        local_losses = []
+        for _ in range(args.steps):
+            x, y, _ = stream.next()
+            loss, hidden = local.train_step(x, y, hidden, cfg.clip)
+            local_losses.append(loss)
+        result.update(local_losses=local_losses, param_diff=_max_diffs(full_parameters(client), local_parameters(local)))
+    client.end()
+    return result
 
 
 def _max_diffs(a: dict, b: dict) -> dict:
@@ -131,13 +160,14 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("equivalence", "hammer", "inspect", "bad"))
+    p.add_argument("mode", choices=("equivalence", "sync", "hammer", "inspect", "bad"))
     p.add_argument("--name", required=True)
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--clip", type=float, default=0.25)
     p.add_argument("--out", default="")
+    p.add_argument("--trainers", type=int, default=1)
     args = p.parse_args()
     init_logging(args.name, "warning")
     torch.set_num_threads(1)
@@ -149,7 +179,8 @@ def main() -> None:
         servers = ps_names(args.num_ps)
         wait_until(lambda: set(servers) <= set(current_members()), 60, "servers in the group")
         client = PsClient(args.name, servers)
-        result = {"equivalence": equivalence, "hammer": hammer, "inspect": inspect, "bad": bad}[args.mode](client, args)
+        modes = {"equivalence": equivalence, "sync": sync, "hammer": hammer, "inspect": inspect, "bad": bad}
+        result = modes[args.mode](client, args)
         del client
     finally:
         endpoint.leave()

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ps.config import PsConfig, ServersConfig
+from ps.consistency import checked
 from services.config import ConfigBase
 
 
@@ -55,6 +56,8 @@ class TrainerConfig(ServersConfig):
     seed: int = Field(1111, description="seed of dropout and the synthetic corpus")
     log_interval: float = Field(10.0, gt=0, description="seconds between progress lines in the log")
     warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of its tokens/s")
+    slow_down: float = Field(1.0, ge=1.0, le=100.0, description="run at 1/N speed: idle N-1 times each step's "
+                                                                   "duration after it (a straggler, for benchmarks and tests)")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
@@ -87,3 +90,6 @@ class LmUpSettings(ConfigBase):
     warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of tokens/s")
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N cluster steps")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="checkpoint every M seconds")
+    consistency: str = Field("async", description="how the servers apply updates: async, sync or ssp:K")
+
+    _consistency = field_validator("consistency")(classmethod(lambda cls, v: checked(v)))

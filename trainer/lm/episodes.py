@@ -57,7 +57,10 @@ class EpisodeRunner:
         self.metrics.episode_running.set(1)
         log.info("episode %d: %s steps", self.episodes, request.steps or "unbounded")
         try:
-            self._train(episode, request.steps)
+            try:
+                self._train(episode, request.steps)
+            finally:
+                self._leave_clock()
             with self._wake:
                 shutting_down = self.gate.closing
             if self.heldout is not None and not shutting_down and episode["step"] > 0:
@@ -97,6 +100,13 @@ class EpisodeRunner:
                 last_log = time.monotonic()
                 self._heartbeat()
                 log.info("step %d | loss %.3f | %.0f tokens/s", self.steps, sum(recent) / len(recent), tokens_per_s)
+
+    def _leave_clock(self) -> None:
+        """Between episodes this trainer takes no steps: in sync and ssp modes nobody may wait for it."""
+        try:
+            self.loop.model.client.end()
+        except Exception as exc:  # noqa: BLE001 - ps0 gone: nobody to tell, and stopping goes on
+            log.warning("could not leave the step clock: %s", str(exc).splitlines()[0])
 
     def _evaluate(self) -> None:
         self.board.update(evaluating=True)

@@ -13,7 +13,8 @@ from trainer.lm.config import LmUpSettings
 from trainer.lm.status import TrainerStatus
 
 LEADER = "ps0"
-_PS_FLAGS = ("emsize", "nhid", "nlayers", "optimizer", "lr", "seed", "checkpoint_every_steps", "checkpoint_every_seconds")
+_PS_FLAGS = ("emsize", "nhid", "nlayers", "optimizer", "lr", "seed", "checkpoint_every_steps", "checkpoint_every_seconds",
+             "consistency")
 _TRAINER_FLAGS = ("batch_size", "bptt", "dropout", "clip", "eval_tokens", "synthetic_tokens", "seed", "data",
                   "warmup_steps")
 

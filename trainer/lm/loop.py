@@ -46,6 +46,8 @@ class TrainLoop:
         self.hidden: Hidden = init_hidden(model.config, cfg.batch_size)
 
     def step(self) -> StepResult:
+        # The step boundary: in sync and ssp modes, wait for the step clock before taking the batch.
+        waited = self.model.client.begin()
         x, y, wrapped = self.stream.next()
         if wrapped:  # a new pass over the text: the carried state belongs to its end
             self.hidden = init_hidden(self.model.config, self.cfg.batch_size)
@@ -59,9 +61,12 @@ class TrainLoop:
             done = step.finish(loss, self.cfg.clip)
         total = time.perf_counter() - t0
         self.hidden = (hidden[0].detach(), hidden[1].detach())
+        if self.cfg.slow_down > 1.0:   # a straggler on purpose: idle (N-1) times the step
+            time.sleep((self.cfg.slow_down - 1.0) * total)
+            total = time.perf_counter() - t0
         phases = {"fetch": t_fetch - t0, "forward": t_forward - t_fetch, "backward": done.backward, "clip": done.clip,
-                  "optimize": done.optimize, "total": total}
-        result = StepResult(float(loss.detach()), x.numel(), total, done.grad_norm, phases)
+                  "optimize": done.optimize, "barrier": waited + done.barrier, "total": total + waited}
+        result = StepResult(float(loss.detach()), x.numel(), total + waited, done.grad_norm, phases)
         if self.metrics is not None:
             for phase, seconds in phases.items():
                 self.metrics.observe_phase(phase, seconds)

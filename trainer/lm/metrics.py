@@ -5,7 +5,7 @@ from prometheus_client import CollectorRegistry
 
 from services.metrics import Metrics
 
-STEP_PHASES = ("fetch", "forward", "backward", "clip", "optimize", "total")
+STEP_PHASES = ("fetch", "forward", "backward", "clip", "optimize", "barrier", "total")
 
 
 class TrainerMetrics(Metrics):

@@ -9,10 +9,9 @@ run in near lockstep), with fresh LSTM state. No RPC here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from services.checkpoint.parts import PausedPart
-from services.control import StepPause
 from services.errors import CheckpointError
 
 
@@ -65,11 +64,19 @@ def move_to(loop: Any, point: ResumePoint) -> None:
         loop.hidden = (point.hidden[0], point.hidden[1])
 
 
+class Hold(Protocol):
+    """Where a checkpoint holds the trainer: its own step boundary (``services.control.StepPause``,
+    async) or the step clock (``ps.stub.ClockPause``, sync and ssp)."""
+
+    def hold(self, timeout: float) -> bool: ...
+    def release(self) -> None: ...
+
+
 class PositionPart(PausedPart):
     """A trainer's position in cluster checkpoints: held at a step boundary while the servers copy
     their shards, then saved by the coordinator."""
 
-    def __init__(self, name: str, pause: StepPause, position: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, name: str, pause: Hold, position: Callable[[], dict[str, Any]]) -> None:
         self.name, self._pause, self._position = name, pause, position
 
     def pause(self, timeout: float) -> None:

@@ -11,7 +11,7 @@ import threading
 from typing import Any, Optional
 
 from ps.config import ps_names
-from ps.stub import PsClient
+from ps.stub import ClockPause, PsClient
 from services.checkpoint.coordinator import Coordinator
 from trainer.lm.config import TrainerConfig
 from services.control import EpisodeGate, EpisodeStart, StepPause
@@ -106,10 +106,12 @@ class TrainerRole(RoleBase):
         with self._lock:
             self._episodes = EpisodeRunner(loop, cfg, self.board, self.metrics, self.gate, self.pause, self._wake,
                                            heldout, self._heartbeat, steps)
-        self.checkpoints.add(PositionPart(cfg.name, self.pause, self._position))
+        # In sync and ssp modes a checkpoint holds trainers at the step clock, where no barrier waits.
+        hold = ClockPause(client) if client.consistency.clocked else self.pause
+        self.checkpoints.add(PositionPart(cfg.name, hold, self._position))
         self.metrics.up.set(1)
         self.board.update(step=steps, episode=None, episodes_completed=0, members=current_members(),
-                          model=client.model, data=corpus.description)
+                          model=client.model, data=corpus.description, consistency=str(client.consistency))
         self.board.set_state(RoleState.IDLE, "waiting for an episode")
         while True:
             request = self.gate.next(self._heartbeat)

@@ -36,6 +36,7 @@ class TrainerStatus(RoleStatus):
     episodes_completed: int = 0
     model: Optional[dict[str, Any]] = None
     data: Optional[str] = None
+    consistency: Optional[str] = None  # the servers' (async, sync, ssp:K)
     loss: Optional[float] = None
     loss_avg: Optional[float] = None   # of the last 20 steps
     loss_first: Optional[float] = None
@@ -51,4 +52,4 @@ class TrainerStatus(RoleStatus):
         return [f"step {self.step}",
                 f"episode {ep.id if ep else '-'} {ep.step if ep else 0}/{(ep.steps if ep else None) or '∞'}",
                 f"loss {self.loss_avg:.3f}" if self.loss_avg is not None else "loss -",
-                f"{self.tokens_per_s or 0:.0f} tokens/s"]
+                f"{self.tokens_per_s or 0:.0f} tokens/s", f"consistency {self.consistency or '-'}"]

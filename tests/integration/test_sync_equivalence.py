@@ -1,0 +1,36 @@
+"""sync mode: M trainers of batch B, each on its slice, train exactly the one-process model on the
+whole batch of M*B sequences (dropout off), with the averaged gradient clipped, over several steps."""
+import json
+
+import pytest
+
+from tests.support.cluster import SMALL_MODEL
+
+STEPS = 3
+# Summing M trainers' gradients rounds differently from one batch's; Adagrad divides each element by
+# its own root sum of squares, which magnifies that in elements with tiny gradients (its updates
+# are ~lr = 0.05 each, so 5e-5 is 1e-3 of one).
+TOLERANCE = {"sgd": 1e-5, "adagrad": 5e-5}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("trainers", [2, 3])
+@pytest.mark.parametrize("num_ps", [1, 2, 3])
+def test_sync_trainers_match_one_process_on_their_concatenated_batches(procs, num_ps, trainers, optimizer):
+    procs.start_servers(num_ps, consistency="sync", **{**SMALL_MODEL, "optimizer": optimizer,
+                                                       "lr": 0.5 if optimizer == "sgd" else 0.05})
+    drivers = [procs.spawn_driver("sync", f"trainer{k}", num_ps, steps=STEPS, clip=0.25, trainers=trainers)
+               for k in range(trainers)]
+    results = []
+    for proc in drivers:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-4000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert {r["consistency"] for r in results} == {"sync"}
+    lead = results[0]
+    for step in range(STEPS):
+        mean = sum(r["losses"][step] for r in results) / trainers
+        assert mean == pytest.approx(lead["local_losses"][step], rel=1e-5, abs=1e-5), f"step {step + 1}"
+    print("largest differences:", max(lead["param_diff"].values()), lead["param_diff"])
+    for name, diff in lead["param_diff"].items():
+        assert diff < TOLERANCE[optimizer], f"{name} differs by {diff} after {STEPS} steps"
