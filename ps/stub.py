@@ -136,6 +136,7 @@ class Finished:
     clip: float
     optimize: float           # sync: handing the gradients over
     barrier: float = 0.0      # at the step clock (sync: until the step was applied everywhere)
+    arrived_at: float = 0.0   # time.monotonic() when it reported the step to the step clock
 
 
 class StepSession:
@@ -171,18 +172,18 @@ class StepSession:
             for f in [client._async(n, ParameterServer.contribute, self.context_id, client.granted)
                       for n in client.ps_names]:
                 wait(f)
-            t2 = t3 = time.perf_counter()
+            t3, arrived_at = time.perf_counter(), time.monotonic()
             applied: Applied = wait(client._async(client.leader, StepClockService.arrive, float(clip)))
             client.granted = None
-            return Finished(applied.grad_norm, t1 - t0, 0.0, t3 - t1, time.perf_counter() - t3)
+            return Finished(applied.grad_norm, t1 - t0, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
         norm = client.clip_(self.context_id, clip) if clip > 0 else float("nan")
         t2 = time.perf_counter()
         self._optimizer.step(self.context_id)
-        t3 = time.perf_counter()
+        t3, arrived_at = time.perf_counter(), time.monotonic()
         if client.consistency.clocked:
             wait(client._async(client.leader, StepClockService.arrive, float(clip)))
             client.granted = None
-        return Finished(norm, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        return Finished(norm, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, arrived_at)
 
 
 class ClockPause:

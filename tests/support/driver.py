@@ -1,13 +1,14 @@
 """A scripted trainer for integration tests: joins the real cluster as a real RPC member, drives the
 servers through the real stub, and prints one JSON line with what it observed.
 
-    python -m tests.support.driver equivalence|sync|hammer|inspect|bad --name trainerN --num-ps K --master-port P
+    python -m tests.support.driver equivalence|sync|clocked|hammer|inspect|bad --name trainerN --num-ps K --master-port P
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 
 import torch
 
@@ -95,6 +96,35 @@ def sync(client: PsClient, args: argparse.Namespace) -> dict:
     return result
 
 
+def clocked(client: PsClient, args: argparse.Namespace) -> dict:
+    """A trainer that records, by the machine's monotonic clock, the step number of every read
+    (right after the step clock let it begin) and when it reported each step done; ``--slow-down``
+    makes it a straggler."""
+    cfg = TrainerConfig(name=args.name, num_ps=args.num_ps, batch_size=4, bptt=5, dropout=0.0, clip=0.25)
+    model = DistributedLM(client, 0.0)
+    g = torch.Generator().manual_seed(int(args.name.removeprefix("trainer")))
+    data = torch.randint(0, model.config.ntoken, (cfg.bptt * args.steps + 1, cfg.batch_size), generator=g)
+    stream, hidden = BatchStream(data, cfg.bptt), init_hidden(model.config, cfg.batch_size)
+    client.begin()
+    wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
+               "every trainer on the step clock")
+    reads, done = [], []
+    for _ in range(args.steps):
+        started = time.perf_counter()
+        client.begin()
+        reads.append([client.granted, time.monotonic()])
+        x, y, _ = stream.next()
+        with client.step() as step:
+            loss, hidden = model(x, y, hidden)
+            finished = step.finish(loss, cfg.clip)
+        hidden = (hidden[0].detach(), hidden[1].detach())
+        done.append([reads[-1][0], finished.arrived_at])
+        if args.slow_down > 1:      # a straggler on purpose, as --slow-down does for a trainer
+            time.sleep((args.slow_down - 1) * (time.perf_counter() - started))
+    client.end()
+    return {"reads": reads, "done": done}
+
+
 def _max_diffs(a: dict, b: dict) -> dict:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return {k: float((a[k] - b[k]).abs().max()) for k in a}
@@ -160,7 +190,7 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("equivalence", "sync", "hammer", "inspect", "bad"))
+    p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad"))
     p.add_argument("--name", required=True)
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
@@ -168,6 +198,7 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.25)
     p.add_argument("--out", default="")
     p.add_argument("--trainers", type=int, default=1)
+    p.add_argument("--slow-down", type=float, default=1.0)
     args = p.parse_args()
     init_logging(args.name, "warning")
     torch.set_num_threads(1)
@@ -179,7 +210,8 @@ def main() -> None:
         servers = ps_names(args.num_ps)
         wait_until(lambda: set(servers) <= set(current_members()), 60, "servers in the group")
         client = PsClient(args.name, servers)
-        modes = {"equivalence": equivalence, "sync": sync, "hammer": hammer, "inspect": inspect, "bad": bad}
+        modes = {"equivalence": equivalence, "sync": sync, "clocked": clocked, "hammer": hammer, "inspect": inspect,
+                 "bad": bad}
         result = modes[args.mode](client, args)
         del client
     finally:
