@@ -277,11 +277,14 @@ class StepClock:
         waiting = self._begins.pop(name)
         member = self._members.get(name)
         if member is None:
-            start = self.step if self.consistency.kind == "sync" else self._min_clock()
-            member = self._members[name] = _Member(self.saved.pop(name, start) if self.consistency.kind == "ssp"
-                                                   else start)
-            if self.consistency.kind == "ssp":
-                member.clock = max(member.clock, self._min_clock())
+            if self.consistency.kind == "sync":
+                start = self.step
+            else:
+                # Its clock from the checkpoint resumed, but never behind a trainer already stepping:
+                # the others would wait for it to catch up.
+                others = self._min_clock() if self._members else 0
+                start = max(self.saved.pop(name, others), others)
+            member = self._members[name] = _Member(start)
         member.working = True
         member.read_total = sum(m.clock for n, m in self._members.items() if n != name)
         if self.metrics is not None and self.consistency.kind == "ssp":   # sync waits at its arrivals

@@ -30,7 +30,7 @@ from ps.messages import ShardInfo
 from ps.service import ParameterServer, ServerOptimizer
 from ps.sharding import ShardPlan
 from services.errors import PeerUnavailable
-from services.remote import call, call_async, wait
+from services.remote import call_async, wait
 
 log = logging.getLogger(__name__)
 

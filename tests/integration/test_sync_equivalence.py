@@ -13,9 +13,12 @@ STEPS = 3
 TOLERANCE = {"sgd": 1e-5, "adagrad": 5e-5}
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-@pytest.mark.parametrize("trainers", [2, 3])
-@pytest.mark.parametrize("num_ps", [1, 2, 3])
+# Every pair of server and trainer counts, each optimizer with each count: 6 of the 12 combinations,
+# to keep the suite's time (all 12 passed when this was written; the README gives their figures).
+CASES = [(1, 2, "sgd"), (1, 3, "adagrad"), (2, 2, "adagrad"), (2, 3, "sgd"), (3, 2, "sgd"), (3, 3, "adagrad")]
+
+
+@pytest.mark.parametrize("num_ps,trainers,optimizer", CASES)
 def test_sync_trainers_match_one_process_on_their_concatenated_batches(procs, num_ps, trainers, optimizer):
     procs.start_servers(num_ps, consistency="sync", **{**SMALL_MODEL, "optimizer": optimizer,
                                                        "lr": 0.5 if optimizer == "sgd" else 0.05})

@@ -98,10 +98,9 @@ def test_main_modules_only_delegate():
 
 def test_no_print_in_roles():
     # Logging only; printing is for the CLI's and the benchmark's own output.
-    allowed = {"services/cli.py", "trainer/lm/bench.py", "trainer/lm/bench_seed.py", "ps/bench.py",
-               "trainer/rl/bench.py", "services/launcher.py"}
+    allowed = {"services/cli.py", "services/launcher.py"}
     for rel, path in sources():
-        if rel in allowed:
+        if rel in allowed or rel.rsplit("/", 1)[-1].startswith("bench"):   # a benchmark prints its JSON
             continue
         calls = [n for n in ast.walk(ast.parse(path.read_text()))
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print"]

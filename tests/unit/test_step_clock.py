@@ -195,3 +195,13 @@ def test_a_failed_apply_reaches_every_arrival_and_the_step_stays_open():
     with pytest.raises(RuntimeError, match="ps1 is gone"):
         f.result(0)
     assert clock.describe()["step"] == 0 and begin(clock, "trainer0").result(0) == 1
+
+
+def test_resumed_ssp_clocks_continue_and_sync_counts_on_from_the_servers_step():
+    clock, _, _, _ = make("ssp:1", saved={"trainer0": 7, "trainer1": 6})
+    assert begin(clock, "trainer0").result(0) == 8
+    assert begin(clock, "trainer1").result(0) == 8, "never behind a member already stepping"
+    sync, applied, _, _ = make("sync", step=40)
+    assert begin(sync, "trainer0").result(0) == 41
+    arrive(sync, "trainer0").result(0)
+    assert applied == [(41, ["trainer0"], 0.25)]

@@ -24,18 +24,27 @@ WIKITEXT2_NTOKEN = 33_278  # WikiText-2's full (train+valid+test) vocabulary, th
 TARGETS = {"rpcps_vs_local": 0.9, "rpcps_vs_seed": 1.5}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, steps: int, rounds: str) -> None:
+    """The flags every language-model bench takes: output, data, model size, steps, rounds."""
     p.add_argument("--json", action="store_true", help="JSON lines only (the default output is JSON too)")
     p.add_argument("--data", type=Path, default=None,
                    help=f"WikiText-style folder (default: {DEFAULT_DATA} if present, else the synthetic corpus)")
     p.add_argument("--ntoken", type=int, default=WIKITEXT2_NTOKEN, help="vocabulary rows")
-    p.add_argument("--steps", type=int, default=30, help="steps per trainer, warm-up included")
+    p.add_argument("--steps", type=int, default=steps, help="steps per trainer, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of tokens/s")
-    p.add_argument("--rounds", type=int, default=1, help="rounds of a, b, c")
+    p.add_argument("--rounds", type=int, default=1, help=f"rounds of {rounds}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p, steps=30, rounds="a, b, c")
     p.add_argument("--variants", default="local,seed,rpcps", help="comma-separated subset to run")
 
 
-def _model_args(args: argparse.Namespace) -> dict:
+def data_of(ns: argparse.Namespace) -> Path | None:
+    return ns.data if ns.data is not None else (DEFAULT_DATA if DEFAULT_DATA.is_dir() else None)
+
+
+def model_args(args: argparse.Namespace) -> dict:
     return {"ntoken": args.ntoken, "emsize": 200, "nhid": 200, "nlayers": 2, "dropout": 0.2, "bptt": 35,
             "batch_size": 20, "steps": args.steps, "warmup": args.warmup}
 
@@ -81,12 +90,13 @@ def bench_seed(args: dict, data: Path | None) -> dict:
         return run_seed(tokens, {**args, "threads": 1}, free_port(), str(Path(tmp) / "seed.json"))
 
 
-def bench_rpcps(args: dict, data: Path | None) -> dict:
+def run_up(args: dict, data: Path | None, extra: tuple[str, ...] = (), eval_tokens: int = 1) -> dict:
+    """``rpcps up`` with two servers and two trainers, to its end: its ``done`` event."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = [sys.executable, "-m", "services.cli", "up", "--json", "--ps", "2", "--trainers", "2",
                 "--steps", str(args["steps"]), "--warmup-steps", str(args["warmup"]), "--ntoken", str(args["ntoken"]),
-                "--eval-tokens", "1", "--state-dir", str(Path(tmp) / "state"), "--progress-interval", "30",
-                "--checkpoint-dir", str(Path(tmp) / "ckpt")]
+                "--eval-tokens", str(eval_tokens), "--state-dir", str(Path(tmp) / "state"),
+                "--progress-interval", "30", "--checkpoint-dir", str(Path(tmp) / "ckpt"), *extra]
         if data is not None:
             argv += ["--data", str(data)]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
@@ -94,9 +104,13 @@ def bench_rpcps(args: dict, data: Path | None) -> dict:
         done = [e for e in lines if e.get("event") == "done"]
         if r.returncode != 0 or not done:
             raise RuntimeError(f"rpcps up failed ({r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}")
-        d = done[-1]
-        return {"tokens_per_s": d["tokens_per_s"], "timed_steps": d["steps"] - args["warmup"], "servers": 2,
-                "trainers": 2, "loss_last": d["loss_last"]}
+        return done[-1]
+
+
+def bench_rpcps(args: dict, data: Path | None) -> dict:
+    d = run_up(args, data)
+    return {"tokens_per_s": d["tokens_per_s"], "timed_steps": d["steps"] - args["warmup"], "servers": 2,
+            "trainers": 2, "loss_last": d["loss_last"]}
 
 
 VARIANTS = {"local": bench_local, "seed": bench_seed, "rpcps": bench_rpcps}
@@ -112,8 +126,7 @@ def _run_variant(name: str, args: dict, data: Path | None) -> dict:
 
 
 def run(ns: argparse.Namespace) -> int:
-    data = ns.data if ns.data is not None else (DEFAULT_DATA if DEFAULT_DATA.is_dir() else None)
-    args = _model_args(ns)
+    data, args = data_of(ns), model_args(ns)
     names = [v for v in ns.variants.split(",") if v]
     rounds = []
     for i in range(ns.rounds):

@@ -91,5 +91,7 @@ class LmUpSettings(ConfigBase):
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N cluster steps")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="checkpoint every M seconds")
     consistency: str = Field("async", description="how the servers apply updates: async, sync or ssp:K")
+    straggler: float = Field(1.0, ge=1.0, le=100.0, description="run trainer0 at 1/N speed (its --slow-down), "
+                                                                 "a straggler for benchmarks")
 
     _consistency = field_validator("consistency")(classmethod(lambda cls, v: checked(v)))

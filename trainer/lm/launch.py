@@ -38,6 +38,8 @@ class LmLaunch:
                     *flags(cfg, _TRAINER_FLAGS)]
             if cfg.steps:
                 argv += ["--steps", str(cfg.steps)]
+            if i == 0 and cfg.straggler > 1.0:
+                argv += ["--slow-down", str(cfg.straggler)]
             trainers.append(Planned(format_name("trainer", i), "trainer", argv))
         return servers + trainers
 
