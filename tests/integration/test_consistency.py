@@ -86,3 +86,17 @@ def test_killed_trainer_is_dropped_and_the_job_goes_on_through_a_checkpoint(proc
     waits = [line for line in metrics.splitlines() if line.startswith("rpcps_ps_barrier_wait_seconds_count")]
     assert waits and float(waits[0].split()[-1]) > 0
     assert "rpcps_ps_short_steps_total" in metrics and "rpcps_ps_update_staleness_steps_bucket" in metrics
+
+
+def test_a_restart_in_another_mode_is_allowed_and_logged(procs):
+    ps0, _ = procs.start_servers(2, consistency="sync", **MODEL)
+    trainer = procs.start("trainer", "trainer0", 2, start=True, steps=4, **{**TRAINER, "num_trainers": 1})
+    procs.wait_ready(trainer)
+    wait_until(lambda: (status(trainer).get("episode") or {}).get("done"), 60, "an episode of 4 steps")
+    with ps0.client(timeout=60) as c:
+        assert c.checkpoint()["step"] == 4          # one averaged update per step
+    procs.stop_all()
+
+    ps0, _ = procs.start_servers(2, consistency="ssp:1", **MODEL)
+    assert status(ps0)["consistency"] == "ssp:1" and status(ps0)["steps"] == 4
+    assert "was taken with sync, this job runs ssp:1" in ps0.log_text()
