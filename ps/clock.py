@@ -222,11 +222,13 @@ class StepClock:
     def _min_clock(self) -> int:
         return min((m.clock for m in self._members.values()), default=0)
 
-    def _next_step(self, name: str) -> int:
+    def _clock_of(self, name: str) -> int:
+        """``name``'s completed steps; a trainer new to the clock starts at the slowest member's."""
         member = self._members.get(name)
-        if self.consistency.kind == "sync" or member is None:
-            return self.step + 1 if self.consistency.kind == "sync" else self._min_clock() + 1
-        return member.clock + 1
+        return member.clock if member is not None else self._min_clock()
+
+    def _next_step(self, name: str) -> int:
+        return self.step + 1 if self.consistency.kind == "sync" else self._clock_of(name) + 1
 
     def _frozen_out(self, name: str) -> bool:
         if self._frozen_at is None:
@@ -243,9 +245,7 @@ class StepClock:
                 return True
             # New to the clock: it may join the open step while nobody has finished it, else the next.
             return not self._arrivals
-        member = self._members.get(name)
-        clock = member.clock if member is not None else self._min_clock()
-        return clock - self._min_clock() <= (self.consistency.bound or 0)
+        return self._clock_of(name) - self._min_clock() <= (self.consistency.bound or 0)
 
     def _settle(self) -> list[Callable[[], None]]:
         """After any change (under the lock): what can go on now, as actions to run after it."""
@@ -417,4 +417,7 @@ class StepClockService(Service):
 def applier(max_workers: int = 1) -> Callable[[Callable[[], None]], None]:
     """Where the leader's clock runs a sync step's apply: off the RPC thread that closed it."""
     pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sync-apply")
-    return lambda fn: pool.submit(fn) and None
+
+    def run(fn: Callable[[], None]) -> None:
+        pool.submit(fn)
+    return run

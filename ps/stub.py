@@ -82,6 +82,14 @@ class PsClient:
         self.granted = wait(self._async(self.leader, StepClockService.begin))
         return time.perf_counter() - started
 
+    def arrive(self, clip: float) -> tuple[Applied, float]:
+        """Report the step begun to the step clock; its answer (sync: once the step is applied
+        everywhere) and when it was reported (``time.monotonic()``)."""
+        arrived_at = time.monotonic()
+        applied: Applied = wait(self._async(self.leader, StepClockService.arrive, float(clip)))
+        self.granted = None
+        return applied, arrived_at
+
     def end(self) -> None:
         """This trainer takes no more steps for now (its episode ended): nobody waits for it."""
         if self.consistency.clocked:
@@ -136,7 +144,7 @@ class Finished:
     clip: float
     optimize: float           # sync: handing the gradients over
     barrier: float = 0.0      # at the step clock (sync: until the step was applied everywhere)
-    arrived_at: float = 0.0   # time.monotonic() when it reported the step to the step clock
+    arrived_at: float = 0.0   # time.monotonic() when it reported the step to the step clock (0: async)
 
 
 class StepSession:
@@ -172,17 +180,15 @@ class StepSession:
             for f in [client._async(n, ParameterServer.contribute, self.context_id, client.granted)
                       for n in client.ps_names]:
                 wait(f)
-            t3, arrived_at = time.perf_counter(), time.monotonic()
-            applied: Applied = wait(client._async(client.leader, StepClockService.arrive, float(clip)))
-            client.granted = None
+            t3 = time.perf_counter()
+            applied, arrived_at = client.arrive(clip)
             return Finished(applied.grad_norm, t1 - t0, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
         norm = client.clip_(self.context_id, clip) if clip > 0 else float("nan")
         t2 = time.perf_counter()
         self._optimizer.step(self.context_id)
-        t3, arrived_at = time.perf_counter(), time.monotonic()
+        t3, arrived_at = time.perf_counter(), 0.0
         if client.consistency.clocked:
-            wait(client._async(client.leader, StepClockService.arrive, float(clip)))
-            client.granted = None
+            _, arrived_at = client.arrive(clip)
         return Finished(norm, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, arrived_at)
 
 

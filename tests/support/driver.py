@@ -99,28 +99,21 @@ def sync(client: PsClient, args: argparse.Namespace) -> dict:
 def clocked(client: PsClient, args: argparse.Namespace) -> dict:
     """A trainer that records, by the machine's monotonic clock, the step number of every read
     (right after the step clock let it begin) and when it reported each step done; ``--slow-down``
-    makes it a straggler."""
-    cfg = TrainerConfig(name=args.name, num_ps=args.num_ps, batch_size=4, bptt=5, dropout=0.0, clip=0.25)
+    makes it a straggler, as it does a real trainer."""
+    cfg = TrainerConfig(name=args.name, num_ps=args.num_ps, batch_size=4, bptt=5, dropout=0.0, clip=0.25,
+                        slow_down=args.slow_down)
     model = DistributedLM(client, 0.0)
     g = torch.Generator().manual_seed(int(args.name.removeprefix("trainer")))
     data = torch.randint(0, model.config.ntoken, (cfg.bptt * args.steps + 1, cfg.batch_size), generator=g)
-    stream, hidden = BatchStream(data, cfg.bptt), init_hidden(model.config, cfg.batch_size)
+    loop = TrainLoop(model, BatchStream(data, cfg.bptt), cfg)
     client.begin()
     wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
     reads, done = [], []
     for _ in range(args.steps):
-        started = time.perf_counter()
-        client.begin()
+        client.begin()               # the step's own begin inside loop.step() is then a no-op
         reads.append([client.granted, time.monotonic()])
-        x, y, _ = stream.next()
-        with client.step() as step:
-            loss, hidden = model(x, y, hidden)
-            finished = step.finish(loss, cfg.clip)
-        hidden = (hidden[0].detach(), hidden[1].detach())
-        done.append([reads[-1][0], finished.arrived_at])
-        if args.slow_down > 1:      # a straggler on purpose, as --slow-down does for a trainer
-            time.sleep((args.slow_down - 1) * (time.perf_counter() - started))
+        done.append([reads[-1][0], loop.step().arrived_at])
     client.end()
     return {"reads": reads, "done": done}
 

@@ -22,6 +22,7 @@ class StepResult:
     seconds: float
     grad_norm: float
     phases: dict[str, float] = field(default_factory=dict)
+    arrived_at: float = 0.0     # time.monotonic() when reported to the step clock (sync, ssp)
 
 
 @dataclass
@@ -66,7 +67,7 @@ class TrainLoop:
             total = time.perf_counter() - t0
         phases = {"fetch": t_fetch - t0, "forward": t_forward - t_fetch, "backward": done.backward, "clip": done.clip,
                   "optimize": done.optimize, "barrier": waited + done.barrier, "total": total + waited}
-        result = StepResult(float(loss.detach()), x.numel(), total + waited, done.grad_norm, phases)
+        result = StepResult(float(loss.detach()), x.numel(), total + waited, done.grad_norm, phases, done.arrived_at)
         if self.metrics is not None:
             for phase, seconds in phases.items():
                 self.metrics.observe_phase(phase, seconds)
