@@ -24,7 +24,7 @@ class Consistency:
             return cls(text)  # type: ignore[arg-type]
         m = _SSP.fullmatch(text)
         if m is None:
-            raise ValueError(f"consistency must be async, sync or ssp:K with K a whole number >= 0, got {text!r}")
+            raise ValueError("consistency must be async, sync or ssp:K with K a whole number >= 0")
         return cls("ssp", int(m.group(1)))
 
     @property

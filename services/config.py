@@ -134,9 +134,13 @@ def load(model: type[ConfigBase], flags: Mapping[str, Any], environ: Mapping[str
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
+            message = err["msg"].removeprefix("Value error, ")
             field = str(err["loc"][0]) if err["loc"] else ""
             info = model.model_fields.get(field)
-            where = source.get(field, f"{flag_name(field, info)} / {env_name(field, info)}" if info else "configuration")
+            if info is None:        # a check across fields, which names what it is about itself
+                problems.append(message)
+                continue
+            where = source.get(field, f"{flag_name(field, info)} / {env_name(field, info)}")
             got = f", got {values[field]!r}" if field in values else ""
-            problems.append(f"{where}: {err['msg']}{got}")
+            problems.append(f"{where}: {message}{got}")
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from None

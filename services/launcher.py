@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional
 
-from pydantic import Field, SecretStr, create_model, model_validator
+from pydantic import Field, SecretStr, ValidationError, create_model, model_validator
 from pydantic.fields import FieldInfo
 
 from services.client import SidecarClient
@@ -79,6 +79,20 @@ class LauncherConfig(ConfigBase):
         if wrong:
             names = ", ".join(flag_name(f, type(self).model_fields[f]) for f in wrong)
             raise ValueError(f"{names}: not a setting of --workload {self.workload}")
+        # The workload's own checks (its validators) run here, so a bad value is a ConfigError
+        # at load naming its flag, not a failure once the launch has begun.
+        try:
+            self.settings()
+        except ValidationError as exc:
+            fields = type(self).model_fields
+            problems = []
+            for e in exc.errors():
+                message = e["msg"].removeprefix("Value error, ")
+                if e["loc"]:
+                    field = str(e["loc"][0])
+                    message = f"{flag_name(field, fields.get(field))}: {message}, got {e['input']!r}"
+                problems.append(message)
+            raise ValueError("; ".join(problems)) from None
         return self
 
     def settings(self) -> ConfigBase:
