@@ -112,9 +112,9 @@ def _server(rows: int, dim: int, restore=None):
     server = ParameterServer("ps0", 0, 1, spec, PsMetrics(CollectorRegistry(), "ps", "ps0"), restore=restore)
     if restore is None:
         ids = torch.randint(0, rows, (8192,))
-        server.param("rows.weight").grad = torch.sparse_coo_tensor(ids.unsqueeze(0), torch.ones(8192, dim),
-                                                                   (rows, dim), check_invariants=True)
-        server.optimizer.step()
+        weight = server.param("rows.weight")
+        server.optimizer.apply({weight: torch.sparse_coo_tensor(ids.unsqueeze(0), torch.ones(8192, dim),
+                                                                (rows, dim), check_invariants=True)})
     return server
 
 

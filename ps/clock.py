@@ -54,7 +54,6 @@ class Pending(Protocol):
 
 class ClockMetrics(Protocol):
     def observe_wait(self, seconds: float) -> None: ...
-    def observe_staleness(self, steps: int) -> None: ...
     def short_step(self) -> None: ...
 
 
@@ -71,7 +70,6 @@ class Applied:
 class _Member:
     clock: int                  # steps it has completed under this clock
     working: bool = False       # began a step and has not arrived
-    read_total: int = 0         # ssp: the others' completed steps when it began (for staleness)
 
 
 @dataclass
@@ -79,6 +77,7 @@ class _Waiting:
     pending: Pending
     since: float
     clip: float = 0.0
+    refused: bool = False     # sync: the servers refused its gradients; the step goes on without them
 
 
 @dataclass
@@ -123,20 +122,19 @@ class StepClock:
             actions = self._settle()
         _run(actions)
 
-    def arrive(self, name: str, clip: float, pending: Pending) -> None:
+    def arrive(self, name: str, clip: float, pending: Pending, refused: bool = False) -> None:
+        """``refused``: its update was refused (sync: it is no participant of the step)."""
         with self._lock:
             member = self._members.get(name)
             if member is None or not member.working:
                 raise BadRequest(f"{name} arrived without beginning a step")
             member.working = False
             if self.consistency.kind == "sync":
-                self._arrivals[name] = _Waiting(pending, self.now(), clip)
+                self._arrivals[name] = _Waiting(pending, self.now(), clip, refused)
+                self._short = self._short or refused
                 actions = self._settle()
             else:
                 member.clock += 1
-                others = sum(m.clock for n, m in self._members.items() if n != name)
-                if self.metrics is not None:
-                    self.metrics.observe_staleness(max(0, others - member.read_total))
                 answer = Applied(member.clock, (name,), math.nan)
                 actions = [lambda: pending.set_result(answer)] + self._settle()
         _run(actions)
@@ -286,7 +284,6 @@ class StepClock:
                 start = max(self.saved.pop(name, others), others)
             member = self._members[name] = _Member(start)
         member.working = True
-        member.read_total = sum(m.clock for n, m in self._members.items() if n != name)
         if self.metrics is not None and self.consistency.kind == "ssp":   # sync waits at its arrivals
             self.metrics.observe_wait(now - waiting.since)
         step = member.clock + 1
@@ -296,8 +293,10 @@ class StepClock:
         """sync: every member arrived; have the servers apply the step (off the lock)."""
         self._applying = True
         step, arrived = self.step + 1, dict(self._arrivals)
-        participants = sorted(arrived)
-        clips = {w.clip for w in arrived.values()}
+        participants = sorted(n for n, w in arrived.items() if not w.refused)
+        if not participants:      # every update of the step was refused: nothing to apply, same step again
+            return lambda: self._closed(step, arrived, math.nan, participants)
+        clips = {arrived[n].clip for n in participants}
         if len(clips) > 1:
             log.warning("trainers asked to clip step %d at different norms %s; using the smallest", step, sorted(clips))
         clip = min(clips)
@@ -307,18 +306,20 @@ class StepClock:
                 norm = self.apply(step, participants, clip) if self.apply is not None else math.nan
             except Exception as exc:  # noqa: BLE001 - the arrivals get it; the clock goes on
                 log.error("step %d could not be applied: %s", step, exc)
-                self._closed(step, arrived, exc)
+                self._closed(step, arrived, exc, participants)
             else:
-                self._closed(step, arrived, norm)
+                self._closed(step, arrived, norm, participants)
         return lambda: self.run(apply)
 
-    def _closed(self, step: int, arrived: dict[str, _Waiting], outcome: Any) -> None:
+    def _closed(self, step: int, arrived: dict[str, _Waiting], outcome: Any, participants: list[str]) -> None:
         with self._lock:
             self._applying = False
             for name in arrived:
                 self._arrivals.pop(name, None)
             failed = isinstance(outcome, Exception)
-            if not failed:
+            if not participants:
+                step = self.step
+            elif not failed:
                 self.step = step
                 for member in self._members.values():
                     member.clock = step
@@ -328,10 +329,9 @@ class StepClock:
                     now = self.now()
                     for waiting in arrived.values():
                         self.metrics.observe_wait(now - waiting.since)
-                        self.metrics.observe_staleness(0)
             self._short = False
             actions = self._settle()
-        answer = Applied(step, tuple(sorted(arrived)), float(outcome)) if not failed else None
+        answer = Applied(step, tuple(participants), float(outcome)) if not failed else None
         for waiting in arrived.values():
             if failed:
                 actions.append(lambda w=waiting: w.pending.set_exception(outcome))
@@ -383,11 +383,12 @@ class StepClockService(Service):
         return self._pending(lambda f: self.clock.begin(self._caller.name, f))
 
     @remote(asynchronous=True)
-    def arrive(self, clip: float) -> torch.futures.Future:
-        """The caller's step is done (sync: its gradients are on every server); ``Applied`` once applied."""
+    def arrive(self, clip: float, refused: bool = False) -> torch.futures.Future:
+        """The caller's step is done (sync: its gradients are on every server, or ``refused`` by one);
+        ``Applied`` once applied."""
         if not (clip >= 0 and math.isfinite(clip)):
             raise BadRequest(f"clip must be a finite float >= 0, got {clip!r}")
-        return self._pending(lambda f: self.clock.arrive(self._caller.name, clip, f))
+        return self._pending(lambda f: self.clock.arrive(self._caller.name, clip, f, refused))
 
     @remote
     def leave(self) -> None:

@@ -25,6 +25,9 @@ class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
     name: str = Field("ps0", description="RPC name: ps<index>, index < num_ps")
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="take a checkpoint every N cluster steps (ps0)")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="take a checkpoint every M seconds (ps0)")
+    max_ids_per_request: int = Field(65_536, ge=1, description="ids one lookup or operation may name; a request "
+                                                                  "past it is refused (a bound on what one caller "
+                                                                  "can make a server allocate)")
     consistency: str = Field("async", description="how updates are applied: async, sync (averaged, in lockstep) or "
                                                   "ssp:K (no trainer more than K steps ahead); every server the same")
 

@@ -23,13 +23,16 @@ class PsMetrics(Metrics):
                                          "table rows changed by optimizer steps").labels(**self.labels)
         self.optimizer_steps = self.counter("rpcps_ps_optimizer_steps_total",
                                             "optimizer steps applied").labels(**self.labels)
-        # The step clock's, on the leader (sync and ssp modes).
+        self.updates_refused = self.counter(
+            "rpcps_ps_updates_refused_total", "trainers' updates refused whole: gradients not finite"
+        ).labels(**self.labels)
+        # The step clock's, on the leader (sync and ssp modes); staleness is every server's.
         self.barrier_wait = self.histogram(
             "rpcps_ps_barrier_wait_seconds", "time a trainer waited at the step clock (sync: for the step to be "
             "applied; ssp: for the slowest to catch up)", buckets=WAIT_BUCKETS).labels(**self.labels)
         self.staleness = self.histogram(
-            "rpcps_ps_update_staleness_steps", "other trainers' updates applied between a trainer's read and its "
-            "own update (sync: 0)", buckets=STALENESS_BUCKETS).labels(**self.labels)
+            "rpcps_ps_update_staleness_steps", "updates this server applied between a trainer's first read of a "
+            "step and that step's update (sync: 0)", buckets=STALENESS_BUCKETS).labels(**self.labels)
         self.short_steps = self.counter(
             "rpcps_ps_short_steps_total", "sync steps applied with fewer trainers than began them (one died or "
             "left)").labels(**self.labels)
@@ -37,9 +40,6 @@ class PsMetrics(Metrics):
     # The step clock's metrics (``ps/clock.py``'s ``ClockMetrics``).
     def observe_wait(self, seconds: float) -> None:
         self.barrier_wait.observe(seconds)
-
-    def observe_staleness(self, steps: int) -> None:
-        self.staleness.observe(steps)
 
     def short_step(self) -> None:
         self.short_steps.inc()

@@ -5,6 +5,8 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
+import torch
+
 from ps.service import ParameterServer
 from ps.spec import ModelSpec
 from services.checkpoint.parts import SnapshotPart
@@ -37,6 +39,16 @@ class ServerPart(SnapshotPart):
 
     def describe(self, state: dict[str, Any]) -> dict[str, Any]:
         return self._describe()
+
+    def check(self, state: dict[str, Any]) -> None:
+        # A poisoned model saved would be restored on every restart, and would push the last good
+        # checkpoint out of the ones kept.
+        bad = [name for name, value in state["params"].items() if not bool(torch.isfinite(value).all())]
+        bad += [f"{name} ({key})" for name, s in state["optim"].items() for key, value in s.items()
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all())]
+        if bad:
+            raise CheckpointError(f"{self.name}'s shard holds values that are not finite in {', '.join(bad)}: not "
+                                  f"saved, the previous checkpoint stays the newest")
 
 
 def shard_files(info: CheckpointInfo, spec: ModelSpec, shard: int, num_ps: int) -> list[str]:

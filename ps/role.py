@@ -86,7 +86,7 @@ class PsRole(RoleBase, WithoutEpisodes):
             if self.clock is not None:
                 self.clock.tick()
                 self.board.update(clock=self.clock.describe())
-            self.board.update(steps=self.server.optimizer.steps)
+            self.board.update(steps=self.server.optimizer.steps, refused=self.server.refused)
 
     def _build(self, shard: int) -> tuple[Optional[CheckpointInfo], ParameterServer]:
         """This shard, from the checkpoint the cluster stands on (ps0's choice) or fresh."""
@@ -100,7 +100,8 @@ class PsRole(RoleBase, WithoutEpisodes):
             resumed, server = restore_newest(
                 self.store, resume, resume_from, lambda info: shard_files(info, self.spec, shard, self.cfg.num_ps),
                 lambda states: ParameterServer(self.cfg.name, shard, self.cfg.num_ps, self.spec, self.metrics,
-                                               restore=states, consistency=Consistency.parse(self.cfg.consistency)))
+                                               restore=states, consistency=Consistency.parse(self.cfg.consistency),
+                                               max_ids=self.cfg.max_ids_per_request))
         except CheckpointError as exc:
             if self.endpoint.leader == self.cfg.name or resume_from is None:
                 raise

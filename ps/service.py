@@ -15,7 +15,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
 
 from ps.consistency import Consistency
 from ps.messages import ShardInfo
@@ -23,10 +22,10 @@ from ps.sharding import Layout
 from ps.spec import ModelSpec
 from ps.state import export_shard, gather_shard
 from ps.tables import RowShard
-from ps.update import SharedOptimizer, SyncSteps, grad_sq_norm
-from services.errors import BadRequest
+from ps.update import SharedOptimizer, SyncSteps, finite, grad_sq_norm
+from services.errors import BadRequest, UpdateRefused
 from ps.metrics import PsMetrics
-from services.remote import Service, local, remote
+from services.remote import Service, remote
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +34,12 @@ _CONTEXTS_KEPT = 4  # a trainer has at most one or two contexts open; older ones
 
 class ParameterServer(Service):
     def __init__(self, name: str, shard: int, num_shards: int, spec: ModelSpec, metrics: PsMetrics,
-                 restore: Optional[list[dict[str, Any]]] = None, consistency: Consistency = Consistency()) -> None:
-        """``restore``: the shard states of a checkpoint (any number of shards) to start from."""
+                 restore: Optional[list[dict[str, Any]]] = None, consistency: Consistency = Consistency(),
+                 max_ids: int = 65_536) -> None:
+        """``restore``: the shard states of a checkpoint (any number of shards) to start from;
+        ``max_ids``: the most ids one request may name."""
         self.name, self.shard, self.spec, self.metrics = name, shard, spec, metrics
-        self.consistency = consistency
+        self.consistency, self.max_ids = consistency, max_ids
         self.layout = Layout.of(spec, num_shards)
         if restore is None:
             values, optim_state, steps = self._initial_values(), {}, 0
@@ -52,9 +53,11 @@ class ParameterServer(Service):
                                          on_step=self._stepped)
         self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.param_names])
         self.sync = SyncSteps(self.optimizer)
-        self._contexts: dict[str, collections.deque] = {}
+        # caller -> its recent autograd contexts -> the server's step when it first read in each
+        self._contexts: dict[str, collections.OrderedDict[int, int]] = {}
         self._contexts_lock = threading.Lock()
         self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
+        self.refused = 0                    # updates refused whole (under _contexts_lock)
 
     def _initial_values(self) -> dict[str, torch.Tensor]:
         values: dict[str, torch.Tensor] = {}
@@ -91,10 +94,6 @@ class ParameterServer(Service):
                          tuple(self.layout.dense_of(self.shard)), self.optimizer.steps, str(self.consistency))
 
     @remote
-    def param_rrefs(self) -> list[rpc.RRef]:
-        return [rpc.RRef(p) for p in self.optimizer.params]
-
-    @remote
     def parameters(self) -> dict[str, torch.Tensor]:
         """A consistent copy of every parameter this shard holds (no autograd history). For tests:
         they compare a cluster's parameters with a one-process model's; trainers never call it."""
@@ -128,21 +127,38 @@ class ParameterServer(Service):
 
     @remote
     def grad_sq_norm(self, context_id: int) -> float:
-        return grad_sq_norm(list(self._context_grads(context_id).values()))
+        """The squared norm of the caller's gradients here: the first half of an async or ssp
+        update, where gradients that are not finite are refused before any server applies any."""
+        grads = self._context_grads(context_id)
+        self._refuse_unless_finite(grads, f"update in context {context_id}")
+        return grad_sq_norm(list(grads.values()))
 
     @remote
     def scale_grads(self, context_id: int, coef: float) -> None:
         if not (0.0 <= coef <= 1.0):
             raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
         for g in self._context_grads(context_id).values():
-            g.mul_(coef)  # the very tensors DistributedOptimizer.step will apply
+            g.mul_(coef)  # the very tensors ``apply`` will apply
+
+    @remote
+    def apply(self, context_id: int) -> None:
+        """async and ssp modes: apply the caller's gradients in ``context_id`` now, all or none."""
+        self._require_not("sync", "apply one trainer's update")
+        grads = self._context_grads(context_id)
+        self._refuse_unless_finite(grads, f"update in context {context_id}")
+        read_at = self._read_at(self._call.caller, context_id)
+        before = self.optimizer.apply(grads)
+        if read_at is not None:
+            self.metrics.staleness.observe(before - read_at)
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote
     def contribute(self, context_id: int, step: int) -> None:
         """The caller's gradients in ``context_id``, for step ``step`` (the open one)."""
         self._require("sync", "hand over gradients")
-        self.sync.contribute(step, self._call.caller, self._context_grads(context_id))
+        grads = self._context_grads(context_id)
+        self._refuse_unless_finite(grads, f"gradients for step {step}")
+        self.sync.contribute(step, self._call.caller, grads)
 
     @remote
     def sync_sq_norm(self, step: int, trainers: list[str]) -> float:
@@ -156,6 +172,17 @@ class ParameterServer(Service):
         if not (0.0 <= coef <= 1.0):
             raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
         self.sync.apply(step, tuple(trainers), coef)
+        for _ in trainers:
+            self.metrics.staleness.observe(0)    # each read the parameters this update changes
+
+    def _refuse_unless_finite(self, grads: dict[torch.Tensor, torch.Tensor], what: str) -> None:
+        """One bad trainer must not poison the shared model: a NaN or inf reaches no parameter."""
+        if finite(list(grads.values())):
+            return
+        with self._contexts_lock:
+            self.refused += 1
+        self.metrics.updates_refused.inc()
+        raise UpdateRefused(f"{self._call.caller}'s {what} is not finite; nothing of it was applied")
 
     def _require_not(self, kind: str, what: str) -> None:
         if self.consistency.kind == kind:
@@ -177,6 +204,9 @@ class ParameterServer(Service):
             raise BadRequest(f"{what} must be an int64 tensor [n], got {describe(ids)}")
         if ids.numel() == 0:
             raise BadRequest(f"{what} is empty")
+        if ids.numel() > self.max_ids:
+            raise BadRequest(f"{what} names {ids.numel()} ids, more than the {self.max_ids} one request may "
+                             f"(--max-ids-per-request): split it")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= plan.num_ids:
             raise BadRequest(f"{what} out of range: [{lo}, {hi}] not within [0, {plan.num_ids})")
@@ -203,14 +233,21 @@ class ParameterServer(Service):
             return
         context_id = dist_autograd._current_context()._context_id()
         with self._contexts_lock:
-            recent = self._contexts.setdefault(caller, collections.deque(maxlen=_CONTEXTS_KEPT))
+            recent = self._contexts.setdefault(caller, collections.OrderedDict())
             if context_id not in recent:
-                recent.append(context_id)
+                recent[context_id] = self.optimizer.steps
+                while len(recent) > _CONTEXTS_KEPT:
+                    recent.popitem(last=False)
+
+    def _read_at(self, caller: str, context_id: int) -> Optional[int]:
+        """The server's step when ``caller`` first read in ``context_id`` (None: never seen)."""
+        with self._contexts_lock:
+            return self._contexts.get(caller, {}).get(context_id)
 
     def forget(self, caller: str) -> None:
         """Free what a departed trainer left behind (its autograd contexts would otherwise leak)."""
         with self._contexts_lock:
-            ids = self._contexts.pop(caller, ())
+            ids = list(self._contexts.pop(caller, ()))
         released = 0
         for context_id in ids:
             try:
@@ -241,24 +278,3 @@ def describe(x: Any) -> str:
         return f"{x.dtype} tensor {list(x.shape)}"
     return type(x).__name__
 
-
-class ServerOptimizer:
-    """The optimizer class trainers pass to ``DistributedOptimizer``, constructed on each server.
-
-    ``DistributedOptimizer`` builds an optimizer per trainer on each server; its default TorchScript
-    path loses concurrent updates and each instance keeps its own state. Not being a stock
-    optimizer, this class takes the locked ``_LocalOptimizer`` path, and instead of owning state it
-    forwards to the served server's one ``SharedOptimizer``: every update is applied, one at a
-    time, to one optimizer state."""
-
-    def __init__(self, params: list[torch.Tensor], **_ignored: object) -> None:
-        server = local(ParameterServer)
-        hosted = {id(p) for p in server.optimizer.params}
-        if not params or any(id(p) not in hosted for p in params):
-            raise BadRequest("ServerOptimizer got parameters this server does not host")
-        self._server = server
-
-    def step(self) -> None:
-        # A sync job's updates are whole steps of every trainer; a lone trainer's would bypass them.
-        self._server._require_not("sync", "apply one trainer's update")
-        self._server.optimizer.step()

@@ -14,12 +14,15 @@ class PsStatus(RoleStatus):
     dense: Optional[list[str]] = None              # the dense tensors it holds
     model: Optional[dict[str, Any]] = None
     steps: int = 0                                 # updates applied
+    refused: int = 0                               # updates refused whole (gradients not finite)
     consistency: Optional[str] = None              # async, sync or ssp:K
     clock: Optional[dict[str, Any]] = None         # ps0 in sync/ssp: trainers' step clocks, whom a barrier waits for
 
     def line(self) -> list[str]:
         out = [f"shard {self.shard}/{self.num_shards}", f"{self.rows} rows", f"members {len(self.members or [])}",
                f"consistency {self.consistency}"]
+        if self.refused:
+            out.append(f"{self.refused} updates refused")
         waiting = (self.clock or {}).get("waiting")
         if waiting:
             out.append(f"step {waiting['step']} waiting {waiting['seconds']:.1f}s for {', '.join(waiting['on'])}")

@@ -5,10 +5,15 @@ the batch; an operation asks every shard in parallel. A training step is a ``Ste
 its distributed autograd context everything fetched carries the way back for gradients, and
 ``finish`` runs backward and ends the step as the job's consistency says (``ps/update.py``):
 
-* async: clip this trainer's gradient norm, have the servers apply it;
+* async: the global norm of this trainer's gradients (one round to every server); a server that
+  finds them not finite refuses the step there, before any server applies any of it; else clip
+  and have every server apply its share;
 * ssp:K: the same, then report the step to the leader's step clock;
 * sync: hand the gradients to every server, then arrive at the clock, which answers once the
-  step's averaged (and clipped) update is applied everywhere.
+  step's averaged (and clipped) update is applied everywhere. A server refuses gradients that
+  are not finite; the trainer then arrives as refused, and the step goes on without it.
+
+A refused step raises ``UpdateRefused`` once the clock is told: the caller skips that batch.
 
 In sync and ssp modes ``begin`` at each step boundary waits until the clock lets this trainer
 begin its next step, and ``ClockPause`` holds the trainer there for a checkpoint.
@@ -16,20 +21,20 @@ begin its next step, and ``ClockPause`` holds the trainer there for a checkpoint
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.autograd as dist_autograd
-from torch.distributed.optim import DistributedOptimizer
 
 from ps.clock import FREEZE_SECONDS, Applied, StepClockService
 from ps.consistency import Consistency
 from ps.messages import ShardInfo
-from ps.service import ParameterServer, ServerOptimizer
+from ps.service import ParameterServer
 from ps.sharding import ShardPlan
-from services.errors import PeerUnavailable
+from services.errors import PeerUnavailable, UpdateRefused
 from services.remote import call_async, wait
 
 log = logging.getLogger(__name__)
@@ -55,9 +60,6 @@ class PsClient:
         self.plans = {table: ShardPlan(len(ps_names), sum(i.tables[table] for i in infos)) for table in infos[0].tables}
         self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
         self._dense_shards = [k for k, info in enumerate(infos) if info.dense]
-        rrefs = [wait(f) for f in [self._async(n, ParameterServer.param_rrefs) for n in ps_names]]
-        self.param_rrefs = [r for shard in rrefs for r in shard]
-        self._optimizer: Optional[DistributedOptimizer] = None
 
     def _async(self, ps: str, method: Callable[..., Any], *args: Any) -> torch.futures.Future:
         return call_async(ps, method, *args, timeout=self.timeout)
@@ -68,9 +70,7 @@ class PsClient:
 
     def step(self) -> "StepSession":
         """A training step: ``with client.step() as step: ... step.finish(loss, clip)``."""
-        if self._optimizer is None and self.consistency.kind != "sync":
-            self._optimizer = DistributedOptimizer(ServerOptimizer, self.param_rrefs)
-        return StepSession(self, self._optimizer)
+        return StepSession(self)
 
     def begin(self) -> float:
         """At a step boundary: wait until the job's consistency lets this trainer begin its next
@@ -82,11 +82,11 @@ class PsClient:
         self.granted = wait(self._async(self.leader, StepClockService.begin))
         return time.perf_counter() - started
 
-    def arrive(self, clip: float) -> tuple[Applied, float]:
+    def arrive(self, clip: float, refused: bool = False) -> tuple[Applied, float]:
         """Report the step begun to the step clock; its answer (sync: once the step is applied
         everywhere) and when it was reported (``time.monotonic()``)."""
         arrived_at = time.monotonic()
-        applied: Applied = wait(self._async(self.leader, StepClockService.arrive, float(clip)))
+        applied: Applied = wait(self._async(self.leader, StepClockService.arrive, float(clip), refused))
         self.granted = None
         return applied, arrived_at
 
@@ -124,22 +124,35 @@ class PsClient:
         """The model's server-side operation ``name`` on every shard at once; their answers in shard order."""
         return [wait(f) for f in [self._async(n, ParameterServer.op, name, *args) for n in self.ps_names]]
 
-    def clip_(self, context_id: int, max_norm: float) -> float:
-        """Global gradient-norm clipping over every shard's gradients in ``context_id``."""
-        sq = sum(wait(f) for f in [self._async(n, ParameterServer.grad_sq_norm, context_id) for n in self.ps_names])
-        norm = float(sq) ** 0.5
+    def grad_norm(self, context_id: int) -> float:
+        """The global norm of every shard's gradients in ``context_id``; ``UpdateRefused`` if a
+        server found them not finite."""
+        sq, refused = 0.0, None
+        for f in [self._async(n, ParameterServer.grad_sq_norm, context_id) for n in self.ps_names]:
+            try:
+                sq += wait(f)
+            except UpdateRefused as exc:
+                refused = exc
+        if refused is not None:
+            raise refused
+        norm = sq ** 0.5
+        if not math.isfinite(norm):   # finite parts, too large to add up
+            raise UpdateRefused(f"this step's gradient norm is {norm}: nothing of it was applied")
+        return norm
+
+    def clip_(self, context_id: int, norm: float, max_norm: float) -> None:
+        """Scale the gradients in ``context_id``, of global norm ``norm``, to at most ``max_norm``."""
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for f in [self._async(n, ParameterServer.scale_grads, context_id, float(coef)) for n in self.ps_names]:
                 wait(f)
-        return norm
 
 
 @dataclass
 class Finished:
     """What ``StepSession.finish`` did, and how long each part took."""
 
-    grad_norm: float          # before clipping (nan when not clipped); sync: of the averaged gradient
+    grad_norm: float          # before clipping; sync: of the averaged gradient (nan when not clipped)
     backward: float
     clip: float
     optimize: float           # sync: handing the gradients over
@@ -150,8 +163,8 @@ class Finished:
 class StepSession:
     """One step's distributed autograd context, and its end: backward, clipping, the update."""
 
-    def __init__(self, client: PsClient, optimizer: DistributedOptimizer) -> None:
-        self.client, self._optimizer = client, optimizer
+    def __init__(self, client: PsClient) -> None:
+        self.client = client
         self._context: Any = None
         self.context_id = -1
 
@@ -177,15 +190,29 @@ class StepSession:
         if client.consistency.kind == "sync":
             if client.granted is None:
                 raise RuntimeError("a sync step needs client.begin() at its boundary first")
+            refused: Optional[UpdateRefused] = None
             for f in [client._async(n, ParameterServer.contribute, self.context_id, client.granted)
                       for n in client.ps_names]:
-                wait(f)
+                try:
+                    wait(f)
+                except UpdateRefused as exc:
+                    refused = exc
             t3 = time.perf_counter()
-            applied, arrived_at = client.arrive(clip)
+            applied, arrived_at = client.arrive(clip, refused is not None)
+            if refused is not None:
+                raise refused
             return Finished(applied.grad_norm, t1 - t0, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
-        norm = client.clip_(self.context_id, clip) if clip > 0 else float("nan")
+        try:
+            norm = client.grad_norm(self.context_id)
+        except UpdateRefused:
+            if client.consistency.clocked:
+                client.arrive(clip)      # ssp: its step is over, without an update
+            raise
+        if clip > 0:
+            client.clip_(self.context_id, norm, clip)
         t2 = time.perf_counter()
-        self._optimizer.step(self.context_id)
+        for f in [client._async(n, ParameterServer.apply, self.context_id) for n in client.ps_names]:
+            wait(f)
         t3, arrived_at = time.perf_counter(), 0.0
         if client.consistency.clocked:
             _, arrived_at = client.arrive(clip)

@@ -3,9 +3,9 @@
 One optimizer per server process is shared by every trainer, under the lock that also orders
 parameter reads. The job's consistency (``ps/consistency.py``) decides what reaches it:
 
-* async and ssp:K: each trainer's step as it arrives (``ps/service.py``'s ``ServerOptimizer``, built
-  by the trainer's ``DistributedOptimizer``, forwards it); ssp's bound is the step clock's
-  (``ps/clock.py``), which only decides when a trainer may read;
+* async and ssp:K: each trainer's step as it arrives (``ParameterServer.apply`` in ``ps/service.py``,
+  with the gradients distributed autograd left in the trainer's context); ssp's bound is the step
+  clock's (``ps/clock.py``), which only decides when a trainer may read;
 * sync: each trainer hands its step's gradients over (``SyncSteps.contribute``); when the leader's
   step clock closes the step, every server averages the arrived trainers' gradients, scales them
   by the clip factor computed from the average's global norm, and applies them as one update.
@@ -70,8 +70,6 @@ class SyncSteps:
 
     def contribute(self, step: int, trainer: str, grads: dict[torch.Tensor, torch.Tensor]) -> None:
         self._check_open(step)
-        if not finite(list(grads.values())):
-            raise BadRequest(f"{trainer}'s gradients for step {step} are not finite; nothing was applied")
         with self._lock:
             self._given[trainer] = grads     # a retried hand-over replaces the first
 
@@ -120,21 +118,17 @@ class SharedOptimizer:
         self._on_step = on_step
         self.steps = 0  # updates applied: the cluster's step, the same on every server at a pause
 
-    def step(self) -> None:
-        """Apply the gradients already set on the parameters (``DistributedOptimizer``'s way)."""
+    def apply(self, grads: dict[torch.Tensor, torch.Tensor]) -> int:
+        """Apply ``grads`` (parameter -> gradient; parameters left out are not updated). The number
+        of updates applied before this one."""
         with self.lock:
-            rows = self._step()
-        if self._on_step is not None:
-            self._on_step(rows)
-
-    def apply(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
-        """Apply ``grads`` (parameter -> gradient; parameters left out are not updated)."""
-        with self.lock:
+            before = self.steps
             for p in self.params:
                 p.grad = grads.get(p)
             rows = self._step()
         if self._on_step is not None:
             self._on_step(rows)
+        return before
 
     def _step(self) -> int:
         rows = sum(p.grad._nnz() for p in self.params if p.grad is not None and p.grad.is_sparse)

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -73,9 +74,18 @@ def _client(url: str):
     return SidecarClient(url, token=os.environ.get("RPCPS_CONTROL_TOKEN") or None)
 
 
+def _failing(args: argparse.Namespace) -> dict[str, dict]:
+    """Members ``rpcps up`` is restarting after a death (from its cluster.json)."""
+    path = Path(args.state_dir) / "cluster.json"
+    if args.sidecar or os.environ.get("RPCPS_SIDECARS") or not path.is_file():
+        return {}
+    return json.loads(path.read_text()).get("failing", {})
+
+
 def _status(args: argparse.Namespace) -> int:
     code = 0
     rows = {}
+    failing = _failing(args)
     for name, url in _sidecars(args).items():
         try:
             with _client(url) as c:
@@ -83,12 +93,17 @@ def _status(args: argparse.Namespace) -> int:
         except Exception as exc:
             rows[name] = {"name": name, "state": "unreachable", "reason": str(exc).splitlines()[0]}
             code = 1
+        if name in failing and rows[name]["state"] == "unreachable":   # dead, waiting for its restart
+            f = failing[name]
+            due = "" if f.get("restart_at") is None else f"; restart in {max(0.0, f['restart_at'] - time.time()):.0f}s"
+            rows[name] = {**rows[name], "state": "failing", "failing": f,
+                          "reason": f"exited with code {f['exit_code']}, {f['deaths']} deaths in a row{due}"}
     if args.json:
         print(json.dumps(rows))
         return code
     for name, s in rows.items():
         spec = roles().get(s.get("role", ""))
-        columns = spec.status.model_validate(s).line() if spec else [s.get("reason", "")]
+        columns = spec.status.model_validate(s).line() if spec and s["state"] != "failing" else [s.get("reason", "")]
         parts = [f"{s.get('name', name):<10}", f"{s.get('role', '?'):<8}", f"{s.get('state'):<9}", *columns]
         print("  ".join(str(p) for p in parts))
     return code

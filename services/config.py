@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import types
 import typing
 from pathlib import Path
@@ -70,6 +71,11 @@ class CommonConfig(ConfigBase):
         parse_name(v)
         return v
 
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _writable_folder(cls, v: Path) -> Path:
+        return writable_folder(v)
+
     def _check_role(self, role: str) -> None:
         if parse_name(self.name).role != role:
             raise ValueError(f"name {self.name!r} is not a {role} name")
@@ -88,6 +94,9 @@ class LeaderConfig(ConfigBase):
 
     probe_interval: float = Field(1.0, gt=0, description="seconds between liveness probes of members (leader)")
     probe_failures: int = Field(2, ge=1, description="failed probes in a row before a member is evicted (leader)")
+    store_host: Optional[str] = Field(None, description="address the rendezvous store listens on (default: the "
+                                                        "address --master-addr names, if it is this host's; else "
+                                                        "every interface)")
 
 
 def _plain_type(annotation: Any) -> Any:
@@ -134,13 +143,34 @@ def load(model: type[ConfigBase], flags: Mapping[str, Any], environ: Mapping[str
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            message = err["msg"].removeprefix("Value error, ")
             field = str(err["loc"][0]) if err["loc"] else ""
             info = model.model_fields.get(field)
             if info is None:        # a check across fields, which names what it is about itself
-                problems.append(message)
+                problems.append(explain(err["msg"]))
                 continue
             where = source.get(field, f"{flag_name(field, info)} / {env_name(field, info)}")
-            got = f", got {values[field]!r}" if field in values else ""
-            problems.append(f"{where}: {message}{got}")
+            problems.append(explain(err["msg"], where, values.get(field)))
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
+
+
+def writable_folder(path: Path) -> Path:
+    """``path`` if it is a folder this process can write in, or can create; else ``ValueError``
+    saying why (checked at start: a checkpoint that cannot be written fails only when it is due)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file, not a folder")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{path} cannot be made: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{path} cannot be written: {existing} is not writable by this user")
+    return path
+
+
+def explain(msg: str, where: Optional[str] = None, value: Any = None) -> str:
+    """A pydantic error message as a sentence: where the setting came from, what is wrong, and
+    the value given (unless the message names it already, as a path it checked does)."""
+    message = msg.removeprefix("Value error, ")
+    if where is None:
+        return message
+    got = f", got {value!r}" if value is not None and str(value) not in message else ""
+    return f"{where}: {message}{got}"

@@ -18,6 +18,10 @@ class BadRequest(RpcpsError):
     """A caller sent something a server cannot serve (wrong dtype, shape or id range)."""
 
 
+class UpdateRefused(BadRequest):
+    """A server refused an update (its values are not finite, or it is too large): nothing of it was applied."""
+
+
 class InternalError(RpcpsError):
     """A method failed on a well-formed request: a bug on the serving side, logged there."""
 

@@ -18,16 +18,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional
 
-from pydantic import Field, SecretStr, ValidationError, create_model, model_validator
+from pydantic import Field, SecretStr, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from services.client import SidecarClient
-from services.config import ConfigBase, flag_name
+from services.config import ConfigBase, explain, flag_name, writable_folder
 from services.lifecycle import RoleStatus
 from services.names import parse_name
 from services.workload import Launch, roles, workloads
@@ -53,8 +52,13 @@ class LauncherConfig(ConfigBase):
     sidecar_host: str = Field("127.0.0.1", description="address the sidecars bind")
     sidecar_port: int = Field(0, ge=0, le=65535, description="first sidecar port, one per role in order (0: free ports)")
     progress_interval: float = Field(5.0, gt=0, description="seconds between progress lines")
-    max_restarts: int = Field(3, ge=0, description="trainer restarts allowed within --restart-window")
-    restart_window: float = Field(60.0, gt=0, description="seconds over which restarts are counted")
+    restart_backoff: float = Field(1.0, gt=0, description="seconds before a dead member is restarted; doubled "
+                                                          "for each death in a row, up to --restart-backoff-max")
+    restart_backoff_max: float = Field(60.0, gt=0, description="the longest wait before a restart")
+    restart_window: float = Field(60.0, gt=0, description="a member up this long is healthy again: its next "
+                                                          "death waits --restart-backoff")
+    max_restarts: Optional[int] = Field(None, ge=0, description="end the run after this many deaths in a row of "
+                                                                "one member (default: never; it is shown failing)")
     ready_timeout: float = Field(180.0, gt=0, description="seconds for every role to become ready")
     state_dir: Path = Field(Path(".rpcps"), description="where role logs and cluster.json go")
     resume: bool = Field(True, description="resume from the newest valid checkpoint (--no-resume: start fresh)")
@@ -67,6 +71,9 @@ class LauncherConfig(ConfigBase):
 
     # Set on the composed ``UpConfig``: each workload's own settings, by name.
     workload_settings: ClassVar[dict[str, type[ConfigBase]]] = {}
+
+    _folders = field_validator("checkpoint_dir", "state_dir")(
+        classmethod(lambda cls, v: v if v is None else writable_folder(v)))
 
     @model_validator(mode="after")
     def _check(self) -> "LauncherConfig":
@@ -87,11 +94,8 @@ class LauncherConfig(ConfigBase):
             fields = type(self).model_fields
             problems = []
             for e in exc.errors():
-                message = e["msg"].removeprefix("Value error, ")
-                if e["loc"]:
-                    field = str(e["loc"][0])
-                    message = f"{flag_name(field, fields.get(field))}: {message}, got {e['input']!r}"
-                problems.append(message)
+                field = str(e["loc"][0]) if e["loc"] else None
+                problems.append(explain(e["msg"], field and flag_name(field, fields.get(field)), e["input"] if field else None))
             raise ValueError("; ".join(problems)) from None
         return self
 
@@ -147,7 +151,18 @@ class Member:
     url: str
     log_path: Path
     proc: Optional[subprocess.Popen] = None
-    restarts: deque = field(default_factory=deque)
+    started_at: float = 0.0                 # time.monotonic() of its last start
+    deaths: int = 0                         # in a row: each before it stayed up --restart-window
+    restarts: int = 0                       # in this run
+    last_exit: Optional[int] = None
+    restart_at: Optional[float] = None      # time.monotonic() its restart is due, while it waits
+
+    def failing(self) -> Optional[dict]:
+        """What ``rpcps status`` shows of a member in a crash loop (None: not failing)."""
+        if not self.deaths:
+            return None
+        due = None if self.restart_at is None else time.time() + max(0.0, self.restart_at - time.monotonic())
+        return {"exit_code": self.last_exit, "deaths": self.deaths, "restart_at": due}
 
 
 def emitter(as_json: bool, workload: Optional[Launch] = None, out=sys.stdout) -> Callable[[dict], None]:
@@ -162,7 +177,8 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
     if kind == "started":
         return "started " + ", ".join(f"{n} {u}" for n, u in e["sidecars"].items())
     if kind == "restart":
-        return f"{e['name']} exited with code {e['exit_code']}; restarting ({e['restarts']} in the window)"
+        return (f"{e['name']} exited with code {e['exit_code']}; restarting in {e['in']:.0f}s "
+                f"({e['restarts']} in a row)")
     if kind == "checkpoint":
         return f"checkpoint {e['id']} (step {e['step']}) in {e['path']}"
     if kind == "error":
@@ -206,6 +222,7 @@ class Launcher:
         # The token travels in the environment: argv is visible to every user of the machine.
         env = {"RPCPS_CONTROL_TOKEN": self._token} if self._token else None
         m.proc = spawn_role("services.cli", m.argv, m.log_path, env)
+        m.started_at = time.monotonic()
         log.info("started %s (pid %d), log %s", m.name, m.proc.pid, m.log_path)
 
     # --- running -------------------------------------------------------------------------------------
@@ -215,8 +232,9 @@ class Launcher:
             for m in self.members:
                 self._spawn(m)
             self._write_state()
-            if not self._wait_ready():
-                return 1
+            refused = self._wait_ready()
+            if refused is not None:
+                return refused
             self.emit({"event": "started", "sidecars": {m.name: m.url for m in self.members},
                        "master_port": self.master_port, "logs": str(self.cfg.state_dir / "logs")})
             code = self._supervise()
@@ -229,37 +247,49 @@ class Launcher:
         finally:
             self._stop_all()
 
-    def _wait_ready(self) -> bool:
+    def _wait_ready(self) -> Optional[int]:
+        """None once every role is ready; else the exit code ``up`` ends with (2: a role refused
+        its settings, as ``up`` itself would)."""
         deadline = time.monotonic() + self.cfg.ready_timeout
         pending = {m.name: m for m in self.members}
         while pending:
             for name, m in list(pending.items()):
                 if m.proc.poll() is not None:
-                    self._fail(f"{name} exited with code {m.proc.returncode} before it was ready; see {m.log_path}")
-                    return False
+                    said = refusal(m.log_path) if m.proc.returncode == 2 else None
+                    self._fail(f"{name} refused to start: {said}" if said else
+                               f"{name} exited with code {m.proc.returncode} before it was ready; see {m.log_path}")
+                    return 2 if said else 1
                 with SidecarClient(m.url, timeout=2.0) as c:
                     if c.ready():
                         del pending[name]
             if self._stop.is_set():
-                return False
+                return 1
             if time.monotonic() > deadline:
                 self._fail(f"not ready within {self.cfg.ready_timeout:.0f}s: {sorted(pending)}")
-                return False
+                return 1
             self._stop.wait(0.2)
-        return True
+        return None
 
     def _supervise(self) -> int:
         next_report = time.monotonic() + self.cfg.progress_interval
         next_poll = 0.0
         while not self._stop.is_set():
+            now = time.monotonic()
             for m in self.members:
+                if m.restart_at is not None:
+                    if now >= m.restart_at:
+                        self._respawn(m)
+                    continue
                 code = m.proc.poll()
                 if code is None:
+                    if m.deaths and now - m.started_at >= self.cfg.restart_window:
+                        m.deaths = 0          # up long enough: healthy again
+                        self._write_state()
                     continue
                 if not self.workload.restartable(m.name):
                     self._fail(f"{m.name} exited with code {code}; see {m.log_path}")
                     return 1
-                if not self._restart(m, code):
+                if not self._schedule_restart(m, code):
                     return 1
             if time.monotonic() >= next_poll:  # statuses once a second; liveness every tick
                 next_poll = time.monotonic() + STATUS_POLL
@@ -277,20 +307,27 @@ class Launcher:
         for event in self.workload.progress(self._watched_status()):
             self.emit(event)
 
-    def _restart(self, m: Member, code: int) -> bool:
-        now = time.monotonic()
-        while m.restarts and now - m.restarts[0] > self.cfg.restart_window:
-            m.restarts.popleft()
-        if len(m.restarts) >= self.cfg.max_restarts:
-            self._fail(f"{m.name} exited with code {code} and was restarted {len(m.restarts)} times within "
-                       f"{self.cfg.restart_window:.0f}s; giving up (see {m.log_path})")
+    def _schedule_restart(self, m: Member, code: int) -> bool:
+        """A member died: restart it after a back-off that doubles with each death in a row (as
+        Kubernetes does), while the others go on. False: the user set --max-restarts and it is spent."""
+        if self.cfg.max_restarts is not None and m.deaths >= self.cfg.max_restarts:
+            self._fail(f"{m.name} exited with code {code} after {m.deaths} restarts in a row; giving up "
+                       f"(--max-restarts; see {m.log_path})")
             return False
-        m.restarts.append(now)
+        m.deaths += 1
+        m.restarts += 1
+        m.last_exit = code
+        delay = min(self.cfg.restart_backoff_max, self.cfg.restart_backoff * 2 ** (m.deaths - 1))
+        m.restart_at = time.monotonic() + delay
         self._last_status.pop(m.name, None)
-        self.emit({"event": "restart", "name": m.name, "exit_code": code, "restarts": len(m.restarts)})
-        self._spawn(m)
+        self.emit({"event": "restart", "name": m.name, "exit_code": code, "restarts": m.deaths, "in": delay})
         self._write_state()
         return True
+
+    def _respawn(self, m: Member) -> None:
+        m.restart_at = None
+        self._spawn(m)
+        self._write_state()
 
     def _watched(self) -> list[Member]:
         names = self.workload.watched([m.name for m in self.members])
@@ -309,7 +346,7 @@ class Launcher:
                 for m in self._watched()}
 
     def _summary(self) -> dict:
-        return self.workload.summary(self._watched_status(), sum(len(m.restarts) for m in self.members))
+        return self.workload.summary(self._watched_status(), sum(m.restarts for m in self.members))
 
     def _final_checkpoint(self) -> None:
         """Once the workers have stopped (their final positions are with the leader), before the
@@ -328,7 +365,8 @@ class Launcher:
 
     def _write_state(self) -> None:
         state = {"sidecars": {m.name: m.url for m in self.members},
-                 "pids": {m.name: m.proc.pid for m in self.members if m.proc}, "master_port": self.master_port}
+                 "pids": {m.name: m.proc.pid for m in self.members if m.proc}, "master_port": self.master_port,
+                 "failing": {m.name: f for m in self.members if (f := m.failing()) is not None}}
         path = self.cfg.state_dir / "cluster.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=1))
@@ -383,3 +421,13 @@ def flags(settings: ConfigBase, fields: tuple[str, ...]) -> list[str]:
         if v is not None:
             out += [flag_name(f), str(v)]
     return out
+
+
+def refusal(log_path: Path) -> Optional[str]:
+    """What a role said when it refused to start (``rpcps <role>: …``, its last such line), if it did."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()[-50:]
+    except OSError:
+        return None
+    said = [line for line in lines if line.startswith("rpcps ") and ": " in line]
+    return said[-1].split(": ", 1)[1] if said else None

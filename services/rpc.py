@@ -1,31 +1,88 @@
 """The only module that starts and stops torch RPC.
 
-The leader (ps0, or the agent in the RL workload) joins as rank 0 and so hosts the rendezvous
-store. Everyone else takes a never-used rank from a counter in that store (a reused rank hits stale
+The leader (ps0, or the agent in the RL workload) joins as rank 0 and hosts the rendezvous store.
+Everyone else takes a never-used rank from a counter in that store (a reused rank hits stale
 pipes), queues a join request, and calls ``init_rpc`` only once the leader has answered (see
 ``services/membership.py``).
+
+The store executes what it is sent, so it listens on one address only: torch's own ``tcp://``
+rendezvous would listen on every interface. ``init_rpc`` is handed the store this module made,
+through a rendezvous scheme of its own (``rpcps://<name>``).
 """
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import logging
-from typing import Any, Optional
+import os
+import socket
+import threading
+from typing import Any, Iterator, Optional
+from urllib.parse import urlparse
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from services import membership
+from services.config import LeaderConfig
 from services.errors import JoinRefused
 from services.names import leader_of
 
 log = logging.getLogger(__name__)
 
+_SCHEME = "rpcps"
+_lent: dict[str, dist.Store] = {}    # name -> the store its init_rpc is to use
+_lent_lock = threading.Lock()
+
+
+def _rendezvous(url: str, **_: Any) -> Iterator[tuple[dist.Store, int, int]]:
+    parsed = urlparse(url)
+    with _lent_lock:
+        store = _lent.pop(parsed.netloc)
+    query = dict(part.split("=", 1) for part in parsed.query.split("&") if "=" in part)
+    yield store, int(query.get("rank", -1)), int(query.get("world_size", -1))
+
+
+dist.register_rendezvous_handler(_SCHEME, _rendezvous)
+
+
+def store_address(master_addr: str) -> str:
+    """Where the leader's store listens by default: the address ``master_addr`` names, when it is
+    one of this host's (127.0.0.1 locally; the container's own address in compose), else every
+    interface (a name for a load-balanced service, which no process can bind)."""
+    try:
+        address = socket.getaddrinfo(master_addr, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+        return address
+    except OSError:
+        log.warning("%s is not an address of this host: the rendezvous store listens on every interface "
+                    "(--store-host chooses one)", master_addr)
+        return "0.0.0.0"
+
+
+def _keep_local(master_addr: str) -> None:
+    """A cluster whose leader is on loopback keeps TensorPipe's listeners there too: left alone,
+    TensorPipe listens on the address the host's name resolves to, which may face a network."""
+    if "TP_SOCKET_IFNAME" in os.environ:
+        return
+    try:
+        local = ipaddress.ip_address(socket.gethostbyname(master_addr)).is_loopback
+    except (OSError, ValueError):
+        return
+    loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if local and loopback:
+        os.environ["TP_SOCKET_IFNAME"] = loopback[0]   # read by TensorPipe when the agent starts
+
 
 class RpcEndpoint:
     def __init__(self, name: str, master_addr: str, master_port: int, *, rpc_timeout: float = 60.0,
-                 join_timeout: float = 300.0, num_worker_threads: int = 16, transport: str = "uv") -> None:
+                 join_timeout: float = 300.0, num_worker_threads: int = 16, transport: str = "uv",
+                 store_host: Optional[str] = None) -> None:
         self.name = name
+        self._store_host = store_host
+        self._listener: Optional[socket.socket] = None   # the leader's store's socket, kept open
         self.leader = leader_of(name)
         self._addr, self._port = master_addr, master_port
         self._rpc_timeout, self._join_timeout = rpc_timeout, join_timeout
@@ -39,7 +96,8 @@ class RpcEndpoint:
     def for_role(cls, cfg: Any) -> "RpcEndpoint":
         """The endpoint a role's configuration (``services.config.CommonConfig``) describes."""
         return cls(cfg.name, cfg.master_addr, cfg.master_port, rpc_timeout=cfg.rpc_timeout,
-                   join_timeout=cfg.join_timeout, transport=cfg.rpc_transport)
+                   join_timeout=cfg.join_timeout, transport=cfg.rpc_transport,
+                   store_host=cfg.store_host if isinstance(cfg, LeaderConfig) else None)
 
     def _options(self) -> rpc.TensorPipeRpcBackendOptions:
         # TensorPipe's shared-memory transport busy-polls a core per process; on small hosts that
@@ -48,7 +106,7 @@ class RpcEndpoint:
         return rpc.TensorPipeRpcBackendOptions(
             num_worker_threads=self._threads,
             rpc_timeout=self._rpc_timeout,
-            init_method=f"tcp://{self._addr}:{self._port}",
+            init_method=f"{_SCHEME}://{self.name}",
             _transports=[self._transport],
         )
 
@@ -56,6 +114,27 @@ class RpcEndpoint:
         # A client constructed before the leader is up retries until the timeout, so roles may start in any order.
         return dist.TCPStore(self._addr, self._port, is_master=False,
                              timeout=datetime.timedelta(seconds=self._join_timeout))
+
+    def _serve_store(self) -> dist.TCPStore:
+        host = self._store_host or store_address(self._addr)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, self._port))
+        except OSError as exc:
+            sock.close()
+            raise JoinRefused(f"the rendezvous store cannot listen on {host}:{self._port}: {exc.strerror}") from None
+        sock.listen(2048)
+        self._listener = sock
+        log.info("rendezvous store listening on %s:%d", host, self._port)
+        return dist.TCPStore(self._addr, self._port, is_master=True, master_listen_fd=sock.fileno(),
+                             wait_for_workers=False, timeout=datetime.timedelta(seconds=self._join_timeout))
+
+    def _init_rpc(self, store: dist.Store) -> None:
+        _keep_local(self._addr)
+        with _lent_lock:
+            _lent[self.name] = store
+        rpc.init_rpc(self.name, rank=self.rank, world_size=None, rpc_backend_options=self._options())
 
     def connect(self) -> dist.TCPStore:
         """The rendezvous store, before joining (a member other than the leader; waits for it)."""
@@ -68,7 +147,7 @@ class RpcEndpoint:
     def join(self) -> None:
         if self.name == self.leader:
             self.rank = 0
-            rpc.init_rpc(self.name, rank=0, world_size=None, rpc_backend_options=self._options())
+            self._init_rpc(self._serve_store())
             self.store = self._client()
         else:
             self.connect()
@@ -80,7 +159,7 @@ class RpcEndpoint:
             log.info("asking %s to admit %s (rank %d)", self.leader, self.name, self.rank)
             self.store.wait([key], datetime.timedelta(seconds=self._join_timeout))
             membership.check_answer(self.store.get(key).decode(), self.name)
-            rpc.init_rpc(self.name, rank=self.rank, world_size=None, rpc_backend_options=self._options())
+            self._init_rpc(self._client())
         self.joined = True
         log.info("joined the RPC group as %s (rank %d) via %s:%d", self.name, self.rank, self._addr, self._port)
 

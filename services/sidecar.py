@@ -15,6 +15,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
 from services.control import Controllable, EpisodeStart
 from services.errors import (BadRequest, CheckpointError, CheckpointInProgress, EpisodeConflict, NotReady,
@@ -22,6 +24,24 @@ from services.errors import (BadRequest, CheckpointError, CheckpointInProgress, 
 
 _STATUS = {BadRequest: 400, Unauthorized: 401, EpisodeConflict: 409, CheckpointInProgress: 409, NotReady: 503,
            NotSupported: 501, PeerUnavailable: 503, CheckpointError: 500}
+
+
+class ErrorBody(BaseModel):
+    """Every error answer, whatever raised it."""
+
+    error: str
+    type: str
+
+
+def _errors(*codes: int) -> dict:
+    """The error answers a route really gives, for its OpenAPI entry."""
+    what = {400: "a bad request", 401: "missing or wrong bearer token", 409: "conflicts with what runs",
+            422: "a body that is not the documented JSON", 500: "failed on the serving side",
+            501: "this role does not offer it", 503: "not joined, or a peer it needs is unavailable"}
+    return {code: {"model": ErrorBody, "description": what[code]} for code in codes}
+
+
+_CONTROL = (401, 501, 503)   # every POST: the token, roles without the operation, not joined yet
 
 
 def create_app(control: Controllable, registry: CollectorRegistry, token: Optional[str] = None) -> FastAPI:
@@ -45,12 +65,20 @@ def create_app(control: Controllable, registry: CollectorRegistry, token: Option
         msgs = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
         return JSONResponse({"error": "invalid request: " + "; ".join(msgs), "type": "BadRequest"}, status_code=422)
 
-    @app.get("/healthz")
+    @app.exception_handler(HTTPException)
+    def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own answers (unknown path, wrong method, an unreadable body) in our shape.
+        return JSONResponse({"error": str(exc.detail), "type": "".join(str(exc.detail).title().split())},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    probe = {503: {"description": "not healthy or not ready; the body says why"}}
+
+    @app.get("/healthz", responses=probe)
     def healthz() -> JSONResponse:
         ok, reason = control.healthy()
         return JSONResponse({"ok": ok, "reason": reason}, status_code=200 if ok else 503)
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses=probe)
     def readyz() -> JSONResponse:
         ok, reason = control.ready()
         return JSONResponse({"ready": ok, "reason": reason}, status_code=200 if ok else 503)
@@ -63,19 +91,19 @@ def create_app(control: Controllable, registry: CollectorRegistry, token: Option
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/checkpoints")
+    @app.get("/checkpoints", responses=_errors(500))
     def checkpoints() -> dict:
         return {"checkpoints": control.list_checkpoints()}
 
-    @app.post("/checkpoint", dependencies=[Depends(require_token)])
+    @app.post("/checkpoint", dependencies=[Depends(require_token)], responses=_errors(*_CONTROL, 409, 500))
     def checkpoint() -> dict:
         return control.checkpoint()
 
-    @app.post("/episode/start", dependencies=[Depends(require_token)])
+    @app.post("/episode/start", dependencies=[Depends(require_token)], responses=_errors(*_CONTROL, 400, 409, 422))
     def episode_start(body: Optional[EpisodeStart] = None) -> dict:
         return control.start_episode(body or EpisodeStart())
 
-    @app.post("/episode/stop", dependencies=[Depends(require_token)])
+    @app.post("/episode/stop", dependencies=[Depends(require_token)], responses=_errors(*_CONTROL, 409))
     def episode_stop() -> dict:
         return control.stop_episode()
 

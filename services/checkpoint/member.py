@@ -81,6 +81,9 @@ class CheckpointMember(Service):
         """Write the copies; with each file, True when it went into the leader's folder."""
         with self._lock:
             copies = self._copies.get(checkpoint_id, {})
+        for part in self._of(SnapshotPart):
+            if part.name in copies:
+                part.check(copies[part.name])
         if (self.store.folder(step) / marker(checkpoint_id)).exists():
             return [(self.store.write_file(step, f"{name}.pt", state), True) for name, state in copies.items()]
         # A complete folder of this step here is a part whose cluster checkpoint was never committed.

@@ -51,6 +51,10 @@ class SnapshotPart(Part):
         """What the manifest's ``meta`` should say of ``state`` besides the coordinator's own."""
         return {}
 
+    def check(self, state: dict[str, Any]) -> None:
+        """``CheckpointError`` if ``state`` must not be saved. It runs once the trainers go on again,
+        before any file of the checkpoint is written."""
+
 
 class PausedPart(Part):
     @abc.abstractmethod

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.support.cluster import WIKITEXT
+from tests.support.sockets import is_loopback, listening
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
 
@@ -63,6 +64,11 @@ def test_episode_stop_and_start_from_the_cli(tmp_path, cleanup):
         return [rows["trainer0"], rows["trainer1"]]
 
     wait_until(lambda: all(t.get("step", 0) >= 2 for t in trainers()), 60, "training")
+    # Nothing of a local cluster listens beyond loopback: store, RPC and sidecars alike.
+    pids = set(json.loads((up.state_dir / "cluster.json").read_text())["pids"].values())
+    sockets = listening(pids)
+    assert len({pid for pid, _ in sockets}) == 4, sockets
+    assert all(is_loopback(address) for _, address in sockets), [s for s in sockets if not is_loopback(s[1])]
     r = cli(tmp_path, "episode", "stop", *state)
     assert r.returncode == 0, r.stderr
     wait_until(lambda: all(t["state"] == "idle" for t in trainers()), 60, "trainers idle")

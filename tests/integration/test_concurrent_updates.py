@@ -34,7 +34,7 @@ def replay(model: ModelConfig, updates: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_concurrent_trainers_lose_no_update(procs, tmp_path, optimizer):
     model = {**SMALL_MODEL, "lr": 0.125, "optimizer": optimizer}
-    procs.start_servers(2, **model)
+    servers = procs.start_servers(2, **model)
     drivers = [procs.spawn_driver("hammer", f"trainer{i}", 2, steps=STEPS) for i in range(TRAINERS)]
     for d in drivers:
         out, err = d.communicate(timeout=180)
@@ -48,3 +48,9 @@ def test_concurrent_trainers_lose_no_update(procs, tmp_path, optimizer):
     # ...and the run really moved them: applying one update fewer would differ.
     short = replay(ModelConfig(**model), TRAINERS * STEPS - 1)
     assert any(not torch.equal(got[k], short[k]) for k in expected)
+    # Every async update's staleness was measured, on every server, from the step's first read.
+    for server in servers:
+        with server.client() as c:
+            counts = [line for line in c.metrics().splitlines()
+                      if line.startswith("rpcps_ps_update_staleness_steps_count")]
+        assert counts and float(counts[0].split()[-1]) == TRAINERS * STEPS, (server.name, counts)

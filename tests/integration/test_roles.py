@@ -1,5 +1,6 @@
 """Each role run alone, as containers and other hosts run them: start order, episodes over HTTP,
 metrics accepted by promtool, the control token, and SIGTERM with a dead peer."""
+import json
 import os
 import shutil
 import signal
@@ -10,7 +11,7 @@ import time
 import pytest
 
 from services.client import SidecarError
-from tests.support.cluster import SMALL_MODEL
+from tests.support.cluster import REPO, SMALL_MODEL
 from tests.support.wait import wait_until
 
 MODEL = {**SMALL_MODEL, "ntoken": 1000}  # the built-in corpus has 1000 word types
@@ -131,3 +132,48 @@ def test_bad_flag_or_variable_is_refused_at_start(tmp_path):
                            env={**os.environ, **env}, cwd=tmp_path, timeout=60)
         assert r.returncode == 2, (argv, r.stderr)
         assert needle in r.stderr and "invalid configuration" in r.stderr, r.stderr
+
+
+def _bad_corpora(root):
+    """Each way a --data folder can be wrong, and what the refusal must say of it."""
+    (root / "a-file.txt").write_text("hello\n")
+    cases = {"missing": (root / "missing", "does not exist"),
+             "a file": (root / "a-file.txt", "is a file, not a folder"),
+             "no splits": (root / "no-splits", "no train/valid/test text"),
+             "binary": (root / "binary", "is binary, not text"),
+             "not UTF-8": (root / "latin1", "is not UTF-8 text (byte 0xe9 at offset 3)"),
+             "empty": (root / "empty", "is empty"),
+             "too small": (root / "small", "too few for 2 trainer(s) of batch size 20")}
+    (root / "no-splits").mkdir()
+    contents = {"binary": b"\x00\x01\x02 not text", "latin1": "caf\xe9 au lait\n".encode("latin-1"),
+                "empty": b"  \n", "small": b"a b c\n"}
+    for folder, data in contents.items():
+        (root / folder).mkdir()
+        for split in ("train.txt", "valid.txt", "test.txt"):
+            (root / folder / split).write_bytes(data)
+    return cases
+
+
+def test_bad_data_and_checkpoint_folders_are_a_sentence_not_a_traceback(tmp_path):
+    cases = _bad_corpora(tmp_path)
+    runs = [(["up", "--data"], case) for case in cases.values()]
+    runs += [(["trainer", "--name", "trainer0", "--data"], cases["not UTF-8"]),
+             (["ps", "--name", "ps0", "--data"], cases["a file"]),
+             (["up", "--checkpoint-dir"], (tmp_path / "a-file.txt" / "ckpt", "a-file.txt is a file")),
+             (["trainer", "--name", "trainer0", "--checkpoint-dir"], (tmp_path / "a-file.txt", "is a file"))]
+    for argv, (path, says) in runs:
+        r = subprocess.run([sys.executable, "-m", "services.cli", *argv, str(path)], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=60)
+        assert r.returncode == 2, (argv, path, r.stderr)
+        assert says in r.stderr and str(path) in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_up_reports_a_role_refusing_its_settings_with_the_roles_words(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--json", "--steps", "1",
+                        "--state-dir", str(tmp_path / "state"), "--checkpoint-dir", str(tmp_path / "ckpt")],
+                       capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "RPCPS_MAX_IDS_PER_REQUEST": "0"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [json.loads(line) for line in r.stdout.splitlines() if '"error"' in line]
+    assert errors and "refused to start" in errors[0]["message"], r.stdout
+    assert "RPCPS_MAX_IDS_PER_REQUEST: Input should be greater than or equal to 1" in errors[0]["message"]

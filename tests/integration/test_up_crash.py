@@ -1,7 +1,10 @@
 """`rpcps up` supervises: a trainer killed with SIGKILL is restarted, servers stay up and training
 goes on; SIGTERM then stops everything within 10 s with exit code 0 and no process left."""
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -66,6 +69,33 @@ def test_trainer_sigkill_is_survived_and_restarted(up):
     assert later["loss_avg"] < first_loss - 0.3
     print(f"trainer1 back at step 10 {rejoin_seconds:.1f}s after SIGKILL")
 
+    # Killed twice more, the second time as soon as it is back: a death in a row doubles the
+    # back-off, `rpcps status` shows it failing meanwhile, and the others train on.
+    assert restart["in"] == 1.0
+    steps_before = trainer_status(urls["trainer0"])["step"]
+
+    def trainer1_restarts() -> list[dict]:
+        return [e for e in up.drain() if e["event"] == "restart" and e["name"] == "trainer1"]
+
+    def restart_number(k: int) -> dict:
+        return wait_until(lambda: trainer1_restarts()[k:] and trainer1_restarts()[k], 30, f"restart {k + 1} of trainer1")
+
+    seen = len(trainer1_restarts())
+    dead = up.cluster()["pids"]["trainer1"]
+    os.kill(dead, signal.SIGKILL)
+    second = restart_number(seen)
+    back = wait_until(lambda: up.cluster()["pids"]["trainer1"] != dead and up.cluster()["pids"]["trainer1"], 30,
+                      "trainer1 started again")
+    os.kill(back, signal.SIGKILL)
+    third = restart_number(seen + 1)
+    assert third["restarts"] == second["restarts"] + 1 and third["in"] == 2 * second["in"], trainer1_restarts()
+    shown = subprocess.run([sys.executable, "-m", "services.cli", "status", "--json", "--state-dir", str(up.state_dir)],
+                           capture_output=True, text=True, timeout=30)
+    row = json.loads(shown.stdout)["trainer1"]
+    assert row["state"] == "failing" and row["failing"]["deaths"] == third["restarts"], row
+    wait_until(lambda: (trainer_status(urls["trainer1"]).get("state") == "running"
+                        and trainer_status(urls["trainer0"])["step"] > steps_before), 90, "trainer1 back, trainer0 on")
+
     # Clean stop: exit 0 within 10 s, a done summary, and no process left behind.
     pids = list(up.cluster()["pids"].values())
     t0 = time.monotonic()
@@ -73,5 +103,5 @@ def test_trainer_sigkill_is_survived_and_restarted(up):
     assert code == 0, up.logs()
     assert time.monotonic() - t0 < 10.5
     done = up.wait_event("done", 5)
-    assert done["restarts"] == 1
+    assert done["restarts"] == 3
     assert not [p for p in pids if _alive(p)]

@@ -52,9 +52,21 @@ def image_env() -> dict[str, str]:
     return env
 
 
+class ComposeRefuses(Exception):
+    """What ``docker compose`` stops on: a required variable is not set."""
+
+
 def interpolate(value: str, environ: dict[str, str]) -> str:
-    """Compose's ``${VAR:-default}``: the variable if set and not empty, else the default."""
-    return re.sub(r"\$\{([A-Z_]+):-([^}]*)\}", lambda m: environ.get(m.group(1)) or m.group(2), value)
+    """Compose's ``${VAR:-default}`` (the variable if set and not empty, else the default) and
+    ``${VAR:?message}`` (the variable, or compose refuses to start with the message)."""
+    def one(m: re.Match) -> str:
+        name, kind, word = m.groups()
+        if environ.get(name):
+            return environ[name]
+        if kind == "?":
+            raise ComposeRefuses(f"required variable {name} is missing a value: {word}")
+        return word
+    return re.sub(r"\$\{([A-Z_]+):([-?])([^}]*)\}", one, value)
 
 
 def service_env(service: dict, environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -16,6 +16,7 @@ from ps.clock import StepClockService
 from ps.config import ps_names
 from ps.service import ParameterServer
 from ps.stub import PsClient
+from services.errors import UpdateRefused
 from services.log import init_logging
 from services.membership import Membership, current_members
 from services.rpc import RpcEndpoint
@@ -124,18 +125,28 @@ def _max_diffs(a: dict, b: dict) -> dict:
 
 
 def hammer(client: PsClient, args: argparse.Namespace) -> dict:
-    """Steps whose gradients do not depend on the parameters, so the exact end state is known."""
+    """Steps whose gradients do not depend on the parameters, so the exact end state is known.
+    With ``--poison nan,inf`` every step's gradients are scaled by those in turn: none is finite."""
     model = LmModelConfig.model_validate(client.model)
     ids, targets = hammer_batch(model.ntoken)
     h = torch.ones(targets.numel(), model.nhid)
-    for _ in range(args.steps):
+    poison = [float(p) for p in args.poison.split(",") if p]
+    refused = []
+    for i in range(args.steps):
+        client.begin()
         with client.step() as step:
             rows, weights = step.fetch({"embedding.weight": ids})
             parts = client.op("decode", h, targets)
             # Only the target logits: their gradient is one-hot, whatever the parameters are.
             loss = rows["embedding.weight"].sum() + sum(w.sum() for w in weights.values()) + sum(p[1].sum() for p in parts)
-            step.finish(loss, clip=0.0)
-    return {"steps": args.steps}
+            if poison:
+                loss = loss * poison[i % len(poison)]
+            try:
+                step.finish(loss, clip=0.0)
+            except UpdateRefused as exc:
+                refused.append(str(exc).splitlines()[0])
+    client.end()
+    return {"steps": args.steps, "refused": refused}
 
 
 def hammer_batch(ntoken: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,6 +170,8 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
         "id past vocab": (lookup, emb, torch.tensor([m.ntoken + 5])),
         "id of another shard": (lookup, emb, torch.tensor([1])) if len(client.ps_names) > 1 else (lookup, emb, torch.tensor([], dtype=torch.long)),
         "empty ids": (lookup, emb, torch.tensor([], dtype=torch.long)),
+        "too many ids": (lookup, emb, torch.zeros(262_144, dtype=torch.long)),
+        "too many targets": (decode, "decode", torch.zeros(262_144, m.nhid), torch.zeros(262_144, dtype=torch.long)),
         "not a tensor": (lookup, emb, [0, 2]),
         "no such table": (lookup, "embedding.bias", torch.tensor([0])),
         "h wrong width": (decode, "decode", torch.zeros(3, m.nhid + 1), torch.tensor([0, 1, 2])),
@@ -192,6 +205,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--trainers", type=int, default=1)
     p.add_argument("--slow-down", type=float, default=1.0)
+    p.add_argument("--poison", default="", help="hammer: scale each step's loss by these in turn (nan,inf)")
     args = p.parse_args()
     init_logging(args.name, "warning")
     torch.set_num_threads(1)

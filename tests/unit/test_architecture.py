@@ -11,7 +11,7 @@ RPC_SEAMS = {
     "services/remote.py",       # the one remote-call mechanism every surface uses
     "services/membership.py",   # the group's membership (private torch internals)
     "ps/service.py",            # the server side of the PS interface (RRefs, autograd contexts)
-    "ps/stub.py",               # the client side of the PS interface (autograd, DistributedOptimizer)
+    "ps/stub.py",               # the client side of the PS interface (distributed autograd)
     "trainer/lm/bench_seed.py",   # the seed design, kept verbatim as the benchmark's baseline
 }
 RPC_MODULES = {"torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim"}

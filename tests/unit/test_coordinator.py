@@ -21,6 +21,7 @@ from tests.support.wait import wait_until
 class Shard(SnapshotPart):
     def __init__(self, name: str, log: list[str]) -> None:
         self.name, self.log, self.steps, self.prepared = name, log, 0, False
+        self.poisoned = False
 
     def prepare(self) -> None:
         self.prepared = True
@@ -34,6 +35,10 @@ class Shard(SnapshotPart):
 
     def step(self, state: dict[str, Any]) -> int:
         return state["steps"]
+
+    def check(self, state: dict[str, Any]) -> None:
+        if self.poisoned:
+            raise CheckpointError(f"{self.name} holds values that are not finite")
 
 
 class Position(PausedPart):
@@ -203,3 +208,19 @@ def test_overlapping_requests_get_409_not_a_second_checkpoint(tmp_path):
         taking.join(10)
     assert first and first[0]["new"]
     assert cluster.metrics.checkpoint_failures._value.get() == 0
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_shard_that_must_not_be_saved_fails_the_checkpoint_and_the_last_good_one_stays(tmp_path, shared):
+    cluster = Cluster(tmp_path, shared=shared)
+    cluster.train(2)
+    cluster.coordinator.take()
+    cluster.train(3)
+    cluster.shards["ps1"].poisoned = True
+    with pytest.raises(CheckpointError, match="not finite"):
+        cluster.coordinator.take()
+    for name in ("ps0", "ps1"):
+        store = cluster.members[name].store
+        assert [c.step for c in store.list()] == [2], name     # nothing of step 5 counts as a checkpoint
+    assert cluster.metrics.checkpoint_failures._value.get() == 1
+    assert cluster.log.count("resume trainer0") == 2           # trainers went on both times

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from tests.support.cluster import WIKITEXT
-from trainer.lm.data import EOS, BatchStream, Corpus, batchify, build_vocab, share, synthetic_text
+from trainer.lm.data import BatchStream, Corpus, batchify, build_vocab, share, synthetic_text
+from trainer.lm.text import EOS
 
 
 def test_synthetic_text_is_seeded_and_learnable():

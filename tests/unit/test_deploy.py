@@ -3,14 +3,15 @@ and against the code they start (commands, variables, paths, ports)."""
 import json
 import re
 
+import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
 from services import cli
 from services.config import env_name, load
 from services.sidecar import create_app
-from tests.support.deploy import (COMPOSE, DOCKERFILE, PROMETHEUS, REPO, TORCH_VARIABLES, compose, image_env,
-                                  rpcps_services, run, service_env, tool)
+from tests.support.deploy import (COMPOSE, DOCKERFILE, PROMETHEUS, REPO, TORCH_VARIABLES, ComposeRefuses, compose,
+                                  image_env, interpolate, rpcps_services, run, service_env, tool)
 from tests.support.fakes import FakeControl
 
 
@@ -39,7 +40,7 @@ def test_every_compose_command_and_variable_is_one_the_cli_accepts():
         argv = [str(a) for a in service["command"]]
         args = cli._parser().parse_args(argv)            # the image's ENTRYPOINT is `rpcps`
         model = cli._ROLES[args.command]
-        env = service_env(service)
+        env = service_env(service, {"RPCPS_CONTROL_TOKEN": "t0ken"})
         cfg = load(model, vars(args), env)                 # raises ConfigError on any bad value
         assert cfg.name == name, f"service {name} runs a role named {cfg.name}"
         known = {env_name(f, i) for f, i in model.model_fields.items()} | TORCH_VARIABLES
@@ -65,20 +66,25 @@ def test_health_checks_scrapes_and_ports_meet_the_sidecar():
     published = []
     for name, service in services.items():
         for mapping in service["ports"]:
-            host, _, container = str(mapping).rpartition(":")
+            address, host, container = interpolate(str(mapping), {}).split(":")
             assert int(container) == port, f"{name} publishes {container}, the sidecar listens on {port}"
+            assert address == "127.0.0.1", f"{name} is published beyond this machine by default"
             published.append(int(host))
         assert "29500" not in json.dumps(service.get("ports")), f"{name} publishes the RPC store"
     assert len(published) == len(set(published)), "two services publish the same host port"
     prometheus = compose()["services"]["prometheus"]
     mounted = {v.split(":")[1] for v in prometheus["volumes"]}
     assert "/etc/prometheus/prometheus.yml" in mounted and "/etc/prometheus/alerts.yml" in mounted
+    assert [interpolate(p, {}).split(":")[0] for p in prometheus["ports"]] == ["127.0.0.1"]
+    assert not any("lifecycle" in str(a) for a in prometheus["command"]), "its lifecycle API would be open"
 
 
-def test_the_token_comes_from_the_environment_never_the_image():
+def test_the_token_comes_from_the_environment_never_the_image_and_is_required():
     assert "RPCPS_CONTROL_TOKEN" not in image_env()
     for name, service in rpcps_services().items():
-        assert service["environment"]["RPCPS_CONTROL_TOKEN"] == "${RPCPS_CONTROL_TOKEN:-}", name
+        with pytest.raises(ComposeRefuses, match="RPCPS_CONTROL_TOKEN"):
+            service_env(service, {})                        # compose refuses to start without one
+        assert service_env(service, {"RPCPS_CONTROL_TOKEN": "s3cret"})["RPCPS_CONTROL_TOKEN"] == "s3cret", name
     assert ".env" in (REPO / ".dockerignore").read_text().split()
     assert re.search(r"^RPCPS_CONTROL_TOKEN=$", (REPO / ".env.example").read_text(), re.M)
 

@@ -138,5 +138,28 @@ def test_probes_ports_annotations_and_token_meet_the_sidecar():
         assert annotations["prometheus.io/path"] in routes
         token = next(e for e in container["env"] if e["name"] == "RPCPS_CONTROL_TOKEN")
         assert "value" not in token and token["valueFrom"]["secretKeyRef"]["name"] == "rpcps-control"
+        assert not token["valueFrom"]["secretKeyRef"].get("optional"), f"{name} would start without a token"
         assert pod_spec(workload)["securityContext"]["runAsNonRoot"] is True
         assert pod_spec(workload)["terminationGracePeriodSeconds"] >= 20, "room for the final checkpoint"
+
+
+def test_only_rpcps_pods_reach_the_store_and_rpc_ports_and_prometheus_only_the_sidecars():
+    policy = resources()[("NetworkPolicy", "rpcps")]["spec"]
+    selected = policy["podSelector"]["matchLabels"]
+    for name, workload in k8s_workloads().items():
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert selected.items() <= labels.items(), f"{name}'s pods are not under the policy"
+    assert policy["policyTypes"] == ["Ingress"]
+    rules = policy["ingress"]
+    assert all(rule.get("from") for rule in rules), "a rule without 'from' admits everyone"
+    open_ports = [rule for rule in rules if "ports" not in rule]
+    assert [r["from"] for r in open_ports] == [[{"podSelector": {"matchLabels": selected}}]], \
+        "every port (store, RPC) only from rpcps pods"
+    for rule in rules:
+        if "ports" in rule:
+            assert [p["port"] for p in rule["ports"]] == ["sidecar"], rule
+            assert all(peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+                       for peer in rule["from"]), rule
+    for name, workload in k8s_workloads().items():      # the named port the rule admits is the sidecar's
+        ports = {p["name"]: p["containerPort"] for p in pod_spec(workload)["containers"][0]["ports"]}
+        assert ports["sidecar"] == int(image_env()["RPCPS_SIDECAR_PORT"]), name

@@ -1,4 +1,5 @@
 """A server's export -> restore round trip, bit for bit, including resharding (no RPC needed)."""
+import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -19,9 +20,7 @@ def servers(num, restore=None):
 def train_a_little(server):
     """Apply one update with a known gradient through the server's own optimizer path."""
     g = torch.Generator().manual_seed(server.shard)
-    for p in server.optimizer.params:
-        p.grad = torch.randn(p.shape, generator=g)
-    server.optimizer.step()
+    server.optimizer.apply({p: torch.randn(p.shape, generator=g) for p in server.optimizer.params})
 
 
 def full_view(group):
@@ -62,3 +61,16 @@ def test_export_restore_round_trip_and_resharding():
         for name in a:
             if name.startswith(("weight_", "bias_")):
                 assert torch.equal(a[name][0], b[name][0]) and torch.equal(a[name][1], b[name][1]), name
+
+
+def test_a_shard_with_values_that_are_not_finite_is_refused_for_a_checkpoint():
+    from ps.participant import ServerPart
+    from services.errors import CheckpointError
+    (server,) = servers(1)
+    train_a_little(server)
+    part = ServerPart("ps0", server)
+    part.check(server.export_state())                     # a sound shard passes
+    with torch.no_grad():
+        server.param("decoder.bias")[3] = float("nan")
+    with pytest.raises(CheckpointError, match="decoder.bias"):
+        part.check(server.export_state())

@@ -111,3 +111,24 @@ def test_overlapping_checkpoint_is_409(registry, tmp_path):
         r = request(create_app(Busy(), registry), "POST", "/checkpoint")
     assert r.status_code == 409 and "being taken" in r.json()["error"]
     assert metrics.checkpoint_failures._value.get() == 0     # an overlap is not a failure
+
+
+def test_every_error_has_the_documented_shape_and_openapi_lists_it(control, registry):
+    app = create_app(control, registry, token="s3cret")
+    auth = {"Authorization": "Bearer s3cret"}
+    answers = [("/episode/start", request(app, "POST", "/episode/start", json={"steps": 1})),             # 401
+               ("/episode/start", request(app, "POST", "/episode/start", content=b"{not json",
+                                          headers={**auth, "content-type": "application/json"})),       # 422
+               ("/episode/stop", request(app, "POST", "/episode/stop", headers=auth)),                   # 409
+               ("/checkpoint", request(app, "POST", "/checkpoint", headers=auth))]                       # 501
+    control.is_ready = False
+    answers.append(("/episode/start", request(app, "POST", "/episode/start", json={"steps": 1}, headers=auth)))
+    documented = app.openapi()["paths"]
+    for path, r in answers:
+        assert r.status_code >= 400 and set(r.json()) == {"error", "type"}, (path, r.status_code, r.text)
+        assert str(r.status_code) in documented[path]["post"]["responses"], (path, r.status_code)
+    assert {r.status_code for _, r in answers} == {401, 422, 409, 501, 503}
+    # Starlette's own errors too: an unknown path, a wrong method.
+    for method, path, code in (("GET", "/nope", 404), ("DELETE", "/status", 405)):
+        r = request(app, method, path)
+        assert r.status_code == code and set(r.json()) == {"error", "type"}, r.text

@@ -19,13 +19,10 @@ class FakeTime:
 
 class Recorder:
     def __init__(self) -> None:
-        self.waits, self.staleness, self.short = [], [], 0
+        self.waits, self.short = [], 0
 
     def observe_wait(self, seconds):
         self.waits.append(seconds)
-
-    def observe_staleness(self, steps):
-        self.staleness.append(steps)
 
     def short_step(self):
         self.short += 1
@@ -49,9 +46,9 @@ def begin(clock, name) -> Future:
     return f
 
 
-def arrive(clock, name, clip=0.25) -> Future:
+def arrive(clock, name, clip=0.25, refused=False) -> Future:
     f: Future = Future()
-    clock.arrive(name, clip, f)
+    clock.arrive(name, clip, f, refused)
     return f
 
 
@@ -114,6 +111,20 @@ def test_sync_trainer_that_arrived_then_died_still_counts():
     assert applied == [(1, ["trainer0", "trainer1"], 0.25)]
 
 
+def test_sync_step_goes_on_without_a_refused_update_and_applies_nothing_if_all_were():
+    clock, applied, _, metrics = make("sync")
+    begin(clock, "good").result(0), begin(clock, "bad").result(0)
+    bad = arrive(clock, "bad", clip=0.1, refused=True)
+    assert not bad.done(), "a refused trainer still arrived: the step waits for the others"
+    arrive(clock, "good").result(0)
+    assert applied == [(1, ["good"], 0.25)], "the average is over the accepted updates, with their clip"
+    assert bad.result(0).participants == ("good",) and metrics.short == 1
+    assert begin(clock, "good").result(0) == 2 and begin(clock, "bad").result(0) == 2
+    alone = arrive(clock, "bad", refused=True), arrive(clock, "good", refused=True)
+    assert [f.result(0).step for f in alone] == [1, 1] and len(applied) == 1, "nothing applied: step 2 again"
+    assert begin(clock, "good").result(0) == 2 and clock.describe()["step"] == 1
+
+
 def test_ssp_bound_holds_the_fast_trainer_until_the_slowest_catches_up():
     clock, _, _, metrics = make("ssp:1")
     begin(clock, "fast").result(0)
@@ -126,7 +137,6 @@ def test_ssp_bound_holds_the_fast_trainer_until_the_slowest_catches_up():
     assert clock.describe()["waiting"]["on"] == ["slow"]
     arrive(clock, "slow").result(0)
     assert held.result(0) == 3
-    assert metrics.staleness == [0, 0, 2]   # slow's first update had 2 of fast's applied before it
 
 
 def test_ssp_zero_is_a_barrier_per_step_and_a_leaver_releases_it():

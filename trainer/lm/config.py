@@ -10,6 +10,19 @@ from pydantic import Field, field_validator, model_validator
 from ps.config import PsConfig, ServersConfig
 from ps.consistency import checked
 from services.config import ConfigBase
+from trainer.lm.text import check_folder, check_size
+
+
+def _folder(cls: type, v: Optional[Path]) -> Optional[Path]:
+    return v if v is None else check_folder(v)
+
+
+def _sized(data: Optional[Path], trainers: int, batch_size: int) -> None:
+    if data is not None:
+        try:
+            check_size(data, trainers, batch_size)
+        except ValueError as exc:
+            raise ValueError(f"--data: {exc}") from None
 
 
 class LmModelConfig(ConfigBase):
@@ -31,6 +44,7 @@ class LmServerConfig(PsConfig):
 
     ntoken: Optional[int] = Field(None, ge=2, description="vocabulary size; default: from --data")
     data: Optional[Path] = Field(None, description="corpus folder, read only to size the vocabulary")
+    _data = field_validator("data")(classmethod(_folder))
     emsize: int = Field(200, ge=1, description="embedding size")
     nhid: int = Field(200, ge=1, description="LSTM hidden size")
     nlayers: int = Field(2, ge=1, le=16, description="LSTM layers")
@@ -43,6 +57,7 @@ class LmServerConfig(PsConfig):
 class TrainerConfig(ServersConfig):
     name: str = Field("trainer0", description="RPC name: trainer<index>")
     data: Optional[Path] = Field(None, description="WikiText-style folder; default: built-in synthetic corpus")
+    _data = field_validator("data")(classmethod(_folder))
     num_trainers: int = Field(2, ge=1, description="how many disjoint shares the training text is cut into")
     batch_size: int = Field(20, ge=1, description="sequences per step")
     bptt: int = Field(35, ge=1, description="tokens per sequence per step")
@@ -56,12 +71,17 @@ class TrainerConfig(ServersConfig):
     seed: int = Field(1111, description="seed of dropout and the synthetic corpus")
     log_interval: float = Field(10.0, gt=0, description="seconds between progress lines in the log")
     warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of its tokens/s")
+    max_refused_steps: int = Field(5, ge=1, description="stop with an error after this many steps in a row whose "
+                                                         "update the servers refused (gradients not finite)")
     slow_down: float = Field(1.0, ge=1.0, le=100.0, description="run at 1/N speed: idle N-1 times each step's "
-                                                                   "duration after it (a straggler, for benchmarks and tests)")
+                                                                   "work after it (a straggler, for benchmarks and tests)")
+    slow_fraction: float = Field(1.0, gt=0.0, le=1.0, description="slow down only this fraction of steps, drawn "
+                                                                    "at random (seeded by --seed and --name)")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
         self._check_role("trainer")
+        _sized(self.data, self.num_trainers, self.batch_size)
         return self
 
 
@@ -74,6 +94,7 @@ class LmUpSettings(ConfigBase):
                               json_schema_extra={"flag": "--trainers", "env": "RPCPS_TRAINERS"})
     steps: Optional[int] = Field(None, ge=1, description="steps per trainer, then stop and exit 0 (default: until Ctrl-C)")
     data: Optional[Path] = Field(None, description="WikiText-style folder (default: built-in synthetic corpus)")
+    _data = field_validator("data")(classmethod(_folder))
     ntoken: Optional[int] = Field(None, ge=2, description="vocabulary rows (default: the corpus vocabulary)")
     emsize: int = Field(200, ge=1, description="embedding size")
     nhid: int = Field(200, ge=1, description="LSTM hidden size")
@@ -93,5 +114,15 @@ class LmUpSettings(ConfigBase):
     consistency: str = Field("async", description="how the servers apply updates: async, sync or ssp:K")
     straggler: float = Field(1.0, ge=1.0, le=100.0, description="run trainer0 at 1/N speed (its --slow-down), "
                                                                  "a straggler for benchmarks")
+    jitter: float = Field(1.0, ge=1.0, le=100.0, description="every trainer runs at 1/N speed on a random "
+                                                              "--jitter-fraction of its steps (benchmarks)")
+    jitter_fraction: float = Field(0.25, gt=0.0, le=1.0, description="the fraction of steps --jitter slows")
 
     _consistency = field_validator("consistency")(classmethod(lambda cls, v: checked(v)))
+
+    @model_validator(mode="after")
+    def _one_slow_down(self) -> "LmUpSettings":
+        if self.straggler > 1.0 and self.jitter > 1.0:
+            raise ValueError("--straggler and --jitter both slow trainer0 down: choose one")
+        _sized(self.data, self.num_trainers, self.batch_size)
+        return self

@@ -13,36 +13,11 @@ from typing import Optional
 
 import torch
 
+from trainer.lm.text import find_splits, roles, words
+
 log = logging.getLogger(__name__)
 
-EOS = "<eos>"
 SYNTHETIC_VOCAB = 1000
-_SPLIT_FILES = {
-    "train": ("train.txt", "wiki.train.tokens"),
-    "valid": ("valid.txt", "wiki.valid.tokens"),
-    "test": ("test.txt", "wiki.test.tokens"),
-}
-
-
-def find_splits(folder: Path) -> dict[str, Path]:
-    if not folder.is_dir():
-        raise FileNotFoundError(f"data folder {folder} does not exist")
-    found = {}
-    for split, names in _SPLIT_FILES.items():
-        for n in names:
-            if (folder / n).is_file():
-                found[split] = folder / n
-                break
-    if not found:
-        raise FileNotFoundError(f"no train/valid/test text in {folder} (expected e.g. train.txt or wiki.train.tokens)")
-    return found
-
-
-def _words(path: Path):
-    with open(path, encoding="utf8") as f:
-        for line in f:
-            yield from line.split()
-            yield EOS
 
 
 class Vocabulary:
@@ -66,7 +41,7 @@ def build_vocab(folder: Optional[Path]) -> Vocabulary:
             vocab.add(f"w{i}")
         return vocab
     for path in find_splits(folder).values():
-        for w in _words(path):
+        for w in words(path):
             vocab.add(w)
     return vocab
 
@@ -105,14 +80,10 @@ class Corpus:
         vocab = build_vocab(folder)
 
         def ids(split: str) -> torch.Tensor:
-            return torch.tensor([vocab.word_to_id[w] for w in _words(splits[split])], dtype=torch.long)
+            return torch.tensor([vocab.word_to_id[w] for w in words(splits[split])], dtype=torch.long)
 
-        if "train" in splits:
-            train_split, held = "train", ("valid" if "valid" in splits else "test" if "test" in splits else None)
-        else:
-            # WikiText-2 as shipped here has no train split: train on valid, hold out test.
-            train_split = "valid" if "valid" in splits else "test"
-            held = "test" if train_split == "valid" and "test" in splits else None
+        train_split, held = roles(splits)
+        if train_split != "train":
             log.warning("%s has no train split: training on %s, evaluating on %s", folder, train_split, held)
         heldout = ids(held) if held else None
         train = ids(train_split)

@@ -14,6 +14,7 @@ import torch
 
 from trainer.lm.config import TrainerConfig
 from services.control import EpisodeGate, EpisodeStart, StepPause
+from services.errors import UpdateRefused
 from services.lifecycle import RoleState, StatusBoard
 from trainer.lm.loop import EvalResult, StepResult, TrainLoop
 from trainer.lm.metrics import TrainerMetrics
@@ -48,6 +49,8 @@ class EpisodeRunner:
         self._heartbeat = heartbeat       # the members, into the status, with each log line
         self.steps = steps          # this trainer's steps, across episodes and restores
         self.episodes = 0
+        self.refused = 0            # steps skipped because their update was refused
+        self._refused_in_a_row = 0
 
     def run(self, request: EpisodeStart) -> None:
         self.episodes += 1
@@ -85,7 +88,12 @@ class EpisodeRunner:
                 if self.gate.stop_requested:
                     return
             started = time.time()
-            result = self.loop.step()
+            try:
+                result = self.loop.step()
+            except UpdateRefused as exc:
+                self._skip(exc)
+                continue
+            self._refused_in_a_row = 0
             self.steps += 1
             episode["step"] += 1
             first_loss = result.loss if first_loss is None else first_loss
@@ -100,6 +108,18 @@ class EpisodeRunner:
                 last_log = time.monotonic()
                 self._heartbeat()
                 log.info("step %d | loss %.3f | %.0f tokens/s", self.steps, sum(recent) / len(recent), tokens_per_s)
+
+    def _skip(self, exc: UpdateRefused) -> None:
+        """A step the servers refused: its batch is skipped; many in a row end the trainer, since
+        the cause (bad data, a diverging learning rate) will not go away by itself."""
+        self.refused += 1
+        self._refused_in_a_row += 1
+        self.metrics.steps_refused.inc()
+        self.board.update(refused_steps=self.refused)
+        log.warning("step skipped, its update refused (%d in a row): %s", self._refused_in_a_row, exc)
+        if self._refused_in_a_row >= self.cfg.max_refused_steps:
+            raise UpdateRefused(f"{self._refused_in_a_row} steps in a row were refused (the last: {exc}); stopping "
+                                f"rather than spinning: check the data, --lr and --clip")
 
     def _leave_clock(self) -> None:
         """Between episodes this trainer takes no steps: in sync and ssp modes nobody may wait for it."""

@@ -40,6 +40,8 @@ class LmLaunch:
                 argv += ["--steps", str(cfg.steps)]
             if i == 0 and cfg.straggler > 1.0:
                 argv += ["--slow-down", str(cfg.straggler)]
+            elif cfg.jitter > 1.0:
+                argv += ["--slow-down", str(cfg.jitter), "--slow-fraction", str(cfg.jitter_fraction)]
             trainers.append(Planned(format_name("trainer", i), "trainer", argv))
         return servers + trainers
 

@@ -3,6 +3,7 @@ step protocol is ``ps/stub.py``'s ``StepSession``); no HTTP, no process concerns
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -45,6 +46,7 @@ class TrainLoop:
         self.model, self.stream, self.cfg = model, stream, cfg
         self.metrics = metrics
         self.hidden: Hidden = init_hidden(model.config, cfg.batch_size)
+        self._slow = random.Random(f"{cfg.seed}/{cfg.name}")   # which steps --slow-fraction slows
 
     def step(self) -> StepResult:
         # The step boundary: in sync and ssp modes, wait for the step clock before taking the batch.
@@ -62,8 +64,9 @@ class TrainLoop:
             done = step.finish(loss, self.cfg.clip)
         total = time.perf_counter() - t0
         self.hidden = (hidden[0].detach(), hidden[1].detach())
-        if self.cfg.slow_down > 1.0:   # a straggler on purpose: idle (N-1) times the step
-            time.sleep((self.cfg.slow_down - 1.0) * total)
+        if self.cfg.slow_down > 1.0 and self._slow.random() < self.cfg.slow_fraction:
+            # A straggler on purpose: idle (N-1) times this step's own work (not its wait for others).
+            time.sleep((self.cfg.slow_down - 1.0) * (total - done.barrier))
             total = time.perf_counter() - t0
         phases = {"fetch": t_fetch - t0, "forward": t_forward - t_fetch, "backward": done.backward, "clip": done.clip,
                   "optimize": done.optimize, "barrier": waited + done.barrier, "total": total + waited}

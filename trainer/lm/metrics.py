@@ -13,6 +13,8 @@ class TrainerMetrics(Metrics):
         super().__init__(registry, role, name)
         self.steps = self.counter("rpcps_trainer_steps_total", "training steps completed").labels(**self.labels)
         self.tokens = self.counter("rpcps_trainer_tokens_total", "tokens trained on").labels(**self.labels)
+        self.steps_refused = self.counter("rpcps_trainer_steps_refused_total", "steps whose update the servers "
+                                          "refused (gradients not finite), skipped").labels(**self.labels)
         self.loss = self.gauge("rpcps_trainer_loss", "training loss of the last step")
         self.tokens_per_second = self.gauge("rpcps_trainer_tokens_per_second",
                                             "training throughput of the current episode")

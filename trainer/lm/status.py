@@ -32,6 +32,7 @@ class TimedWindow(BaseModel):
 
 class TrainerStatus(RoleStatus):
     step: int = 0                      # this trainer's steps, across episodes and restarts
+    refused_steps: int = 0             # steps skipped because the servers refused their update
     episode: Optional[EpisodeProgress] = None
     episodes_completed: int = 0
     model: Optional[dict[str, Any]] = None
@@ -52,4 +53,5 @@ class TrainerStatus(RoleStatus):
         return [f"step {self.step}",
                 f"episode {ep.id if ep else '-'} {ep.step if ep else 0}/{(ep.steps if ep else None) or '∞'}",
                 f"loss {self.loss_avg:.3f}" if self.loss_avg is not None else "loss -",
-                f"{self.tokens_per_s or 0:.0f} tokens/s", f"consistency {self.consistency or '-'}"]
+                f"{self.tokens_per_s or 0:.0f} tokens/s", f"consistency {self.consistency or '-'}"] \
+            + ([f"{self.refused_steps} steps refused"] if self.refused_steps else [])

@@ -1,0 +1,48 @@
+"""One trainer sending gradients that are not finite, in every consistency mode: the servers refuse
+each such update whole, count it, and the shared model ends exactly as if that trainer's steps had
+never been sent (the hammer steps' gradients do not depend on the parameters, so that state is
+known to the bit)."""
+import json
+
+import pytest
+import torch
+
+from tests.integration.test_concurrent_updates import replay
+from tests.support.cluster import SMALL_MODEL
+from trainer.lm.config import LmModelConfig as ModelConfig
+
+HONEST_STEPS, POISONED_STEPS = 6, 4
+
+
+@pytest.mark.parametrize("mode", ["async", "sync", "ssp:1"])
+def test_non_finite_updates_are_refused_whole_and_the_model_stays_as_without_them(procs, tmp_path, mode):
+    model = {**SMALL_MODEL, "lr": 0.125, "optimizer": "sgd"}
+    servers = procs.start_servers(2, consistency=mode, **model)
+    honest = procs.spawn_driver("hammer", "trainer0", 2, steps=HONEST_STEPS)
+    poisoned = procs.spawn_driver("hammer", "trainer1", 2, steps=POISONED_STEPS, poison="nan,inf")
+    runs = {}
+    for name, proc in (("honest", honest), ("poisoned", poisoned)):
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+        runs[name] = json.loads(out.strip().splitlines()[-1])
+    assert runs["honest"]["refused"] == []
+    assert len(runs["poisoned"]["refused"]) == POISONED_STEPS, runs["poisoned"]
+    assert all("not finite" in r for r in runs["poisoned"]["refused"]), runs["poisoned"]["refused"]
+
+    procs.run_driver("inspect", "trainer9", 2, out=tmp_path / "params.pt")
+    got = torch.load(tmp_path / "params.pt", weights_only=True)
+    expected = replay(ModelConfig(**model), HONEST_STEPS)
+    assert all(bool(torch.isfinite(v).all()) for v in got.values())
+    differing = {k: int((got[k] != expected[k]).sum()) for k in expected}
+    assert sum(differing.values()) == 0, f"elements differing from the honest trainer's steps alone: {differing}"
+
+    refused = 0
+    for server in servers:
+        with server.client() as c:
+            line = [x for x in c.metrics().splitlines() if x.startswith("rpcps_ps_updates_refused_total")]
+            refused += int(float(line[0].split()[-1]))
+            assert c.status()["refused"] == int(float(line[0].split()[-1]))
+    assert refused >= POISONED_STEPS, "every poisoned step was refused by at least one server"
+    # The model is sound, so a checkpoint of it is taken.
+    with servers[0].client() as c:
+        assert c.checkpoint()["step"] == HONEST_STEPS

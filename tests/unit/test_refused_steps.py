@@ -1,0 +1,57 @@
+"""A trainer whose updates the servers refuse skips those batches, and stops with a clear error
+after too many in a row rather than spinning (the episode runner, over a scripted loop)."""
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.control import EpisodeGate, EpisodeStart, StepPause
+from services.errors import UpdateRefused
+from services.lifecycle import StatusBoard
+from trainer.lm.config import TrainerConfig
+from trainer.lm.episodes import EpisodeRunner
+from trainer.lm.loop import StepResult
+from trainer.lm.metrics import TrainerMetrics
+from trainer.lm.status import TrainerStatus
+
+
+class ScriptedLoop:
+    """Each step answers from ``script``: True a step applied, False one refused."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.model = self     # the runner leaves the step clock through loop.model.client.end()
+        self.client = self
+
+    def step(self):
+        if not self.script.pop(0):
+            raise UpdateRefused("trainer0's update in context 7 is not finite; nothing of it was applied")
+        return StepResult(loss=1.0, tokens=10, seconds=0.01, grad_norm=0.5)
+
+    def end(self):
+        pass
+
+
+def runner(script, max_refused=3):
+    wake = threading.Condition()
+    gate = EpisodeGate(wake, "trainer")
+    metrics = TrainerMetrics(CollectorRegistry(), "trainer", "trainer0")
+    board = StatusBoard("trainer", "trainer0", TrainerStatus)
+    cfg = TrainerConfig(name="trainer0", num_ps=1, max_refused_steps=max_refused)
+    return EpisodeRunner(ScriptedLoop(script), cfg, board, metrics, gate, StepPause(wake, gate), wake,
+                         None, heartbeat=lambda: None), metrics, board
+
+
+def test_refused_steps_are_skipped_and_counted():
+    run, metrics, board = runner([True, False, False, True, False, True, True])
+    run.run(EpisodeStart(steps=4))
+    assert run.steps == 4 and run.refused == 3
+    assert metrics.steps_refused._value.get() == 3
+    assert board.snapshot()["refused_steps"] == 3
+
+
+def test_too_many_refusals_in_a_row_stop_the_trainer_with_a_clear_error():
+    run, _, _ = runner([True, False, False, False, True], max_refused=3)
+    with pytest.raises(UpdateRefused, match="3 steps in a row were refused .* check the data, --lr and --clip"):
+        run.run(EpisodeStart(steps=10))
+    assert run.steps == 1
