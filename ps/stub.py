@@ -127,15 +127,10 @@ class PsClient:
     def grad_norm(self, context_id: int) -> float:
         """The global norm of every shard's gradients in ``context_id``; ``UpdateRefused`` if a
         server found them not finite."""
-        sq, refused = 0.0, None
-        for f in [self._async(n, ParameterServer.grad_sq_norm, context_id) for n in self.ps_names]:
-            try:
-                sq += wait(f)
-            except UpdateRefused as exc:
-                refused = exc
+        parts, refused = wait_all([self._async(n, ParameterServer.grad_sq_norm, context_id) for n in self.ps_names])
         if refused is not None:
             raise refused
-        norm = sq ** 0.5
+        norm = sum(parts) ** 0.5
         if not math.isfinite(norm):   # finite parts, too large to add up
             raise UpdateRefused(f"this step's gradient norm is {norm}: nothing of it was applied")
         return norm
@@ -146,6 +141,18 @@ class PsClient:
         if coef < 1.0:
             for f in [self._async(n, ParameterServer.scale_grads, context_id, float(coef)) for n in self.ps_names]:
                 wait(f)
+
+
+def wait_all(futures: list[torch.futures.Future]) -> tuple[list[Any], Optional[UpdateRefused]]:
+    """Every server's answer, and a refusal if one refused: the others are still waited for, so
+    the step's fate is known on every server before the caller goes on."""
+    answers, refused = [], None
+    for f in futures:
+        try:
+            answers.append(wait(f))
+        except UpdateRefused as exc:
+            refused = exc
+    return answers, refused
 
 
 @dataclass
@@ -190,13 +197,8 @@ class StepSession:
         if client.consistency.kind == "sync":
             if client.granted is None:
                 raise RuntimeError("a sync step needs client.begin() at its boundary first")
-            refused: Optional[UpdateRefused] = None
-            for f in [client._async(n, ParameterServer.contribute, self.context_id, client.granted)
-                      for n in client.ps_names]:
-                try:
-                    wait(f)
-                except UpdateRefused as exc:
-                    refused = exc
+            _, refused = wait_all([client._async(n, ParameterServer.contribute, self.context_id, client.granted)
+                                   for n in client.ps_names])
             t3 = time.perf_counter()
             applied, arrived_at = client.arrive(clip, refused is not None)
             if refused is not None:
