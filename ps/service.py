@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -22,7 +24,7 @@ from ps.sharding import Layout
 from ps.spec import ModelSpec
 from ps.state import export_shard, gather_shard
 from ps.tables import RowShard
-from ps.update import SharedOptimizer, SyncSteps, finite, grad_sq_norm
+from ps.update import SharedOptimizer, SyncSteps, grad_sq_norm
 from services.errors import BadRequest, UpdateRefused
 from ps.metrics import PsMetrics
 from services.remote import Service, remote
@@ -30,6 +32,14 @@ from services.remote import Service, remote
 log = logging.getLogger(__name__)
 
 _CONTEXTS_KEPT = 4  # a trainer has at most one or two contexts open; older ones it released itself
+
+
+@dataclass
+class _Context:
+    """What the server knows of one of a trainer's steps (its distributed autograd context)."""
+
+    read_at: int             # the server's step when the trainer first read in it
+    checked: bool = False    # its gradients' norm was taken, so they are known to be finite
 
 
 class ParameterServer(Service):
@@ -53,8 +63,7 @@ class ParameterServer(Service):
                                          on_step=self._stepped)
         self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.param_names])
         self.sync = SyncSteps(self.optimizer)
-        # caller -> its recent autograd contexts -> the server's step when it first read in each
-        self._contexts: dict[str, collections.OrderedDict[int, int]] = {}
+        self._contexts: dict[str, collections.OrderedDict[int, _Context]] = {}   # caller -> its recent steps
         self._contexts_lock = threading.Lock()
         self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
         self.refused = 0                    # updates refused whole (under _contexts_lock)
@@ -129,9 +138,12 @@ class ParameterServer(Service):
     def grad_sq_norm(self, context_id: int) -> float:
         """The squared norm of the caller's gradients here: the first half of an async or ssp
         update, where gradients that are not finite are refused before any server applies any."""
-        grads = self._context_grads(context_id)
-        self._refuse_unless_finite(grads, f"update in context {context_id}")
-        return grad_sq_norm(list(grads.values()))
+        sq = self._finite_sq_norm(self._context_grads(context_id), f"update in context {context_id}")
+        with self._contexts_lock:
+            known = self._contexts.get(self._call.caller, {}).get(context_id)
+            if known is not None:
+                known.checked = True
+        return sq
 
     @remote
     def scale_grads(self, context_id: int, coef: float) -> None:
@@ -145,11 +157,13 @@ class ParameterServer(Service):
         """async and ssp modes: apply the caller's gradients in ``context_id`` now, all or none."""
         self._require_not("sync", "apply one trainer's update")
         grads = self._context_grads(context_id)
-        self._refuse_unless_finite(grads, f"update in context {context_id}")
-        read_at = self._read_at(self._call.caller, context_id)
+        with self._contexts_lock:
+            known = self._contexts.get(self._call.caller, {}).get(context_id)
+        if known is None or not known.checked:     # a caller that skipped the norm round
+            self._finite_sq_norm(grads, f"update in context {context_id}")
         before = self.optimizer.apply(grads)
-        if read_at is not None:
-            self.metrics.staleness.observe(before - read_at)
+        if known is not None:
+            self.metrics.staleness.observe(before - known.read_at)
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote
@@ -157,7 +171,7 @@ class ParameterServer(Service):
         """The caller's gradients in ``context_id``, for step ``step`` (the open one)."""
         self._require("sync", "hand over gradients")
         grads = self._context_grads(context_id)
-        self._refuse_unless_finite(grads, f"gradients for step {step}")
+        self._finite_sq_norm(grads, f"gradients for step {step}")
         self.sync.contribute(step, self._call.caller, grads)
 
     @remote
@@ -175,10 +189,12 @@ class ParameterServer(Service):
         for _ in trainers:
             self.metrics.staleness.observe(0)    # each read the parameters this update changes
 
-    def _refuse_unless_finite(self, grads: dict[torch.Tensor, torch.Tensor], what: str) -> None:
-        """One bad trainer must not poison the shared model: a NaN or inf reaches no parameter."""
-        if finite(list(grads.values())):
-            return
+    def _finite_sq_norm(self, grads: dict[torch.Tensor, torch.Tensor], what: str) -> float:
+        """The gradients' squared norm, or ``UpdateRefused``: one bad trainer must not poison the
+        shared model. A NaN or inf anywhere makes the sum so, which saves a pass of its own."""
+        sq = grad_sq_norm(list(grads.values()))
+        if math.isfinite(sq):
+            return sq
         with self._contexts_lock:
             self.refused += 1
         self.metrics.updates_refused.inc()
@@ -235,14 +251,9 @@ class ParameterServer(Service):
         with self._contexts_lock:
             recent = self._contexts.setdefault(caller, collections.OrderedDict())
             if context_id not in recent:
-                recent[context_id] = self.optimizer.steps
+                recent[context_id] = _Context(self.optimizer.steps)
                 while len(recent) > _CONTEXTS_KEPT:
                     recent.popitem(last=False)
-
-    def _read_at(self, caller: str, context_id: int) -> Optional[int]:
-        """The server's step when ``caller`` first read in ``context_id`` (None: never seen)."""
-        with self._contexts_lock:
-            return self._contexts.get(caller, {}).get(context_id)
 
     def forget(self, caller: str) -> None:
         """Free what a departed trainer left behind (its autograd contexts would otherwise leak)."""

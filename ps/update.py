@@ -47,10 +47,6 @@ def grad_sq_norm(grads: list[torch.Tensor]) -> float:
     return total
 
 
-def finite(grads: list[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(g.coalesce().values() if g.is_sparse else g).all()) for g in grads)
-
-
 def average(grads: list[torch.Tensor], n: int) -> torch.Tensor:
     """The mean over ``n`` trainers of one parameter's gradients, ``grads`` those that gave one (a
     trainer whose batch did not touch a shard's rows gave none: zero). Sparse ones stay sparse."""
