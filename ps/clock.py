@@ -110,6 +110,11 @@ class StepClock:
         self._frozen_members: set[str] = set()
         self._warned: Optional[tuple[int, tuple[str, ...], float]] = None
 
+    def advance_to(self, step: int) -> None:
+        """sync: the servers count on from ``step`` (a server joined further on than the leader)."""
+        with self._lock:
+            self.step = max(self.step, step)
+
     # --- a trainer's calls ---------------------------------------------------------------------------
     def begin(self, name: str, pending: Pending) -> None:
         with self._lock:

@@ -14,7 +14,9 @@ from ps.participant import ServerPart, shard_files
 from ps.service import ParameterServer
 from ps.stub import apply_sync_step
 from ps.spec import ModelSpec
-from services.checkpoint.coordinator import CheckpointPlan, Coordinator, announce, follow_leader
+from services.checkpoint.coordinator import (CLUSTER_CHECKPOINT_KEY, CheckpointPlan, Coordinator, announce,
+                                             follow_leader, standing_now)
+from services.checkpoint.handover import Handover, LeaderLife, Standing
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.periodic import Periodic, take_final
 from services.checkpoint.store import CheckpointInfo
@@ -44,6 +46,10 @@ class PsRole(RoleBase, WithoutEpisodes):
         self.clock: Optional[StepClock] = None           # ps0, in sync and ssp modes
         self._periodic: Optional[Periodic] = None
         self._stop = threading.Event()
+        self._stopped = False                            # run() ended on request, not by a failure
+        self._life: Optional[LeaderLife] = None          # ps0: its life, for the servers' handovers
+        self._standing: Optional[Standing] = None        # where the leader last said the cluster stands
+        self._handover = Handover(cfg.checkpoint_dir, cfg.name)
 
     def checkpoint(self) -> dict[str, Any]:
         if self.coordinator is None:
@@ -76,32 +82,46 @@ class PsRole(RoleBase, WithoutEpisodes):
         self.checkpoints.add(ServerPart(self.cfg.name, self.server, self._describe))
         serve(self.server)
         self.membership.add_listener(self.server.forget)
-        self._join("joining the RPC group")
+        if self.membership.is_leader:
+            self.membership.on_join(self._count_on)
+        reply = self._join("joining the RPC group", note={"steps": self.server.optimizer.steps})
         if self.membership.is_leader:
             self._lead(resumed)
+        else:
+            self.server.optimizer.advance_to(int(reply.get("steps", 0)))
+            self._handover.remove()     # restored from, or not matching: used once either way
+            read_standing = self.endpoint.reader(CLUSTER_CHECKPOINT_KEY)
         self.metrics.up.set(1)
         self.board.set_state(RoleState.RUNNING, "serving")
         while not self._stop.wait(1.0):
             self._heartbeat()
+            if not self.membership.is_leader:
+                now = standing_now(read_standing)
+                if now is not None and self._standing is not None and now.leader == self._standing.leader:
+                    self._standing = now      # another leader's word is no news of the one this server serves
             if self.clock is not None:
                 self.clock.tick()
                 self.board.update(clock=self.clock.describe())
             self.board.update(steps=self.server.optimizer.steps, refused=self.server.refused)
+        self._stopped = True
 
     def _build(self, shard: int) -> tuple[Optional[CheckpointInfo], ParameterServer]:
-        """This shard, from the checkpoint the cluster stands on (ps0's choice) or fresh."""
+        """This shard: from the checkpoint the cluster stands on (ps0's choice), from this server's
+        own handover when a new leader succeeds the one it served, or fresh."""
         resume, resume_from = self.cfg.resume, self.cfg.resume_from
         if self.endpoint.leader != self.cfg.name:
             self.board.set_state(RoleState.JOINING, f"asking {self.endpoint.leader} which checkpoint to restore")
-            resume_from = follow_leader(self.endpoint.connect(), self.cfg.join_timeout)
+            self._standing = follow_leader(self.endpoint.connect(), self.cfg.join_timeout)
+            resume_from = self._standing.checkpoint
             resume = resume_from is not None
             log.info("%s stands on %s", self.endpoint.leader, resume_from or "no checkpoint (a fresh start)")
+            kept = self._from_handover(shard)
+            if kept is not None:
+                return kept
         try:
             resumed, server = restore_newest(
                 self.store, resume, resume_from, lambda info: shard_files(info, self.spec, shard, self.cfg.num_ps),
-                lambda states: ParameterServer(self.cfg.name, shard, self.cfg.num_ps, self.spec, self.metrics,
-                                               restore=states, consistency=Consistency.parse(self.cfg.consistency),
-                                               max_ids=self.cfg.max_ids_per_request))
+                functools.partial(self._server, shard))
         except CheckpointError as exc:
             if self.endpoint.leader == self.cfg.name or resume_from is None:
                 raise
@@ -110,6 +130,40 @@ class PsRole(RoleBase, WithoutEpisodes):
         if resumed is not None:
             self.board.update(resumed_from={"id": resumed.id, "step": resumed.step, "path": str(resumed.path)})
         return resumed, server
+
+    def _server(self, shard: int, states: Optional[list[dict[str, Any]]]) -> ParameterServer:
+        return ParameterServer(self.cfg.name, shard, self.cfg.num_ps, self.spec, self.metrics, restore=states,
+                               consistency=Consistency.parse(self.cfg.consistency), max_ids=self.cfg.max_ids_per_request)
+
+    def _from_handover(self, shard: int) -> Optional[tuple[Optional[CheckpointInfo], ParameterServer]]:
+        """This server's shard as it handed it over when the leader was lost, if the new leader
+        stands where that one stood."""
+        kept = self._handover.take(self._standing)
+        if kept is None:
+            return None
+        state, meta = kept
+        if (state.get("shard"), state.get("num_shards")) != (shard, self.cfg.num_ps) or any(
+                state.get("model", {}).get(k) != self.spec.meta.get(k) for k in self.spec.compatible):
+            log.warning("discarding the handover in %s: it holds another shard or model", self._handover.folder)
+            return None
+        info = self.store.resolve(self._standing.checkpoint, verify=False) if self._standing.checkpoint else None
+        since = info.step if info is not None else 0
+        server = self._server(shard, [state])
+        log.info("kept this shard as handed over when the leader was lost: step %d, %d updates since %s",
+                 meta["steps"], meta["steps"] - since, self._standing.checkpoint or "the start")
+        self.board.update(resumed_from={"id": self._standing.checkpoint, "step": meta["steps"], "handover": True,
+                                        "updates_kept": meta["steps"] - since})
+        return info, server
+
+    def _count_on(self, name: str, note: dict) -> dict:
+        """ps0, as a server joins: every server counts steps from the furthest one's count. Steps
+        number the cluster's updates (sync mode needs them equal); a server that kept its shard
+        across a lost leader has come further than the checkpoint ps0 restored, and one restarted
+        alone from a checkpoint is behind."""
+        steps = self.server.optimizer.advance_to(int(note.get("steps", 0)))
+        if self.clock is not None:
+            self.clock.advance_to(steps)
+        return {"steps": steps}
 
     def _start_clock(self, resumed: Optional[CheckpointInfo]) -> None:
         """ps0: keep the trainers' step clock (sync, ssp), continuing the checkpoint's."""
@@ -138,7 +192,13 @@ class PsRole(RoleBase, WithoutEpisodes):
 
     def _lead(self, resumed: Optional[CheckpointInfo]) -> None:
         """ps0: coordinate checkpoints, and announce the one the cluster stands on."""
-        publish = functools.partial(announce, self.endpoint.store)
+        self._life = LeaderLife(self.cfg.checkpoint_dir)
+        succeeds = self._life.begin()
+        if succeeds is not None:
+            log.warning("the previous leader (life %s) did not stop cleanly: servers keep what they handed over", succeeds)
+
+        def publish(info: Optional[CheckpointInfo]) -> None:
+            announce(self.endpoint.store, Standing(info.id if info is not None else None, self._life.life, succeeds))
         publish(resumed)
         plan = CheckpointPlan(holders=tuple(ps_names(self.cfg.num_ps)), paused_role="trainer",
                               meta={"model": self.spec.meta, "num_ps": self.cfg.num_ps})
@@ -153,13 +213,33 @@ class PsRole(RoleBase, WithoutEpisodes):
         self.board.set_state(RoleState.STOPPING, "stopping")
         if self._periodic is not None:
             self._periodic.stop()
-        self._final_checkpoint()
+        if self.ctx.leader_lost.is_set():
+            self._hand_over()
+        else:
+            self._final_checkpoint()
         self._leave()
+        if self._life is not None and self._stopped:
+            self._life.release()
         for served in (self.server, self.coordinator):
             if served is not None:
                 withdraw(served)
         if self.clock is not None:
             withdraw(local(StepClockService))
+
+    def _hand_over(self) -> None:
+        """The leader is gone: keep this shard for this server's next life (``handover.py``)."""
+        if self.server is None or self._standing is None:
+            return
+        part = ServerPart(self.cfg.name, self.server)
+        state = part.state_dict()
+        try:
+            part.check(state)
+        except CheckpointError as exc:
+            log.error("no handover: %s", exc)
+            return
+        self._handover.write(state, self._standing, int(state["steps"]))
+        log.info("handed over this shard at step %d (the cluster stood on %s)", state["steps"],
+                 self._standing.checkpoint or "no checkpoint")
 
     def _final_checkpoint(self) -> None:
         """On the way out, keep what was trained since the last checkpoint, within a bound.

@@ -126,6 +126,12 @@ class SharedOptimizer:
             self._on_step(rows)
         return before
 
+    def advance_to(self, steps: int) -> int:
+        """Count on from ``steps`` if the cluster has come further than this server (never back)."""
+        with self.lock:
+            self.steps = max(self.steps, steps)
+            return self.steps
+
     def _step(self) -> int:
         rows = sum(p.grad._nnz() for p in self.params if p.grad is not None and p.grad.is_sparse)
         self.optimizer.step()

@@ -3,9 +3,11 @@
 What to start and how to read its progress is the workload's (its ``Launch``, found through
 ``services/workload.py``); its settings join the launcher's own in ``UpConfig``. Roles run
 as ``python -m services.cli <role>`` in their own sessions (so a terminal's Ctrl-C reaches only the
-launcher, which then stops the workers first and the leader, the store host, last). A member other
-than the leader that dies is restarted, at a bounded rate (a server reloads its shard from the
-newest checkpoint); the leader ending ends the run.
+launcher, which then stops the workers first and the leader, the store host, last). A member that
+dies is restarted after a back-off that grows while it keeps dying; the others train on. When the
+leader dies, every other member leaves with ``LEADER_LOST`` (``services/leader.py``) and is started
+again at once, to join the restarted leader. The run ends when the user stops it, when the workload
+says it is finished, or when a member spends ``--max-restarts``.
 """
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 from pydantic import Field, SecretStr, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from services.checkpoint.store import CheckpointStore
 from services.client import SidecarClient
 from services.config import ConfigBase, explain, flag_name, writable_folder
+from services.leader import LEADER_LOST
 from services.lifecycle import RoleStatus
 from services.names import parse_name
 from services.workload import Launch, roles, workloads
@@ -176,6 +180,8 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
     kind = e["event"]
     if kind == "started":
         return "started " + ", ".join(f"{n} {u}" for n, u in e["sidecars"].items())
+    if kind == "restart" and e["exit_code"] == LEADER_LOST:
+        return f"{e['name']} lost its leader; restarting it to rejoin"
     if kind == "restart":
         return (f"{e['name']} exited with code {e['exit_code']}; restarting in {e['in']:.0f}s "
                 f"({e['restarts']} in a row)")
@@ -199,6 +205,7 @@ class Launcher:
         self.members: list[Member] = []
         self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
         self._last_status: dict[str, dict] = {}
+        self._newest_at_start: Optional[str] = None   # the newest checkpoint before this run
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -218,16 +225,26 @@ class Launcher:
             self.members.append(Member(planned.name, planned.role, argv, f"http://{host}:{port}",
                                        logs / f"{planned.name}.log"))
 
+    def _newest_checkpoint(self) -> Optional[str]:
+        found = CheckpointStore(self.checkpoint_dir).list()
+        return found[0].id if found else None
+
     def _spawn(self, m: Member) -> None:
         # The token travels in the environment: argv is visible to every user of the machine.
         env = {"RPCPS_CONTROL_TOKEN": self._token} if self._token else None
-        m.proc = spawn_role("services.cli", m.argv, m.log_path, env)
+        argv = m.argv
+        if m.name == self.leader and m.restarts and self._newest_checkpoint() != self._newest_at_start:
+            # This run has committed a checkpoint: a restarted leader resumes it, whatever the
+            # first start was told (--no-resume, --resume-from an older one).
+            argv = resuming_newest(argv)
+        m.proc = spawn_role("services.cli", argv, m.log_path, env)
         m.started_at = time.monotonic()
         log.info("started %s (pid %d), log %s", m.name, m.proc.pid, m.log_path)
 
     # --- running -------------------------------------------------------------------------------------
     def run(self) -> int:
         self._plan()
+        self._newest_at_start = self._newest_checkpoint()
         try:
             for m in self.members:
                 self._spawn(m)
@@ -286,10 +303,9 @@ class Launcher:
                         m.deaths = 0          # up long enough: healthy again
                         self._write_state()
                     continue
-                if not self.workload.restartable(m.name):
-                    self._fail(f"{m.name} exited with code {code}; see {m.log_path}")
-                    return 1
-                if not self._schedule_restart(m, code):
+                if code == LEADER_LOST:
+                    self._rejoin(m)
+                elif not self._schedule_restart(m, code):
                     return 1
             if time.monotonic() >= next_poll:  # statuses once a second; liveness every tick
                 next_poll = time.monotonic() + STATUS_POLL
@@ -323,6 +339,15 @@ class Launcher:
         self.emit({"event": "restart", "name": m.name, "exit_code": code, "restarts": m.deaths, "in": delay})
         self._write_state()
         return True
+
+    def _rejoin(self, m: Member) -> None:
+        """``m`` left because the leader died: start it now (it waits for the new leader); no
+        death of its own, so no back-off."""
+        m.restarts += 1
+        m.last_exit = LEADER_LOST
+        self._last_status.pop(m.name, None)
+        self.emit({"event": "restart", "name": m.name, "exit_code": LEADER_LOST, "restarts": m.deaths, "in": 0.0})
+        self._respawn(m)
 
     def _respawn(self, m: Member) -> None:
         m.restart_at = None
@@ -421,6 +446,20 @@ def flags(settings: ConfigBase, fields: tuple[str, ...]) -> list[str]:
         if v is not None:
             out += [flag_name(f), str(v)]
     return out
+
+
+def resuming_newest(argv: list[str]) -> list[str]:
+    """``argv`` with its restore flags replaced by ``--resume`` (the newest valid checkpoint)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume-from":
+            skip = True
+        elif arg not in ("--resume", "--no-resume"):
+            out.append(arg)
+    return out + ["--resume"]
 
 
 def refusal(log_path: Path) -> Optional[str]:

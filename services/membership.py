@@ -6,7 +6,8 @@ rendezvous store, therefore leads membership (the agent does in the RL workload)
 
 * joiners queue a request in the store and wait for the leader's answer before ``init_rpc``; the
   leader first probes every member and evicts the dead, so a join never meets a dead peer, and it
-  refuses a name that a live member holds (instead of letting torch wedge the group);
+  refuses a name that a live member holds (instead of letting torch wedge the group); a request may
+  carry a note, which the leader's role answers before the joiner is in the group (``on_join``);
 * every ``probe_interval`` it probes members and evicts one after ``probe_failures`` misses;
 * a leaving member asks the leader to remove it (one code path with eviction), then shuts down
   locally, so a leave never blocks on another member;
@@ -173,6 +174,11 @@ class Membership(Service):
     def uninstall(self) -> None:
         withdraw(self)
 
+    def on_join(self, fn: Callable[[str, dict], dict]) -> None:
+        """The leader: ``fn(name, note)`` answers each joiner's note before it is admitted."""
+        assert self.leader is not None, f"{self.me} is no leader"
+        self.leader.on_join = fn
+
     def start_leader(self, store: Any) -> None:
         assert self.leader is not None, f"{self.me} is no leader"
         self.leader.start(store)
@@ -196,6 +202,8 @@ class GroupLeader:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._store: Any = None  # the leader's plain client of the rendezvous store
+        # (joiner's name, its note) -> the reply it gets with its admission; runs before it is in the group
+        self.on_join: Optional[Callable[[str, dict], dict]] = None
 
     def start(self, store: Any) -> None:
         self._store = store
@@ -228,11 +236,15 @@ class GroupLeader:
         while self._store.queue_len(JOIN_QUEUE) > 0:
             req = json.loads(self._store.queue_pop(JOIN_QUEUE, False))
             name, rank = req["name"], int(req["rank"])
-            answer = self._admit(name)
-            log.info("join request %s (rank %d): %s", name, rank, answer)
-            self._store.set(approval_key(rank), answer)
+            refusal = self._admit(name)
+            answer: dict[str, Any] = {"ok": refusal is None, "refused": refusal}
+            if refusal is None and self.on_join is not None:
+                answer["reply"] = self.on_join(name, req.get("note") or {})
+            log.info("join request %s (rank %d): %s", name, rank, refusal or "admitted")
+            self._store.set(approval_key(rank), json.dumps(answer))
 
-    def _admit(self, name: str) -> str:
+    def _admit(self, name: str) -> Optional[str]:
+        """None to admit ``name``, else why not."""
         # A join contacts every member; make sure each one answers first.
         deadline = time.monotonic() + JOIN_SETTLE
         while True:
@@ -244,8 +256,8 @@ class GroupLeader:
                 break
             self._stop.wait(0.1)
         if name in self._others():
-            return f"refused: the name {name} belongs to a live member"
-        return "ok"
+            return f"the name {name} belongs to a live member"
+        return None
 
     def _others(self) -> list[str]:
         names = [n for n in current_members() if n != self.me]
@@ -344,6 +356,9 @@ def request_leave(me: str, timeout: float = 5.0) -> None:
         log.warning("leader did not confirm the leave (%s); it will evict us by probe", str(exc).splitlines()[0])
 
 
-def check_answer(answer: str, name: str) -> None:
-    if answer != "ok":
-        raise JoinRefused(f"the leader refused {name}: {answer}")
+def check_answer(answer: str, name: str) -> dict[str, Any]:
+    """The leader's reply to an admitted joiner's note; ``JoinRefused`` if it was not admitted."""
+    parsed = json.loads(answer)
+    if not parsed["ok"]:
+        raise JoinRefused(f"the leader refused {name}: {parsed['refused']}")
+    return parsed.get("reply") or {}

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Optional
 
 from services.checkpoint.coordinator import TAKE_TIMEOUT, ask_coordinator
 from services.checkpoint.member import CheckpointMember
 from services.checkpoint.store import CheckpointStore
 from services.errors import NotReady, NotSupported, PeerUnavailable
+from services.leader import LeaderWatch
 from services.lifecycle import RoleState, RoleStatus, StatusBoard
 from services.membership import Membership, current_members, reachable
 from services.metrics import Metrics
@@ -32,6 +33,7 @@ class RoleContext:
     membership: Membership
     store: CheckpointStore
     checkpoints: CheckpointMember     # this process's side of cluster checkpoints; roles add their parts
+    leader_lost: threading.Event = field(default_factory=threading.Event)   # set once; the process then leaves
 
     @classmethod
     def build(cls, cfg: Any, role: str, metrics: Metrics, status: type[RoleStatus] = RoleStatus) -> "RoleContext":
@@ -53,6 +55,7 @@ class RoleBase:
         self.ctx = ctx
         self.metrics, self.board, self.endpoint = ctx.metrics, ctx.board, ctx.endpoint
         self.membership, self.store, self.checkpoints = ctx.membership, ctx.store, ctx.checkpoints
+        self._watch: Optional[LeaderWatch] = None     # every member but the leader, once joined
 
     def healthy(self) -> tuple[bool, str]:
         return self.board.healthy()
@@ -63,18 +66,30 @@ class RoleBase:
     def status(self) -> dict[str, Any]:
         return self.board.snapshot()
 
-    def _join(self, why: str) -> None:
-        """Serve this role's RPC surfaces and join the group (as the leader, start leading)."""
+    def _join(self, why: str, note: Optional[dict] = None) -> dict:
+        """Serve this role's RPC surfaces and join the group (as the leader, start leading); the
+        leader's reply to ``note``."""
         self.board.set_state(RoleState.JOINING, why)
         self.membership.install()
         serve(self)
         serve(self.checkpoints)
-        self.endpoint.join()
+        reply = self.endpoint.join(note)
         if self.membership.is_leader:
             self.membership.start_leader(self.endpoint.store)
+        else:
+            self._watch = LeaderWatch(self.endpoint.reader(), lambda why: self.ctx.leader_lost.set()).start()
+        return reply
+
+    def leader_gone(self) -> bool:
+        """Whether this member has lost its leader (asked once more now, after a failure)."""
+        if not self.ctx.leader_lost.is_set() and self._watch is not None and self._watch.check() is not None:
+            self.ctx.leader_lost.set()
+        return self.ctx.leader_lost.is_set()
 
     def _leave(self) -> None:
         """Leave the group without waiting on any other member; serve nothing any more."""
+        if self._watch is not None:
+            self._watch.stop()
         self.membership.stop()
         self.endpoint.leave()
         self.membership.uninstall()

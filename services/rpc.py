@@ -18,7 +18,8 @@ import logging
 import os
 import socket
 import threading
-from typing import Any, Iterator, Optional
+import uuid
+from typing import Any, Callable, Iterator, Optional
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -27,6 +28,7 @@ import torch.distributed.rpc as rpc
 from services import membership
 from services.config import LeaderConfig
 from services.errors import JoinRefused
+from services.leader import LEADER_KEY, PROBE_TIMEOUT
 from services.names import leader_of
 
 log = logging.getLogger(__name__)
@@ -110,10 +112,31 @@ class RpcEndpoint:
             _transports=[self._transport],
         )
 
-    def _client(self) -> dist.TCPStore:
+    def _client(self, timeout: Optional[float] = None) -> dist.TCPStore:
         # A client constructed before the leader is up retries until the timeout, so roles may start in any order.
         return dist.TCPStore(self._addr, self._port, is_master=False,
-                             timeout=datetime.timedelta(seconds=self._join_timeout))
+                             timeout=datetime.timedelta(seconds=timeout or self._join_timeout))
+
+    def reader(self, key: str = LEADER_KEY) -> Callable[[], str]:
+        """A function reading ``key`` from the store on a client of its own, which gives up after
+        a short timeout (a fresh client after any failure), so a hung leader cannot block its
+        caller. The default key reads the id of the leader whose store answers
+        (``services.leader.LeaderWatch``'s probe)."""
+        client: Optional[dist.TCPStore] = None
+
+        def read() -> str:
+            nonlocal client
+            try:
+                if client is None:
+                    # A store client retries a refused connection until its timeout; a plain
+                    # connect tells at once that nothing listens (a dead leader on a live host).
+                    socket.create_connection((self._addr, self._port), timeout=PROBE_TIMEOUT).close()
+                    client = self._client(PROBE_TIMEOUT)
+                return client.get(key).decode()
+            except Exception:
+                client = None
+                raise
+        return read
 
     def _serve_store(self) -> dist.TCPStore:
         host = self._store_host or store_address(self._addr)
@@ -144,24 +167,29 @@ class RpcEndpoint:
             self.store = self._client()
         return self.store
 
-    def join(self) -> None:
+    def join(self, note: Optional[dict] = None) -> dict:
+        """Join the group; the leader's reply to ``note`` (``Membership.on_join``; {} for the leader)."""
+        reply: dict = {}
         if self.name == self.leader:
             self.rank = 0
             self._init_rpc(self._serve_store())
             self.store = self._client()
+            self.store.set(LEADER_KEY, uuid.uuid4().hex[:12])   # before anyone is admitted
         else:
             self.connect()
             self.rank = int(self.store.add(membership.RANK_COUNTER, 1))
             if self.rank > membership.MAX_RANK:
                 raise JoinRefused(f"no RPC ranks left in this store's life (>{membership.MAX_RANK} joins); restart the leader")
-            self.store.queue_push(membership.JOIN_QUEUE, json.dumps({"name": self.name, "rank": self.rank}))
+            self.store.queue_push(membership.JOIN_QUEUE, json.dumps({"name": self.name, "rank": self.rank,
+                                                                    "note": note or {}}))
             key = membership.approval_key(self.rank)
             log.info("asking %s to admit %s (rank %d)", self.leader, self.name, self.rank)
             self.store.wait([key], datetime.timedelta(seconds=self._join_timeout))
-            membership.check_answer(self.store.get(key).decode(), self.name)
+            reply = membership.check_answer(self.store.get(key).decode(), self.name)
             self._init_rpc(self._client())
         self.joined = True
         log.info("joined the RPC group as %s (rank %d) via %s:%d", self.name, self.rank, self._addr, self._port)
+        return reply
 
     def leave(self) -> None:
         """Leave without blocking on any other member: the leader removes us, then we stop locally."""

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from services.config import CommonConfig
 from services.http_server import SidecarServer
+from services.leader import LEADER_LOST
 from services.lifecycle import RoleState
 from services.log import init_logging
 from services.role import RoleContext
@@ -36,14 +37,16 @@ class Role(Protocol):
     def run(self) -> None: ...
     def request_stop(self) -> None: ...
     def close(self) -> None: ...
+    def leader_gone(self) -> bool: ...
 
 
 class _RoleThread(threading.Thread):
     """``role.run()`` in a thread of its own, while the main thread waits for it or a signal."""
 
-    def __init__(self, role: Role) -> None:
+    def __init__(self, role: Role, leader_lost: threading.Event) -> None:
         super().__init__(name="role", daemon=True)
         self.role = role
+        self._leader_lost = leader_lost
         self.failure: Optional[BaseException] = None
         self._ended = threading.Event()
         self._signalled = threading.Event()
@@ -62,17 +65,21 @@ class _RoleThread(threading.Thread):
         self._ended.set()
 
     def run_until_stopped(self, name: str) -> int:
-        """Start the role, wait until it ends or a signal comes, then give it a bounded grace to
-        stop; its exit code."""
+        """Start the role, wait until it ends, a signal comes or the leader is lost, then give it a
+        bounded grace to stop; its exit code."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.start()
         # Signal handlers run only between the main thread's bytecodes: wake up to let them.
-        while not self._ended.wait(0.5):
+        while not self._ended.wait(0.5) and not self._leader_lost.is_set():
             pass
         self.role.request_stop()
         self.join(STOP_GRACE)
         exc = self.failure
+        if self._leader_lost.is_set() or (exc is not None and not self._signalled.is_set() and self.role.leader_gone()):
+            # What failed is the leader, not this member: its supervisor starts it again at once.
+            log.warning("%s lost its leader; exiting with code %d to rejoin the next one", name, LEADER_LOST)
+            return LEADER_LOST
         if exc is not None and self._signalled.is_set():
             # Asked to stop; what broke on the way out (e.g. a peer already gone) is not a failure.
             log.warning("while stopping: %s: %s", type(exc).__name__, str(exc).splitlines()[0])
@@ -94,7 +101,7 @@ def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
     sidecar = SidecarServer(create_app(role, registry, token), cfg.sidecar_host, cfg.sidecar_port).start()
     log.info("%s %s: sidecar %s", spec.name, cfg.name, sidecar.url)
-    worker = _RoleThread(role)
+    worker = _RoleThread(role, context.leader_lost)
     code = worker.run_until_stopped(cfg.name)
     try:
         role.close()

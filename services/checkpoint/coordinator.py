@@ -22,7 +22,8 @@ is written last either way: it is what makes a step the cluster's checkpoint.
 
 Which checkpoint a cluster resumes is the leader's choice alone: it announces the one it restored
 (and each one it commits) in the rendezvous store, and every other holder restores exactly that
-one, so parts of different steps never mix (``follow_leader``).
+one, so parts of different steps never mix (``follow_leader``). The one exception is a new leader
+after a lost one: a server that kept its newer shard then keeps it (``handover.py``).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+from services.checkpoint.handover import Standing
 from services.checkpoint.member import OWN_MANIFEST_KEY, CheckpointMember, marker
 from services.checkpoint.store import CheckpointInfo, CheckpointStore, FileEntry
 from services.errors import CheckpointError, CheckpointInProgress, NotReady
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 
 PAUSE_TIMEOUT = 60.0       # a trainer reaches a step boundary well within this
 TAKE_TIMEOUT = 600.0       # a whole checkpoint, as seen by a member that asked the leader for one
-CLUSTER_CHECKPOINT_KEY = "rpcps/checkpoint"   # in the rendezvous store: the cluster's checkpoint id, or ""
+CLUSTER_CHECKPOINT_KEY = "rpcps/checkpoint"   # in the rendezvous store: a ``Standing``, as JSON
 
 
 @dataclass(frozen=True)
@@ -59,16 +61,25 @@ class CheckpointPlan:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def announce(store: Any, info: Optional[CheckpointInfo]) -> None:
-    """The leader: publish the checkpoint the cluster stands on (in the rendezvous store) for holders that start later."""
-    store.set(CLUSTER_CHECKPOINT_KEY, info.id if info is not None else "")
+def announce(store: Any, standing: Standing) -> None:
+    """The leader: publish where the cluster stands (in the rendezvous store) for holders that start later."""
+    store.set(CLUSTER_CHECKPOINT_KEY, standing.to_json())
 
 
-def follow_leader(store: Any, timeout: float) -> Optional[str]:
-    """A holder other than the leader: the checkpoint the leader restored or committed last (None: it started fresh)."""
+def follow_leader(store: Any, timeout: float) -> Standing:
+    """A holder other than the leader: where the leader says the cluster stands (the checkpoint it
+    restored or committed last, None for a fresh start)."""
     store.wait([CLUSTER_CHECKPOINT_KEY], datetime.timedelta(seconds=timeout))
-    ref = store.get(CLUSTER_CHECKPOINT_KEY).decode()
-    return ref or None
+    return Standing.from_json(store.get(CLUSTER_CHECKPOINT_KEY).decode())
+
+
+def standing_now(read: Callable[[], str]) -> Optional[Standing]:
+    """Where the leader last said the cluster stands (``read``: the value of ``CLUSTER_CHECKPOINT_KEY``);
+    None if its store cannot say now."""
+    try:
+        return Standing.from_json(read())
+    except Exception:  # noqa: BLE001 - a leader going away is the leader watch's to notice
+        return None
 
 
 def ask_coordinator(leader: str, method: Callable[..., Any], *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:

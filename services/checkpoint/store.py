@@ -120,7 +120,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write) -> FileEntry:
+def atomic_write(path: Path, write) -> FileEntry:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-hash") as pool:
         w = _HashingWriter(f, pool)
@@ -132,7 +132,7 @@ def _atomic_write(path: Path, write) -> FileEntry:
     return w.finish(path.name)
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -169,7 +169,7 @@ class CheckpointStore:
     def write_file(self, step: int, name: str, obj: Any) -> FileEntry:
         if not _FILE.match(name) or name == MANIFEST:
             raise CheckpointError(f"invalid checkpoint file name {name!r}")
-        return _atomic_write(self.folder(step) / name, lambda f: torch.save(obj, f))
+        return atomic_write(self.folder(step) / name, lambda f: torch.save(obj, f))
 
     def commit(self, step: int, entries: list[FileEntry], meta: Optional[dict[str, Any]] = None) -> CheckpointInfo:
         """Write the manifest: from this moment on the checkpoint exists."""
@@ -181,7 +181,7 @@ class CheckpointStore:
         manifest = {"format": FORMAT, "step": step, "created": time.time(),
                     "files": {e.name: e.to_json() for e in entries}, "meta": meta or {}}
         body = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        _atomic_write(path / MANIFEST, lambda f: f.write(body))
+        atomic_write(path / MANIFEST, lambda f: f.write(body))
         return self._info(path, manifest)
 
     # --- reading -------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ class CheckpointStore:
             if entry.chunks:
                 checks += [(name, lambda p=path, i=i, h=h: _chunk_matches(p, i, h)) for i, h in enumerate(entry.chunks)]
             else:
-                checks.append((name, lambda p=path, h=entry.sha256: _sha256(p) == h))
+                checks.append((name, lambda p=path, h=entry.sha256: sha256_of(p) == h))
         with ThreadPoolExecutor(max_workers=max(1, min(workers or (os.cpu_count() or 1) + 1, len(checks) or 1))) as pool:
             for name, ok in zip([n for n, _ in checks], pool.map(lambda c: c[1](), checks)):
                 if not ok:

@@ -1,5 +1,7 @@
 """`rpcps up` supervises: a trainer killed with SIGKILL is restarted, servers stay up and training
-goes on; SIGTERM then stops everything within 10 s with exit code 0 and no process left."""
+goes on; the leader (ps0) killed with SIGKILL, twice, is restarted, everyone else rejoins it, ps1
+keeps its shard and training goes on; SIGTERM then stops everything within 10 s with exit code 0
+and no process left."""
 import json
 import os
 import signal
@@ -37,7 +39,7 @@ def trainer_status(url: str) -> dict:
         return c.status()
 
 
-def test_trainer_sigkill_is_survived_and_restarted(up):
+def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     started = up.wait_event("started", 120)
     urls = started["sidecars"]
     # Train until the shared model has clearly learned something, so a fresh trainer can tell.
@@ -96,6 +98,27 @@ def test_trainer_sigkill_is_survived_and_restarted(up):
     wait_until(lambda: (trainer_status(urls["trainer1"]).get("state") == "running"
                         and trainer_status(urls["trainer0"])["step"] > steps_before), 90, "trainer1 back, trainer0 on")
 
+    # The leader killed, twice: every other member leaves and rejoins the restarted ps0 by itself,
+    # ps1 keeps the shard it handed over, and the next step is applied within seconds.
+    for kill in range(2):
+        pids = up.cluster()["pids"]
+        os.kill(pids["ps0"], signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        def stepping_again():
+            if up.cluster()["pids"]["ps1"] == pids["ps1"]:
+                return None
+            s = trainer_status(urls["ps1"])
+            kept = s.get("resumed_from") or {}
+            return s if kept.get("handover") and s.get("steps", 0) > kept["step"] else None
+        s = wait_until(stepping_again, 90, "ps1 back with its shard kept, and applying steps")
+        took = time.monotonic() - killed_at
+        assert s["resumed_from"]["updates_kept"] > 0, s["resumed_from"]
+        print(f"leader kill {kill + 1}: next step applied {took:.1f}s after SIGKILL, ps1 kept "
+              f"{s['resumed_from']['updates_kept']} updates")
+    leader_lost = [e for e in up.drain() if e["event"] == "restart" and e["exit_code"] == 75]
+    assert sorted(e["name"] for e in leader_lost) == sorted(["ps1", "trainer0", "trainer1"] * 2), leader_lost
+
     # Clean stop: exit 0 within 10 s, a done summary, and no process left behind.
     pids = list(up.cluster()["pids"].values())
     t0 = time.monotonic()
@@ -103,5 +126,5 @@ def test_trainer_sigkill_is_survived_and_restarted(up):
     assert code == 0, up.logs()
     assert time.monotonic() - t0 < 10.5
     done = up.wait_event("done", 5)
-    assert done["restarts"] == 3
+    assert done["restarts"] == 3 + 2 * 4         # trainer1's three, then everyone twice
     assert not [p for p in pids if _alive(p)]

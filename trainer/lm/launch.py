@@ -45,9 +45,6 @@ class LmLaunch:
             trainers.append(Planned(format_name("trainer", i), "trainer", argv))
         return servers + trainers
 
-    def restartable(self, name: str) -> bool:
-        return name != LEADER        # ps0 hosts the store: everyone would have to rejoin
-
     def watched(self, names: list[str]) -> list[str]:
         return [n for n in names if n.startswith("trainer")]
 

@@ -31,9 +31,6 @@ class RlLaunch:
                 *(Planned(format_name("observer", i), "observer", flags(cfg, _OBSERVER_FLAGS))
                   for i in range(cfg.observers))]
 
-    def restartable(self, name: str) -> bool:
-        return name != LEADER
-
     def watched(self, names: list[str]) -> list[str]:
         return [LEADER]
 

@@ -1,0 +1,105 @@
+"""The decisions around a lost leader, without a cluster: when a member calls its leader gone, which
+handover a server may keep, how the leader's life is recorded, how a restarted leader resumes."""
+import threading
+
+import pytest
+import torch
+
+from services.checkpoint.handover import Handover, LeaderLife, Standing
+from services.launcher import resuming_newest
+from services.leader import LeaderWatch
+
+
+class FakeLeader:
+    """A probe target: answers with its id, or raises while it is down."""
+
+    def __init__(self, ident: str = "a") -> None:
+        self.ident, self.down = ident, False
+
+    def __call__(self) -> str:
+        if self.down:
+            raise ConnectionRefusedError("nothing listens")
+        return self.ident
+
+
+def test_one_missed_probe_is_no_loss_but_misses_in_a_row_are():
+    leader = FakeLeader()
+    watch = LeaderWatch(leader, lambda why: None, misses=2)
+    watch.leader = leader()
+    leader.down = True
+    assert watch.check() is not None and watch._missed == 1
+    leader.down = False
+    assert watch.check() is None and watch._missed == 0, "an answer resets the count"
+    leader.down = True
+    watch.check()
+    assert "2 probe(s) in a row" in watch.check()
+
+
+def test_another_leader_answering_is_a_loss_at_once():
+    leader = FakeLeader("a")
+    watch = LeaderWatch(leader, lambda why: None, misses=5)
+    watch.leader = "a"
+    leader.ident = "b"      # the store came back, under a new leader: this member's group is gone
+    assert "another leader" in watch.check()
+    assert watch._missed >= watch.misses
+
+
+def test_the_watch_thread_reports_a_loss_once():
+    leader = FakeLeader()
+    told = []
+    reported = threading.Event()
+    watch = LeaderWatch(leader, lambda why: (told.append(why), reported.set()), interval=0.01, misses=2).start()
+    leader.down = True
+    assert reported.wait(5)
+    watch._thread.join(5)
+    assert len(told) == 1 and watch.lost.is_set()
+
+
+def test_the_leaders_life_is_left_behind_only_by_an_unclean_stop(tmp_path):
+    first = LeaderLife(tmp_path)
+    assert first.begin() is None
+    second = LeaderLife(tmp_path)          # the first died: its file is still there
+    assert second.begin() == first.life
+    second.release()                        # stopped cleanly
+    assert LeaderLife(tmp_path).begin() is None
+    third = LeaderLife(tmp_path)
+    third.begin()
+    first.release()                         # an old life's release does not remove a newer one's file
+    assert LeaderLife(tmp_path).begin() == third.life
+
+
+STATE = {"shard": 1, "steps": 7, "params": {"w": torch.arange(4.0)}}
+
+
+@pytest.mark.parametrize("now, kept", [
+    (Standing("step-3", "new", succeeds="old"), True),          # one leader later, same checkpoint
+    (Standing("step-3", "new", succeeds=None), False),          # a deliberate start
+    (Standing("step-3", "new", succeeds="older"), False),       # a leader after another one
+    (Standing("step-5", "new", succeeds="old"), False),         # the new leader stands elsewhere
+    (Standing(None, "new", succeeds="old"), False),
+])
+def test_a_handover_is_kept_only_by_the_next_leader_on_the_same_checkpoint(tmp_path, now, kept):
+    handover = Handover(tmp_path, "ps1")
+    handover.write(STATE, Standing("step-3", "old"), steps=7)
+    got = handover.take(now)
+    assert (got is not None) == kept
+    if kept:
+        state, meta = got
+        assert torch.equal(state["params"]["w"], STATE["params"]["w"]) and meta["steps"] == 7
+    else:
+        assert not handover.folder.exists(), "a handover that does not match is discarded"
+
+
+def test_a_corrupt_handover_is_discarded(tmp_path):
+    handover = Handover(tmp_path, "ps1")
+    handover.write(STATE, Standing(None, "old"), steps=7)
+    with open(handover.folder / "state.pt", "r+b") as f:
+        f.seek(40)
+        f.write(b"\x00\xff\x00")
+    assert handover.take(Standing(None, "new", succeeds="old")) is None
+    assert not handover.folder.exists()
+
+
+def test_a_restarted_leader_resumes_the_newest_checkpoint_whatever_it_was_first_told():
+    assert resuming_newest(["ps", "--no-resume", "--lr", "1"]) == ["ps", "--lr", "1", "--resume"]
+    assert resuming_newest(["ps", "--resume", "--resume-from", "step-3", "--x"]) == ["ps", "--x", "--resume"]
