@@ -16,7 +16,7 @@ from ps.stub import apply_sync_step
 from ps.spec import ModelSpec
 from services.checkpoint.coordinator import (CLUSTER_CHECKPOINT_KEY, CheckpointPlan, Coordinator, announce,
                                              follow_leader, standing_now)
-from services.checkpoint.handover import Handover, LeaderLife, Standing
+from services.checkpoint.handover import LEADER_LIFE, Handover, LeaderLife, Standing
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.periodic import Periodic, take_final
 from services.checkpoint.store import CheckpointInfo
@@ -138,7 +138,8 @@ class PsRole(RoleBase, WithoutEpisodes):
     def _from_handover(self, shard: int) -> Optional[tuple[Optional[CheckpointInfo], ParameterServer]]:
         """This server's shard as it handed it over when the leader was lost, if the new leader
         stands where that one stood."""
-        kept = self._handover.take(self._standing)
+        info = self.store.resolve(self._standing.checkpoint, verify=False) if self._standing.checkpoint else None
+        kept = self._handover.take(self._standing, info.meta.get(LEADER_LIFE) if info is not None else None)
         if kept is None:
             return None
         state, meta = kept
@@ -146,7 +147,6 @@ class PsRole(RoleBase, WithoutEpisodes):
                 state.get("model", {}).get(k) != self.spec.meta.get(k) for k in self.spec.compatible):
             log.warning("discarding the handover in %s: it holds another shard or model", self._handover.folder)
             return None
-        info = self.store.resolve(self._standing.checkpoint, verify=False) if self._standing.checkpoint else None
         since = info.step if info is not None else 0
         server = self._server(shard, [state])
         log.info("kept this shard as handed over when the leader was lost: step %d, %d updates since %s",
@@ -201,7 +201,7 @@ class PsRole(RoleBase, WithoutEpisodes):
             announce(self.endpoint.store, Standing(info.id if info is not None else None, self._life.life, succeeds))
         publish(resumed)
         plan = CheckpointPlan(holders=tuple(ps_names(self.cfg.num_ps)), paused_role="trainer",
-                              meta={"model": self.spec.meta, "num_ps": self.cfg.num_ps})
+                              meta={"model": self.spec.meta, "num_ps": self.cfg.num_ps, LEADER_LIFE: self._life.life})
         self.coordinator = Coordinator(self.store, plan, self.cfg.keep_checkpoints, local=self.checkpoints,
                                        metrics=self.metrics, resumed=resumed, on_commit=publish)
         serve(self.coordinator)

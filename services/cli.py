@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from services.chaos import ChaosConfig
 from services.config import ConfigError, add_flags, load
 from services.launcher import UpConfig
 from services.names import parse_name
@@ -40,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     ep.add_argument("--steps", type=int, default=None, help="LM: steps of the episode (default: unbounded)")
     ep.add_argument("--episodes", type=int, default=None, help="RL: episodes to run (default: until solved)")
     sidecar_flags(ep)
+    add_flags(sub.add_parser("chaos", help="kill members of the local cluster at random and report how it recovers"),
+              ChaosConfig)
     bench = sub.add_parser("bench", help="benchmarks, printing JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for spec in benches().values():
@@ -142,6 +145,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             signal.signal(signal.SIGTERM, lambda *_: launcher.request_stop())
             signal.signal(signal.SIGINT, lambda *_: launcher.request_stop())
             sys.exit(launcher.run())
+        if cmd == "chaos":
+            from services.chaos import run_chaos
+            sys.exit(run_chaos(load(ChaosConfig, vars(args), os.environ)))
         if cmd == "status":
             sys.exit(_status(args))
         if cmd == "episode":

@@ -64,6 +64,8 @@ class CommonConfig(ConfigBase):
     join_timeout: float = Field(300.0, gt=0, description="seconds to wait for the cluster when joining")
     rpc_transport: Literal["uv", "shm"] = Field(
         "uv", description="TensorPipe transport: uv (TCP) or shm (lower latency, but busy-polls a core)")
+    restarts_in_a_row: int = Field(0, ge=0, description="deaths in a row before this start, as its supervisor "
+                                                        "counts them (rpcps up sets it): a crash loop shows in the metrics")
 
     @field_validator("name")
     @classmethod

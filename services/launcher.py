@@ -231,7 +231,7 @@ class Launcher:
 
     def _spawn(self, m: Member) -> None:
         # The token travels in the environment: argv is visible to every user of the machine.
-        env = {"RPCPS_CONTROL_TOKEN": self._token} if self._token else None
+        env = {"RPCPS_RESTARTS_IN_A_ROW": str(m.deaths), **({"RPCPS_CONTROL_TOKEN": self._token} if self._token else {})}
         argv = m.argv
         if m.name == self.leader and m.restarts and self._newest_checkpoint() != self._newest_at_start:
             # This run has committed a checkpoint: a restarted leader resumes it, whatever the
@@ -389,7 +389,8 @@ class Launcher:
         self.emit({"event": "error", "message": message})
 
     def _write_state(self) -> None:
-        state = {"sidecars": {m.name: m.url for m in self.members},
+        state = {"sidecars": {m.name: m.url for m in self.members}, "leader": self.leader,
+                 "checkpoint_dir": str(self.checkpoint_dir.resolve()),
                  "pids": {m.name: m.proc.pid for m in self.members if m.proc}, "master_port": self.master_port,
                  "failing": {m.name: f for m in self.members if (f := m.failing()) is not None}}
         path = self.cfg.state_dir / "cluster.json"

@@ -36,6 +36,7 @@ class RoleStatus(BaseModel):
     reason: str = ""
     members: Optional[list[str]] = None
     resumed_from: Optional[dict[str, Any]] = None
+    restarts_in_a_row: int = 0
     last_checkpoint: Optional[dict[str, Any]] = None
 
     def line(self) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -16,10 +16,13 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry, role: str, name: str) -> None:
         self.registry = registry
         self.labels = {"role": role, "name": name}
+        ProcessCollector(registry=registry)     # process_open_fds, process_max_fds, memory, CPU
         self.up = self.gauge("rpcps_up", "1 while the role is joined and serving or training")
         self.members = self.gauge("rpcps_members", "RPC group members this process currently sees")
         self.members_evicted = self.counter("rpcps_members_evicted_total",
                                             "members evicted after failed liveness probes").labels(**self.labels)
+        self.restarts_in_a_row = self.gauge("rpcps_restarts_in_a_row",
+                                            "deaths in a row before this process started (set by rpcps up)")
         self.episode_running = self.gauge("rpcps_episode_running",
                                           "1 while an episode (LM) or a batch of episodes (RL) runs")
         self.episodes = self.counter("rpcps_episodes_total", "episodes completed").labels(**self.labels)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -90,14 +91,29 @@ class _RoleThread(threading.Thread):
         return 0
 
 
+def _raise_fd_limit() -> None:
+    """torch 2.13's RPC agent keeps its connections to every member that ever left (4 sockets per
+    trainer a server sent to), so a long-lived server with churning trainers needs the hard limit
+    on open files, not the usual soft 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
+
+
 def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     """Run the role ``spec`` describes, as ``cfg`` sets it, until it ends or a signal stops it;
     exit the process with its code."""
     init_logging(cfg.name, cfg.log_level)
     torch.set_num_threads(cfg.threads)
+    _raise_fd_limit()
     registry = CollectorRegistry()
     context = RoleContext.build(cfg, spec.name, spec.metrics(registry, spec.name, cfg.name), spec.status)
     role: Role = spec.build()(cfg, context)
+    context.metrics.restarts_in_a_row.set(cfg.restarts_in_a_row)
+    context.board.update(restarts_in_a_row=cfg.restarts_in_a_row)
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
     sidecar = SidecarServer(create_app(role, registry, token), cfg.sidecar_host, cfg.sidecar_port).start()
     log.info("%s %s: sidecar %s", spec.name, cfg.name, sidecar.url)

@@ -196,7 +196,7 @@ class Coordinator(Service):
             snapshots = self._on_all(holders, CheckpointMember.snapshot, checkpoint_id)
         finally:
             if held:
-                self._on_all(held, CheckpointMember.resume, checkpoint_id)
+                self._resume(held, checkpoint_id)
             pause_seconds = time.monotonic() - started
         steps = {m: s["step"] for m, s in snapshots.items()}
         # Equal, unless a holder was restarted alone from an older checkpoint: the cluster's step is
@@ -240,6 +240,17 @@ class Coordinator(Service):
                     elsewhere[entry.name] = {**entry.to_json(), OWN_MANIFEST_KEY: holder}
         (folder / marker(checkpoint_id)).unlink()
         return entries, elsewhere
+
+    def _resume(self, members: list[str], checkpoint_id: str) -> None:
+        """Let the held members go on; one that left meanwhile has nothing to resume, and its
+        position was taken when it was held."""
+        with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+            futures = {m: pool.submit(self._call, m, CheckpointMember.resume, checkpoint_id) for m in members}
+            for m, f in futures.items():
+                try:
+                    f.result()
+                except Exception as exc:  # noqa: BLE001 - a member gone since its hold
+                    log.warning("could not resume %s (gone?): %s", m, str(exc).splitlines()[0])
 
     def _pause(self, members: list[str], checkpoint_id: str) -> dict[str, Any]:
         """Hold every paused member; one that cannot be held (gone) is reported, not fatal."""

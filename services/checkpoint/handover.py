@@ -8,9 +8,11 @@ checkpoint, if and only if the new leader stands where the old one stood:
 
 * the leader keeps a file naming its life while it runs (``LeaderLife``) and removes it when it
   stops cleanly; a leader that finds one left behind announces that it *succeeds* that life;
-* a handover names the leader life it served and the checkpoint the cluster stood on then.
+* a handover names the leader life it served and the checkpoint the cluster stood on then, and
+  every checkpoint's manifest names the leader life that committed it.
 
-A handover matching both is the same cluster one leader later: the server keeps its newer state.
+A handover matching both (or standing on a checkpoint its own leader committed last, unheard of)
+is the same cluster one leader later: the server keeps its newer state.
 Any other (a deliberate restart, another checkpoint chosen, a handover older than the last leader)
 is discarded with a log line. A handover is used once. No RPC here.
 """
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 HANDOVER_DIR = "handover"
 LIFE_FILE = "leader-life.json"
+LEADER_LIFE = "leader_life"      # in a checkpoint's manifest: the leader life that committed it
 _STATE, _META = "state.pt", "handover.json"
 
 
@@ -99,9 +102,12 @@ class Handover:
                 "sha256": entry.sha256, "written": time.time()}
         atomic_write(self.folder / _META, lambda f: f.write(json.dumps(meta).encode()))
 
-    def take(self, standing: Standing) -> Optional[tuple[dict[str, Any], dict[str, Any]]]:
+    def take(self, standing: Standing, taken_under: Optional[str] = None) -> Optional[tuple[dict[str, Any], dict[str, Any]]]:
         """(the state, its metadata) when the handover here continues what ``standing`` says the
-        cluster stands on; otherwise None, and a handover that does not is discarded."""
+        cluster stands on; otherwise None, and a handover that does not is discarded.
+        ``taken_under``: the leader life that committed the checkpoint the cluster stands on. One
+        committed by the leader the handover served is one this server's state already contains,
+        even if that leader died before the server heard of the commit."""
         try:
             meta = json.loads((self.folder / _META).read_text())
         except FileNotFoundError:
@@ -111,7 +117,7 @@ class Handover:
         if standing.succeeds is None or meta.get("leader") != standing.succeeds:
             return self._discard(f"it was written under leader life {meta.get('leader')}, and the leader now "
                                  f"succeeds {standing.succeeds or 'none (a deliberate start)'}")
-        if meta.get("checkpoint") != standing.checkpoint:
+        if meta.get("checkpoint") != standing.checkpoint and taken_under != meta.get("leader"):
             return self._discard(f"it continues {meta.get('checkpoint') or 'a fresh start'}, and the cluster "
                                  f"stands on {standing.checkpoint or 'a fresh start'}")
         path = self.folder / _STATE

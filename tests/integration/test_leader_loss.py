@@ -40,6 +40,11 @@ def shard_equals(state: dict, expected: dict) -> dict:
     return out
 
 
+def steps_of(server) -> int:
+    with server.client() as c:
+        return c.status()["steps"]
+
+
 def checkpoint_shards(ps0, tmp_path) -> tuple[int, dict, dict]:
     with ps0.client(timeout=60.0) as c:
         taken = c.checkpoint()
@@ -74,7 +79,6 @@ def test_leader_sigkill_twice_keeps_every_other_shard(procs, tmp_path):
     assert sum(shard_equals(s1, replay(config, 9)).values()) == 0
 
     procs.run_driver("hammer", "trainer0", 2, steps=1)
-    for server in (ps0, ps1):
-        with server.client() as c:
-            assert c.status()["steps"] == 10
+    for server in (ps0, ps1):     # /status is refreshed once a second
+        wait_until(lambda: steps_of(server) == 10, 10, f"{server.name} at step 10")
     assert not (tmp_path / "ckpt" / "handover" / "ps1").exists(), "a handover is used once"

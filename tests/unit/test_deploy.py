@@ -123,7 +123,7 @@ def test_alert_rules_query_real_series():
     known = exported_metric_names() | {"up"}
     rules = yaml.safe_load((REPO / "deploy" / "alerts.yml").read_text())["groups"][0]["rules"]
     for rule in rules:
-        names = set(re.findall(r"\b(rpcps_[a-z_]+|up)\b(?=[{\[\s)]|$)", rule["expr"]))
+        names = set(re.findall(r"\b(rpcps_[a-z_]+|process_[a-z_]+|up)\b(?=[{\[\s)]|$)", rule["expr"]))
         assert names and names <= known, f"{rule['alert']}: {sorted(names - known)} are not exported"
 
 

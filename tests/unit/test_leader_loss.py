@@ -103,3 +103,48 @@ def test_a_corrupt_handover_is_discarded(tmp_path):
 def test_a_restarted_leader_resumes_the_newest_checkpoint_whatever_it_was_first_told():
     assert resuming_newest(["ps", "--no-resume", "--lr", "1"]) == ["ps", "--lr", "1", "--resume"]
     assert resuming_newest(["ps", "--resume", "--resume-from", "step-3", "--x"]) == ["ps", "--x", "--resume"]
+
+
+class FakeCluster:
+    """What ``rpcps chaos`` sees of a cluster whose launcher restarts a killed member at once."""
+
+    def __init__(self) -> None:
+        self.pids = {"ps0": 10, "ps1": 11, "trainer0": 12}
+        self.statuses = {"ps0": {"steps": 50}, "ps1": {"steps": 50}, "trainer0": {"step": 25}}
+        self.restored = {"ps0": {"id": "step-40", "step": 40}, "ps1": {"id": "step-40", "step": 40, "handover": True}}
+
+    def state(self) -> dict:
+        return {"pids": dict(self.pids), "leader": "ps0"}
+
+    def status(self, name):
+        return self.statuses[name]
+
+    def ready(self, name) -> bool:
+        return True
+
+    def newest_checkpoint(self):
+        return {"id": "step-40", "step": 40}
+
+    def kill(self, pid: int) -> None:
+        name = next(n for n, p in self.pids.items() if p == pid)
+        self.pids[name] = pid + 100
+        if name == "trainer0":
+            self.statuses[name] = {"step": 20}
+        for n, resumed in self.restored.items():
+            if n == name or name == "ps0":        # the leader's loss restarts every server
+                self.statuses[n] = {"steps": 50, "resumed_from": resumed}
+
+
+def test_chaos_reports_each_kill_and_what_it_cost():
+    from services.chaos import Chaos, ChaosConfig
+    cluster, events = FakeCluster(), []
+    clock = iter(range(100, 10_000))
+    chaos = Chaos(ChaosConfig(kills=1, interval=1.0, seed=1), cluster, events.append, kill=cluster.kill,
+                  clock=lambda: float(next(clock)), pause=lambda s: None)
+    assert set(chaos.candidates()) == {"ps1", "trainer0"}, "the leader is left out unless named"
+    leader = chaos.kill_one("ps0")
+    assert leader["steps_lost"] == 10 and leader["resumed_from"] == "step-40" and leader["kept_by"] == ["ps1"]
+    trainer = chaos.kill_one("trainer0")
+    assert trainer["steps_lost"] == 5 and trainer["back_at"] > trainer["killed_at"]
+    summary = chaos.run()
+    assert summary["kills"] == summary["recovered"] == 1 and events[-1]["event"] == "summary"

@@ -81,9 +81,10 @@ def test_not_supported_is_501(control, registry):
 def test_metrics_exposition_names_and_labels(control, registry):
     r = request(create_app(control, registry), "GET", "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    samples = [l for l in r.text.splitlines() if l and not l.startswith("#")]
-    assert samples and all(l.startswith("rpcps_") for l in samples)
+    samples = [l for l in r.text.splitlines() if l and not l.startswith("#") and not l.startswith("process_")]
+    assert samples and all(l.startswith("rpcps_") for l in samples), "rpcps_ metrics, and the standard process_ ones"
     assert all('role="trainer"' in l and 'name="trainer0"' in l for l in samples)
+    assert "process_open_fds" in r.text and "process_max_fds" in r.text
     assert 'rpcps_trainer_steps_total{name="trainer0",role="trainer"} 3.0' in r.text
     assert 'rpcps_trainer_step_seconds_count{name="trainer0",phase="backward",role="trainer"} 0.0' in r.text
 

@@ -23,5 +23,7 @@ SPEC = WorkloadSpec(
     benches=(BenchSpec("lm", "tokens/s: one process vs the seed design vs rpcps", "trainer.lm.bench"),
              BenchSpec("consistency", "tokens/s and held-out loss: async vs sync vs ssp:2, and with a straggler",
                        "trainer.lm.bench_consistency"),
-             BenchSpec("checkpoint", "checkpoint save/restore of a 2M x 64 shard vs dd", "ps.bench")),
+             BenchSpec("checkpoint", "checkpoint save/restore of a 2M x 64 shard vs dd", "ps.bench"),
+             BenchSpec("joins", "server memory, fds and threads per trainer join and leave (kills included)",
+                       "trainer.lm.bench_joins")),
 )
