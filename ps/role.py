@@ -138,7 +138,12 @@ class PsRole(RoleBase, WithoutEpisodes):
     def _from_handover(self, shard: int) -> Optional[tuple[Optional[CheckpointInfo], ParameterServer]]:
         """This server's shard as it handed it over when the leader was lost, if the new leader
         stands where that one stood."""
-        info = self.store.resolve(self._standing.checkpoint, verify=False) if self._standing.checkpoint else None
+        if not self._handover.exists():
+            return None
+        try:
+            info = self.store.resolve(self._standing.checkpoint, verify=False) if self._standing.checkpoint else None
+        except CheckpointError:
+            return None         # the checkpoint path says what is wrong with this folder
         kept = self._handover.take(self._standing, info.meta.get(LEADER_LIFE) if info is not None else None)
         if kept is None:
             return None

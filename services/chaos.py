@@ -2,8 +2,9 @@
 
 Kills come at random intervals (exponential, mean ``--interval``), a bounded number of times, each
 with SIGKILL to a member's process. After each, it waits until the member runs again and every
-member is ready, then records what the kill cost. It only reads what ``rpcps up`` publishes
-(``cluster.json``) and what the sidecars answer; the launcher does the restarting.
+member is ready, then records what the kill cost and when the member counted its next step (an
+update applied, for a server; a step taken, for a trainer). It only reads what ``rpcps up``
+publishes (``cluster.json``) and what the sidecars answer; the launcher does the restarting.
 
 "Steps lost" is, for a server, the updates its restored shard lacks (its steps at the kill less the
 step it resumed from: the checkpoint's, or its own handover's when the leader died); for a trainer,
@@ -134,7 +135,9 @@ class Chaos:
         after = self.cluster.status(name) or {}
         resumed = after.get("resumed_from") or {}
         resumed_step = resumed.get("step") if resumed else _steps(after)
+        stepping = self._next_step(name, _steps(after), deadline)
         record = {"member": name, "killed_at": killed_at, "back_at": back_at, "seconds": round(back_at - killed_at, 2),
+                  "next_step_seconds": round(stepping - killed_at, 2) if stepping is not None else None,
                   "steps_before": before, "resumed_from": resumed.get("id"), "resumed_step": resumed_step,
                   "steps_lost": max(0, before - resumed_step) if before is not None and resumed_step is not None else None,
                   "checkpoint_at_kill": checkpoint["id"] if checkpoint else None}
@@ -144,13 +147,26 @@ class Chaos:
         return record
 
 
+    def _next_step(self, name: str, back: Optional[int], deadline: float) -> Optional[float]:
+        """When ``name`` (a server: its updates; a trainer: its steps) counted a step past ``back``;
+        None if it does not by the deadline (an idle cluster, or no count to read)."""
+        while back is not None and self._clock() <= deadline:
+            now = _steps(self.cluster.status(name))
+            if now is not None and now > back:
+                return self._clock()
+            self._pause(POLL)
+        return None
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     back = [r["seconds"] for r in records if r.get("seconds") is not None]
+    stepping = [r["next_step_seconds"] for r in records if r.get("next_step_seconds") is not None]
     by_member: dict[str, int] = {}
     for r in records:
         by_member[r["member"]] = by_member.get(r["member"], 0) + 1
     return {"kills": len(records), "recovered": len(back), "by_member": by_member,
             "median_seconds": statistics.median(back) if back else None, "max_seconds": max(back) if back else None,
+            "median_next_step_seconds": statistics.median(stepping) if stepping else None,
             "steps_lost": sum(r.get("steps_lost") or 0 for r in records if not r["member"].startswith("trainer")),
             "steps_repeated": sum(r.get("steps_lost") or 0 for r in records if r["member"].startswith("trainer"))}
 
@@ -161,8 +177,11 @@ def human(e: dict[str, Any]) -> str:
             return f"killed {e['member']}: {e['error']}"
         lost = "" if e.get("steps_lost") is None else f", {e['steps_lost']} steps lost"
         kept = f", shards kept by {', '.join(e['kept_by'])}" if e.get("kept_by") else ""
-        return f"killed {e['member']}: back in {e['seconds']:.1f}s (resumed from {e.get('resumed_from') or '-'}{lost}{kept})"
-    return (f"{e['kills']} kills, {e['recovered']} recovered; median {e['median_seconds']}s, max {e['max_seconds']}s; "
+        stepping = "" if e.get("next_step_seconds") is None else f", stepping again after {e['next_step_seconds']:.1f}s"
+        return (f"killed {e['member']}: back in {e['seconds']:.1f}s{stepping} (resumed from "
+                f"{e.get('resumed_from') or '-'}{lost}{kept})")
+    return (f"{e['kills']} kills, {e['recovered']} recovered; back in a median {e['median_seconds']}s (max "
+            f"{e['max_seconds']}s), stepping again after a median {e['median_next_step_seconds']}s; "
             f"server steps lost {e['steps_lost']}, trainer steps repeated {e['steps_repeated']}")
 
 

@@ -93,6 +93,9 @@ class Handover:
     def __init__(self, root: Path, name: str) -> None:
         self.folder = Path(root) / HANDOVER_DIR / name
 
+    def exists(self) -> bool:
+        return (self.folder / _META).exists()
+
     def write(self, state: dict[str, Any], served: Standing, steps: int) -> None:
         """Write ``state`` (a snapshot part's ``state_dict``) atomically: the metadata, written last, makes it one."""
         self.remove()

@@ -19,7 +19,7 @@ import yaml
 
 from services.launcher import stop_in_waves
 from tests.support.deploy import REPO, compose, host_process, k8s_prometheus_config, k8s_pod_targets, start_order
-from tests.support.netns import HostNetwork, Unavailable
+from tests.support.netns import HostNetwork, HostProcess, Unavailable
 from tests.support.wait import wait_until
 
 TOKEN = "netns-test-token"
@@ -60,9 +60,8 @@ class Hosts:
         """``argv`` as a process on ``host``, known as ``key`` (extras are stopped first by ``down``)."""
         workdir.mkdir(parents=True, exist_ok=True)
         with open(self.tmp / f"{key}.log", "ab") as log:
-            self.procs[key] = subprocess.Popen(self.net.exec_argv(host, argv), env=env, cwd=workdir, stdout=log,
-                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               start_new_session=True)
+            self.procs[key] = HostProcess(self.net.exec_argv(host, argv), env=env, cwd=workdir, stdout=log,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def up(self, names: list[str] | None = None) -> None:
         for name in names or self.order:
@@ -144,6 +143,17 @@ def test_compose_services_as_separate_hosts(network, tmp_path):
             except httpx.HTTPError:
                 return False
         wait_until(trained, 180, "both trainers past step 5")
+
+        # Tensors cross the network, as between containers: a trainer's steps move its activations
+        # and their gradients (hundreds of KB at the shipped model's size) through its eth0, not by
+        # cross-memory attach (about 20 KB per step crossed before each host had its own PID namespace).
+        step_bytes = [(get_json(hosts.url("trainer0", "/status"))["step"], net.counters("trainer0"))]
+        wait_until(lambda: get_json(hosts.url("trainer0", "/status"))["step"] >= step_bytes[0][0] + 5, 60,
+                   "5 more steps of trainer0")
+        step_bytes.append((get_json(hosts.url("trainer0", "/status"))["step"], net.counters("trainer0")))
+        per_step = (step_bytes[1][1] - step_bytes[0][1]) / (step_bytes[1][0] - step_bytes[0][0])
+        print(f"trainer0's eth0: {per_step / 1e3:.0f} KB per step")
+        assert per_step > 200e3, per_step
 
         # Host to host, by name: the control token is required, and a checkpoint asked of ps1
         # lands in the volume the servers share.

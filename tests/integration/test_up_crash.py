@@ -16,7 +16,8 @@ from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
 
 SMALL = ["--emsize", "32", "--nhid", "32", "--batch-size", "10", "--bptt", "20", "--progress-interval", "1",
-         "--synthetic-tokens", "50000", "--checkpoint-every-steps", "100", "--restart-backoff-max", "4"]
+         "--synthetic-tokens", "50000", "--checkpoint-every-steps", "100", "--restart-backoff", "0.25",
+         "--restart-backoff-max", "1"]
 
 
 def _alive(pid: int) -> bool:
@@ -73,7 +74,7 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
 
     # Killed twice more, the second time as soon as it is back: a death in a row doubles the
     # back-off, `rpcps status` shows it failing meanwhile, and the others train on.
-    assert restart["in"] == 1.0
+    assert restart["in"] == 0.25
     steps_before = trainer_status(urls["trainer0"])["step"]
 
     def trainer1_restarts() -> list[dict]:
@@ -98,18 +99,18 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     wait_until(lambda: (trainer_status(urls["trainer1"]).get("state") == "running"
                         and trainer_status(urls["trainer0"])["step"] > steps_before), 90, "trainer1 back, trainer0 on")
 
-    # `rpcps chaos`: 10 random kills of members other than the leader, then the leader twice. Each
+    # `rpcps chaos`: 10 random kills of members other than the leader, then the leader. Each
     # recovers by itself; a server loses at most its updates since the newest checkpoint, and when
     # the leader dies the other server keeps everything (its handover).
     def chaos(*flags: str) -> list[dict]:
         done = subprocess.run([sys.executable, "-m", "services.cli", "chaos", "--json", "--state-dir",
-                               str(up.state_dir), "--interval", "0.5", *flags], capture_output=True, text=True, timeout=600)
+                               str(up.state_dir), "--interval", "0.2", *flags], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         return [json.loads(line) for line in done.stdout.splitlines()]
 
-    events = chaos("--kills", "10", "--seed", "7") + chaos("--kills", "2", "--members", "ps0")
+    events = chaos("--kills", "10", "--seed", "7") + chaos("--kills", "1", "--members", "ps0")
     kills = [e for e in events if e["event"] == "kill"]
-    assert len(kills) == 12 and all(k["back_at"] for k in kills), kills
+    assert len(kills) == 11 and all(k["back_at"] for k in kills), kills
     for k in kills:
         print(f"chaos: {k['member']} back in {k['seconds']}s, resumed from {k['resumed_from']}, "
               f"{k['steps_lost']} steps lost")
@@ -120,7 +121,7 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     summaries = [e for e in events if e["event"] == "summary"]
     print("chaos summaries:", summaries)
     leader_lost = [e for e in up.drain() if e["event"] == "restart" and e["exit_code"] == 75]
-    assert sorted(e["name"] for e in leader_lost) == sorted(["ps1", "trainer0", "trainer1"] * 2), leader_lost
+    assert sorted(e["name"] for e in leader_lost) == ["ps1", "trainer0", "trainer1"], leader_lost
     wait_until(lambda: trainer_status(urls["trainer0"]).get("state") == "running", 60, "training after the chaos")
 
     # Clean stop: exit 0 within 10 s, a done summary, and no process left behind.
@@ -130,5 +131,5 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     assert code == 0, up.logs()
     assert time.monotonic() - t0 < 10.5
     done = up.wait_event("done", 5)
-    assert done["restarts"] >= 3 + 10 + 2 * 4    # trainer1 three times, chaos ten, everyone twice; a trainer that loses ps1 too
+    assert done["restarts"] >= 3 + 10 + 4    # trainer1 three times, chaos ten, everyone once; a trainer that loses ps1 too
     assert not [p for p in pids if _alive(p)]

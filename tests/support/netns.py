@@ -1,7 +1,9 @@
 """Separate hosts on one machine, shaped like a compose network (for tests; needs root).
 
 Each host is a network namespace with its own ``eth0`` and address on a shared bridge (the bridge
-lives in a namespace of its own). Names resolve as compose's embedded DNS resolves them: a DNS
+lives in a namespace of its own), and each process on it a PID namespace of its own: containers
+do not see each other's processes, so TensorPipe cannot move tensors by cross-memory attach
+between them and every byte crosses the network, as in compose. Names resolve as compose's embedded DNS resolves them: a DNS
 server (dnslib, in this process) answers each host's name with its address, and every namespace's
 ``/etc/resolv.conf`` points at it (``ip netns exec`` bind-mounts ``/etc/netns/<ns>/*`` over
 ``/etc``). The test's own namespace is on the bridge too, as the docker host is, so it reaches the
@@ -20,6 +22,21 @@ from dnslib import QTYPE, RCODE, RR, A
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 ETC_NETNS = Path("/etc/netns")
+
+
+class HostProcess(subprocess.Popen):
+    """A process started through ``HostNetwork.exec_argv``: ``unshare`` waits for it and exits
+    with its code, but ignores signals, so they go to the process itself (PID 1 of its namespace)."""
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        if children:
+            os.kill(int(children[0]), sig)
+        else:
+            super().send_signal(sig)
 
 
 class Unavailable(RuntimeError):
@@ -63,8 +80,17 @@ class HostNetwork:
         return f"rpcps{self.tag}-{name}"
 
     def exec_argv(self, name: str, argv: list[str]) -> list[str]:
-        """``argv`` run on host ``name`` (``ip netns exec`` execs it: the PID is the process's own)."""
-        return ["ip", "netns", "exec", self.namespace(name), *argv]
+        """``argv`` run on host ``name``, in a PID namespace of its own (start it with
+        ``HostProcess``, which signals the process itself: ``unshare`` does not forward signals)."""
+        return ["ip", "netns", "exec", self.namespace(name),
+                "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *argv]
+
+    def counters(self, name: str) -> int:
+        """Bytes host ``name``'s ``eth0`` has sent and received."""
+        ns = self.namespace(name)
+        out = subprocess.run(["ip", "netns", "exec", ns, "cat", "/sys/class/net/eth0/statistics/rx_bytes",
+                              "/sys/class/net/eth0/statistics/tx_bytes"], capture_output=True, text=True, timeout=30)
+        return sum(int(v) for v in out.stdout.split())
 
     def create(self) -> "HostNetwork":
         if os.geteuid() != 0 or shutil.which("ip") is None:
