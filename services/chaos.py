@@ -59,18 +59,18 @@ class Cluster:
         return json.loads(self.path.read_text())
 
     def status(self, name: str) -> Optional[dict[str, Any]]:
-        try:
-            with SidecarClient(self.state()["sidecars"][name], token=self.token, timeout=2.0) as c:
-                return c.status()
-        except Exception:  # noqa: BLE001 - restarting, or gone
-            return None
+        return self._ask(name, lambda c: c.status(), None)
 
     def ready(self, name: str) -> bool:
+        return self._ask(name, lambda c: c.ready(), False)
+
+    def _ask(self, name: str, call: Callable[[SidecarClient], Any], otherwise: Any) -> Any:
+        """``call`` on ``name``'s sidecar; ``otherwise`` while it is restarting, or gone."""
         try:
             with SidecarClient(self.state()["sidecars"][name], token=self.token, timeout=2.0) as c:
-                return c.ready()
+                return call(c)
         except Exception:  # noqa: BLE001
-            return False
+            return otherwise
 
     def newest_checkpoint(self) -> Optional[dict[str, Any]]:
         folder = self.state().get("checkpoint_dir")
@@ -145,7 +145,6 @@ class Chaos:
             record["kept_by"] = sorted(n for n in now["pids"] if n != name
                                        and ((self.cluster.status(n) or {}).get("resumed_from") or {}).get("handover"))
         return record
-
 
     def _next_step(self, name: str, back: Optional[int], deadline: float) -> Optional[float]:
         """When ``name`` (a server: its updates; a trainer: its steps) counted a step past ``back``;

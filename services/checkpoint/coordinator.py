@@ -244,25 +244,25 @@ class Coordinator(Service):
     def _resume(self, members: list[str], checkpoint_id: str) -> None:
         """Let the held members go on; one that left meanwhile has nothing to resume, and its
         position was taken when it was held."""
-        with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
-            futures = {m: pool.submit(self._call, m, CheckpointMember.resume, checkpoint_id) for m in members}
-            for m, f in futures.items():
-                try:
-                    f.result()
-                except Exception as exc:  # noqa: BLE001 - a member gone since its hold
-                    log.warning("could not resume %s (gone?): %s", m, str(exc).splitlines()[0])
+        for m, result in self._on_each(members, CheckpointMember.resume, checkpoint_id).items():
+            if isinstance(result, Exception):
+                log.warning("could not resume %s (gone?): %s", m, str(result).splitlines()[0])
 
     def _pause(self, members: list[str], checkpoint_id: str) -> dict[str, Any]:
         """Hold every paused member; one that cannot be held (gone) is reported, not fatal."""
+        return self._on_each(members, CheckpointMember.pause, checkpoint_id, PAUSE_TIMEOUT, timeout=PAUSE_TIMEOUT + 10)
+
+    def _on_each(self, members: list[str], method: Callable[..., Any], *args: Any,
+                 timeout: float = TAKE_TIMEOUT) -> dict[str, Any]:
+        """``method`` on every member at once; each one's result, or the exception it raised: a
+        paused member (a trainer) that dies must not fail the checkpoint."""
         out: dict[str, Any] = {}
         with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
-            futures = {m: pool.submit(self._call, m, CheckpointMember.pause, checkpoint_id, PAUSE_TIMEOUT,
-                                      timeout=PAUSE_TIMEOUT + 10)
-                       for m in members}
+            futures = {m: pool.submit(self._call, m, method, *args, timeout=timeout) for m in members}
             for m, f in futures.items():
                 try:
                     out[m] = f.result()
-                except Exception as exc:  # noqa: BLE001 - a dead trainer must not block the checkpoint
+                except Exception as exc:  # noqa: BLE001 - reported to the caller, per member
                     out[m] = exc
         return out
 
