@@ -2,7 +2,8 @@
 separate host (a network namespace with its own address, found by name through DNS as compose's
 network finds it), running the service's own command and environment. The cluster trains; curl
 reaches the sidecars across hosts; Debian's Prometheus, started with the shipped
-deploy/prometheus.yml, scrapes every role; `down` leaves a final checkpoint and `up` resumes it.
+deploy/prometheus.yml, scrapes every role; a machine outside the cluster reaches what compose
+publishes and nothing else; `down` leaves a final checkpoint and `up` resumes it.
 
 Skipped, saying why, where network namespaces cannot be made (not root, or no iproute2).
 """
@@ -18,7 +19,8 @@ import pytest
 import yaml
 
 from services.launcher import stop_in_waves
-from tests.support.deploy import REPO, compose, host_process, k8s_prometheus_config, k8s_pod_targets, start_order
+from tests.support.deploy import (REPO, compose, host_process, interpolate, k8s_prometheus_config, k8s_pod_targets,
+                                  start_order)
 from tests.support.netns import HostNetwork, HostProcess, Unavailable
 from tests.support.wait import wait_until
 
@@ -121,6 +123,18 @@ def wait_scraped(hosts: Hosts, prometheus: str, roles: list[str], series: dict[s
     wait_until(scraped, 90, f"Prometheus: up == 1 for {roles}, and {series}")
 
 
+def publish(net: HostNetwork, services: dict[str, dict], environ: dict[str, str]) -> set[tuple[str, int]]:
+    """The services' ``ports:``, interpolated from ``environ`` and forwarded from the docker host
+    as compose would; the (address, port) pairs published."""
+    published = set()
+    for name, service in services.items():
+        for mapping in service.get("ports") or []:
+            address, port, container_port = interpolate(mapping, environ).split(":")
+            net.publish(address, int(port), name, int(container_port))
+            published.add((address, int(port)))
+    return published
+
+
 def newest_checkpoint(volume: Path) -> Path:
     return max((p for p in volume.glob("step-*") if (p / "manifest.json").exists()),
                key=lambda p: int(p.name.split("-")[1]))
@@ -194,6 +208,23 @@ def test_compose_services_as_separate_hosts(network, tmp_path):
                 return False
             return sorted(up) == sorted((n.rstrip("0123456789"), n, "1") for n in rpcps)
         wait_until(scraped_by_annotation, 90, "the k8s configuration: up == 1 once per role, named as the roles are")
+
+        # A machine on the docker host's LAN, the sidecars and Prometheus published to it (as a user
+        # sets RPCPS_PUBLISH_ADDR to open them up): it reaches each of those, and no port any member
+        # listens on (ps0's store, every RPC port), at the docker host's address or the member's own.
+        net.add_outside("lan")
+        published = publish(net, services, {"RPCPS_PUBLISH_ADDR": net.lan_address})
+        listening = {n: net.listening(n) for n in rpcps}
+        assert (net.addresses["ps0"], 29500) in listening["ps0"], listening
+        member_ports = {(at, port) for n, found in listening.items() for _, port in found
+                        for at in (net.lan_address, net.addresses[n])}
+        assert net.reachable("lan", sorted(member_ports | published)) == published
+        # A member does reach the store and the sidecars (the RPC ports it reaches by training). The
+        # RPC ports are not probed from here: a bare connection to one of TensorPipe's listeners
+        # breaks live pipes of that process (seen: both trainers failed), one more reason no
+        # stranger may reach them.
+        inside = {(net.addresses["ps0"], 29500), (net.addresses["ps1"], 8080)}
+        assert net.reachable("trainer1", sorted(inside)) == inside
 
         # `docker compose down`: every role stops cleanly, and a final checkpoint is left (taken when
         # ps1, the first server to stop, stops).
