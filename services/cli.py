@@ -14,6 +14,7 @@ from services.chaos import ChaosConfig
 from services.config import ConfigError, add_flags, load
 from services.launcher import UpConfig
 from services.names import parse_name
+from services.torchrun import as_worker
 from services.workload import benches, roles, workloads
 
 _ROLES = {name: spec.config for name, spec in roles().items()}
@@ -133,7 +134,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     cmd = args.command
     try:
         if cmd in _ROLES:
-            cfg = load(_ROLES[cmd], vars(args), os.environ)
+            flags, environ = vars(args), os.environ
+            if roles()[cmd].torchrun is not None:
+                flags, environ = as_worker(cmd, roles()[cmd].torchrun, flags, environ)
+            cfg = load(_ROLES[cmd], flags, environ)
             from services.runtime import run_role
             run_role(cfg, roles()[cmd])          # exits the process with the role's code
         if cmd == "up":

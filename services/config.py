@@ -2,7 +2,8 @@
 
 Each role's own model lives beside its owner (``ps/config.py``, ``trainer/<workload>/config.py``);
 every field can be set by a flag (``--field-name``) or an environment variable (``RPCPS_FIELD_NAME``);
-flags win. Rendezvous uses torch's own ``MASTER_ADDR``/``MASTER_PORT``. ``load`` is pure: it takes
+flags win. Rendezvous uses torch's own ``MASTER_ADDR``/``MASTER_PORT``, unless ``--ps-addr`` says
+otherwise (under torchrun those are the workers' own). ``load`` is pure: it takes
 the environment as an argument, so tests need no monkeypatching.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from services.errors import ConfigError
 from services.names import parse_name
@@ -54,6 +55,8 @@ class CommonConfig(ConfigBase):
     name: str = Field(description="RPC name of this process (ps0, trainer1, ...)")
     master_addr: str = Field("127.0.0.1", description="address of the leader (ps0, or the RL agent), which hosts the rendezvous store")
     master_port: int = Field(29500, ge=1, le=65535, description="port of the rendezvous store on the leader")
+    ps_addr: Optional[str] = Field(None, description="HOST:PORT of the leader's rendezvous store; wins over "
+                                                     "MASTER_ADDR/MASTER_PORT (which torchrun sets for its workers' own group)")
     sidecar_host: str = Field("127.0.0.1", description="address the HTTP sidecar binds")
     sidecar_port: int = Field(8080, ge=0, le=65535, description="port of the HTTP sidecar (0: any free port)")
     checkpoint_dir: Path = Field(Path("checkpoints"), description="folder of the cluster checkpoints")
@@ -72,6 +75,14 @@ class CommonConfig(ConfigBase):
     def _valid_name(cls, v: str) -> str:
         parse_name(v)
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rendezvous_at_ps_addr(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("ps_addr"):
+            host, port = host_and_port(str(values["ps_addr"]), "--ps-addr / RPCPS_PS_ADDR")
+            values = {**values, "master_addr": host, "master_port": port}
+        return values
 
     @field_validator("checkpoint_dir")
     @classmethod
@@ -153,6 +164,15 @@ def load(model: type[ConfigBase], flags: Mapping[str, Any], environ: Mapping[str
             where = source.get(field, f"{flag_name(field, info)} / {env_name(field, info)}")
             problems.append(explain(err["msg"], where, values.get(field)))
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
+
+
+def host_and_port(value: str, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for an IPv6 address) split, or ``ValueError`` naming ``what``."""
+    host, sep, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{what}: expected HOST:PORT with a port from 1 to 65535, got {value!r}")
+    return host, int(port)
 
 
 def writable_folder(path: Path) -> Path:

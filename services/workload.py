@@ -28,6 +28,14 @@ def _resolve(ref: str) -> Any:
 
 
 @dataclass(frozen=True)
+class TorchrunSpec:
+    """A role torchrun may start (``services/torchrun.py``)."""
+
+    count: str                                     # the setting torchrun's WORLD_SIZE fills
+    defaults: tuple[tuple[str, str], ...] = ()     # (setting, value) it takes unless told otherwise
+
+
+@dataclass(frozen=True)
 class RoleSpec:
     name: str                  # the `rpcps <name>` subcommand, and the role word of its RPC names
     config: type[BaseModel]    # its settings (flags and RPCPS_* variables)
@@ -37,6 +45,7 @@ class RoleSpec:
     indexed: bool = True       # named ps0, ps1, … (False: the one agent)
     episodes: bool = False     # its work comes in episodes that `rpcps episode start|stop` controls
     metrics: type[Metrics] = Metrics   # its metric families (every role's, and its own)
+    torchrun: Optional["TorchrunSpec"] = None   # how it reads its settings when torchrun starts it
 
     def build(self) -> Callable[..., Any]:
         return _resolve(self.factory)

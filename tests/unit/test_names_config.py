@@ -5,6 +5,8 @@ from services.config import ConfigError, load
 from services.launcher import UpConfig
 from trainer.lm.config import TrainerConfig
 from services.names import format_name, parse_name
+from services.torchrun import as_worker
+from services.workload import TorchrunSpec
 
 
 @pytest.mark.parametrize("name", ["ps0", "ps12", "trainer3", "observer0", "agent"])
@@ -86,3 +88,45 @@ def test_a_workload_setting_is_checked_when_up_loads_it():
         load(UpConfig, {"consistency": "bsp"}, {})
     with pytest.raises(ConfigError, match=r"flag --consistency: consistency must be .*got 'ssp:x'"):
         load(PsConfig, {"consistency": "ssp:x"}, {})
+
+
+def test_ps_addr_wins_over_torch_variables_and_is_checked():
+    cfg = load(TrainerConfig, {"ps_addr": "servers.example:29600"}, {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (cfg.master_addr, cfg.master_port) == ("servers.example", 29600)
+    assert load(TrainerConfig, {}, {"RPCPS_PS_ADDR": "[::1]:29501"}).master_addr == "::1"
+    for bad in ("servers.example", "host:0", "host:port", ":29500"):
+        with pytest.raises(ConfigError, match="--ps-addr / RPCPS_PS_ADDR: expected HOST:PORT"):
+            load(TrainerConfig, {"ps_addr": bad}, {})
+
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "job", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+            "MASTER_ADDR": "node0", "MASTER_PORT": "29400"}
+TRAINER_UNDER_TORCHRUN = TorchrunSpec("num_trainers", (("start", "true"), ("exit_when_done", "true")))
+
+
+def as_trainer(flags: dict, environ: dict) -> TrainerConfig:
+    return load(TrainerConfig, *as_worker("trainer", TRAINER_UNDER_TORCHRUN, flags, environ))
+
+
+def test_a_trainer_under_torchrun_is_named_and_counted_by_it():
+    cfg = as_trainer({"ps_addr": "ps0:29500"}, TORCHRUN)
+    assert (cfg.name, cfg.num_trainers, cfg.sidecar_port) == ("trainer3", 4, 8081)   # 8080 + local rank
+    assert cfg.start and cfg.exit_when_done
+    assert (cfg.master_addr, cfg.master_port) == ("ps0", 29500)
+    # Told otherwise, it keeps what it was told; a free sidecar port stays free.
+    cfg = as_trainer({"start": False, "exit_when_done": False, "sidecar_port": "0"},
+                     {**TORCHRUN, "RPCPS_PS_ADDR": "ps0:29500"})
+    assert (cfg.start, cfg.exit_when_done, cfg.sidecar_port) == (False, False, 0)
+    # Outside torchrun nothing changes, MASTER_ADDR included.
+    cfg = as_trainer({"name": "trainer1"}, {"MASTER_ADDR": "node0", "MASTER_PORT": "29400"})
+    assert (cfg.name, cfg.num_trainers, cfg.start, cfg.master_addr) == ("trainer1", 2, False, "node0")
+
+
+@pytest.mark.parametrize("flags, says", [
+    ({}, "say where the servers' store is with --ps-addr"),
+    ({"ps_addr": "ps0:29500", "name": "trainer0"}, "torchrun names its workers: this one is trainer3"),
+    ({"ps_addr": "ps0:29500", "num_trainers": "2"}, "--num-trainers 2 disagrees with torchrun's WORLD_SIZE 4"),
+])
+def test_a_trainer_under_torchrun_refuses_what_contradicts_it(flags, says):
+    with pytest.raises(ConfigError, match=says):
+        as_trainer(flags, TORCHRUN)

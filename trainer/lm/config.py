@@ -65,6 +65,8 @@ class TrainerConfig(ServersConfig):
     clip: float = Field(0.25, ge=0, description="global gradient-norm clip (0: off)")
     start: bool = Field(False, description="start an episode at launch instead of waiting for one")
     steps: Optional[int] = Field(None, ge=1, description="steps of the episode started at launch (default: unbounded)")
+    exit_when_done: bool = Field(False, description="stop, with exit 0, when the episode started at launch ends "
+                                                    "(a batch job: under torchrun, the default)")
     eval_batch_size: int = Field(10, ge=1, description="sequences per evaluation batch")
     eval_tokens: Optional[int] = Field(None, ge=1, description="cap on held-out tokens evaluated (whole cluster)")
     synthetic_tokens: int = Field(200_000, ge=1000, description="size of the built-in corpus")
@@ -81,6 +83,8 @@ class TrainerConfig(ServersConfig):
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
         self._check_role("trainer")
+        if self.exit_when_done and not self.start:
+            raise ValueError("--exit-when-done ends the episode started at launch: add --start")
         _sized(self.data, self.num_trainers, self.batch_size)
         return self
 

@@ -118,6 +118,9 @@ class TrainerRole(RoleBase):
             if request is None:
                 return
             self._episodes.run(request)
+            if cfg.exit_when_done:
+                log.info("the episode started at launch is over: stopping (--exit-when-done)")
+                return
 
     def close(self) -> None:
         self.metrics.up.set(0)

@@ -4,7 +4,7 @@ status schemas and benchmarks (registered in pyproject.toml under ``rpcps.worklo
 Light on purpose: what it names as ``"module:attribute"`` is imported only when used."""
 from ps.metrics import PsMetrics
 from ps.status import PsStatus
-from services.workload import BenchSpec, RoleSpec, WorkloadSpec
+from services.workload import BenchSpec, RoleSpec, TorchrunSpec, WorkloadSpec
 from trainer.lm.config import LmServerConfig, LmUpSettings, TrainerConfig
 from trainer.lm.metrics import TrainerMetrics
 from trainer.lm.status import TrainerStatus
@@ -16,7 +16,9 @@ SPEC = WorkloadSpec(
     roles=(RoleSpec("ps", LmServerConfig, PsStatus, "trainer.lm.server:lm_server",
                     "run one parameter server (hosting the language model)", metrics=PsMetrics),
            RoleSpec("trainer", TrainerConfig, TrainerStatus, "trainer.lm.role:TrainerRole", "run one trainer",
-                    episodes=True, metrics=TrainerMetrics)),
+                    episodes=True, metrics=TrainerMetrics,
+                    # A torchrun worker is a batch job: it trains at once and ends with its episode.
+                    torchrun=TorchrunSpec("num_trainers", (("start", "true"), ("exit_when_done", "true"))))),
     up=LmUpSettings,
     launch="trainer.lm.launch:LmLaunch",
     checkpoint_dir="checkpoints",

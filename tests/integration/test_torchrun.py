@@ -1,0 +1,46 @@
+"""Trainers launched by the real torchrun, against servers started alone: named and counted by
+torchrun's RANK and WORLD_SIZE, each on its own share and sidecar port, reaching the servers at
+--ps-addr while torchrun's MASTER_ADDR/MASTER_PORT stay its own; the job ends with the episode."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from services.launcher import free_port
+from tests.support.cluster import REPO, SMALL_MODEL, Role
+from tests.support.wait import wait_until
+
+MODEL = {**SMALL_MODEL, "ntoken": 1000}  # the built-in corpus has 1000 word types
+STEPS = 3
+
+
+def torchrun() -> list[str]:
+    beside = Path(sys.executable).parent / "torchrun"
+    return [str(beside)] if beside.exists() else [shutil.which("torchrun") or "torchrun"]
+
+
+def test_torchrun_launches_trainers_that_train_against_the_servers(procs, tmp_path):
+    ps0, ps1 = procs.start_servers(2, **MODEL)
+    sidecar = free_port()
+    log = tmp_path / "torchrun.log"
+    argv = [*torchrun(), "--standalone", "--nproc-per-node", "2", "-m", "trainer",
+            "--num-ps", "2", "--ps-addr", f"127.0.0.1:{procs.master_port}", "--steps", str(STEPS),
+            "--sidecar-port", str(sidecar), "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--batch-size", "4", "--bptt", "5", "--synthetic-tokens", "5000"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    procs.roles.append(Role("torchrun", proc, None, log))
+    assert proc.wait(timeout=180) == 0, log.read_text(errors="replace")[-4000:]
+
+    text = log.read_text(errors="replace")
+    for rank in (0, 1):
+        assert f"trainer{rank} INFO trainer.lm.role: data: synthetic corpus (5000 tokens, seed 1111); " \
+               f"share {rank} of 2" in text
+        assert f"trainer{rank} INFO services.http_server: sidecar listening on http://127.0.0.1:{sidecar + rank}" in text
+        assert f"trainer{rank} INFO trainer.lm.episodes: episode 1 done after {STEPS} steps" in text
+    # Asynchronous updates: each trainer's every step is one update on each server (whose status
+    # shows its count within a second).
+    for server in (ps0, ps1):
+        with server.client(timeout=5.0) as c:
+            wait_until(lambda: c.status()["steps"] == 2 * STEPS, 10, f"{server.name} at {2 * STEPS} updates")
