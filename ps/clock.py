@@ -78,6 +78,7 @@ class _Waiting:
     since: float
     clip: float = 0.0
     refused: bool = False     # sync: the servers refused its gradients; the step goes on without them
+    replica_sq: float = 0.0   # sync: squared norm of the averaged gradient of weights the trainers replicate
 
 
 @dataclass
@@ -90,7 +91,8 @@ class _Stall:
 @dataclass
 class StepClock:
     consistency: Consistency
-    apply: Optional[Callable[[int, list[str], float], float]] = None   # sync: (step, trainers, clip) -> norm
+    # sync: (step, trainers, clip, replicated weights' squared gradient norm) -> the global norm
+    apply: Optional[Callable[[int, list[str], float, float], float]] = None
     run: Callable[[Callable[[], None]], None] = lambda fn: fn()          # where ``apply`` runs
     metrics: Optional[ClockMetrics] = None
     now: Callable[[], float] = time.monotonic
@@ -127,15 +129,17 @@ class StepClock:
             actions = self._settle()
         _run(actions)
 
-    def arrive(self, name: str, clip: float, pending: Pending, refused: bool = False) -> None:
-        """``refused``: its update was refused (sync: it is no participant of the step)."""
+    def arrive(self, name: str, clip: float, pending: Pending, refused: bool = False, replica_sq: float = 0.0) -> None:
+        """``refused``: its update was refused (sync: it is no participant of the step).
+        ``replica_sq``: the squared norm of the step's averaged gradient of the weights trainers
+        replicate (``--dense allreduce``), which the global norm clipped includes."""
         with self._lock:
             member = self._members.get(name)
             if member is None or not member.working:
                 raise BadRequest(f"{name} arrived without beginning a step")
             member.working = False
             if self.consistency.kind == "sync":
-                self._arrivals[name] = _Waiting(pending, self.now(), clip, refused)
+                self._arrivals[name] = _Waiting(pending, self.now(), clip, refused, replica_sq)
                 self._short = self._short or refused
                 actions = self._settle()
             else:
@@ -305,10 +309,12 @@ class StepClock:
         if len(clips) > 1:
             log.warning("trainers asked to clip step %d at different norms %s; using the smallest", step, sorted(clips))
         clip = min(clips)
+        # The trainers all-reduced their replicas' gradients, so each reports the same norm.
+        replica_sq = max(arrived[n].replica_sq for n in participants)
 
         def apply() -> None:
             try:
-                norm = self.apply(step, participants, clip) if self.apply is not None else math.nan
+                norm = self.apply(step, participants, clip, replica_sq) if self.apply is not None else math.nan
             except Exception as exc:  # noqa: BLE001 - the arrivals get it; the clock goes on
                 log.error("step %d could not be applied: %s", step, exc)
                 self._closed(step, arrived, exc, participants)
@@ -388,12 +394,14 @@ class StepClockService(Service):
         return self._pending(lambda f: self.clock.begin(self._caller.name, f))
 
     @remote(asynchronous=True)
-    def arrive(self, clip: float, refused: bool = False) -> torch.futures.Future:
+    def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0) -> torch.futures.Future:
         """The caller's step is done (sync: its gradients are on every server, or ``refused`` by one);
         ``Applied`` once applied."""
         if not (clip >= 0 and math.isfinite(clip)):
             raise BadRequest(f"clip must be a finite float >= 0, got {clip!r}")
-        return self._pending(lambda f: self.clock.arrive(self._caller.name, clip, f, refused))
+        if not (replica_sq >= 0 and math.isfinite(replica_sq)):
+            raise BadRequest(f"replica_sq must be a finite float >= 0, got {replica_sq!r}")
+        return self._pending(lambda f: self.clock.arrive(self._caller.name, clip, f, refused, replica_sq))
 
     @remote
     def leave(self) -> None:

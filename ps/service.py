@@ -126,6 +126,25 @@ class ParameterServer(Service):
             return {n: self.param(n).clone() for n in names}
 
     @remote
+    def set_dense(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take this shard's dense tensors from ``weights`` (which may hold other shards' too): the
+        trainers' replica (``--dense allreduce``), written here so a checkpoint holds it once."""
+        names = self.layout.dense_of(self.shard)
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise BadRequest(f"set_dense: no value for {', '.join(missing)}")
+        for n in names:
+            value = weights[n]
+            if not isinstance(value, torch.Tensor) or value.shape != self.param(n).shape or value.dtype != self.param(n).dtype:
+                raise BadRequest(f"set_dense: {n} must be a {self.param(n).dtype} tensor {list(self.param(n).shape)}, "
+                                 f"got {describe(value)}")
+            if not bool(torch.isfinite(value).all()):
+                raise BadRequest(f"set_dense: {n} is not finite")
+        with self.optimizer.lock, torch.no_grad():
+            for n in names:
+                self.param(n).copy_(weights[n])
+
+    @remote
     def op(self, name: str, *args: Any) -> Any:
         """The model's server-side operation ``name`` on this shard."""
         operation = self.spec.ops.get(name)

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -82,11 +82,12 @@ class PsClient:
         self.granted = wait(self._async(self.leader, StepClockService.begin))
         return time.perf_counter() - started
 
-    def arrive(self, clip: float, refused: bool = False) -> tuple[Applied, float]:
+    def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0) -> tuple[Applied, float]:
         """Report the step begun to the step clock; its answer (sync: once the step is applied
         everywhere) and when it was reported (``time.monotonic()``)."""
         arrived_at = time.monotonic()
-        applied: Applied = wait(self._async(self.leader, StepClockService.arrive, float(clip), refused))
+        applied: Applied = wait(self._async(self.leader, StepClockService.arrive, float(clip), refused,
+                                            float(replica_sq)))
         self.granted = None
         return applied, arrived_at
 
@@ -120,6 +121,10 @@ class PsClient:
             weights.update(wait(f))
         return rows, weights
 
+    def each_dense_shard(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """``method`` of every server that holds dense tensors, at once; their answers."""
+        return [wait(f) for f in [self._async(self.ps_names[k], method, *args) for k in self._dense_shards]]
+
     def op(self, name: str, *args: Any) -> list[Any]:
         """The model's server-side operation ``name`` on every shard at once; their answers in shard order."""
         return [wait(f) for f in [self._async(n, ParameterServer.op, name, *args) for n in self.ps_names]]
@@ -137,10 +142,24 @@ class PsClient:
 
     def clip_(self, context_id: int, norm: float, max_norm: float) -> None:
         """Scale the gradients in ``context_id``, of global norm ``norm``, to at most ``max_norm``."""
-        coef = max_norm / (norm + 1e-6)
+        coef = clip_coef(max_norm, norm)
         if coef < 1.0:
             for f in [self._async(n, ParameterServer.scale_grads, context_id, float(coef)) for n in self.ps_names]:
                 wait(f)
+
+
+class Replica(Protocol):
+    """Weights every trainer holds a copy of, all-reduced among the trainers (``trainer/lm/dense.py``)."""
+
+    def averaged(self, grads: dict[torch.Tensor, torch.Tensor]) -> Optional[dict[torch.Tensor, torch.Tensor]]: ...
+    def sq_norm(self, grads: Optional[dict[torch.Tensor, torch.Tensor]]) -> float: ...
+    def apply(self, grads: Optional[dict[torch.Tensor, torch.Tensor]], coef: float) -> None: ...
+
+
+def clip_coef(clip: float, norm: float) -> float:
+    """The factor a gradient of global norm ``norm`` is scaled by when clipped to ``clip`` (0: off):
+    the servers' rule."""
+    return min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
 
 
 def wait_all(futures: list[torch.futures.Future]) -> tuple[list[Any], Optional[UpdateRefused]]:
@@ -187,9 +206,10 @@ class StepSession:
               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return self.client.fetch(lookups, dense)
 
-    def finish(self, loss: torch.Tensor, clip: float) -> Finished:
+    def finish(self, loss: torch.Tensor, clip: float, replica: Optional[Replica] = None) -> Finished:
         """Send ``loss``'s gradients back to the servers, clip their global norm to ``clip`` (0:
-        off), and apply them as the job's consistency says."""
+        off), and apply them as the job's consistency says; sync mode also updates the trainers'
+        ``replica`` of the weights they hold themselves (``--dense allreduce``)."""
         client = self.client
         t0 = time.perf_counter()
         dist_autograd.backward(self.context_id, [loss])
@@ -197,13 +217,21 @@ class StepSession:
         if client.consistency.kind == "sync":
             if client.granted is None:
                 raise RuntimeError("a sync step needs client.begin() at its boundary first")
+            replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None
             _, refused = wait_all([client._async(n, ParameterServer.contribute, self.context_id, client.granted)
                                    for n in client.ps_names])
             t3 = time.perf_counter()
-            applied, arrived_at = client.arrive(clip, refused is not None)
+            applied, arrived_at = client.arrive(clip, refused is not None,
+                                                replica.sq_norm(replicated) if replica is not None else 0.0)
+            if replica is not None and applied.participants:
+                # Every trainer all-reduced the same gradients and reads the same norm: every
+                # replica takes the same update, whether or not the servers refused its own rows.
+                replica.apply(replicated, clip_coef(clip, applied.grad_norm))
             if refused is not None:
                 raise refused
             return Finished(applied.grad_norm, t1 - t0, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
+        if replica is not None:
+            raise RuntimeError("replicated weights are updated in sync mode only")
         try:
             norm = client.grad_norm(self.context_id)
         except UpdateRefused:
@@ -244,16 +272,18 @@ class ClockPause:
         self.client.call(self.client.leader, StepClockService.thaw)
 
 
-def apply_sync_step(servers: list[str], timeout: float, step: int, trainers: list[str], clip: float) -> float:
-    """The leader's side of a sync step: the averaged gradient's global norm over every server,
-    then every server applies the average, clipped to ``clip`` (0: off). The norm before clipping."""
+def apply_sync_step(servers: list[str], timeout: float, step: int, trainers: list[str], clip: float,
+                    replica_sq: float = 0.0) -> float:
+    """The leader's side of a sync step: the averaged gradient's global norm over every server
+    (and the trainers' replicated weights, ``replica_sq``), then every server applies the average,
+    clipped to ``clip`` (0: off). The norm before clipping."""
     if clip > 0:
-        sq = sum(wait(f) for f in [call_async(n, ParameterServer.sync_sq_norm, step, trainers, timeout=timeout)
-                                   for n in servers])
+        sq = replica_sq + sum(wait(f) for f in [call_async(n, ParameterServer.sync_sq_norm, step, trainers,
+                                                           timeout=timeout) for n in servers])
         norm = float(sq) ** 0.5
-        coef = min(1.0, clip / (norm + 1e-6))
     else:
-        norm, coef = float("nan"), 1.0
+        norm = float("nan")
+    coef = clip_coef(clip, norm)
     for f in [call_async(n, ParameterServer.sync_apply, step, trainers, coef, timeout=timeout) for n in servers]:
         wait(f)
     return norm

@@ -65,8 +65,8 @@ def store_address(master_addr: str) -> str:
 
 
 def _keep_local(master_addr: str) -> None:
-    """A cluster whose leader is on loopback keeps TensorPipe's listeners there too: left alone,
-    TensorPipe listens on the address the host's name resolves to, which may face a network."""
+    """A cluster whose leader is on loopback keeps TensorPipe's and Gloo's listeners there too: left
+    alone, they listen on the address the host's name resolves to, which may face a network."""
     if "TP_SOCKET_IFNAME" in os.environ:
         return
     try:
@@ -76,6 +76,7 @@ def _keep_local(master_addr: str) -> None:
     loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
     if local and loopback:
         os.environ["TP_SOCKET_IFNAME"] = loopback[0]   # read by TensorPipe when the agent starts
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback[0])   # and by Gloo (the trainers' group)
 
 
 class RpcEndpoint:
@@ -116,6 +117,11 @@ class RpcEndpoint:
         # A client constructed before the leader is up retries until the timeout, so roles may start in any order.
         return dist.TCPStore(self._addr, self._port, is_master=False,
                              timeout=datetime.timedelta(seconds=timeout or self._join_timeout))
+
+    def prefixed_store(self, prefix: str, timeout: float) -> dist.Store:
+        """A client of the leader's store of its own, its keys under ``prefix``: a rendezvous of
+        some members besides RPC's (the trainers' process group), with no port of its own."""
+        return dist.PrefixStore(prefix, self._client(timeout))
 
     def reader(self, key: str = LEADER_KEY) -> Callable[[], str]:
         """A function reading ``key`` from the store on a client of its own, which gives up after

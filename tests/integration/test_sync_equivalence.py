@@ -37,3 +37,27 @@ def test_sync_trainers_match_one_process_on_their_concatenated_batches(procs, nu
     print("largest differences:", max(lead["param_diff"].values()), lead["param_diff"])
     for name, diff in lead["param_diff"].items():
         assert diff < TOLERANCE[optimizer], f"{name} differs by {diff} after {STEPS} steps"
+
+
+def test_allreduce_trainers_match_one_process_and_keep_identical_replicas(procs):
+    """--dense allreduce: the LSTM replicated on 2 trainers (DDP over gloo) and the tables on 2
+    servers in sync mode train exactly the one-process model on the doubled batch; the replicas
+    are bit-identical, and the servers' own LSTM weights are never touched."""
+    trainers = 2
+    procs.start_servers(2, consistency="sync", **SMALL_MODEL)
+    drivers = [procs.spawn_driver("sync", f"trainer{k}", 2, steps=STEPS, clip=0.25, trainers=trainers,
+                                  dense="allreduce") for k in range(trainers)]
+    results = []
+    for proc in drivers:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-4000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    lead = results[0]
+    for step in range(STEPS):
+        mean = sum(r["losses"][step] for r in results) / trainers
+        assert mean == pytest.approx(lead["local_losses"][step], rel=1e-5, abs=1e-5), f"step {step + 1}"
+    print("largest differences:", max(lead["param_diff"].values()), lead["param_diff"])
+    for name, diff in lead["param_diff"].items():
+        assert diff < TOLERANCE["sgd"], f"{name} differs by {diff} after {STEPS} steps"
+    assert len({r["replica_sha256"] for r in results}) == 1
+    assert all(moved == 0.0 for r in results for moved in r["servers_lstm_moved"].values())

@@ -6,6 +6,7 @@ servers through the real stub, and prints one JSON line with what it observed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -23,6 +24,7 @@ from services.rpc import RpcEndpoint
 from tests.support.wait import wait_until
 from trainer.lm.config import LmModelConfig, TrainerConfig
 from trainer.lm.data import BatchStream
+from trainer.lm.dense import GROUP_PREFIX, join_trainer_group
 from trainer.lm.loop import TrainLoop
 from trainer.lm.model import DistributedLM, LocalLM, init_hidden
 
@@ -77,13 +79,24 @@ def sync(client: PsClient, args: argparse.Namespace) -> dict:
     model = LmModelConfig.model_validate(client.model)
     g = torch.Generator().manual_seed(7)
     data = torch.randint(0, model.ntoken, (cfg.bptt * args.steps + 1, batch * args.trainers), generator=g)
-    loop = TrainLoop(DistributedLM(client, 0.0), BatchStream(data[:, index * batch:(index + 1) * batch], cfg.bptt), cfg)
+    dist_model = DistributedLM(client, 0.0)
+    initial = full_parameters(client)
+    if args.dense == "allreduce":
+        join_trainer_group(args.endpoint.prefixed_store(GROUP_PREFIX, 60), index, args.trainers, 60)
+        dist_model.replicate()
+    loop = TrainLoop(dist_model, BatchStream(data[:, index * batch:(index + 1) * batch], cfg.bptt), cfg)
     # Everyone in step 1: a trainer joins the open step only while nobody has finished it.
     client.begin()
     wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
     losses = [loop.step().loss for _ in range(args.steps)]
     result: dict = {"losses": losses, "consistency": str(client.consistency)}
+    trained = full_parameters(client)
+    if dist_model.replica is not None:
+        replica = {f"lstm.{n}": t for n, t in dist_model.replica.weights().items()}
+        result["servers_lstm_moved"] = _max_diffs({k: trained[k] for k in replica}, {k: initial[k] for k in replica})
+        result["replica_sha256"] = hashlib.sha256(b"".join(t.numpy().tobytes() for t in replica.values())).hexdigest()
+        trained.update(replica)
     if index == 0:
         local = LocalLM(model, 0.0)
         stream, hidden = BatchStream(data, cfg.bptt), init_hidden(model, batch * args.trainers)
@@ -92,7 +105,7 @@ def sync(client: PsClient, args: argparse.Namespace) -> dict:
             x, y, _ = stream.next()
             loss, hidden = local.train_step(x, y, hidden, cfg.clip)
             local_losses.append(loss)
-        result.update(local_losses=local_losses, param_diff=_max_diffs(full_parameters(client), local_parameters(local)))
+        result.update(local_losses=local_losses, param_diff=_max_diffs(trained, local_parameters(local)))
     client.end()
     return result
 
@@ -206,6 +219,7 @@ def main() -> None:
     p.add_argument("--trainers", type=int, default=1)
     p.add_argument("--slow-down", type=float, default=1.0)
     p.add_argument("--poison", default="", help="hammer: scale each step's loss by these in turn (nan,inf)")
+    p.add_argument("--dense", default="ps", choices=("ps", "allreduce"), help="sync: where the LSTM lives")
     args = p.parse_args()
     init_logging(args.name, "warning")
     torch.set_num_threads(1)
@@ -213,6 +227,7 @@ def main() -> None:
     membership.install()
     endpoint = RpcEndpoint(args.name, "127.0.0.1", args.master_port, join_timeout=60)
     endpoint.join()
+    args.endpoint = endpoint          # sync --dense allreduce: the trainers' group meets at its store
     try:
         servers = ps_names(args.num_ps)
         wait_until(lambda: set(servers) <= set(current_members()), 60, "servers in the group")

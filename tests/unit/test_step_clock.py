@@ -31,7 +31,7 @@ class Recorder:
 def make(mode: str, **kw):
     applied = []
 
-    def apply(step, participants, clip):
+    def apply(step, participants, clip, replica_sq):
         applied.append((step, participants, clip))
         return 1.5
 
@@ -197,7 +197,7 @@ def test_protocol_mistakes_are_bad_requests():
 
 
 def test_a_failed_apply_reaches_every_arrival_and_the_step_stays_open():
-    def broken(step, participants, clip):
+    def broken(step, participants, clip, replica_sq):
         raise RuntimeError("ps1 is gone")
     clock = StepClock(Consistency.parse("sync"), apply=broken)
     begin(clock, "trainer0").result(0)

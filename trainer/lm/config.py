@@ -25,6 +25,17 @@ def _sized(data: Optional[Path], trainers: int, batch_size: int) -> None:
             raise ValueError(f"--data: {exc}") from None
 
 
+Dense = Literal["ps", "allreduce"]
+DENSE_HELP = ("where the LSTM lives: ps (on the servers, fetched each step) or allreduce (replicated on every "
+              "trainer and kept in step by DDP's all-reduce among them; needs --consistency sync)")
+
+
+def dense_needs_sync(dense: str, consistency: str) -> None:
+    if dense == "allreduce" and consistency != "sync":
+        raise ValueError(f"--dense allreduce updates synchronously (the replicas all-reduce every step), but the "
+                         f"consistency is {consistency}: use --consistency sync, or --dense ps")
+
+
 class LmModelConfig(ConfigBase):
     """The model's shape and training rule: the servers' truth (their ``ModelSpec.meta``), which
     trainers fetch on join."""
@@ -65,6 +76,7 @@ class TrainerConfig(ServersConfig):
     clip: float = Field(0.25, ge=0, description="global gradient-norm clip (0: off)")
     start: bool = Field(False, description="start an episode at launch instead of waiting for one")
     steps: Optional[int] = Field(None, ge=1, description="steps of the episode started at launch (default: unbounded)")
+    dense: Dense = Field("ps", description=DENSE_HELP)
     exit_when_done: bool = Field(False, description="stop, with exit 0, when the episode started at launch ends "
                                                     "(a batch job: under torchrun, the default)")
     eval_batch_size: int = Field(10, ge=1, description="sequences per evaluation batch")
@@ -116,6 +128,7 @@ class LmUpSettings(ConfigBase):
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N cluster steps")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="checkpoint every M seconds")
     consistency: str = Field("async", description="how the servers apply updates: async, sync or ssp:K")
+    dense: Dense = Field("ps", description=DENSE_HELP)
     straggler: float = Field(1.0, ge=1.0, le=100.0, description="run trainer0 at 1/N speed (its --slow-down), "
                                                                  "a straggler for benchmarks")
     jitter: float = Field(1.0, ge=1.0, le=100.0, description="every trainer runs at 1/N speed on a random "
@@ -128,5 +141,6 @@ class LmUpSettings(ConfigBase):
     def _one_slow_down(self) -> "LmUpSettings":
         if self.straggler > 1.0 and self.jitter > 1.0:
             raise ValueError("--straggler and --jitter both slow trainer0 down: choose one")
+        dense_needs_sync(self.dense, self.consistency)
         _sized(self.data, self.num_trainers, self.batch_size)
         return self

@@ -16,7 +16,7 @@ LEADER = "ps0"
 _PS_FLAGS = ("emsize", "nhid", "nlayers", "optimizer", "lr", "seed", "checkpoint_every_steps", "checkpoint_every_seconds",
              "consistency")
 _TRAINER_FLAGS = ("batch_size", "bptt", "dropout", "clip", "eval_tokens", "synthetic_tokens", "seed", "data",
-                  "warmup_steps")
+                  "warmup_steps", "dense")
 
 
 class LmLaunch:

@@ -61,7 +61,7 @@ class TrainLoop:
             t_fetch = time.perf_counter()
             loss, hidden = self.model.compute(emb, weights, y, self.hidden)
             t_forward = time.perf_counter()
-            done = step.finish(loss, self.cfg.clip)
+            done = step.finish(loss, self.cfg.clip, self.model.replica)
         total = time.perf_counter() - t0
         self.hidden = (hidden[0].detach(), hidden[1].detach())
         if self.cfg.slow_down > 1.0 and self._slow.random() < self.cfg.slow_fraction:

@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from ps.spec import DenseGroup, ModelSpec, Table
+from ps.service import ParameterServer
 from ps.stub import PsClient
 from ps.update import grad_sq_norm, make_optimizer
 from trainer.lm.config import LmModelConfig
+from trainer.lm.dense import DenseReplica
 from trainer.lm.softmax import DECODER, VOCABULARY, Decode, combine_partials
 
 Hidden = tuple[torch.Tensor, torch.Tensor]
@@ -106,15 +108,31 @@ class DistributedLM(nn.Module):
         self.body = _Body(self.config, dropout)
         for p in self.body.parameters():
             p.requires_grad_(False)  # a skeleton only: the weights used are the servers'
+        self.replica: Optional[DenseReplica] = None
+
+    def replicate(self) -> None:
+        """``--dense allreduce``: hold the LSTM here, starting from the servers' weights, in step
+        with the other trainers' replicas (this process must be in the trainers' group)."""
+        _, weights = self.client.fetch({})
+        self.replica = DenseReplica(self.config, self.body, weights)
+
+    def write_replica(self) -> None:
+        """The replica's weights into the servers' dense tensors (for a checkpoint)."""
+        weights = self.replica.weights()
+        self.client.each_dense_shard(ParameterServer.set_dense, weights)
 
     def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The servers' current embeddings of ``ids`` and LSTM weights, in one parallel round."""
-        rows, weights = self.client.fetch({EMBEDDING: ids})
+        """The servers' current embeddings of ``ids`` and LSTM weights (unless this trainer holds
+        a replica of them), in one parallel round."""
+        rows, weights = self.client.fetch({EMBEDDING: ids}, dense=self.replica is None)
         return rows[EMBEDDING], weights
 
     def compute(self, emb: torch.Tensor, weights: dict[str, torch.Tensor], targets: torch.Tensor,
                 hidden: Hidden) -> tuple[torch.Tensor, Hidden]:
-        out, hidden = self.body.run(emb, hidden, weights)
+        if self.replica is not None:
+            out, hidden = self.replica.forward(emb, hidden, self.training)
+        else:
+            out, hidden = self.body.run(emb, hidden, weights)
         partials = self.client.op("decode", out, targets.reshape(-1))
         return combine_partials([p[0] for p in partials], [p[1] for p in partials]), hidden
 

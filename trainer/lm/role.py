@@ -15,13 +15,15 @@ from ps.stub import ClockPause, PsClient
 from services.checkpoint.coordinator import Coordinator
 from trainer.lm.config import TrainerConfig
 from services.control import EpisodeGate, EpisodeStart, StepPause
-from services.errors import BadRequest, PeerUnavailable
+from services.errors import BadRequest, ConfigError, PeerUnavailable
 from services.lifecycle import RoleState
 from services.membership import current_members
 from services.names import parse_name
 from services.remote import withdraw
 from services.role import RoleBase, RoleContext
+from trainer.lm.config import dense_needs_sync
 from trainer.lm.data import BatchStream, Corpus, trainer_share
+from trainer.lm.dense import GROUP_PREFIX, ReplicaHold, join_trainer_group
 from trainer.lm.episodes import EpisodeRunner
 from trainer.lm.loop import TrainLoop
 from trainer.lm.model import DistributedLM
@@ -44,6 +46,7 @@ class TrainerRole(RoleBase):
         self.pause = StepPause(self._wake, self.gate)
         self._episodes: Optional[EpisodeRunner] = None   # once joined and holding the model
         self._data = ""                                  # the corpus's description, saved with positions
+        self._writes_replica = False                     # --dense allreduce: writes the replica for checkpoints
 
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
         if request.episodes is not None:
@@ -101,6 +104,14 @@ class TrainerRole(RoleBase):
         if corpus.ntoken > model.config.ntoken:
             raise PeerUnavailable(f"the corpus has {corpus.ntoken} word types but the servers' model only "
                                   f"{model.config.ntoken} rows; start the servers with --data or a larger --ntoken")
+        if cfg.dense == "allreduce":
+            try:
+                dense_needs_sync(cfg.dense, str(client.consistency))
+            except ValueError as exc:
+                raise ConfigError(f"{exc} (the servers run {client.consistency})") from None
+            join_trainer_group(self.endpoint.prefixed_store(GROUP_PREFIX, cfg.join_timeout), index,
+                               cfg.num_trainers, cfg.join_timeout)
+            model.replicate()
         loop = TrainLoop(model, BatchStream(train, cfg.bptt), cfg, self.metrics)
         steps = self._restore_position(loop)
         with self._lock:
@@ -108,6 +119,9 @@ class TrainerRole(RoleBase):
                                            heldout, self._heartbeat, steps)
         # In sync and ssp modes a checkpoint holds trainers at the step clock, where no barrier waits.
         hold = ClockPause(client) if client.consistency.clocked else self.pause
+        if model.replica is not None:
+            self._writes_replica = index == 0        # the replicas are equal: one writes for all
+            hold = ReplicaHold(hold, model.write_replica if self._writes_replica else None)
         self.checkpoints.add(PositionPart(cfg.name, hold, self._position))
         self.metrics.up.set(1)
         self.board.update(step=steps, episode=None, episodes_completed=0, members=current_members(),
@@ -130,11 +144,18 @@ class TrainerRole(RoleBase):
         self._leave()
 
     def _report_position(self) -> None:
-        """Tell ps0 where this trainer stopped, for the checkpoints taken after it is gone."""
+        """Tell ps0 where this trainer stopped, for the checkpoints taken after it is gone (the
+        first trainer also leaves its replica's weights with the servers, under --dense allreduce)."""
         with self._lock:
             if self._episodes is None or not self.endpoint.joined:
                 return
             position = self._position()
+            model = self._episodes.loop.model
+        if model.replica is not None and self._writes_replica:
+            try:
+                model.write_replica()
+            except Exception as exc:  # noqa: BLE001 - a server may be gone already; stopping goes on
+                log.warning("could not leave the replica's weights with the servers: %s", exc)
         try:
             self._ask_coordinator(Coordinator.left, self.cfg.name, position, timeout=REPORT_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - ps0 may be gone already; stopping goes on
