@@ -11,3 +11,13 @@ def procs(tmp_path):
         yield owner
     finally:
         owner.stop_all()
+
+
+@pytest.fixture
+def cleanup():
+    """Registers ``rpcps up`` processes (``tests.support.upcli.UpProcess``); kills each and every
+    role it started, even when the test fails."""
+    started = []
+    yield started.append
+    for up in started:
+        up.kill()

@@ -20,14 +20,6 @@ def cli(tmp_path, *args, env=None):
                           timeout=60, cwd=tmp_path, env={**os.environ, **(env or {})})
 
 
-@pytest.fixture
-def cleanup():
-    started = []
-    yield started.append
-    for up in started:
-        up.kill()
-
-
 @pytest.mark.skipif(not WIKITEXT.is_dir(), reason="shared WikiText-2 not present")
 def test_up_steps_on_wikitext2_loss_falls_and_reports_perplexity(tmp_path, cleanup):
     up = UpProcess(tmp_path, "--steps", "40", "--data", str(WIKITEXT), "--eval-tokens", "4000", *FAST)

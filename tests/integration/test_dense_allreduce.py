@@ -4,7 +4,6 @@ shards (where either dense mode starts from them)."""
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from tests.support.upcli import UpProcess
@@ -22,14 +21,6 @@ def test_allreduce_needs_sync_and_says_so(tmp_path):
     assert "--dense allreduce updates synchronously" in r.stderr and "use --consistency sync" in r.stderr
 
 
-@pytest.fixture
-def up_process():
-    started = []
-    yield started.append
-    for up in started:
-        up.kill()
-
-
 def lstm_of(folder) -> dict[str, torch.Tensor]:
     out = {}
     for shard in ("ps0", "ps1"):
@@ -38,9 +29,9 @@ def lstm_of(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_allreduce_trains_and_checkpoints_hold_the_replica(tmp_path, up_process):
+def test_allreduce_trains_and_checkpoints_hold_the_replica(tmp_path, cleanup):
     up = UpProcess(tmp_path, "--dense", "allreduce", "--consistency", "sync", "--steps", "6", *TINY)
-    up_process(up)
+    cleanup(up)
     done = up.wait_event("done", 180)
     assert up.proc.wait(30) == 0, up.logs()
     assert done["steps"] == 6 and done["val_loss"] > 0

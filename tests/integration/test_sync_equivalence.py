@@ -18,25 +18,37 @@ TOLERANCE = {"sgd": 1e-5, "adagrad": 5e-5}
 CASES = [(1, 2, "sgd"), (1, 3, "adagrad"), (2, 2, "adagrad"), (2, 3, "sgd"), (3, 2, "sgd"), (3, 3, "adagrad")]
 
 
-@pytest.mark.parametrize("num_ps,trainers,optimizer", CASES)
-def test_sync_trainers_match_one_process_on_their_concatenated_batches(procs, num_ps, trainers, optimizer):
-    procs.start_servers(num_ps, consistency="sync", **{**SMALL_MODEL, "optimizer": optimizer,
-                                                       "lr": 0.5 if optimizer == "sgd" else 0.05})
-    drivers = [procs.spawn_driver("sync", f"trainer{k}", num_ps, steps=STEPS, clip=0.25, trainers=trainers)
+def run_sync_trainers(procs, num_ps: int, trainers: int, **args) -> list[dict]:
+    """``trainers`` sync drivers to their end, each on its slice of the batch; what each saw."""
+    drivers = [procs.spawn_driver("sync", f"trainer{k}", num_ps, steps=STEPS, clip=0.25, trainers=trainers, **args)
                for k in range(trainers)]
     results = []
     for proc in drivers:
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-4000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
-    assert {r["consistency"] for r in results} == {"sync"}
+    return results
+
+
+def assert_one_process(results: list[dict], tolerance: float) -> None:
+    """The trainers' mean loss at every step is the one-process model's on their whole batch, and
+    the parameters after the last step agree within ``tolerance``."""
     lead = results[0]
     for step in range(STEPS):
-        mean = sum(r["losses"][step] for r in results) / trainers
+        mean = sum(r["losses"][step] for r in results) / len(results)
         assert mean == pytest.approx(lead["local_losses"][step], rel=1e-5, abs=1e-5), f"step {step + 1}"
     print("largest differences:", max(lead["param_diff"].values()), lead["param_diff"])
     for name, diff in lead["param_diff"].items():
-        assert diff < TOLERANCE[optimizer], f"{name} differs by {diff} after {STEPS} steps"
+        assert diff < tolerance, f"{name} differs by {diff} after {STEPS} steps"
+
+
+@pytest.mark.parametrize("num_ps,trainers,optimizer", CASES)
+def test_sync_trainers_match_one_process_on_their_concatenated_batches(procs, num_ps, trainers, optimizer):
+    procs.start_servers(num_ps, consistency="sync", **{**SMALL_MODEL, "optimizer": optimizer,
+                                                       "lr": 0.5 if optimizer == "sgd" else 0.05})
+    results = run_sync_trainers(procs, num_ps, trainers)
+    assert {r["consistency"] for r in results} == {"sync"}
+    assert_one_process(results, TOLERANCE[optimizer])
 
 
 def test_allreduce_trainers_match_one_process_and_keep_identical_replicas(procs):
@@ -45,19 +57,7 @@ def test_allreduce_trainers_match_one_process_and_keep_identical_replicas(procs)
     are bit-identical, and the servers' own LSTM weights are never touched."""
     trainers = 2
     procs.start_servers(2, consistency="sync", **SMALL_MODEL)
-    drivers = [procs.spawn_driver("sync", f"trainer{k}", 2, steps=STEPS, clip=0.25, trainers=trainers,
-                                  dense="allreduce") for k in range(trainers)]
-    results = []
-    for proc in drivers:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-4000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    lead = results[0]
-    for step in range(STEPS):
-        mean = sum(r["losses"][step] for r in results) / trainers
-        assert mean == pytest.approx(lead["local_losses"][step], rel=1e-5, abs=1e-5), f"step {step + 1}"
-    print("largest differences:", max(lead["param_diff"].values()), lead["param_diff"])
-    for name, diff in lead["param_diff"].items():
-        assert diff < TOLERANCE["sgd"], f"{name} differs by {diff} after {STEPS} steps"
+    results = run_sync_trainers(procs, 2, trainers, dense="allreduce")
+    assert_one_process(results, TOLERANCE["sgd"])
     assert len({r["replica_sha256"] for r in results}) == 1
     assert all(moved == 0.0 for r in results for moved in r["servers_lstm_moved"].values())
