@@ -16,7 +16,7 @@ no port of its own): this version has a fixed set of trainers.
 import datetime
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ps.update import grad_sq_norm, make_optimizer
 from trainer.lm.config import LmModelConfig
+from trainer.lm.position import Hold
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +137,9 @@ class ReplicaHold:
     """A checkpoint's hold on a trainer that holds a replica: once held (every trainer waits at
     the step clock, so no replica changes), the first trainer writes its replica to the servers'
     dense tensors. The checkpoint then holds the dense weights once, in the server shards, where a
-    start in either dense mode finds them. ``hold``/``release`` as the hold it wraps."""
+    start in either dense mode finds them. A ``Hold`` itself."""
 
-    def __init__(self, hold: Any, write: Optional[Callable[[], None]]) -> None:
+    def __init__(self, hold: Hold, write: Optional[Callable[[], None]]) -> None:
         self._hold, self._write = hold, write      # write: None on every trainer but the first
 
     def hold(self, timeout: float) -> bool:
