@@ -8,6 +8,12 @@ when its mode allows; it reports ``arrive`` once its part of the step is done.
   the servers apply the average of the arrived trainers' gradients (``apply``), and only then
   answers the arrivals and grants the next ``begin``s. A trainer new to the clock joins the open
   step if nobody has arrived at it yet, else it takes part from the next.
+  Trainers that replicate weights among themselves (``--dense allreduce``) step in **lockstep**:
+  their all-reduce needs the same group of trainers in every step of it, so a step begins for all
+  its members at once, once each has asked to begin it (and, for the first step, once the job's
+  starting count of trainers asks). The members of a step are its *group*; a new group (a trainer
+  died, left or joined, or a member found the group broken) has a new ``group_key``, under which
+  its members form a new process group before the step (``trainer/lm/dense.py``).
 * **ssp:K**: an update is the trainer's own, applied before it arrives; ``begin`` of a trainer's
   step t waits while the slowest member has not finished step t-K-1.
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,10 +73,20 @@ class Applied:
     grad_norm: float                 # sync: of the averaged gradient, before clipping (nan otherwise)
 
 
+@dataclass(frozen=True)
+class Granted:
+    """``begin``'s answer: the step the trainer may begin now, and in lockstep its group."""
+
+    step: int
+    group: tuple[str, ...] = ()      # lockstep: the trainers taking this step, in rank order
+    group_key: str = ""              # lockstep: the same for every step of one group, new with each group
+
+
 @dataclass
 class _Member:
     clock: int                  # steps it has completed under this clock
     working: bool = False       # began a step and has not arrived
+    lockstep: int = 0           # the trainers its job starts with when it steps in lockstep (0: it does not)
 
 
 @dataclass
@@ -79,6 +96,7 @@ class _Waiting:
     clip: float = 0.0
     refused: bool = False     # sync: the servers refused its gradients; the step goes on without them
     replica_sq: float = 0.0   # sync: squared norm of the averaged gradient of weights the trainers replicate
+    lockstep: int = 0         # begin: as ``_Member.lockstep``
 
 
 @dataclass
@@ -111,6 +129,12 @@ class StepClock:
         self._frozen_at: Optional[int] = None       # no member begins a step after this one
         self._frozen_members: set[str] = set()
         self._warned: Optional[tuple[int, tuple[str, ...], float]] = None
+        # Lockstep: the group of the last step begun, and its key. The key's prefix is this clock's
+        # own, so a group of a restarted leader never meets keys an older one left in the store.
+        self._group: tuple[str, ...] = ()
+        self._generation = 0
+        self._incarnation = secrets.token_hex(4)
+        self._regroup = False                       # a member found the group broken
 
     def advance_to(self, step: int) -> None:
         """sync: the servers count on from ``step`` (a server joined further on than the leader)."""
@@ -118,21 +142,34 @@ class StepClock:
             self.step = max(self.step, step)
 
     # --- a trainer's calls ---------------------------------------------------------------------------
-    def begin(self, name: str, pending: Pending) -> None:
+    def begin(self, name: str, pending: Pending, lockstep: int = 0) -> None:
+        """``lockstep``: the trainer replicates weights with the others, and the job starts with
+        this many trainers (sync only; 0: it does not)."""
         with self._lock:
             member = self._members.get(name)
             if member is not None and member.working:
                 raise BadRequest(f"{name} began a step it has not arrived from")
             if name in self._begins:
                 raise BadRequest(f"{name} is already waiting to begin a step")
-            self._begins[name] = _Waiting(pending, self.now())
+            if lockstep and self.consistency.kind != "sync":
+                raise BadRequest(f"lockstep steps need the sync mode; the servers run {self.consistency}")
+            others = [(n, m.lockstep) for n, m in self._members.items() if n != name] + \
+                     [(n, w.lockstep) for n, w in self._begins.items()]
+            mixed = [n for n, other in others if bool(other) != bool(lockstep)]
+            if mixed:
+                raise BadRequest(f"{name} {'replicates' if lockstep else 'does not replicate'} dense weights and "
+                                 f"{mixed[0]} {'does not' if lockstep else 'does'}: every trainer of a job needs the "
+                                 f"same --dense")
+            self._begins[name] = _Waiting(pending, self.now(), lockstep=lockstep)
             actions = self._settle()
         _run(actions)
 
-    def arrive(self, name: str, clip: float, pending: Pending, refused: bool = False, replica_sq: float = 0.0) -> None:
+    def arrive(self, name: str, clip: float, pending: Pending, refused: bool = False, replica_sq: float = 0.0,
+               broken: bool = False) -> None:
         """``refused``: its update was refused (sync: it is no participant of the step).
         ``replica_sq``: the squared norm of the step's averaged gradient of the weights trainers
-        replicate (``--dense allreduce``), which the global norm clipped includes."""
+        replicate (``--dense allreduce``), which the global norm clipped includes. ``broken``: its
+        step failed in the group's all-reduce, so the next step needs a new group."""
         with self._lock:
             member = self._members.get(name)
             if member is None or not member.working:
@@ -141,6 +178,7 @@ class StepClock:
             if self.consistency.kind == "sync":
                 self._arrivals[name] = _Waiting(pending, self.now(), clip, refused, replica_sq)
                 self._short = self._short or refused
+                self._regroup = self._regroup or broken
                 actions = self._settle()
             else:
                 member.clock += 1
@@ -197,7 +235,9 @@ class StepClock:
                     "clocks": {n: m.clock for n, m in sorted(self._members.items())},
                     "waiting": None if stall is None else {"step": stall.step, "on": list(stall.on),
                                                            "seconds": round(stall.seconds, 3)},
-                    "frozen_at": self._frozen_at}
+                    "frozen_at": self._frozen_at,
+                    **({"group": {"generation": self._generation, "members": list(self._group)}}
+                       if self._lockstep() else {})}
 
     def clocks(self) -> dict[str, int]:
         with self._lock:
@@ -225,6 +265,9 @@ class StepClock:
             busy = self._applying or self._arrivals or any(m.working for m in self._members.values())
             return self.step + 1 if busy else self.step
         return max((m.clock + m.working for m in self._members.values()), default=0)
+
+    def _lockstep(self) -> bool:
+        return any(m.lockstep for m in self._members.values()) or any(w.lockstep for w in self._begins.values())
 
     def _min_clock(self) -> int:
         return min((m.clock for m in self._members.values()), default=0)
@@ -266,8 +309,10 @@ class StepClock:
         if self.consistency.kind == "sync" and not self._applying and self._arrivals \
                 and all(n in self._arrivals for n in self._members):
             actions.append(self._close())
+        if self.consistency.kind == "sync" and self._lockstep():
+            actions += self._grant_together(now)
         progressed = True
-        while progressed:   # a grant can raise the slowest clock's peers' bound, never lower it
+        while progressed and not self._lockstep():   # a grant can raise the slowest clock's peers' bound
             progressed = False
             for name in list(self._begins):
                 if self._may_begin(name):
@@ -280,6 +325,25 @@ class StepClock:
                 actions.append(lambda p=pending, held=parked: p.set_result(held))
         return actions
 
+    def _grant_together(self, now: float) -> list[Callable[[], None]]:
+        """Lockstep: the next step for every member at once, once all of them (and any newcomer)
+        wait to begin it, and the first step once the job's starting count does."""
+        if self._applying or self._arrivals or any(m.working for m in self._members.values()):
+            return []
+        ready = sorted(n for n in self._begins if not self._frozen_out(n))
+        if any(n not in ready for n in self._members):
+            return []
+        if not self._members and len(ready) < max((self._begins[n].lockstep for n in ready), default=1):
+            return []
+        if not ready:
+            return []
+        group = tuple(ready)
+        if group != self._group or self._regroup:
+            self._group, self._regroup = group, False
+            self._generation += 1
+            log.info("lockstep group %d from step %d: %s", self._generation, self.step + 1, ", ".join(group))
+        return [self._grant(name, now) for name in group]
+
     def _grant(self, name: str, now: float) -> Callable[[], None]:
         waiting = self._begins.pop(name)
         member = self._members.get(name)
@@ -291,12 +355,13 @@ class StepClock:
                 # the others would wait for it to catch up.
                 others = self._min_clock() if self._members else 0
                 start = max(self.saved.pop(name, others), others)
-            member = self._members[name] = _Member(start)
+            member = self._members[name] = _Member(start, lockstep=waiting.lockstep)
         member.working = True
         if self.metrics is not None and self.consistency.kind == "ssp":   # sync waits at its arrivals
             self.metrics.observe_wait(now - waiting.since)
-        step = member.clock + 1
-        return lambda: waiting.pending.set_result(step)
+        granted = Granted(member.clock + 1, self._group, f"{self._incarnation}/{self._generation}") \
+            if member.lockstep else Granted(member.clock + 1)
+        return lambda: waiting.pending.set_result(granted)
 
     def _close(self) -> Callable[[], None]:
         """sync: every member arrived; have the servers apply the step (off the lock)."""
@@ -354,6 +419,12 @@ class StepClock:
         """Whom the clock waits for, and since when (under the lock)."""
         now = self.now()
         if self.consistency.kind == "sync":
+            if self._lockstep() and self._begins and not self._arrivals and not self._applying \
+                    and self._frozen_at is None:
+                # Lockstep: the step begins once every member asks to.
+                late = tuple(sorted(n for n, m in self._members.items() if n not in self._begins and not m.working))
+                first = min(w.since for w in self._begins.values())
+                return _Stall(self.step + 1, late, now - first) if late else None
             if not self._arrivals or self._applying:
                 return None
             late = tuple(sorted(n for n in self._members if n not in self._arrivals))
@@ -389,19 +460,23 @@ class StepClockService(Service):
         return self.clock.describe()
 
     @remote(asynchronous=True)
-    def begin(self) -> torch.futures.Future:
-        """The number of the caller's next step, once it may begin it."""
-        return self._pending(lambda f: self.clock.begin(self._caller.name, f))
+    def begin(self, lockstep: int = 0) -> torch.futures.Future:
+        """``Granted`` the caller's next step, once it may begin it."""
+        if not isinstance(lockstep, int) or isinstance(lockstep, bool) or lockstep < 0:
+            raise BadRequest(f"lockstep must be an int >= 0, got {lockstep!r}")
+        return self._pending(lambda f: self.clock.begin(self._caller.name, f, lockstep))
 
     @remote(asynchronous=True)
-    def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0) -> torch.futures.Future:
+    def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0,
+               broken: bool = False) -> torch.futures.Future:
         """The caller's step is done (sync: its gradients are on every server, or ``refused`` by one);
         ``Applied`` once applied."""
         if not (clip >= 0 and math.isfinite(clip)):
             raise BadRequest(f"clip must be a finite float >= 0, got {clip!r}")
         if not (replica_sq >= 0 and math.isfinite(replica_sq)):
             raise BadRequest(f"replica_sq must be a finite float >= 0, got {replica_sq!r}")
-        return self._pending(lambda f: self.clock.arrive(self._caller.name, clip, f, refused, replica_sq))
+        return self._pending(lambda f: self.clock.arrive(self._caller.name, clip, f, bool(refused), replica_sq,
+                                                         bool(broken)))
 
     @remote
     def leave(self) -> None:

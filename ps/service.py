@@ -67,6 +67,7 @@ class ParameterServer(Service):
         self._contexts_lock = threading.Lock()
         self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
         self.refused = 0                    # updates refused whole (under _contexts_lock)
+        self._replica_step = -1             # the step of the trainers' replica last written (under optimizer.lock)
 
     def _initial_values(self) -> dict[str, torch.Tensor]:
         values: dict[str, torch.Tensor] = {}
@@ -126,10 +127,24 @@ class ParameterServer(Service):
             return {n: self.param(n).clone() for n in names}
 
     @remote
-    def set_dense(self, weights: dict[str, torch.Tensor]) -> None:
-        """Take this shard's dense tensors from ``weights`` (which may hold other shards' too): the
-        trainers' replica (``--dense allreduce``), written here so a checkpoint holds it once."""
+    def dense_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's state of this shard's dense tensors (name -> its state; none for SGD)."""
+        with self.optimizer.lock:
+            states = {n: self.optimizer.state_of(self.param(n)) for n in self.layout.dense_of(self.shard)}
+        return {n: state for n, state in states.items() if state}
+
+    @remote
+    def set_dense(self, weights: dict[str, torch.Tensor], step: int,
+                  state: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> bool:
+        """Take this shard's dense tensors from ``weights``, and their optimizer state from
+        ``state`` (both may hold other shards' too): the trainers' replica (``--dense allreduce``)
+        as of the step clock's ``step``, written here so a checkpoint holds it once. Every trainer
+        of the group writes its own; replicas of one step are equal, and one of an older step (a
+        trainer whose last step failed) never overwrites a newer one. Whether it was taken."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise BadRequest(f"set_dense: step must be an int >= 0, got {step!r}")
         names = self.layout.dense_of(self.shard)
+        states = self._dense_states(names, state or {})
         missing = [n for n in names if n not in weights]
         if missing:
             raise BadRequest(f"set_dense: no value for {', '.join(missing)}")
@@ -141,8 +156,35 @@ class ParameterServer(Service):
             if not bool(torch.isfinite(value).all()):
                 raise BadRequest(f"set_dense: {n} is not finite")
         with self.optimizer.lock, torch.no_grad():
+            if step < self._replica_step:
+                return False
+            self._replica_step = step
             for n in names:
                 self.param(n).copy_(weights[n])
+            for n, values in states.items():
+                self.optimizer.set_state(self.param(n), values)
+        return True
+
+    def _dense_states(self, names: list[str], state: Any) -> dict[str, dict[str, torch.Tensor]]:
+        """``set_dense``'s optimizer state for ``names``, checked: per tensor, a dict of finite
+        floating tensors shaped like it or holding one value (a step count)."""
+        if not isinstance(state, dict):
+            raise BadRequest(f"set_dense: state must be a dict of tensor name -> its state, got {describe(state)}")
+        out = {}
+        for n in names:
+            values = state.get(n)
+            if values is None:
+                continue
+            ok = isinstance(values, dict) and all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point()
+                and (v.shape == self.param(n).shape or v.numel() == 1) for k, v in values.items())
+            if not ok:
+                raise BadRequest(f"set_dense: the state of {n} must map names to float tensors "
+                                 f"{list(self.param(n).shape)} or single values, got {describe(values)}")
+            if not all(bool(torch.isfinite(v).all()) for v in values.values()):
+                raise BadRequest(f"set_dense: the state of {n} is not finite")
+            out[n] = {k: v.clone() for k, v in values.items()}
+        return out
 
     @remote
     def op(self, name: str, *args: Any) -> Any:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
@@ -29,20 +30,68 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.distributed.autograd as dist_autograd
 
-from ps.clock import FREEZE_SECONDS, Applied, StepClockService
+from ps.clock import FREEZE_SECONDS, Applied, Granted, StepClockService
 from ps.consistency import Consistency
 from ps.messages import ShardInfo
 from ps.service import ParameterServer
 from ps.sharding import ShardPlan
-from services.errors import PeerUnavailable, UpdateRefused
+from services.errors import PeerUnavailable, StepLost, UpdateRefused
 from services.remote import call_async, wait
 
 log = logging.getLogger(__name__)
 
 
+def tensor_bytes(value: Any) -> tuple[int, int]:
+    """The bytes of the tensors in ``value`` (in tuples, lists and dicts), and of those among them
+    that carry gradients back the other way at distributed backward."""
+    if isinstance(value, torch.Tensor):
+        size = value.numel() * value.element_size()
+        return size, size if value.requires_grad else 0
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    total = grads = 0
+    for item in items:
+        t, g = tensor_bytes(item)
+        total, grads = total + t, grads + g
+    return total, grads
+
+
+class Traffic:
+    """The tensor bytes this trainer's RPCs moved to and from the servers, distributed backward's
+    gradients included (each as large as the tensor it is the gradient of): payloads, counted as
+    they are handed to RPC, not wire bytes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sent = 0
+        self.received = 0
+
+    def add(self, sent: int, received: int) -> None:
+        with self._lock:
+            self.sent += sent
+            self.received += received
+
+    def call(self, args: tuple, future: torch.futures.Future) -> None:
+        sent, grads_back = tensor_bytes(args)
+        self.add(sent, grads_back)
+
+        def answered(f: torch.futures.Future) -> None:
+            try:
+                received, grads_sent = tensor_bytes(f.value())
+            except Exception:  # noqa: BLE001 - a failed call moved no answer; its caller hears of it
+                return
+            self.add(grads_sent, received)
+        future.add_done_callback(answered)
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self.sent + self.received
+
+
 class PsClient:
     def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:
         self.me, self.ps_names, self.timeout = me, ps_names, timeout
+        self.traffic = Traffic()
         infos: list[ShardInfo] = [wait(f) for f in [self._async(n, ParameterServer.info) for n in ps_names]]
         for k, info in enumerate(infos):
             if info.shard != k or info.num_shards != len(ps_names):
@@ -55,14 +104,19 @@ class PsClient:
                                       f"{infos[0].consistency}: start every server with the same --consistency")
         self.consistency = Consistency.parse(infos[0].consistency)
         self.leader = ps_names[0]                             # keeps the step clock
-        self.granted: Optional[int] = None                    # the clock's number of the step under way
+        self.granted: Optional[Granted] = None                # the step under way, as the clock granted it
+        # sync: with weights replicated among the trainers, steps begin in lockstep, and the job
+        # starts with this many trainers (0: not in lockstep)
+        self.lockstep = 0
         self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
         self.plans = {table: ShardPlan(len(ps_names), sum(i.tables[table] for i in infos)) for table in infos[0].tables}
         self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
         self._dense_shards = [k for k, info in enumerate(infos) if info.dense]
 
     def _async(self, ps: str, method: Callable[..., Any], *args: Any) -> torch.futures.Future:
-        return call_async(ps, method, *args, timeout=self.timeout)
+        future = call_async(ps, method, *args, timeout=self.timeout)
+        self.traffic.call(args, future)
+        return future
 
     def call(self, ps: str, method: Callable[..., Any], *args: Any) -> Any:
         """One method of one server, synchronously."""
@@ -79,17 +133,30 @@ class PsClient:
         if not self.consistency.clocked or self.granted is not None:
             return 0.0
         started = time.perf_counter()
-        self.granted = wait(self._async(self.leader, StepClockService.begin))
+        self.granted = wait(self._async(self.leader, StepClockService.begin, self.lockstep))
         return time.perf_counter() - started
 
-    def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0) -> tuple[Applied, float]:
+    def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0,
+               broken: bool = False) -> tuple[Applied, float]:
         """Report the step begun to the step clock; its answer (sync: once the step is applied
         everywhere) and when it was reported (``time.monotonic()``)."""
         arrived_at = time.monotonic()
         applied: Applied = wait(self._async(self.leader, StepClockService.arrive, float(clip), refused,
-                                            float(replica_sq)))
+                                            float(replica_sq), broken))
         self.granted = None
         return applied, arrived_at
+
+    def lose_step(self, why: BaseException, broken: bool = False) -> StepLost:
+        """The step begun failed before it could hand its gradients over (``broken``: in the
+        trainers' all-reduce). In sync mode the clock is told, so nobody waits for this trainer's
+        part of it. The error for the caller to raise."""
+        if self.consistency.kind == "sync" and self.granted is not None:
+            try:
+                self.arrive(0.0, refused=True, broken=broken)
+            except Exception as exc:  # noqa: BLE001 - the leader is gone too: the next begin says so
+                log.warning("could not tell the step clock this step is lost: %s", str(exc).splitlines()[0])
+        self.granted = None
+        return StepLost(f"this step was lost, nothing of it applied: {str(why).splitlines()[0]}")
 
     def end(self) -> None:
         """This trainer takes no more steps for now (its episode ended): nobody waits for it."""
@@ -153,7 +220,7 @@ class Replica(Protocol):
 
     def averaged(self, grads: dict[torch.Tensor, torch.Tensor]) -> Optional[dict[torch.Tensor, torch.Tensor]]: ...
     def sq_norm(self, grads: Optional[dict[torch.Tensor, torch.Tensor]]) -> float: ...
-    def apply(self, grads: Optional[dict[torch.Tensor, torch.Tensor]], coef: float) -> None: ...
+    def apply(self, grads: Optional[dict[torch.Tensor, torch.Tensor]], coef: float, step: int) -> None: ...
 
 
 def clip_coef(clip: float, norm: float) -> float:
@@ -212,21 +279,28 @@ class StepSession:
         ``replica`` of the weights they hold themselves (``--dense allreduce``)."""
         client = self.client
         t0 = time.perf_counter()
-        dist_autograd.backward(self.context_id, [loss])
+        if client.consistency.kind == "sync" and client.granted is None:
+            raise RuntimeError("a sync step needs client.begin() at its boundary first")
+        try:
+            dist_autograd.backward(self.context_id, [loss])
+        except Exception as exc:
+            # A sync step that cannot hand its gradients over still ends at the clock, or every
+            # other trainer would wait for it (with a replica: a peer in its all-reduce died).
+            if client.consistency.kind != "sync":
+                raise
+            raise client.lose_step(exc, broken=replica is not None) from exc
         t1 = time.perf_counter()
         if client.consistency.kind == "sync":
-            if client.granted is None:
-                raise RuntimeError("a sync step needs client.begin() at its boundary first")
             replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None
-            _, refused = wait_all([client._async(n, ParameterServer.contribute, self.context_id, client.granted)
-                                   for n in client.ps_names])
+            _, refused = wait_all([client._async(n, ParameterServer.contribute, self.context_id,
+                                                 client.granted.step) for n in client.ps_names])
             t3 = time.perf_counter()
             applied, arrived_at = client.arrive(clip, refused is not None,
                                                 replica.sq_norm(replicated) if replica is not None else 0.0)
             if replica is not None and applied.participants:
                 # Every trainer all-reduced the same gradients and reads the same norm: every
                 # replica takes the same update, whether or not the servers refused its own rows.
-                replica.apply(replicated, clip_coef(clip, applied.grad_norm))
+                replica.apply(replicated, clip_coef(clip, applied.grad_norm), applied.step)
             if refused is not None:
                 raise refused
             return Finished(applied.grad_norm, t1 - t0, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)

@@ -141,6 +141,14 @@ class SharedOptimizer:
             p.grad = None
         return rows
 
+    def state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of ``param``'s optimizer state (empty before its first step, and for SGD). Under ``lock``."""
+        return {k: v.clone() for k, v in self.optimizer.state.get(param, {}).items()}
+
+    def set_state(self, param: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """``param``'s optimizer state from elsewhere (checked by the caller). Under ``lock``."""
+        self.optimizer.state[param] = state
+
     def snapshot(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Consistent copies: never half-way through another trainer's update."""
         with self.lock:

@@ -22,6 +22,11 @@ class UpdateRefused(BadRequest):
     """A server refused an update (its values are not finite, or it is too large): nothing of it was applied."""
 
 
+class StepLost(RpcpsError):
+    """A training step failed on its way (a peer in the trainers' all-reduce died): nothing of it
+    was applied, and the next step goes on."""
+
+
 class InternalError(RpcpsError):
     """A method failed on a well-formed request: a bug on the serving side, logged there."""
 

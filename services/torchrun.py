@@ -8,8 +8,11 @@ servers' store is (``--ps-addr``): it cannot be torchrun's.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
+
+import torch.distributed as dist
 
 from services.config import CommonConfig, ConfigError, env_name
 from services.workload import TorchrunSpec
@@ -33,6 +36,19 @@ def worker(environ: Mapping[str, str]) -> Optional[Worker]:
     except ValueError:
         raise ConfigError(f"torchrun's RANK, WORLD_SIZE and LOCAL_RANK must be integers, got "
                           f"{environ['RANK']!r}, {environ['WORLD_SIZE']!r}, {environ['LOCAL_RANK']!r}") from None
+
+
+def workers_store(environ: Mapping[str, str], timeout: float) -> Optional[tuple[dist.Store, str]]:
+    """A client of torchrun's own store (``MASTER_ADDR:MASTER_PORT``, kept by its agent across
+    restarts of the workers), where its workers meet for their process groups, and its address;
+    None when torchrun did not start this process."""
+    if worker(environ) is None:
+        return None
+    host, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
+    if not host or not port.isdigit():
+        raise ConfigError(f"torchrun set no usable MASTER_ADDR/MASTER_PORT ({host!r}, {port!r})")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    return store, f"{host}:{port}"
 
 
 def as_worker(role: str, spec: TorchrunSpec, flags: Mapping[str, Any], environ: Mapping[str, str]

@@ -1,12 +1,20 @@
-"""`rpcps up --dense allreduce` as a user runs it: refused with async, and with sync it trains with
-the LSTM replicated on the trainers; a checkpoint holds the replica's weights once, in the server
-shards (where either dense mode starts from them)."""
+"""`rpcps up --dense allreduce` as a user runs it: refused with async; with sync it trains with the
+LSTM replicated on the trainers, a killed trainer leaves the others training and its replacement
+joins them, and a checkpoint holds the replica's weights once, in the server shards, where
+`--dense ps` resumes from them."""
+import hashlib
+import os
+import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
+from services.client import SidecarClient
 from tests.support.upcli import UpProcess
+from tests.support.wait import wait_until
 from trainer.lm.config import LmModelConfig
 from trainer.lm.model import init_lstm_layer
 
@@ -29,19 +37,77 @@ def lstm_of(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_allreduce_trains_and_checkpoints_hold_the_replica(tmp_path, cleanup):
-    up = UpProcess(tmp_path, "--dense", "allreduce", "--consistency", "sync", "--steps", "6", *TINY)
-    cleanup(up)
-    done = up.wait_event("done", 180)
-    assert up.proc.wait(30) == 0, up.logs()
-    assert done["steps"] == 6 and done["val_loss"] > 0
-    assert "forming the trainers' process group: rank 1 of 2" in up.full_logs()
+def digest_of(lstm: dict[str, torch.Tensor]) -> str:
+    """As a trainer's /status digests its replica."""
+    h = hashlib.sha256()
+    for _, t in sorted(lstm.items()):
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
 
+
+def agree(urls: dict[str, str], names: list[str], group: list[str], after: int = -1):
+    """The step after ``after`` that all of ``names`` took last, once all of them all-reduce in
+    ``group``; their replicas' digests must be equal at every step they all took (a difference
+    fails at once)."""
+    seen = {}
+    for name in names:
+        with SidecarClient(urls[name], timeout=2.0) as c:
+            seen[name] = c.status().get("dense_replica")
+    if any(r is None or r["allreduce_group"] != group for r in seen.values()):
+        return None
+    by_step = [dict(r["digests"]) for r in seen.values()]
+    common = set.intersection(*(set(steps) for steps in by_step))
+    for step in common:
+        assert len({steps[step] for steps in by_step}) == 1, f"replicas differ at step {step}: {seen}"
+    return max((s for s in common if s > after), default=None)
+
+
+def test_a_killed_trainer_leaves_the_others_training_with_equal_replicas_and_its_replacement_joins(tmp_path, cleanup):
+    up = UpProcess(tmp_path, "--dense", "allreduce", "--consistency", "sync", "--trainers", "3",
+                   "--restart-backoff", "0.25", "--restart-backoff-max", "1", *TINY)
+    cleanup(up)
+    urls = up.wait_event("started", 120)["sidecars"]
+    everyone = ["trainer0", "trainer1", "trainer2"]
+    before = wait_until(lambda: agree(urls, everyone, everyone), 120, "three equal replicas at one step")
+
+    victim = up.cluster()["pids"]["trainer1"]
+    os.kill(victim, signal.SIGKILL)
+    survivors = ["trainer0", "trainer2"]
+    after = wait_until(lambda: agree(urls, survivors, survivors, before), 60,
+                       "the two survivors all-reducing on, with equal replicas at one step")
+
+    up.wait_event("restart", 30, name="trainer1")
+    wait_until(lambda: agree(urls, everyone, everyone, after), 120,
+               "the replacement in the group, its replica equal to the others'")
+    assert up.cluster()["pids"]["trainer1"] != victim
+    logs = up.full_logs()
+    assert re.search(r"forming the trainers' process group \S+: rank 1 of 3 \(trainer0, trainer1, trainer2\)", logs)
+    assert "took the replica at step" in logs, "the replacement took its replica from the survivors"
+
+    # A checkpoint holds the replica once, in the server shards, bit for bit as the trainers hold it.
+    with SidecarClient(urls["trainer0"], timeout=120.0) as c:
+        taken = c.checkpoint()
+        replica = c.status()["dense_replica"]
+    step = taken["step"]
+    saved = lstm_of(Path(taken["path"]))
+    assert digest_of(saved) == dict(replica["digests"])[step]
+    assert up.terminate() == 0
+
+    # The newest checkpoint (the one taken at the stop) resumes with the LSTM back on the servers
+    # (--dense ps), from the replica's weights.
+    folder = Path(taken["path"]).parent
+    newest = lambda: max(folder.glob("step-*"), key=lambda p: int(p.name.removeprefix("step-")))  # noqa: E731
+    last = newest()
+    saved = lstm_of(last)
     model = LmModelConfig(ntoken=1000, emsize=16, nhid=16)
     initial = {k: v for layer in range(2) for k, v in init_lstm_layer(model, layer).items()}
-    final = lstm_of(tmp_path / "ckpt" / "step-6")
-    assert set(final) == set(initial)
-    for name, value in initial.items():
-        # The servers never train their LSTM in this mode: what moved it is the replica, written
-        # at the checkpoint.
-        assert not torch.equal(final[name], value), f"{name} in the final checkpoint is the initial value"
+    again = UpProcess(tmp_path, "--consistency", "sync", "--steps", "1", *TINY)
+    cleanup(again)
+    again.wait_event("done", 120)
+    assert again.proc.wait(30) == 0, again.logs()
+    assert f"resuming from {last.name}" in again.full_logs()
+    assert newest() != last
+    resumed = lstm_of(newest())
+    moved = max(float((resumed[k] - saved[k]).abs().max()) for k in saved)
+    trained = max(float((saved[k] - initial[k]).abs().max()) for k in saved)
+    assert 0 < moved < trained / 2, f"one step from the replica's weights moves them {moved}; training moved {trained}"

@@ -1,6 +1,8 @@
 """Trainers launched by the real torchrun, against servers started alone: named and counted by
 torchrun's RANK and WORLD_SIZE, each on its own share and sidecar port, reaching the servers at
---ps-addr while torchrun's MASTER_ADDR/MASTER_PORT stay its own; the job ends with the episode."""
+--ps-addr while torchrun's MASTER_ADDR/MASTER_PORT stay its own, where their process group meets
+(--dense allreduce) and sum their held-out evaluation; the job ends with the episode."""
+import re
 import shutil
 import subprocess
 import sys
@@ -20,11 +22,11 @@ def torchrun() -> list[str]:
 
 
 def test_torchrun_launches_trainers_that_train_against_the_servers(procs, tmp_path):
-    ps0, ps1 = procs.start_servers(2, **MODEL)
+    ps0, ps1 = procs.start_servers(2, consistency="sync", **MODEL)
     sidecar = free_port()
     log = tmp_path / "torchrun.log"
     argv = [*torchrun(), "--standalone", "--nproc-per-node", "2", "-m", "trainer",
-            "--num-ps", "2", "--ps-addr", f"127.0.0.1:{procs.master_port}", "--steps", str(STEPS),
+            "--num-ps", "2", "--ps-addr", f"127.0.0.1:{procs.master_port}", "--steps", str(STEPS), "--dense", "allreduce",
             "--sidecar-port", str(sidecar), "--checkpoint-dir", str(tmp_path / "ckpt"),
             "--batch-size", "4", "--bptt", "5", "--synthetic-tokens", "5000"]
     with open(log, "wb") as out:
@@ -39,8 +41,19 @@ def test_torchrun_launches_trainers_that_train_against_the_servers(procs, tmp_pa
                f"share {rank} of 2" in text
         assert f"trainer{rank} INFO services.http_server: sidecar listening on http://127.0.0.1:{sidecar + rank}" in text
         assert f"trainer{rank} INFO trainer.lm.episodes: episode 1 done after {STEPS} steps" in text
-    # Asynchronous updates: each trainer's every step is one update on each server (whose status
+        assert f"trainer{rank} INFO trainer.lm.role: the trainers' process groups meet at torchrun's store" in text
+    # Evaluation: each trainer its share, then the whole split's by all_reduce over their group,
+    # the same on both, and the token-weighted mean of the shares.
+    shares = [(float(loss), int(tokens)) for loss, tokens in
+              re.findall(r"held-out share: loss ([\d.]+) ppl [\d.]+ over (\d+) tokens", text)]
+    whole = set(re.findall(r"held-out, every trainer's share \(all_reduce\): loss ([\d.]+) ppl [\d.]+ over (\d+) "
+                           r"tokens", text))
+    assert len(shares) == 2 and len(whole) == 1, text[-4000:]
+    loss, tokens = whole.pop()
+    assert int(tokens) == sum(t for _, t in shares)
+    assert abs(float(loss) - sum(lo * t for lo, t in shares) / int(tokens)) < 1e-3
+    # Synchronous updates: the two trainers' step k is one update on each server (whose status
     # shows its count within a second).
     for server in (ps0, ps1):
         with server.client(timeout=5.0) as c:
-            wait_until(lambda: c.status()["steps"] == 2 * STEPS, 10, f"{server.name} at {2 * STEPS} updates")
+            wait_until(lambda: c.status()["steps"] == STEPS, 10, f"{server.name} at {STEPS} updates")

@@ -24,7 +24,7 @@ from services.rpc import RpcEndpoint
 from tests.support.wait import wait_until
 from trainer.lm.config import LmModelConfig, TrainerConfig
 from trainer.lm.data import BatchStream
-from trainer.lm.dense import GROUP_PREFIX, join_trainer_group
+from trainer.lm.dense import GROUP_PREFIX
 from trainer.lm.loop import TrainLoop
 from trainer.lm.model import DistributedLM, LocalLM, init_hidden
 
@@ -82,10 +82,10 @@ def sync(client: PsClient, args: argparse.Namespace) -> dict:
     dist_model = DistributedLM(client, 0.0)
     initial = full_parameters(client)
     if args.dense == "allreduce":
-        join_trainer_group(args.endpoint.prefixed_store(GROUP_PREFIX, 60), index, args.trainers, 60)
-        dist_model.replicate()
+        dist_model.replicate(lambda key: args.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", 60), args.trainers, 60)
     loop = TrainLoop(dist_model, BatchStream(data[:, index * batch:(index + 1) * batch], cfg.bptt), cfg)
-    # Everyone in step 1: a trainer joins the open step only while nobody has finished it.
+    # Everyone in step 1: a trainer joins the open step only while nobody has finished it (in
+    # lockstep, the first step waits for every trainer anyway).
     client.begin()
     wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
@@ -126,7 +126,7 @@ def clocked(client: PsClient, args: argparse.Namespace) -> dict:
     reads, done = [], []
     for _ in range(args.steps):
         client.begin()               # the step's own begin inside loop.step() is then a no-op
-        reads.append([client.granted, time.monotonic()])
+        reads.append([client.granted.step, time.monotonic()])
         done.append([reads[-1][0], loop.step().arrived_at])
     client.end()
     return {"reads": reads, "done": done}

@@ -40,15 +40,28 @@ def make(mode: str, **kw):
     return clock, applied, time, metrics
 
 
+class StepOf(Future):
+    """A begin's answer as the step number only: what most rules here are about."""
+
+    def set_result(self, granted):
+        super().set_result(granted.step)
+
+
 def begin(clock, name) -> Future:
-    f: Future = Future()
+    f: Future = StepOf()
     clock.begin(name, f)
     return f
 
 
-def arrive(clock, name, clip=0.25, refused=False) -> Future:
+def lockstep(clock, name, start_with=2) -> Future:
     f: Future = Future()
-    clock.arrive(name, clip, f, refused)
+    clock.begin(name, f, start_with)
+    return f
+
+
+def arrive(clock, name, clip=0.25, refused=False, broken=False) -> Future:
+    f: Future = Future()
+    clock.arrive(name, clip, f, refused, broken=broken)
     return f
 
 
@@ -215,3 +228,90 @@ def test_resumed_ssp_clocks_continue_and_sync_counts_on_from_the_servers_step():
     assert begin(sync, "trainer0").result(0) == 41
     arrive(sync, "trainer0").result(0)
     assert applied == [(41, ["trainer0"], 0.25)]
+
+
+# --- lockstep: trainers that all-reduce replicated weights (--dense allreduce) ---------------------
+
+def test_lockstep_first_step_waits_for_the_starting_count_then_begins_for_all_at_once():
+    clock, _, _, _ = make("sync")
+    a = lockstep(clock, "trainer1")
+    assert not a.done(), "the job starts with two trainers: one alone does not begin"
+    b = lockstep(clock, "trainer0")
+    assert a.result(0) == b.result(0)
+    assert a.result(0).step == 1 and a.result(0).group == ("trainer0", "trainer1") and a.result(0).group_key
+    assert clock.describe()["group"] == {"generation": 1, "members": ["trainer0", "trainer1"]}
+
+
+def step_all(clock, names, refused=(), broken=()):
+    waits = [arrive(clock, n, refused=n in refused, broken=n in broken) for n in names]
+    return [w.result(0) for w in waits]
+
+
+def test_lockstep_keeps_its_key_while_the_group_stays_and_a_newcomer_waits_for_the_boundary():
+    clock, applied, _, _ = make("sync")
+    first = [lockstep(clock, n) for n in ("trainer0", "trainer1")]
+    key = first[0].result(0).group_key
+    newcomer = lockstep(clock, "trainer2")
+    assert not newcomer.done(), "step 1 has begun: the newcomer takes part from step 2"
+    step_all(clock, ["trainer0", "trainer1"])
+    assert applied[-1][:2] == (1, ["trainer0", "trainer1"])
+    second = lockstep(clock, "trainer0")
+    assert not second.done() and not newcomer.done(), "step 2 begins once trainer1 asks too"
+    assert clock.describe()["waiting"]["on"] == ["trainer1"]
+    third = lockstep(clock, "trainer1")
+    grants = [f.result(0) for f in (second, third, newcomer)]
+    assert {g.step for g in grants} == {2} and {g.group for g in grants} == {("trainer0", "trainer1", "trainer2")}
+    assert len({g.group_key for g in grants}) == 1 and grants[0].group_key != key
+
+    step_all(clock, ["trainer0", "trainer1", "trainer2"])
+    again = [lockstep(clock, n) for n in ("trainer0", "trainer1", "trainer2")]
+    assert {f.result(0).group_key for f in again} == {grants[0].group_key}, "same members, same group"
+
+
+def test_lockstep_a_dead_member_gives_the_survivors_a_new_group_at_the_same_step():
+    clock, applied, _, _ = make("sync")
+    grants = [lockstep(clock, n, 3) for n in ("trainer0", "trainer1", "trainer2")]
+    key = grants[0].result(0).group_key
+    # trainer1 dies inside the all-reduce: the others' step fails there, and they say so.
+    waits = [arrive(clock, n, refused=True, broken=True) for n in ("trainer0", "trainer2")]
+    assert not any(w.done() for w in waits)
+    clock.drop("trainer1")
+    assert [w.result(0).participants for w in waits] == [(), ()] and applied == [], "nothing of step 1 applied"
+    survivors = [lockstep(clock, n, 3) for n in ("trainer0", "trainer2")]
+    got = [f.result(0) for f in survivors]
+    assert {g.step for g in got} == {1}, "step 1 again, for the survivors"
+    assert {g.group for g in got} == {("trainer0", "trainer2")} and got[0].group_key != key
+
+
+def test_lockstep_a_broken_group_is_formed_anew_even_with_the_same_members():
+    clock, _, _, _ = make("sync")
+    key = [lockstep(clock, n) for n in ("trainer0", "trainer1")][0].result(0).group_key
+    step_all(clock, ["trainer0", "trainer1"], refused=["trainer1"], broken=["trainer1"])
+    again = [lockstep(clock, n) for n in ("trainer0", "trainer1")]
+    assert again[0].result(0).group == ("trainer0", "trainer1") and again[0].result(0).group_key != key
+
+
+def test_lockstep_and_plain_trainers_cannot_share_a_clock():
+    clock, _, _, _ = make("sync")
+    lockstep(clock, "trainer0", 1).result(0)
+    with pytest.raises(BadRequest, match="every trainer of a job needs the same --dense"):
+        begin(clock, "trainer1")
+    ssp, _, _, _ = make("ssp:1")
+    with pytest.raises(BadRequest, match="need the sync mode"):
+        lockstep(ssp, "trainer0")
+
+
+def test_lockstep_freeze_holds_every_member_and_the_group_at_the_boundary():
+    clock, _, _, _ = make("sync")
+    assert all(f.result(0) for f in [lockstep(clock, n) for n in ("trainer0", "trainer1")])
+    clock.freeze("ps0")
+    step_all(clock, ["trainer0", "trainer1"])
+    parked = []
+    for n in ("trainer0", "trainer1"):
+        f: Future = Future()
+        clock.parked(n, f)
+        parked.append(f)
+    nexts = [lockstep(clock, n) for n in ("trainer0", "trainer1")]
+    assert all(p.result(0) for p in parked) and not any(f.done() for f in nexts)
+    clock.thaw("ps0")
+    assert [f.result(0).step for f in nexts] == [2, 2]

@@ -2,7 +2,12 @@
 
 (a) ``local``: the same model in one process, no RPC, torch using every core;
 (b) ``seed``: the seed tutorial's design (logits over RPC, one server, one trainer);
-(c) ``rpcps``: ``rpcps up`` with two servers and two trainers on this machine.
+(c) ``rpcps``: ``rpcps up`` with two servers and two trainers on this machine;
+(d) ``rpcps-allreduce``: the same with ``--dense allreduce --consistency sync``: the LSTM replicated
+    on the trainers, only the embedding and decoder rows over RPC.
+
+The ``rpcps`` variants also report what a trainer's step moves (``bytes_per_step``: tensor bytes to
+and from the servers over RPC, and bytes handed to the trainers' all-reduce).
 
 Each variant runs in its own processes, one after the other, ``--rounds`` times (a b c a b c …);
 ratios are taken within a round and the median reported. Prints JSON lines, the last one the summary.
@@ -36,8 +41,8 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: int, rounds: str) -> 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, steps=30, rounds="a, b, c")
-    p.add_argument("--variants", default="local,seed,rpcps", help="comma-separated subset to run")
+    add_model_arguments(p, steps=30, rounds="a, b, c, d")
+    p.add_argument("--variants", default="local,seed,rpcps,rpcps-allreduce", help="comma-separated subset to run")
 
 
 def data_of(ns: argparse.Namespace) -> Path | None:
@@ -107,13 +112,17 @@ def run_up(args: dict, data: Path | None, extra: tuple[str, ...] = (), eval_toke
         return done[-1]
 
 
-def bench_rpcps(args: dict, data: Path | None) -> dict:
-    d = run_up(args, data)
+def bench_rpcps(args: dict, data: Path | None, extra: tuple[str, ...] = ()) -> dict:
+    d = run_up(args, data, extra)
     return {"tokens_per_s": d["tokens_per_s"], "timed_steps": d["steps"] - args["warmup"], "servers": 2,
-            "trainers": 2, "loss_last": d["loss_last"]}
+            "trainers": 2, "loss_last": d["loss_last"], "bytes_per_step": d["bytes_per_step"]}
 
 
-VARIANTS = {"local": bench_local, "seed": bench_seed, "rpcps": bench_rpcps}
+def bench_rpcps_allreduce(args: dict, data: Path | None) -> dict:
+    return bench_rpcps(args, data, ("--dense", "allreduce", "--consistency", "sync"))
+
+
+VARIANTS = {"local": bench_local, "seed": bench_seed, "rpcps": bench_rpcps, "rpcps-allreduce": bench_rpcps_allreduce}
 
 
 def _run_variant(name: str, args: dict, data: Path | None) -> dict:
@@ -136,7 +145,8 @@ def run(ns: argparse.Namespace) -> int:
             print(json.dumps({"bench": "lm", "round": i, "variant": name, **result[name]}), flush=True)
         rounds.append(result)
     ratios = {}
-    for key, (num, den) in {"rpcps_vs_local": ("rpcps", "local"), "rpcps_vs_seed": ("rpcps", "seed")}.items():
+    for key, (num, den) in {"rpcps_vs_local": ("rpcps", "local"), "rpcps_vs_seed": ("rpcps", "seed"),
+                            "allreduce_vs_rpcps": ("rpcps-allreduce", "rpcps")}.items():
         pairs = [r[num]["tokens_per_s"] / r[den]["tokens_per_s"] for r in rounds if num in r and den in r]
         if pairs:
             ratios[key] = statistics.median(pairs)

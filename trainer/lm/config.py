@@ -77,6 +77,8 @@ class TrainerConfig(ServersConfig):
     start: bool = Field(False, description="start an episode at launch instead of waiting for one")
     steps: Optional[int] = Field(None, ge=1, description="steps of the episode started at launch (default: unbounded)")
     dense: Dense = Field("ps", description=DENSE_HELP)
+    group_timeout: float = Field(30.0, gt=0, description="--dense allreduce: seconds the trainers' process group "
+                                                         "waits for a member, forming it and in each all-reduce")
     exit_when_done: bool = Field(False, description="stop, with exit 0, when the episode started at launch ends "
                                                     "(a batch job: under torchrun, the default)")
     eval_batch_size: int = Field(10, ge=1, description="sequences per evaluation batch")

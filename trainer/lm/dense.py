@@ -9,11 +9,17 @@ the replica's into the context (``_finite_mean`` below); the step clock then clo
 the global norm of the whole averaged gradient, and each trainer applies the same clipped average
 to its replica with the servers' optimizer rule, so the replicas stay bit-identical.
 
-The group is formed once per trainer process, through the leader's store (its own key prefix,
-no port of its own): this version has a fixed set of trainers.
+A process group cannot lose or gain a member, so the trainers step in lockstep (``ps/clock.py``):
+every step begins for all its trainers at once, granted with its group. When the group changes (a
+trainer died, left or joined, or the last all-reduce failed), each member aborts its old process
+group and forms the new one under the group's own key in a store, with a bounded timeout; then
+the replica of the trainer that took the most steps (the lowest rank among equals) goes to all
+of them by broadcast, weights and optimizer state, so a newcomer starts where the others are and
+a survivor whose last step failed half-way catches up. Nothing restarts from a checkpoint.
 """
 # No ``from __future__ import annotations``: DDP checks a communication hook's annotations as objects.
 import datetime
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -21,15 +27,17 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.distributed_c10d import _abort_process_group
 from torch.nn.parallel import DistributedDataParallel
 
+from ps.clock import Granted
 from ps.update import grad_sq_norm, make_optimizer
 from trainer.lm.config import LmModelConfig
 from trainer.lm.position import Hold
 
 log = logging.getLogger(__name__)
 
-GROUP_PREFIX = "rpcps/trainers/0/"
+GROUP_PREFIX = "rpcps/trainers/"     # + a group's key: where its members meet in the store
 
 
 @dataclass
@@ -39,6 +47,7 @@ class _Reduced:
 
     world_size: int
     counts: list[int] = field(default_factory=list)
+    sent: int = 0             # bytes this trainer handed to all-reduces, ever
 
     @property
     def whole(self) -> bool:
@@ -51,6 +60,7 @@ def _finite_mean(state: _Reduced, bucket: dist.GradBucket) -> torch.futures.Futu
     grads = bucket.buffer()
     finite = bool(torch.isfinite(grads).all())
     sent = torch.cat([grads if finite else torch.zeros_like(grads), torch.tensor([float(finite)], dtype=grads.dtype)])
+    state.sent += sent.numel() * sent.element_size()
     pending = dist.all_reduce(sent, async_op=True).get_future()
 
     def averaged(f: torch.futures.Future) -> torch.Tensor:
@@ -72,35 +82,99 @@ class _Forward(nn.Module):
         return self.body.run(emb, hidden, None)
 
 
-def join_trainer_group(store: dist.Store, rank: int, world_size: int, timeout: float) -> None:
-    """This process's place in the trainers' gloo process group (the default group)."""
-    log.info("forming the trainers' process group: rank %d of %d", rank, world_size)
+def join_group(store: dist.Store, rank: int, world_size: int, timeout: float) -> None:
+    """This process's place in a trainers' gloo process group (the default group), leaving the
+    one it was in: aborted, not destroyed, since a dead member can hang a clean destroy."""
+    if dist.is_initialized():
+        _abort_process_group()
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
 
 
 class DenseReplica:
-    """This trainer's replica of the dense weights, and their update."""
+    """This trainer's replica of the dense weights, their update, and its place in the group of
+    trainers that keeps the replicas equal. ``store_for(key)``: a store where a group's members meet;
+    ``timeout``: how long the group waits for a member, forming it and in each collective."""
 
-    def __init__(self, config: LmModelConfig, body: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, me: str, config: LmModelConfig, body: nn.Module, weights: dict[str, torch.Tensor],
+                 store_for: Callable[[str], dist.Store], timeout: float) -> None:
         with torch.no_grad():
             for name, tensor in weights.items():
                 getattr(body.lstm, name).copy_(tensor)
         for p in body.parameters():
             p.requires_grad_(True)
+        self.me, self._store_for, self._timeout = me, store_for, timeout
         self.module = _Forward(body)
         self.params = list(self.module.parameters())
-        self._reduced = _Reduced(dist.get_world_size())
-        size_mb = sum(p.numel() * p.element_size() for p in self.params) / 2**20
-        # One bucket: a trainer's gradients are refused whole or not at all. DDP's constructor
-        # broadcasts rank 0's weights, so every replica starts equal.
-        self.ddp = DistributedDataParallel(self.module, bucket_cap_mb=size_mb + 1, broadcast_buffers=False)
-        self.ddp.register_comm_hook(self._reduced, _finite_mean)
         self.optimizer = make_optimizer(config.optimizer, self.params, config.lr)
+        self.step = -1                   # the clock's step the weights are at (-1: the servers' weights)
+        self.group: tuple[str, ...] = ()
+        self.group_key = ""              # of the group it is in ("": none)
+        self._reduced = _Reduced(0)
+        self.ddp: Optional[DistributedDataParallel] = None
+
+    def follow(self, granted: Granted) -> None:
+        """Be in the group ``granted`` a step with, forming it if it is new to this trainer."""
+        if granted.group_key == self.group_key:
+            return
+        if self.me not in granted.group:
+            raise RuntimeError(f"granted a lockstep step by a group without {self.me}: {granted.group}")
+        self.group_key, self.ddp = "", None     # until the new group is whole
+        rank, world = granted.group.index(self.me), len(granted.group)
+        log.info("forming the trainers' process group %s: rank %d of %d (%s)", granted.group_key, rank, world,
+                 ", ".join(granted.group))
+        join_group(self._store_for(granted.group_key), rank, world, self._timeout)
+        self._take_from_the_furthest()
+        self._reduced.world_size = world
+        size_mb = sum(p.numel() * p.element_size() for p in self.params) / 2**20
+        # One bucket: a trainer's gradients are refused whole or not at all. The replicas are equal
+        # already, so DDP's own first broadcast is left out.
+        self.ddp = DistributedDataParallel(self.module, bucket_cap_mb=size_mb + 1, init_sync=False)
+        self.ddp.register_comm_hook(self._reduced, _finite_mean)
+        self.group, self.group_key = granted.group, granted.group_key
+
+    @property
+    def allreduce_bytes(self) -> int:
+        """Bytes this trainer has handed to the group's all-reduces (a ring all-reduce puts about
+        twice that on the wire, whatever the group's size)."""
+        return self._reduced.sent
+
+    def sum_over_group(self, values: list[float], timeout: float = 10.0) -> Optional[list[float]]:
+        """``values`` summed over the group of the last step (all_reduce), or None when the group
+        cannot within ``timeout``: a member took another step, or is gone."""
+        if self.ddp is None:
+            return None
+        total = torch.tensor(values, dtype=torch.float64)
+        try:
+            dist.all_reduce(total, async_op=True).wait(datetime.timedelta(seconds=min(timeout, self._timeout)))
+        except Exception as exc:  # noqa: BLE001 - each trainer still has its own share
+            log.warning("could not sum over the trainers' group %s: %s", self.group_key, str(exc).splitlines()[0])
+            return None
+        return total.tolist()
+
+    def _take_from_the_furthest(self) -> None:
+        """Every member's replica := that of the member whose replica took the most steps."""
+        steps: list[Optional[int]] = [None] * dist.get_world_size()
+        dist.all_gather_object(steps, self.step)
+        source = steps.index(max(steps))
+        state = [{"step": self.step, "weights": self.weights(), "optimizer": self.optimizer.state_dict()}
+                 if dist.get_rank() == source else None]
+        dist.broadcast_object_list(state, src=source)
+        if dist.get_rank() != source:
+            taken = state[0]
+            with torch.no_grad():
+                for name, p in self.module.body.lstm.named_parameters():
+                    p.copy_(taken["weights"][name])
+            self.optimizer.load_state_dict(taken["optimizer"])
+            if taken["step"] != self.step:
+                log.info("took the replica at step %d from rank %d (mine was at %d)", taken["step"], source, self.step)
+            self.step = taken["step"]
 
     def forward(self, emb: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor], training: bool):
         self.module.train(training)
         if training:
+            if self.ddp is None:
+                raise RuntimeError("a training step with a replica needs its group first (follow)")
             self._reduced.counts.clear()
             return self.ddp(emb, hidden)
         return self.module(emb, hidden)     # evaluation: no gradients, nothing to all-reduce
@@ -119,8 +193,10 @@ class DenseReplica:
     def sq_norm(grads: Optional[dict[torch.Tensor, torch.Tensor]]) -> float:
         return 0.0 if grads is None else grad_sq_norm(list(grads.values()))
 
-    def apply(self, grads: Optional[dict[torch.Tensor, torch.Tensor]], coef: float) -> None:
-        """The servers' rule on the replica: the averaged gradient scaled by ``coef``."""
+    def apply(self, grads: Optional[dict[torch.Tensor, torch.Tensor]], coef: float, step: int) -> None:
+        """The servers' rule on the replica: the averaged gradient scaled by ``coef``; the weights
+        are then at the clock's ``step``."""
+        self.step = step
         if grads is None:
             return
         for p in self.params:
@@ -129,28 +205,46 @@ class DenseReplica:
         for p in self.params:
             p.grad = None
 
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's state of each replicated tensor, by name (none for SGD)."""
+        return {n: {k: v.detach().clone() for k, v in self.optimizer.state[p].items()}
+                for n, p in self.module.body.lstm.named_parameters() if self.optimizer.state.get(p)}
+
+    def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """The optimizer's state from the servers' (of a checkpoint): a replica goes on where
+        the servers' tensors left off."""
+        for n, p in self.module.body.lstm.named_parameters():
+            if n in state:
+                self.optimizer.state[p] = {k: v.clone() for k, v in state[n].items()}
+
+    def digest(self) -> str:
+        """The replica's weights, bit for bit, as a short hash: equal on every trainer of a group."""
+        h = hashlib.sha256()
+        for _, p in sorted(self.module.body.lstm.named_parameters()):
+            h.update(p.detach().numpy().tobytes())
+        return h.hexdigest()[:16]
+
     def weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.module.body.lstm.named_parameters()}
 
 
 class ReplicaHold:
     """A checkpoint's hold on a trainer that holds a replica: once held (every trainer waits at
-    the step clock, so no replica changes), the first trainer writes its replica to the servers'
-    dense tensors. The checkpoint then holds the dense weights once, in the server shards, where a
-    start in either dense mode finds them. A ``Hold`` itself."""
+    the step clock, so no replica changes), it writes its replica to the servers' dense tensors,
+    which keep the one of the latest step. The checkpoint then holds the dense weights once, in
+    the server shards, where a start in either dense mode finds them. A ``Hold`` itself."""
 
-    def __init__(self, hold: Hold, write: Optional[Callable[[], None]]) -> None:
-        self._hold, self._write = hold, write      # write: None on every trainer but the first
+    def __init__(self, hold: Hold, write: Callable[[], None]) -> None:
+        self._hold, self._write = hold, write
 
     def hold(self, timeout: float) -> bool:
         if not self._hold.hold(timeout):
             return False
-        if self._write is not None:
-            try:
-                self._write()
-            except BaseException:
-                self._hold.release()
-                raise
+        try:
+            self._write()
+        except BaseException:
+            self._hold.release()
+            raise
         return True
 
     def release(self) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from trainer.lm.config import TrainerConfig
 from services.control import EpisodeGate, EpisodeStart, StepPause
-from services.errors import UpdateRefused
+from services.errors import StepLost, UpdateRefused
 from services.lifecycle import RoleState, StatusBoard
 from trainer.lm.loop import EvalResult, StepResult, TrainLoop
 from trainer.lm.metrics import TrainerMetrics
@@ -50,7 +50,10 @@ class EpisodeRunner:
         self.steps = steps          # this trainer's steps, across episodes and restores
         self.episodes = 0
         self.refused = 0            # steps skipped because their update was refused
+        self.lost = 0               # steps skipped because they failed on their way (StepLost)
         self._refused_in_a_row = 0
+        self._traffic = {"steps": 0, "rpc_bytes": 0, "allreduce_bytes": 0}
+        self._digests: deque[tuple[int, str]] = deque(maxlen=128)   # --dense allreduce: the replica's last steps
 
     def run(self, request: EpisodeStart) -> None:
         self.episodes += 1
@@ -90,7 +93,7 @@ class EpisodeRunner:
             started = time.time()
             try:
                 result = self.loop.step()
-            except UpdateRefused as exc:
+            except (UpdateRefused, StepLost) as exc:
                 self._skip(exc)
                 continue
             self._refused_in_a_row = 0
@@ -103,23 +106,51 @@ class EpisodeRunner:
             self.board.update(step=self.steps, episode=dict(episode), loss=result.loss,
                               loss_avg=sum(recent) / len(recent), loss_first=first_loss,
                               tokens_per_s=tokens_per_s, grad_norm=result.grad_norm, timed=dict(throughput.window),
-                              step_seconds={k: round(v, 6) for k, v in result.phases.items()})
+                              step_seconds={k: round(v, 6) for k, v in result.phases.items()},
+                              moved=self._count_traffic(result), **self._replica_status())
             if time.monotonic() - last_log >= self.cfg.log_interval:
                 last_log = time.monotonic()
                 self._heartbeat()
                 log.info("step %d | loss %.3f | %.0f tokens/s", self.steps, sum(recent) / len(recent), tokens_per_s)
 
-    def _skip(self, exc: UpdateRefused) -> None:
-        """A step the servers refused: its batch is skipped; many in a row end the trainer, since
-        the cause (bad data, a diverging learning rate) will not go away by itself."""
-        self.refused += 1
+    def _skip(self, exc: Exception) -> None:
+        """A step the servers refused, or lost on its way (``StepLost``): its batch is skipped;
+        many in a row end the trainer, since the cause (bad data, a diverging learning rate, a
+        group that cannot form) will not go away by itself."""
+        lost = isinstance(exc, StepLost)
+        if lost:
+            self.lost += 1
+            self.board.update(lost_steps=self.lost)
+        else:
+            self.refused += 1
+            self.metrics.steps_refused.inc()
+            self.board.update(refused_steps=self.refused)
         self._refused_in_a_row += 1
-        self.metrics.steps_refused.inc()
-        self.board.update(refused_steps=self.refused)
-        log.warning("step skipped, its update refused (%d in a row): %s", self._refused_in_a_row, exc)
+        log.warning("step skipped, %s (%d in a row): %s", "lost" if lost else "its update refused",
+                    self._refused_in_a_row, exc)
         if self._refused_in_a_row >= self.cfg.max_refused_steps:
-            raise UpdateRefused(f"{self._refused_in_a_row} steps in a row were refused (the last: {exc}); stopping "
-                                f"rather than spinning: check the data, --lr and --clip")
+            raise type(exc)(f"{self._refused_in_a_row} steps in a row were refused or lost (the last: {exc}); "
+                            f"stopping rather than spinning: check the data, --lr and --clip, and the trainers' "
+                            f"connections to each other")
+
+    def _count_traffic(self, result: StepResult) -> dict[str, int]:
+        t = self._traffic
+        t["steps"] += 1
+        t["rpc_bytes"] += result.rpc_bytes
+        t["allreduce_bytes"] += result.allreduce_bytes
+        return dict(t)
+
+    def _replica_status(self) -> dict[str, Any]:
+        """--dense allreduce: which step the replica is at, its digest (equal on every trainer of
+        the group at that step) and the group."""
+        replica = self.loop.model.replica
+        if replica is None:
+            return {}
+        digest = replica.digest()
+        if not self._digests or self._digests[-1][0] != replica.step:
+            self._digests.append((replica.step, digest))
+        return {"dense_replica": {"step": replica.step, "digest": digest, "allreduce_group": list(replica.group),
+                                  "digests": list(self._digests)}}
 
     def _leave_clock(self) -> None:
         """Between episodes this trainer takes no steps: in sync and ssp modes nobody may wait for it."""
@@ -133,7 +164,17 @@ class EpisodeRunner:
         with self.pause.quiet():     # evaluation changes neither parameters nor position
             result: EvalResult = self.loop.evaluate(self.heldout, should_stop=lambda: self.gate.closing)
         self.metrics.eval_loss.set(result.loss)
-        self.board.update(evaluating=False, eval={"loss_sum": result.loss_sum, "tokens": result.tokens,
-                                                  "loss": result.loss, "ppl": result.ppl})
         log.info("episode %d held-out share: loss %.3f ppl %.1f over %d tokens",
                  self.episodes, result.loss, result.ppl, result.tokens)
+        # --dense allreduce: the whole held-out split's, summed over the group by all_reduce.
+        whole = self.loop.model.sum_over_trainers([result.loss_sum, float(result.tokens)])
+        if whole is not None:
+            everyone = EvalResult(whole[0], int(whole[1]))
+            self.board.update(eval_all=_held_out(everyone))
+            log.info("episode %d held-out, every trainer's share (all_reduce): loss %.4f ppl %.2f over %d tokens",
+                     self.episodes, everyone.loss, everyone.ppl, everyone.tokens)
+        self.board.update(evaluating=False, eval=_held_out(result))
+
+
+def _held_out(result: EvalResult) -> dict[str, float]:
+    return {"loss_sum": result.loss_sum, "tokens": result.tokens, "loss": result.loss, "ppl": result.ppl}

@@ -85,7 +85,7 @@ class LmLaunch:
                 "loss_last": sum(lasts) / len(lasts) if lasts else None,
                 "tokens_per_s": _tokens_per_s(st),
                 "val_loss": val_loss, "val_ppl": math.exp(val_loss) if val_loss is not None else None,
-                "val_tokens": val_tokens, "restarts": restarts}
+                "val_tokens": val_tokens, "restarts": restarts, "bytes_per_step": _bytes_per_step(st)}
 
     def human(self, e: dict[str, Any]) -> Optional[str]:
         if e["event"] == "progress":
@@ -110,3 +110,10 @@ def _tokens_per_s(statuses: list[TrainerStatus]) -> float:
         span = max(w.end for w in windows) - min(w.start for w in windows)
         return sum(w.tokens for w in windows) / span if span > 0 else 0.0
     return sum(s.tokens_per_s or 0.0 for s in statuses)
+
+
+def _bytes_per_step(statuses: list[TrainerStatus]) -> dict[str, float]:
+    """What a trainer's step moves, on average over every trainer's steps."""
+    steps = sum(s.moved.steps for s in statuses)
+    return {"rpc": sum(s.moved.rpc_bytes for s in statuses) / steps if steps else 0.0,
+            "allreduce": sum(s.moved.allreduce_bytes for s in statuses) / steps if steps else 0.0}

@@ -24,6 +24,8 @@ class StepResult:
     grad_norm: float
     phases: dict[str, float] = field(default_factory=dict)
     arrived_at: float = 0.0     # time.monotonic() when reported to the step clock (sync, ssp)
+    rpc_bytes: int = 0          # tensor bytes to and from the servers (``ps.stub.Traffic``)
+    allreduce_bytes: int = 0    # bytes handed to the trainers' all-reduce (--dense allreduce)
 
 
 @dataclass
@@ -50,7 +52,9 @@ class TrainLoop:
 
     def step(self) -> StepResult:
         # The step boundary: in sync and ssp modes, wait for the step clock before taking the batch.
+        rpc_before, allreduce_before = self.model.client.traffic.total, self.model.allreduce_bytes
         waited = self.model.client.begin()
+        self.model.follow_group()
         x, y, wrapped = self.stream.next()
         if wrapped:  # a new pass over the text: the carried state belongs to its end
             self.hidden = init_hidden(self.model.config, self.cfg.batch_size)
@@ -70,7 +74,8 @@ class TrainLoop:
             total = time.perf_counter() - t0
         phases = {"fetch": t_fetch - t0, "forward": t_forward - t_fetch, "backward": done.backward, "clip": done.clip,
                   "optimize": done.optimize, "barrier": waited + done.barrier, "total": total + waited}
-        result = StepResult(float(loss.detach()), x.numel(), total + waited, done.grad_norm, phases, done.arrived_at)
+        result = StepResult(float(loss.detach()), x.numel(), total + waited, done.grad_norm, phases, done.arrived_at,
+                            self.model.client.traffic.total - rpc_before, self.model.allreduce_bytes - allreduce_before)
         if self.metrics is not None:
             for phase, seconds in phases.items():
                 self.metrics.observe_phase(phase, seconds)

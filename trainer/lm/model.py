@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed import Store
 from torch.func import functional_call
 
 from ps.spec import DenseGroup, ModelSpec, Table
@@ -110,16 +111,41 @@ class DistributedLM(nn.Module):
             p.requires_grad_(False)  # a skeleton only: the weights used are the servers'
         self.replica: Optional[DenseReplica] = None
 
-    def replicate(self) -> None:
-        """``--dense allreduce``: hold the LSTM here, starting from the servers' weights, in step
-        with the other trainers' replicas (this process must be in the trainers' group)."""
+    def replicate(self, store_for: Callable[[str], Store], start_with: int, timeout: float) -> None:
+        """``--dense allreduce``: hold the LSTM here, starting from the servers' weights and their
+        optimizer state, kept equal to the other trainers' replicas by a process group of the
+        trainers of each step, whose members meet in ``store_for(key)`` and wait ``timeout`` for
+        each other. Steps begin in lockstep; the job starts once ``start_with`` trainers ask for
+        its first step."""
         _, weights = self.client.fetch({})
-        self.replica = DenseReplica(self.config, self.body, weights)
+        self.replica = DenseReplica(self.client.me, self.config, self.body, weights, store_for, timeout)
+        for state in self.client.each_dense_shard(ParameterServer.dense_state):
+            self.replica.load_optimizer_state(state)
+        self.client.lockstep = start_with
+
+    def follow_group(self) -> None:
+        """At a step's beginning: with a replica, be in the group the step was granted with."""
+        if self.replica is None:
+            return
+        try:
+            self.replica.follow(self.client.granted)
+        except Exception as exc:
+            raise self.client.lose_step(exc, broken=True) from exc
+
+    @property
+    def allreduce_bytes(self) -> int:
+        return self.replica.allreduce_bytes if self.replica is not None else 0
+
+    def sum_over_trainers(self, values: list[float]) -> Optional[list[float]]:
+        """With a replica: ``values`` summed over the trainers of its group, else None."""
+        return self.replica.sum_over_group(values) if self.replica is not None else None
 
     def write_replica(self) -> None:
-        """The replica's weights into the servers' dense tensors (for a checkpoint)."""
-        weights = self.replica.weights()
-        self.client.each_dense_shard(ParameterServer.set_dense, weights)
+        """The replica's weights and optimizer state into the servers' dense tensors (for a
+        checkpoint), unless it has taken no step: then it holds the servers' own."""
+        if self.replica.step >= 0:
+            self.client.each_dense_shard(ParameterServer.set_dense, self.replica.weights(), self.replica.step,
+                                         self.replica.optimizer_state())
 
     def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The servers' current embeddings of ``ids`` and LSTM weights (unless this trainer holds

@@ -7,8 +7,11 @@ checkpoint coordinator's RPCs hold training at a step boundary (``PositionPart``
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from torch.distributed import PrefixStore, Store
 
 from ps.config import ps_names
 from ps.stub import ClockPause, PsClient
@@ -21,9 +24,10 @@ from services.membership import current_members
 from services.names import parse_name
 from services.remote import withdraw
 from services.role import RoleBase, RoleContext
+from services.torchrun import workers_store
 from trainer.lm.config import dense_needs_sync
 from trainer.lm.data import BatchStream, Corpus, trainer_share
-from trainer.lm.dense import GROUP_PREFIX, ReplicaHold, join_trainer_group
+from trainer.lm.dense import GROUP_PREFIX, ReplicaHold
 from trainer.lm.episodes import EpisodeRunner
 from trainer.lm.loop import TrainLoop
 from trainer.lm.model import DistributedLM
@@ -46,7 +50,6 @@ class TrainerRole(RoleBase):
         self.pause = StepPause(self._wake, self.gate)
         self._episodes: Optional[EpisodeRunner] = None   # once joined and holding the model
         self._data = ""                                  # the corpus's description, saved with positions
-        self._writes_replica = False                     # --dense allreduce: writes the replica for checkpoints
 
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
         if request.episodes is not None:
@@ -84,6 +87,18 @@ class TrainerRole(RoleBase):
                  loop.stream.position, loop.stream.data.size(0), loop.stream.epoch, point.steps)
         return point.steps
 
+    def _group_stores(self) -> Callable[[str], Store]:
+        """Where the trainers' process groups meet (--dense allreduce): under torchrun, at its own
+        store (its MASTER_ADDR/MASTER_PORT); else at the leader's, each under its own key."""
+        timeout = self.cfg.group_timeout
+        torchrun = workers_store(os.environ, timeout)
+        if torchrun is None:
+            log.info("the trainers' process groups meet at ps0's store")
+            return lambda key: self.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", timeout)
+        store, address = torchrun
+        log.info("the trainers' process groups meet at torchrun's store %s", address)
+        return lambda key: PrefixStore(f"{GROUP_PREFIX}{key}/", store)
+
     def request_stop(self) -> None:
         self.gate.close()
 
@@ -109,9 +124,7 @@ class TrainerRole(RoleBase):
                 dense_needs_sync(cfg.dense, str(client.consistency))
             except ValueError as exc:
                 raise ConfigError(f"{exc} (the servers run {client.consistency})") from None
-            join_trainer_group(self.endpoint.prefixed_store(GROUP_PREFIX, cfg.join_timeout), index,
-                               cfg.num_trainers, cfg.join_timeout)
-            model.replicate()
+            model.replicate(self._group_stores(), cfg.num_trainers, cfg.group_timeout)
         loop = TrainLoop(model, BatchStream(train, cfg.bptt), cfg, self.metrics)
         steps = self._restore_position(loop)
         with self._lock:
@@ -120,8 +133,7 @@ class TrainerRole(RoleBase):
         # In sync and ssp modes a checkpoint holds trainers at the step clock, where no barrier waits.
         hold = ClockPause(client) if client.consistency.clocked else self.pause
         if model.replica is not None:
-            self._writes_replica = index == 0        # the replicas are equal: one writes for all
-            hold = ReplicaHold(hold, model.write_replica if self._writes_replica else None)
+            hold = ReplicaHold(hold, model.write_replica)
         self.checkpoints.add(PositionPart(cfg.name, hold, self._position))
         self.metrics.up.set(1)
         self.board.update(step=steps, episode=None, episodes_completed=0, members=current_members(),
@@ -144,14 +156,14 @@ class TrainerRole(RoleBase):
         self._leave()
 
     def _report_position(self) -> None:
-        """Tell ps0 where this trainer stopped, for the checkpoints taken after it is gone (the
-        first trainer also leaves its replica's weights with the servers, under --dense allreduce)."""
+        """Tell ps0 where this trainer stopped, for the checkpoints taken after it is gone (and
+        leave its replica's weights with the servers, under --dense allreduce)."""
         with self._lock:
             if self._episodes is None or not self.endpoint.joined:
                 return
             position = self._position()
             model = self._episodes.loop.model
-        if model.replica is not None and self._writes_replica:
+        if model.replica is not None:
             try:
                 model.write_replica()
             except Exception as exc:  # noqa: BLE001 - a server may be gone already; stopping goes on

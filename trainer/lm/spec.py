@@ -22,10 +22,13 @@ SPEC = WorkloadSpec(
     up=LmUpSettings,
     launch="trainer.lm.launch:LmLaunch",
     checkpoint_dir="checkpoints",
-    benches=(BenchSpec("lm", "tokens/s: one process vs the seed design vs rpcps", "trainer.lm.bench"),
+    benches=(BenchSpec("lm", "tokens/s: one process vs the seed design vs rpcps (--dense ps and allreduce)",
+                       "trainer.lm.bench"),
              BenchSpec("consistency", "tokens/s and held-out loss: async vs sync vs ssp:2, and with a straggler",
                        "trainer.lm.bench_consistency"),
              BenchSpec("checkpoint", "checkpoint save/restore of a 2M x 64 shard vs dd", "ps.bench"),
              BenchSpec("joins", "server memory, fds and threads per trainer join and leave (kills included)",
-                       "trainer.lm.bench_joins")),
+                       "trainer.lm.bench_joins"),
+             BenchSpec("recovery", "--dense allreduce: seconds from a trainer's SIGKILL to the next step, "
+                                   "rpcps's regroup vs torchrun's restart", "trainer.lm.bench_recovery")),
 )

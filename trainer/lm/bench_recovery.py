@@ -1,0 +1,189 @@
+"""``rpcps bench recovery``: under ``--dense allreduce``, how long training stops when a trainer
+dies, two ways against the same two sync servers:
+
+(a) ``rpcps``: three trainers; one is killed with SIGKILL. Measured: seconds from the kill to the
+    survivors' next step (their new process group formed, their replicas taken on), and to the
+    first step of a replacement started at the kill (as ``rpcps up`` restarts it).
+(b) ``torchrun``: the same three trainers as torchrun's workers (``--max-restarts``); one is
+    killed. torchrun stops every worker and starts them all again; measured: seconds from the kill
+    to the first step after the restart.
+
+A step is seen in the trainers' /status (the step clock's step their replicas are at), polled
+every 20 ms. Prints JSON lines, the last one the summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+TARGETS = {"survivors_next_step_s": 5.0}
+TRAINERS = ["trainer0", "trainer1", "trainer2"]
+VICTIM = 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="JSON lines only (the output is JSON either way)")
+    p.add_argument("--kills", type=int, default=3, help="trainers killed, one after another, in each way")
+    p.add_argument("--ways", default="rpcps,torchrun", help="comma-separated subset of rpcps, torchrun")
+
+
+def _status(url: str) -> dict:
+    from services.client import SidecarClient
+    with SidecarClient(url, timeout=2.0) as c:
+        return c.status()
+
+
+def _replica(url: str) -> Optional[dict]:
+    try:
+        return _status(url).get("dense_replica")
+    except Exception:  # noqa: BLE001 - down or restarting: no step seen there
+        return None
+
+
+def _until(probe: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = probe()
+        if seen:
+            return seen
+        time.sleep(interval)  # noqa: sleep-ok (polling inside a deadline)
+    raise SystemExit(f"rpcps bench recovery: gave up after {timeout:.0f}s waiting for {what}")
+
+
+def _ready(url: str) -> bool:
+    from services.client import SidecarClient
+    try:
+        with SidecarClient(url, timeout=2.0) as c:
+            return c.ready()
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+def _worker_pid(agent: int, rank: int) -> int:
+    """The pid of torchrun's worker ``rank``: a child of its agent with that RANK."""
+    for task in os.listdir(f"/proc/{agent}/task"):
+        with open(f"/proc/{agent}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/environ", "rb") as env:
+                    if f"RANK={rank}".encode() in env.read().split(b"\0"):
+                        return int(child)
+    raise SystemExit(f"rpcps bench recovery: torchrun has no worker of rank {rank}")
+
+
+def _stepping(urls: list[str], group_size: int, after: int = -1) -> Callable[[], Optional[int]]:
+    """A probe: the furthest step, past ``after``, that a trainer at ``urls`` took in a group of
+    ``group_size``."""
+    def probe() -> Optional[int]:
+        steps = [r["step"] for r in map(_replica, urls) if r and len(r["allreduce_group"]) == group_size]
+        best = max(steps, default=-1)
+        return best if best > after else None
+    return probe
+
+
+def _furthest(urls: list[str]) -> int:
+    return max((r["step"] for r in map(_replica, urls) if r), default=-1)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from services.launcher import free_port, spawn_role, stop_in_waves
+
+    ways = [w for w in ns.ways.split(",") if w]
+    with tempfile.TemporaryDirectory(prefix="rpcps-recovery-") as tmp:
+        root, port = Path(tmp), free_port()
+        common = ["--master-port", str(port), "--checkpoint-dir", str(root / "ckpt"), "--num-ps", "2"]
+        trainer_flags = ["--num-ps", "2", "--dense", "allreduce", "--synthetic-tokens", "50000", "--log-interval", "5"]
+        servers = []
+        for name in ("ps0", "ps1"):
+            sidecar = free_port()
+            servers.append((name, spawn_role("services.cli", ["ps", "--name", name, "--sidecar-port", str(sidecar),
+                                                              *common, "--consistency", "sync", "--no-resume"],
+                                             root / f"{name}.log"), f"http://127.0.0.1:{sidecar}"))
+        results = {}
+        try:
+            for _, _, url in servers:
+                _until(lambda: _ready(url), 120, "the servers", 0.2)
+            if "rpcps" in ways:
+                results["rpcps"] = _rpcps_way(ns.kills, root, port, trainer_flags, free_port, spawn_role, stop_in_waves)
+            if "torchrun" in ways:
+                results["torchrun"] = _torchrun_way(ns.kills, root, port, trainer_flags, free_port)
+        finally:
+            stop_in_waves([[(n, p) for n, p, _ in servers[1:]], [(n, p) for n, p, _ in servers[:1]]], 15.0)
+    summary: dict = {"bench": "recovery", "kills": ns.kills, "targets": TARGETS, "results": {}}
+    for way, runs in results.items():
+        summary["results"][way] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    if "rpcps" in summary["results"]:
+        summary["met"] = {"survivors_next_step_s": summary["results"]["rpcps"]["survivors_next_step_s"]
+                          <= TARGETS["survivors_next_step_s"]}
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _rpcps_way(kills: int, root: Path, port: int, flags: list[str], free_port, spawn_role, stop_in_waves) -> list[dict]:
+    procs: dict[str, subprocess.Popen] = {}
+    urls: dict[str, str] = {}
+
+    def start(name: str) -> None:
+        sidecar = free_port()
+        urls[name] = f"http://127.0.0.1:{sidecar}"
+        procs[name] = spawn_role("services.cli", ["trainer", "--name", name, "--sidecar-port", str(sidecar),
+                                                  "--master-port", str(port), "--checkpoint-dir", str(root / "ckpt"),
+                                                  "--num-trainers", "3", "--start", *flags], root / f"{name}.log")
+    runs = []
+    try:
+        for name in TRAINERS:
+            start(name)
+        everyone = lambda: [urls[n] for n in TRAINERS]  # noqa: E731 - the victim's url changes with each restart
+        _until(_stepping(everyone(), 3), 300, "three trainers stepping", 0.2)
+        victim = TRAINERS[VICTIM]
+        survivors = [urls[n] for n in TRAINERS if n != victim]
+        for _ in range(kills):
+            at = _furthest(everyone())
+            procs[victim].kill()
+            killed = time.monotonic()
+            procs[victim].wait(30)
+            start(victim)    # at once: what rpcps up does after --restart-backoff
+            next_step = _until(_stepping(survivors, 2, at), 120, "the survivors' next step")
+            resumed = time.monotonic() - killed
+            _until(_stepping(everyone(), 3, next_step), 300, "the replacement's first step")
+            runs.append({"survivors_next_step_s": round(resumed, 3),
+                         "replacement_in_step_s": round(time.monotonic() - killed, 3)})
+            print(json.dumps({"bench": "recovery", "way": "rpcps", **runs[-1]}), flush=True)
+    finally:
+        stop_in_waves([list(procs.items())], 30.0)
+    return runs
+
+
+def _torchrun_way(kills: int, root: Path, port: int, flags: list[str], free_port) -> list[dict]:
+    from services.launcher import stop_in_waves
+
+    sidecar = free_port()
+    beside = Path(sys.executable).parent / "torchrun"
+    argv = [str(beside) if beside.exists() else "torchrun", "--standalone", "--nproc-per-node", "3",
+            "--max-restarts", str(kills), "-m", "trainer", "--ps-addr", f"127.0.0.1:{port}",
+            "--sidecar-port", str(sidecar), "--checkpoint-dir", str(root / "ckpt"), *flags]
+    with open(root / "torchrun.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    urls = [f"http://127.0.0.1:{sidecar + rank}" for rank in range(3)]
+    runs = []
+    try:
+        _until(_stepping(urls, 3), 300, "torchrun's three workers stepping", 0.2)
+        for _ in range(kills):
+            at = _furthest(urls)
+            os.kill(_worker_pid(proc.pid, VICTIM), signal.SIGKILL)
+            killed = time.monotonic()
+            _until(_stepping(urls, 3, at), 300, "the first step after torchrun's restart")
+            runs.append({"next_step_s": round(time.monotonic() - killed, 3)})
+            print(json.dumps({"bench": "recovery", "way": "torchrun", **runs[-1]}), flush=True)
+    finally:
+        stop_in_waves([[("torchrun", proc)]], 30.0)
+    return runs
