@@ -94,20 +94,30 @@ def test_a_killed_trainer_leaves_the_others_training_with_equal_replicas_and_its
     assert up.terminate() == 0
 
     # The newest checkpoint (the one taken at the stop) resumes with the LSTM back on the servers
-    # (--dense ps), from the replica's weights.
+    # (--dense ps), from the replica's weights; and that run's, in --dense allreduce again, from
+    # the servers' weights.
     folder = Path(taken["path"]).parent
-    newest = lambda: max(folder.glob("step-*"), key=lambda p: int(p.name.removeprefix("step-")))  # noqa: E731
-    last = newest()
-    saved = lstm_of(last)
     model = LmModelConfig(ntoken=1000, emsize=16, nhid=16)
     initial = {k: v for layer in range(2) for k, v in init_lstm_layer(model, layer).items()}
-    again = UpProcess(tmp_path, "--consistency", "sync", "--steps", "1", *TINY)
-    cleanup(again)
-    again.wait_event("done", 120)
-    assert again.proc.wait(30) == 0, again.logs()
-    assert f"resuming from {last.name}" in again.full_logs()
+    for mode in (["--dense", "ps"], ["--dense", "allreduce"]):
+        saved, resumed = one_step_on(folder, tmp_path, cleanup, mode)
+        moved = max(float((resumed[k] - saved[k]).abs().max()) for k in saved)
+        trained = max(float((saved[k] - initial[k]).abs().max()) for k in saved)
+        # At --lr 1e-6 a step moves no weight by more than 1e-6 (its clipped norm is at most
+        # 0.25e-6): the step began from the checkpoint's LSTM, not from any other.
+        assert moved <= 1e-6 < trained, f"{mode}: a step from the checkpoint moved its LSTM by {moved}"
+
+
+def one_step_on(folder: Path, tmp_path: Path, cleanup, mode: list[str]):
+    """The LSTM of the newest checkpoint in ``folder``, and of the one after a sync step (at a
+    tiny learning rate) resumed from it in ``mode``."""
+    def newest() -> Path:
+        return max(folder.glob("step-*"), key=lambda p: int(p.name.removeprefix("step-")))
+    last = newest()
+    run = UpProcess(tmp_path, "--consistency", "sync", "--steps", "1", "--lr", "1e-6", *mode, *TINY)
+    cleanup(run)
+    run.wait_event("done", 120)
+    assert run.proc.wait(30) == 0, run.logs()
+    assert f"resuming from {last.name}" in run.full_logs()
     assert newest() != last
-    resumed = lstm_of(newest())
-    moved = max(float((resumed[k] - saved[k]).abs().max()) for k in saved)
-    trained = max(float((saved[k] - initial[k]).abs().max()) for k in saved)
-    assert 0 < moved < trained / 2, f"one step from the replica's weights moves them {moved}; training moved {trained}"
+    return lstm_of(last), lstm_of(newest())
