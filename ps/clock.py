@@ -335,8 +335,6 @@ class StepClock:
             return []
         if not self._members and len(ready) < max((self._begins[n].lockstep for n in ready), default=1):
             return []
-        if not ready:
-            return []
         group = tuple(ready)
         if group != self._group or self._regroup:
             self._group, self._regroup = group, False

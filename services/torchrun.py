@@ -9,7 +9,10 @@ servers' store is (``--ps-addr``): it cannot be torchrun's.
 from __future__ import annotations
 
 import datetime
+import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
@@ -36,6 +39,12 @@ def worker(environ: Mapping[str, str]) -> Optional[Worker]:
     except ValueError:
         raise ConfigError(f"torchrun's RANK, WORLD_SIZE and LOCAL_RANK must be integers, got "
                           f"{environ['RANK']!r}, {environ['WORLD_SIZE']!r}, {environ['LOCAL_RANK']!r}") from None
+
+
+def command() -> list[str]:
+    """How to run torchrun: the one beside this interpreter (a virtualenv's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "torchrun"
+    return [str(beside)] if beside.exists() else [shutil.which("torchrun") or "torchrun"]
 
 
 def workers_store(environ: Mapping[str, str], timeout: float) -> Optional[tuple[dist.Store, str]]:

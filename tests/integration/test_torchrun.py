@@ -3,12 +3,10 @@ torchrun's RANK and WORLD_SIZE, each on its own share and sidecar port, reaching
 --ps-addr while torchrun's MASTER_ADDR/MASTER_PORT stay its own, where their process group meets
 (--dense allreduce) and sum their held-out evaluation; the job ends with the episode."""
 import re
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 from services.launcher import free_port
+from services.torchrun import command as torchrun_command
 from tests.support.cluster import REPO, SMALL_MODEL, Role
 from tests.support.wait import wait_until
 
@@ -16,16 +14,11 @@ MODEL = {**SMALL_MODEL, "ntoken": 1000}  # the built-in corpus has 1000 word typ
 STEPS = 3
 
 
-def torchrun() -> list[str]:
-    beside = Path(sys.executable).parent / "torchrun"
-    return [str(beside)] if beside.exists() else [shutil.which("torchrun") or "torchrun"]
-
-
 def test_torchrun_launches_trainers_that_train_against_the_servers(procs, tmp_path):
     ps0, ps1 = procs.start_servers(2, consistency="sync", **MODEL)
     sidecar = free_port()
     log = tmp_path / "torchrun.log"
-    argv = [*torchrun(), "--standalone", "--nproc-per-node", "2", "-m", "trainer",
+    argv = [*torchrun_command(), "--standalone", "--nproc-per-node", "2", "-m", "trainer",
             "--num-ps", "2", "--ps-addr", f"127.0.0.1:{procs.master_port}", "--steps", str(STEPS), "--dense", "allreduce",
             "--sidecar-port", str(sidecar), "--checkpoint-dir", str(tmp_path / "ckpt"),
             "--batch-size", "4", "--bptt", "5", "--synthetic-tokens", "5000"]

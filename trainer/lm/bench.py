@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 DEFAULT_DATA = Path("../shared/datasets/wikitext-2")
 WIKITEXT2_NTOKEN = 33_278  # WikiText-2's full (train+valid+test) vocabulary, the classic example's size
@@ -43,6 +44,27 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: int, rounds: str) -> 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, steps=30, rounds="a, b, c, d")
     p.add_argument("--variants", default="local,seed,rpcps,rpcps-allreduce", help="comma-separated subset to run")
+
+
+def poll_until(probe: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    """``probe``'s first truthy answer (an exception counts as none: not up yet); a bench that
+    waits past ``timeout`` ends, saying for what."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            seen = probe()
+            if seen:
+                return seen
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(interval)  # noqa: sleep-ok (polling inside a deadline)
+    raise SystemExit(f"rpcps bench: gave up after {timeout:.0f}s waiting for {what}")
+
+
+def sidecar_ready(url: str) -> bool:
+    from services.client import SidecarClient
+    with SidecarClient(url, timeout=2.0) as c:
+        return c.ready()
 
 
 def data_of(ns: argparse.Namespace) -> Path | None:

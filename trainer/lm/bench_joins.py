@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainer.lm.bench import poll_until, sidecar_ready
+
 TARGETS = {"mb_per_join": 0.1, "fds_per_join": 0.0}
 MODEL = ["--emsize", "16", "--nhid", "16", "--lr", "0.5"]
 
@@ -56,7 +58,7 @@ def run(ns: argparse.Namespace) -> int:
             servers[name] = (proc, f"http://127.0.0.1:{url_port}")
         try:
             for _, url in servers.values():
-                _wait(lambda: _ready(url), 120)
+                poll_until(lambda: sidecar_ready(url), 120, "the servers")
 
             def members_settled() -> bool:
                 with SidecarClient(servers["ps0"][1], timeout=2.0) as c:
@@ -74,13 +76,13 @@ def run(ns: argparse.Namespace) -> int:
                         running.append((i, spawn_role("services.cli", argv, root / f"trainer{slot}.log"),
                                         f"http://127.0.0.1:{sidecar}"))
                     for i, proc, url in running:
-                        _wait(lambda: _episode_done(url) or proc.poll() is not None, 180)
+                        poll_until(lambda: _episode_done(url) or proc.poll() is not None, 180, "a trainer's episode")
                         if ns.kill_every and i % ns.kill_every == 0:
                             proc.kill()
                         else:
                             proc.send_signal(signal.SIGTERM)
                         proc.wait(30)
-                    _wait(members_settled, 60)
+                    poll_until(members_settled, 60, "the servers alone in the group")
 
             started = time.monotonic()
             joins(0, ns.warmup)
@@ -106,26 +108,8 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _ready(url: str) -> bool:
-    from services.client import SidecarClient
-    with SidecarClient(url, timeout=2.0) as c:
-        return c.ready()
-
-
 def _episode_done(url: str) -> bool:
     from services.client import SidecarClient
     with SidecarClient(url, timeout=2.0) as c:
         episode = c.status().get("episode") or {}
     return bool(episode.get("done"))
-
-
-def _wait(probe, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if probe():
-                return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.2)  # noqa: sleep-ok (polling inside a deadline)
-    raise SystemExit(f"rpcps bench joins: gave up after {timeout:.0f}s")

@@ -19,15 +19,17 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from trainer.lm.bench import poll_until, sidecar_ready
+
 TARGETS = {"survivors_next_step_s": 5.0}
 TRAINERS = ["trainer0", "trainer1", "trainer2"]
 VICTIM = 1
+POLL = 0.02   # seconds between reads of the trainers' steps while a recovery is timed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,25 +51,6 @@ def _replica(url: str) -> Optional[dict]:
         return None
 
 
-def _until(probe: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        seen = probe()
-        if seen:
-            return seen
-        time.sleep(interval)  # noqa: sleep-ok (polling inside a deadline)
-    raise SystemExit(f"rpcps bench recovery: gave up after {timeout:.0f}s waiting for {what}")
-
-
-def _ready(url: str) -> bool:
-    from services.client import SidecarClient
-    try:
-        with SidecarClient(url, timeout=2.0) as c:
-            return c.ready()
-    except Exception:  # noqa: BLE001 - not up yet
-        return False
-
-
 def _worker_pid(agent: int, rank: int) -> int:
     """The pid of torchrun's worker ``rank``: a child of its agent with that RANK."""
     for task in os.listdir(f"/proc/{agent}/task"):
@@ -79,11 +62,12 @@ def _worker_pid(agent: int, rank: int) -> int:
     raise SystemExit(f"rpcps bench recovery: torchrun has no worker of rank {rank}")
 
 
-def _stepping(urls: list[str], group_size: int, after: int = -1) -> Callable[[], Optional[int]]:
+def _stepping(urls: list[str], group_size: int, after: int = -1, not_in: str = "") -> Callable[[], Optional[int]]:
     """A probe: the furthest step, past ``after``, that a trainer at ``urls`` took in a group of
-    ``group_size``."""
+    ``group_size`` or more, other than the group ``not_in``."""
     def probe() -> Optional[int]:
-        steps = [r["step"] for r in map(_replica, urls) if r and len(r["allreduce_group"]) == group_size]
+        steps = [r["step"] for r in map(_replica, urls)
+                 if r and len(r["allreduce_group"]) >= group_size and r["group_id"] != not_in]
         best = max(steps, default=-1)
         return best if best > after else None
     return probe
@@ -110,11 +94,11 @@ def run(ns: argparse.Namespace) -> int:
         results = {}
         try:
             for _, _, url in servers:
-                _until(lambda: _ready(url), 120, "the servers", 0.2)
+                poll_until(lambda: sidecar_ready(url), 120, "the servers")
             if "rpcps" in ways:
-                results["rpcps"] = _rpcps_way(ns.kills, root, port, trainer_flags, free_port, spawn_role, stop_in_waves)
+                results["rpcps"] = _rpcps_way(ns.kills, root, port, trainer_flags)
             if "torchrun" in ways:
-                results["torchrun"] = _torchrun_way(ns.kills, root, port, trainer_flags, free_port)
+                results["torchrun"] = _torchrun_way(ns.kills, root, port, trainer_flags)
         finally:
             stop_in_waves([[(n, p) for n, p, _ in servers[1:]], [(n, p) for n, p, _ in servers[:1]]], 15.0)
     summary: dict = {"bench": "recovery", "kills": ns.kills, "targets": TARGETS, "results": {}}
@@ -127,7 +111,9 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _rpcps_way(kills: int, root: Path, port: int, flags: list[str], free_port, spawn_role, stop_in_waves) -> list[dict]:
+def _rpcps_way(kills: int, root: Path, port: int, flags: list[str]) -> list[dict]:
+    from services.launcher import free_port, spawn_role, stop_in_waves
+
     procs: dict[str, subprocess.Popen] = {}
     urls: dict[str, str] = {}
 
@@ -142,18 +128,21 @@ def _rpcps_way(kills: int, root: Path, port: int, flags: list[str], free_port, s
         for name in TRAINERS:
             start(name)
         everyone = lambda: [urls[n] for n in TRAINERS]  # noqa: E731 - the victim's url changes with each restart
-        _until(_stepping(everyone(), 3), 300, "three trainers stepping", 0.2)
+        poll_until(_stepping(everyone(), 3), 300, "three trainers stepping")
         victim = TRAINERS[VICTIM]
         survivors = [urls[n] for n in TRAINERS if n != victim]
         for _ in range(kills):
             at = _furthest(everyone())
+            # The survivors' next step is one in a group without the dead trainer: a step of the
+            # old group may still complete, and the replacement may be in the new one already.
+            old = _replica(survivors[0])["group_id"]
             procs[victim].kill()
             killed = time.monotonic()
             procs[victim].wait(30)
             start(victim)    # at once: what rpcps up does after --restart-backoff
-            next_step = _until(_stepping(survivors, 2, at), 120, "the survivors' next step")
+            next_step = poll_until(_stepping(survivors, 2, at, old), 120, "the survivors' next step", POLL)
             resumed = time.monotonic() - killed
-            _until(_stepping(everyone(), 3, next_step), 300, "the replacement's first step")
+            poll_until(_stepping(everyone(), 3, next_step), 300, "the replacement's first step", POLL)
             runs.append({"survivors_next_step_s": round(resumed, 3),
                          "replacement_in_step_s": round(time.monotonic() - killed, 3)})
             print(json.dumps({"bench": "recovery", "way": "rpcps", **runs[-1]}), flush=True)
@@ -162,12 +151,12 @@ def _rpcps_way(kills: int, root: Path, port: int, flags: list[str], free_port, s
     return runs
 
 
-def _torchrun_way(kills: int, root: Path, port: int, flags: list[str], free_port) -> list[dict]:
-    from services.launcher import stop_in_waves
+def _torchrun_way(kills: int, root: Path, port: int, flags: list[str]) -> list[dict]:
+    from services.launcher import free_port, stop_in_waves
+    from services.torchrun import command
 
     sidecar = free_port()
-    beside = Path(sys.executable).parent / "torchrun"
-    argv = [str(beside) if beside.exists() else "torchrun", "--standalone", "--nproc-per-node", "3",
+    argv = [*command(), "--standalone", "--nproc-per-node", "3",
             "--max-restarts", str(kills), "-m", "trainer", "--ps-addr", f"127.0.0.1:{port}",
             "--sidecar-port", str(sidecar), "--checkpoint-dir", str(root / "ckpt"), *flags]
     with open(root / "torchrun.log", "ab") as log:
@@ -176,12 +165,12 @@ def _torchrun_way(kills: int, root: Path, port: int, flags: list[str], free_port
     urls = [f"http://127.0.0.1:{sidecar + rank}" for rank in range(3)]
     runs = []
     try:
-        _until(_stepping(urls, 3), 300, "torchrun's three workers stepping", 0.2)
+        poll_until(_stepping(urls, 3), 300, "torchrun's three workers stepping")
         for _ in range(kills):
             at = _furthest(urls)
             os.kill(_worker_pid(proc.pid, VICTIM), signal.SIGKILL)
             killed = time.monotonic()
-            _until(_stepping(urls, 3, at), 300, "the first step after torchrun's restart")
+            poll_until(_stepping(urls, 3, at), 300, "the first step after torchrun's restart", POLL)
             runs.append({"next_step_s": round(time.monotonic() - killed, 3)})
             print(json.dumps({"bench": "recovery", "way": "torchrun", **runs[-1]}), flush=True)
     finally:

@@ -150,7 +150,7 @@ class EpisodeRunner:
         if not self._digests or self._digests[-1][0] != replica.step:
             self._digests.append((replica.step, digest))
         return {"dense_replica": {"step": replica.step, "digest": digest, "allreduce_group": list(replica.group),
-                                  "digests": list(self._digests)}}
+                                  "group_id": replica.group_key, "digests": list(self._digests)}}
 
     def _leave_clock(self) -> None:
         """Between episodes this trainer takes no steps: in sync and ssp modes nobody may wait for it."""

@@ -36,6 +36,7 @@ class ReplicaState(BaseModel):
     step: int                          # the step clock's step its weights are at (-1: the servers' weights)
     digest: str                        # sha256 of its weights, shortened: equal on every trainer at one step
     allreduce_group: list[str]         # the trainers it last all-reduced with
+    group_id: str = ""                 # that group's key: new with each group, even of the same names
     # (step, digest) of its last steps: trainers read at different moments compare at a step all took
     digests: list[tuple[int, str]] = []
 
