@@ -221,6 +221,7 @@ class Replica(Protocol):
     def averaged(self, grads: dict[torch.Tensor, torch.Tensor]) -> Optional[dict[torch.Tensor, torch.Tensor]]: ...
     def sq_norm(self, grads: Optional[dict[torch.Tensor, torch.Tensor]]) -> float: ...
     def apply(self, grads: Optional[dict[torch.Tensor, torch.Tensor]], coef: float, step: int) -> None: ...
+    def leave_group(self) -> None: ...
 
 
 def clip_coef(clip: float, norm: float) -> float:
@@ -288,6 +289,8 @@ class StepSession:
             # other trainer would wait for it (with a replica: a peer in its all-reduce died).
             if client.consistency.kind != "sync":
                 raise
+            if replica is not None:
+                replica.leave_group()
             raise client.lose_step(exc, broken=replica is not None) from exc
         t1 = time.perf_counter()
         if client.consistency.kind == "sync":

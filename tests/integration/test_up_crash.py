@@ -63,8 +63,10 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
 
     # The new trainer1 joins and trains from the servers' current (already trained) parameters.
     def retrained():
+        # Its episode's steps, not its total: a restart restores the total from a checkpoint,
+        # and reports it before its first step's loss.
         s = trainer_status(urls["trainer1"])
-        return s if s.get("state") == "running" and s.get("step", 0) >= 10 else None
+        return s if s.get("state") == "running" and (s.get("episode") or {}).get("step", 0) >= 10 else None
     s = wait_until(retrained, 90, "the restarted trainer1 training")
     rejoin_seconds = time.monotonic() - killed_at
     assert s["loss_first"] < first_loss - 0.5, (s["loss_first"], first_loss)

@@ -82,15 +82,6 @@ class _Forward(nn.Module):
         return self.body.run(emb, hidden, None)
 
 
-def join_group(store: dist.Store, rank: int, world_size: int, timeout: float) -> None:
-    """This process's place in a trainers' gloo process group (the default group), leaving the
-    one it was in: aborted, not destroyed, since a dead member can hang a clean destroy."""
-    if dist.is_initialized():
-        _abort_process_group()
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
-
-
 class DenseReplica:
     """This trainer's replica of the dense weights, their update, and its place in the group of
     trainers that keeps the replicas equal. ``store_for(key)``: a store where a group's members meet;
@@ -119,11 +110,12 @@ class DenseReplica:
             return
         if self.me not in granted.group:
             raise RuntimeError(f"granted a lockstep step by a group without {self.me}: {granted.group}")
-        self.group_key, self.ddp = "", None     # until the new group is whole
+        self.leave_group()                      # until the new group is whole
         rank, world = granted.group.index(self.me), len(granted.group)
         log.info("forming the trainers' process group %s: rank %d of %d (%s)", granted.group_key, rank, world,
                  ", ".join(granted.group))
-        join_group(self._store_for(granted.group_key), rank, world, self._timeout)
+        dist.init_process_group("gloo", store=self._store_for(granted.group_key), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=self._timeout))
         self._take_from_the_furthest()
         self._reduced.world_size = world
         size_mb = sum(p.numel() * p.element_size() for p in self.params) / 2**20
@@ -132,6 +124,16 @@ class DenseReplica:
         self.ddp = DistributedDataParallel(self.module, bucket_cap_mb=size_mb + 1, init_sync=False)
         self.ddp.register_comm_hook(self._reduced, _finite_mean)
         self.group, self.group_key = granted.group, granted.group_key
+
+    def leave_group(self) -> None:
+        """Out of the group at once, after a collective in it failed here. A failure is seen
+        first by the member next to the dead one; a member that waits on this one would go on
+        waiting until the group's timeout unless this one's connections close now. The caller
+        must tell the clock the group broke, so it forms a new one under a new key (a key's
+        rendezvous cannot be run twice)."""
+        self.group_key, self.ddp = "", None
+        if dist.is_initialized():
+            _abort_process_group()   # not destroyed: a clean destroy can hang on a dead member
 
     @property
     def allreduce_bytes(self) -> int:

@@ -130,6 +130,7 @@ class DistributedLM(nn.Module):
         try:
             self.replica.follow(self.client.granted)
         except Exception as exc:
+            self.replica.leave_group()
             raise self.client.lose_step(exc, broken=True) from exc
 
     @property
