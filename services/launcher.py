@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -141,10 +142,41 @@ def compose_up_config() -> type[LauncherConfig]:
 UpConfig = compose_up_config()
 
 
-def free_port() -> int:
+_FIRST_PORT = 20000    # above the well-known and most registered services' ports
+_handed_out: set[int] = set()          # by free_port, in this process: never twice
+_handed_out_lock = threading.Lock()
+
+
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive ports free on loopback (a role listens at a base port
+    plus its index, as torchrun's workers' sidecars do). Taken below the kernel's ephemeral
+    range: there no outgoing connection can take one before its listener binds it."""
+    top = _ephemeral_low()
+    if top - count <= _FIRST_PORT:    # no room below it: anywhere, as a last resort
+        top = 65536
+    with _handed_out_lock:
+        for _ in range(200):
+            ports = range(base := random.randrange(_FIRST_PORT, top - count), base + count)
+            if _handed_out.isdisjoint(ports) and all(map(_bindable, ports)):
+                _handed_out.update(ports)
+                return base
+    raise RuntimeError(f"no {count} consecutive free ports in {_FIRST_PORT}-{top - 1}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768        # Linux's default; elsewhere a guess that is still a free port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass

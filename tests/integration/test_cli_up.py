@@ -30,18 +30,18 @@ def test_up_steps_on_wikitext2_loss_falls_and_reports_perplexity(tmp_path, clean
     status = cli(tmp_path, "status", "--state-dir", str(up.state_dir))
     assert status.returncode == 0, status.stderr
     lines = status.stdout.strip().splitlines()
-    assert len(lines) == 4 and lines[0].startswith("ps0") and "trainer1" in status.stdout
+    assert len(lines) == 4 and lines[0].startswith("ps0") and "trainer1" in status.stdout, status.stdout
 
     done = up.wait_event("done", 300)
     assert up.proc.wait(15) == 0, up.logs()
     progress = [e for e in up.events if e["event"] == "progress"]
-    assert progress and all({"step", "loss", "tokens_per_s"} <= set(e) for e in progress)
-    assert done["steps"] == 40 and done["tokens_per_s"] > 0
+    assert progress and all({"step", "loss", "tokens_per_s"} <= set(e) for e in progress), progress
+    assert done["steps"] == 40 and done["tokens_per_s"] > 0, done
     # Starts untrained (uniform over ~18k words is 9.8; the second trainer's first step may already
     # see one update of the first's), and falls by more than a nat in 40 steps.
-    assert done["loss_first"] > math.log(18000) - 1.5
+    assert done["loss_first"] > math.log(18000) - 1.5, done
     assert done["loss_last"] < done["loss_first"] - 1.0, done
-    assert done["val_tokens"] >= 3000 and 1 < done["val_ppl"] < math.exp(done["loss_first"])
+    assert done["val_tokens"] >= 3000 and 1 < done["val_ppl"] < math.exp(done["loss_first"]), done
 
 
 def test_episode_stop_and_start_from_the_cli(tmp_path, cleanup):

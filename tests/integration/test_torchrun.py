@@ -16,7 +16,7 @@ STEPS = 3
 
 def test_torchrun_launches_trainers_that_train_against_the_servers(procs, tmp_path):
     ps0, ps1 = procs.start_servers(2, consistency="sync", **MODEL)
-    sidecar = free_port()
+    sidecar = free_port(2)       # worker k's sidecar listens at sidecar + k
     log = tmp_path / "torchrun.log"
     argv = [*torchrun_command(), "--standalone", "--nproc-per-node", "2", "-m", "trainer",
             "--num-ps", "2", "--ps-addr", f"127.0.0.1:{procs.master_port}", "--steps", str(STEPS), "--dense", "allreduce",

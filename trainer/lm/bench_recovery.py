@@ -156,14 +156,14 @@ def _torchrun_way(kills: int, root: Path, port: int, flags: list[str]) -> list[d
     from services.launcher import free_port, stop_in_waves
     from services.torchrun import command
 
-    sidecar = free_port()
-    argv = [*command(), "--standalone", "--nproc-per-node", "3",
+    sidecar = free_port(len(TRAINERS))     # worker k's sidecar listens at sidecar + k
+    argv = [*command(), "--standalone", "--nproc-per-node", str(len(TRAINERS)),
             "--max-restarts", str(kills), "-m", "trainer", "--ps-addr", f"127.0.0.1:{port}",
             "--sidecar-port", str(sidecar), "--checkpoint-dir", str(root / "ckpt"), *flags]
     with open(root / "torchrun.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    urls = [f"http://127.0.0.1:{sidecar + rank}" for rank in range(3)]
+    urls = [f"http://127.0.0.1:{sidecar + rank}" for rank in range(len(TRAINERS))]
     runs = []
     try:
         poll_until(_stepping(urls, 3), 300, "torchrun's three workers stepping")
