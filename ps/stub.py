@@ -146,13 +146,16 @@ class PsClient:
         self.granted = None
         return applied, arrived_at
 
-    def lose_step(self, why: BaseException, broken: bool = False) -> StepLost:
-        """The step begun failed before it could hand its gradients over (``broken``: in the
-        trainers' all-reduce). In sync mode the clock is told, so nobody waits for this trainer's
-        part of it. The error for the caller to raise."""
+    def lose_step(self, why: BaseException, replica: Optional[Replica] = None) -> StepLost:
+        """The step begun failed before it could hand its gradients over. In sync mode the clock
+        is told, so nobody waits for this trainer's part of it. With a ``replica``, the failure
+        was in (or may have left) the trainers' group: this trainer leaves it at once, so no peer
+        waits on it there, and the clock forms a new one. The error for the caller to raise."""
+        if replica is not None:
+            replica.leave_group()
         if self.consistency.kind == "sync" and self.granted is not None:
             try:
-                self.arrive(0.0, refused=True, broken=broken)
+                self.arrive(0.0, refused=True, broken=replica is not None)
             except Exception as exc:  # noqa: BLE001 - the leader is gone too: the next begin says so
                 log.warning("could not tell the step clock this step is lost: %s", str(exc).splitlines()[0])
         self.granted = None
@@ -289,9 +292,7 @@ class StepSession:
             # other trainer would wait for it (with a replica: a peer in its all-reduce died).
             if client.consistency.kind != "sync":
                 raise
-            if replica is not None:
-                replica.leave_group()
-            raise client.lose_step(exc, broken=replica is not None) from exc
+            raise client.lose_step(exc, replica) from exc
         t1 = time.perf_counter()
         if client.consistency.kind == "sync":
             replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None

@@ -128,9 +128,9 @@ class DenseReplica:
     def leave_group(self) -> None:
         """Out of the group at once, after a collective in it failed here. A failure is seen
         first by the member next to the dead one; a member that waits on this one would go on
-        waiting until the group's timeout unless this one's connections close now. The caller
-        must tell the clock the group broke, so it forms a new one under a new key (a key's
-        rendezvous cannot be run twice)."""
+        waiting until the group's timeout unless this one's connections close now. The clock
+        must then hear that the group broke (``PsClient.lose_step``), so it forms a new one
+        under a new key (a key's rendezvous cannot be run twice)."""
         self.group_key, self.ddp = "", None
         if dist.is_initialized():
             _abort_process_group()   # not destroyed: a clean destroy can hang on a dead member
@@ -223,7 +223,7 @@ class DenseReplica:
         """The replica's weights, bit for bit, as a short hash: equal on every trainer of a group."""
         h = hashlib.sha256()
         for _, p in sorted(self.module.body.lstm.named_parameters()):
-            h.update(p.detach().numpy().tobytes())
+            h.update(p.detach().contiguous().numpy())   # the buffer itself, not a copy
         return h.hexdigest()[:16]
 
     def weights(self) -> dict[str, torch.Tensor]:

@@ -130,8 +130,7 @@ class DistributedLM(nn.Module):
         try:
             self.replica.follow(self.client.granted)
         except Exception as exc:
-            self.replica.leave_group()
-            raise self.client.lose_step(exc, broken=True) from exc
+            raise self.client.lose_step(exc, self.replica) from exc
 
     @property
     def allreduce_bytes(self) -> int:
