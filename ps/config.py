@@ -2,7 +2,7 @@
 the workload's: its server role adds the model's settings to ``PsConfig``."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -18,10 +18,15 @@ def ps_names(num_ps: int) -> list[str]:
 class ServersConfig(CommonConfig):
     """A role of a cluster of parameter servers (the servers themselves and their clients)."""
 
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {"cluster": ("num_ps",)}
+
     num_ps: int = Field(2, ge=1, le=64, description="number of parameter servers (shards) in the cluster")
 
 
 class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds"),
+        "failures": ("max_ids_per_request",), "consistency": ("consistency",)}
     name: str = Field("ps0", description="RPC name: ps<index>, index < num_ps")
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="take a checkpoint every N cluster steps (ps0)")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="take a checkpoint every M seconds (ps0)")

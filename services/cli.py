@@ -1,54 +1,187 @@
-"""The ``rpcps`` command: role subcommands run a role; the rest talk to sidecars or launch locally."""
+"""The ``rpcps`` command: role subcommands run a role; the rest talk to sidecars, read the disk or
+launch locally.
+
+Only the subcommand being run is built in full (its flags, its imports), so ``rpcps --help``,
+``rpcps status`` and ``rpcps checkpoint --list`` never import torch or a benchmark.
+"""
 from __future__ import annotations
 
 import argparse
+import datetime
+import difflib
+import importlib.metadata
 import json
 import os
+import re
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from services.chaos import ChaosConfig
-from services.config import ConfigError, add_flags, load
-from services.launcher import UpConfig
+from services.errors import ConfigError
 from services.names import parse_name
-from services.torchrun import as_worker
 from services.workload import benches, roles, workloads
 
-_ROLES = {name: spec.config for name, spec in roles().items()}
+STATE_FILE = "cluster.json"
+
+UP_EXIT_CODES = """exit codes:
+  0  done: the workload's episodes ended (--steps, --episodes), or stopped by Ctrl-C or SIGTERM
+  1  a role failed before it was ready (its cause is printed), was not ready in time,
+     or died more than --max-restarts times in a row
+  2  a setting was refused before anything started (the message names it)"""
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rpcps", description="parameter-server training on torch.distributed.rpc")
-    sub = p.add_subparsers(dest="command", required=True)
+class CliError(Exception):
+    """A sentence for the user, exit code 1: what is wrong and what to do."""
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=34)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the closest command or value named when one is mistyped."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            message += did_you_mean(m.group(1), re.findall(r"'([^']*)'", m.group(2)))
+        super().error(message)
+
+
+def did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _version() -> str:
+    def of(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+    return f"rpcps {of('rpcps')} (torch {of('torch')}, python {sys.version.split()[0]})"
+
+
+def _words(argv: Sequence[str]) -> list[str]:
+    return [a for a in argv if not a.startswith("-")]
+
+
+def _up_epilog() -> str:
+    examples = [("", "two servers and two trainers of the default workload, until Ctrl-C")]
+    for spec in workloads().values():
+        examples += list(spec.examples)
+    lines = [f"  {('rpcps up ' + args).strip()}\n      {what}" for args, what in examples]
+    return "examples:\n" + "\n".join(lines) + "\n\n" + UP_EXIT_CODES
+
+
+def _parser(argv: Sequence[str]) -> tuple[_Parser, dict[str, argparse.ArgumentParser]]:
+    """The parser, with only the subcommand ``argv`` names filled in, and every subcommand's parser
+    by name (for naming the closest flag to a mistyped one)."""
+    words = _words(argv)
+    chosen = words[0] if words else None
+    p = _Parser(prog="rpcps", formatter_class=_Help,
+                description="Parameter-server training on torch.distributed.rpc, run as a cluster of processes.",
+                epilog="Start with `rpcps up`; `rpcps <command> --help` explains each command.")
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="command", required=True, metavar="command", parser_class=_Parser)
+    made: dict[str, argparse.ArgumentParser] = {}
+
+    def command(name: str, help: str, **kw: Any) -> argparse.ArgumentParser:
+        made[name] = sub.add_parser(name, help=help, description=help, formatter_class=_Help, **kw)
+        return made[name]
+
+    def flags_of(sp: argparse.ArgumentParser, model: Any, **kw: Any) -> None:
+        from services.config import add_flags     # pydantic: only for the subcommand being built
+        add_flags(sp, model, **kw)
+
     for role in roles().values():
-        add_flags(sub.add_parser(role.name, help=role.help), role.config)
-    add_flags(sub.add_parser("up", help="run a whole cluster as local processes"), UpConfig)
-
-    def sidecar_flags(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--sidecar", action="append", metavar="URL",
-                        help="a sidecar URL (repeatable; default: the cluster `rpcps up` started here)")
-        sp.add_argument("--state-dir", default=".rpcps", help="where `rpcps up` wrote cluster.json")
-        sp.add_argument("--json", action="store_true", help="print JSON")
-
-    sidecar_flags(sub.add_parser("status", help="one line per role"))
-    ck = sub.add_parser("checkpoint", help="take a cluster checkpoint")
-    sidecar_flags(ck)
-    ck.add_argument("--list", action="store_true", help="list the checkpoints on disk instead")
-    ep = sub.add_parser("episode", help="start or stop episodes on the roles that run them (trainers, the RL agent)")
+        sp = command(role.name, role.help, usage="%(prog)s [options]")
+        if chosen == role.name:
+            flags_of(sp, role.config)
+    up = command("up", "run a whole cluster as local processes, supervised, with progress",
+                 usage="%(prog)s [--workload {" + ",".join(workloads()) + "}] [options]")
+    if chosen == "up":
+        from services.upconfig import UpConfig
+        up.epilog = _up_epilog()
+        flags_of(up, UpConfig)
+    _sidecar_flags(command("status", "one line per member of the running cluster"))
+    ck = command("checkpoint", "take a cluster checkpoint, or list the checkpoints on disk")
+    _sidecar_flags(ck)
+    ck.add_argument("--list", action="store_true", help="list the checkpoints in a folder, newest first (reads the "
+                                                        "disk: no cluster needs to run)")
+    ck.add_argument("--checkpoint-dir", metavar="DIR", help="with --list: the folder (default: the running "
+                                                            "cluster's, from its cluster.json; else ./checkpoints)")
+    ck.add_argument("--verify", action="store_true", help="with --list: check every file against its sha256 too")
+    ep = command("episode", "start or stop episodes on the roles that run them (trainers, the RL agent)")
     ep.add_argument("action", choices=("start", "stop"))
     ep.add_argument("--steps", type=int, default=None, help="LM: steps of the episode (default: unbounded)")
     ep.add_argument("--episodes", type=int, default=None, help="RL: episodes to run (default: until solved)")
-    sidecar_flags(ep)
-    add_flags(sub.add_parser("chaos", help="kill members of the local cluster at random and report how it recovers"),
-              ChaosConfig)
-    bench = sub.add_parser("bench", help="benchmarks, printing JSON")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    _sidecar_flags(ep)
+    chaos = command("chaos", "kill members of the local cluster at random and report how it recovers")
+    if chosen == "chaos":
+        from services.chaos import ChaosConfig
+        flags_of(chaos, ChaosConfig, default_group="chaos")
+    bench = command("bench", "benchmarks, each printing JSON")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="benchmark", parser_class=_Parser)
     for spec in benches().values():
-        spec.load().add_arguments(bench_sub.add_parser(spec.name, help=spec.help))
-    return p
+        sp = bench_sub.add_parser(spec.name, help=spec.help, description=spec.help, formatter_class=_Help)
+        if chosen == "bench" and len(words) > 1 and words[1] == spec.name:
+            spec.load().add_arguments(sp)      # imports the benchmark (and torch) only when it runs
+            made[f"bench {spec.name}"] = sp
+    return p, made
+
+
+def _sidecar_flags(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--sidecar", action="append", metavar="URL",
+                    help="a sidecar URL (repeatable; default: the cluster `rpcps up` started, from its cluster.json)")
+    sp.add_argument("--state-dir", default=".rpcps", help="where `rpcps up` wrote cluster.json (default: .rpcps)")
+    sp.add_argument("--json", action="store_true", help="print JSON")
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser, made = _parser(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        owner = made.get(f"bench {getattr(args, 'bench', '')}") or made.get(args.command) or parser
+        known = [o for a in owner._actions for o in a.option_strings if a.help != argparse.SUPPRESS]
+        owner.error(f"unrecognized arguments: {' '.join(extras)}{did_you_mean(extras[0].split('=')[0], known)}")
+    return args
+
+
+# --- the running cluster, as `rpcps up` recorded it --------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cluster_state(state_dir: Path) -> Optional[dict]:
+    """What ``rpcps up`` recorded in ``state_dir``, None if nothing; ``CliError`` when the file is
+    not one ``rpcps up`` wrote, or the run that wrote it has ended."""
+    path = state_dir / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("sidecars"), dict):
+            raise ValueError("it has no sidecars")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CliError(f"{path} is not a cluster file `rpcps up` wrote ({str(exc).splitlines()[0]}): remove it, "
+                       f"or start a cluster with `rpcps up`") from None
+    pid = state.get("launcher_pid")
+    ended = (not _alive(pid)) if isinstance(pid, int) else (
+        bool(state.get("pids")) and not any(_alive(p) for p in state["pids"].values() if isinstance(p, int)))
+    if ended:
+        raise CliError(f"the cluster recorded in {path} is not running (the `rpcps up` that started it has "
+                       f"ended): start one with `rpcps up`, or name a sidecar with --sidecar URL")
+    return state
 
 
 def _sidecars(args: argparse.Namespace, pick: Callable[[str], bool] = lambda name: True) -> dict[str, str]:
@@ -57,11 +190,11 @@ def _sidecars(args: argparse.Namespace, pick: Callable[[str], bool] = lambda nam
     env = os.environ.get("RPCPS_SIDECARS")
     if env:
         return {url: url for url in env.split(",") if url}
-    path = Path(args.state_dir) / "cluster.json"
-    if not path.is_file():
-        raise SystemExit(f"rpcps: no --sidecar given and no {path}: is a cluster running (rpcps up)?")
-    sidecars = json.loads(path.read_text())["sidecars"]
-    return {n: u for n, u in sidecars.items() if pick(n)}
+    state = cluster_state(Path(args.state_dir))
+    if state is None:
+        raise CliError(f"no cluster is running here: no --sidecar given and no {Path(args.state_dir) / STATE_FILE} "
+                       f"(start one with `rpcps up`, or name a sidecar with --sidecar URL)")
+    return {n: u for n, u in state["sidecars"].items() if pick(n)}
 
 
 def _runs_episodes(name: str) -> bool:
@@ -80,10 +213,10 @@ def _client(url: str):
 
 def _failing(args: argparse.Namespace) -> dict[str, dict]:
     """Members ``rpcps up`` is restarting after a death (from its cluster.json)."""
-    path = Path(args.state_dir) / "cluster.json"
-    if args.sidecar or os.environ.get("RPCPS_SIDECARS") or not path.is_file():
+    if args.sidecar or os.environ.get("RPCPS_SIDECARS"):
         return {}
-    return json.loads(path.read_text()).get("failing", {})
+    state = cluster_state(Path(args.state_dir))
+    return (state or {}).get("failing", {})
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -106,8 +239,13 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(rows))
         return code
     for name, s in rows.items():
-        spec = roles().get(s.get("role", ""))
-        columns = spec.status.model_validate(s).line() if spec and s["state"] != "failing" else [s.get("reason", "")]
+        if s["state"] in ("failing", "unreachable"):
+            columns = [s.get("reason", "")]
+        elif "summary" in s:            # the role's own rendering of its status
+            columns = s["summary"]
+        else:                           # a role of an older rpcps
+            spec = roles().get(s.get("role", ""))
+            columns = spec.status.model_validate(s).line() if spec else [s.get("reason", "")]
         parts = [f"{s.get('name', name):<10}", f"{s.get('role', '?'):<8}", f"{s.get('state'):<9}", *columns]
         print("  ".join(str(p) for p in parts))
     return code
@@ -129,28 +267,101 @@ def _each(args: argparse.Namespace, call, pick: Callable[[str], bool] = lambda n
     return code
 
 
+# --- checkpoints on disk ---------------------------------------------------------------------------
+def _checkpoint_dir(args: argparse.Namespace) -> Path:
+    if args.checkpoint_dir:
+        return Path(args.checkpoint_dir)
+    if os.environ.get("RPCPS_CHECKPOINT_DIR"):
+        return Path(os.environ["RPCPS_CHECKPOINT_DIR"])
+    state = cluster_state(Path(args.state_dir))
+    if state is not None and state.get("checkpoint_dir"):
+        return Path(state["checkpoint_dir"])
+    return Path("checkpoints")
+
+
+def list_checkpoints(folder: Path, verify: bool) -> list[dict[str, Any]]:
+    """Every ``step-N`` folder under ``folder``, newest first: the checkpoint, or why it is none."""
+    from services.checkpoint.store import CheckpointStore
+    from services.errors import CheckpointError
+    store = CheckpointStore(folder)
+    rows = []
+    for path, found in store.scan():
+        if isinstance(found, CheckpointError):
+            rows.append({"id": path.name, "path": str(path), "state": "unusable", "why": str(found)})
+            continue
+        row = {**found.describe(), "state": "complete"}
+        if verify:
+            try:
+                store.verify(found)
+                row["state"] = "verified"
+            except CheckpointError as exc:
+                row.update(state="corrupt", why=str(exc))
+        rows.append(row)
+    return rows
+
+
+def _list_checkpoints(args: argparse.Namespace) -> int:
+    if args.sidecar:          # a cluster elsewhere: ask it
+        return _each(args, lambda c: c.checkpoints(), first_only=True)
+    folder = _checkpoint_dir(args)
+    if not folder.is_dir():
+        raise CliError(f"{folder} is not a folder: name the checkpoint folder with --checkpoint-dir DIR")
+    rows = list_checkpoints(folder, args.verify)
+    bad = any(r["state"] == "corrupt" for r in rows)
+    if args.json:
+        print(json.dumps({"checkpoint_dir": str(folder), "checkpoints": rows}))
+        return 1 if bad else 0
+    print(f"{folder}: {len(rows)} checkpoint folder{'s' if len(rows) != 1 else ''}, newest first"
+          + ("" if rows else " (no checkpoint yet)"))
+    for r in rows:
+        if r["state"] == "unusable":
+            print(f"  {r['id']:<12} unusable: {r['why']}")
+            continue
+        when = datetime.datetime.fromtimestamp(r["created"]).strftime("%Y-%m-%d %H:%M:%S")
+        state = f"corrupt: {r['why']}" if r["state"] == "corrupt" else r["state"]
+        print(f"  {r['id']:<12} step {r['step']:<8} {when}  {_size(r['size_bytes']):>9}  "
+              f"{len(r['files'])} files  {state}")
+    return 1 if bad else 0
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+# --- main --------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
     cmd = args.command
     try:
-        if cmd in _ROLES:
+        if cmd in roles():
+            spec = roles()[cmd]
             flags, environ = vars(args), os.environ
-            if roles()[cmd].torchrun is not None:
-                flags, environ = as_worker(cmd, roles()[cmd].torchrun, flags, environ)
-            cfg = load(_ROLES[cmd], flags, environ)
+            if spec.torchrun is not None:
+                from services.torchrun import as_worker
+                flags, environ = as_worker(cmd, spec.torchrun, flags, environ)
+            from services.config import load
+            cfg = load(spec.config, flags, environ)
             from services.runtime import run_role
-            run_role(cfg, roles()[cmd])          # exits the process with the role's code
+            run_role(cfg, spec)          # exits the process with the role's code
         if cmd == "up":
-            cfg = load(UpConfig, vars(args), os.environ)
+            from services.config import load
             from services.launcher import Launcher
             from services.log import init_logging
+            from services.upconfig import UpConfig
+            cfg = load(UpConfig, vars(args), os.environ)
             init_logging("up", "warning" if cfg.as_json else cfg.log_level)
             launcher = Launcher(cfg)
             signal.signal(signal.SIGTERM, lambda *_: launcher.request_stop())
             signal.signal(signal.SIGINT, lambda *_: launcher.request_stop())
             sys.exit(launcher.run())
         if cmd == "chaos":
-            from services.chaos import run_chaos
+            from services.chaos import ChaosConfig, run_chaos
+            from services.config import load
             sys.exit(run_chaos(load(ChaosConfig, vars(args), os.environ)))
         if cmd == "status":
             sys.exit(_status(args))
@@ -160,15 +371,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                _runs_episodes))
             sys.exit(_each(args, lambda c: c.stop_episode(), _runs_episodes))
         if cmd == "checkpoint":
+            if args.list:
+                sys.exit(_list_checkpoints(args))
             # One sidecar is enough: whichever is asked, the leader (ps0 or the agent) takes one
             # checkpoint of the whole cluster; asked first, it needs no second hop.
-            sys.exit(_each(args, (lambda c: c.checkpoints()) if args.list else (lambda c: c.checkpoint()),
-                           first_only=True))
+            sys.exit(_each(args, lambda c: c.checkpoint(), first_only=True))
         if cmd == "bench":
             sys.exit(benches()[args.bench].load().run(args))
     except ConfigError as exc:
         print(f"rpcps {cmd}: {exc}", file=sys.stderr)
         sys.exit(2)
+    except CliError as exc:
+        print(f"rpcps {cmd}: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,13 @@ the environment as an argument, so tests need no monkeypatching.
 from __future__ import annotations
 
 import argparse
+import enum
 import logging
-import os
+import tempfile
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, ClassVar, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
@@ -28,7 +29,7 @@ ENV_PREFIX = "RPCPS_"
 _TORCH_ENV = {"master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT"}
 
 
-def _extra(info: Any, key: str) -> Optional[str]:
+def _extra(info: Any, key: str) -> Any:
     extra = getattr(info, "json_schema_extra", None)
     return extra.get(key) if isinstance(extra, dict) else None
 
@@ -52,6 +53,13 @@ class ConfigBase(BaseModel):
 
 
 class CommonConfig(ConfigBase):
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "cluster": ("name", "master_addr", "master_port", "ps_addr", "sidecar_host", "sidecar_port", "control_token",
+                    "threads", "rpc_timeout", "join_timeout", "rpc_transport"),
+        "checkpoints": ("checkpoint_dir",),
+        "failures": ("restarts_in_a_row",),
+        "output": ("log_level",),
+    }
     name: str = Field(description="RPC name of this process (ps0, trainer1, ...)")
     master_addr: str = Field("127.0.0.1", description="address of the leader (ps0, or the RL agent), which hosts the rendezvous store")
     master_port: int = Field(29500, ge=1, le=65535, description="port of the rendezvous store on the leader")
@@ -97,6 +105,8 @@ class CommonConfig(ConfigBase):
 class RestoringConfig(ConfigBase):
     """A role that saves state in checkpoints and starts from them."""
 
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {"checkpoints": ("resume", "resume_from", "keep_checkpoints")}
+
     resume: bool = Field(True, description="start from the newest valid checkpoint in --checkpoint-dir")
     resume_from: Optional[str] = Field(None, description="start from this checkpoint (step-N or its path)")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept; older ones removed after a newer completes")
@@ -104,6 +114,9 @@ class RestoringConfig(ConfigBase):
 
 class LeaderConfig(ConfigBase):
     """What the leader (ps0, the agent) uses to watch the group's members."""
+
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {"failures": ("probe_interval", "probe_failures"),
+                                                         "cluster": ("store_host",)}
 
     probe_interval: float = Field(1.0, gt=0, description="seconds between liveness probes of members (leader)")
     probe_failures: int = Field(2, ge=1, description="failed probes in a row before a member is evicted (leader)")
@@ -120,20 +133,64 @@ def _plain_type(annotation: Any) -> Any:
     return annotation
 
 
-def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
-    """One flag per field. Values stay strings (None when absent) so pydantic validates them and
-    names the field in its error, the same way for flags and variables."""
-    for field, info in model.model_fields.items():
-        if field in skip:
-            continue
+# The order `--help` lists a command's flag groups in; a field's group is its owner's ``flag_groups``.
+GROUPS = ("cluster", "workload", "consistency", "checkpoints", "failures", "output")
+
+
+def group_of(model: type[BaseModel], field: str, default: str) -> str:
+    """The help group of ``field``: the nearest class of ``model`` that names it in its
+    ``flag_groups`` (a ``ClassVar`` mapping group -> fields) says which."""
+    for cls in model.__mro__:
+        for group, fields in vars(cls).get("flag_groups", {}).items():
+            if field in fields:
+                return group
+    return default
+
+
+def shown_default(info: Any) -> Optional[str]:
+    """A field's default as ``--help`` shows it (None: no default worth showing)."""
+    shown = _extra(info, "shown_default")
+    if shown is not None:
+        return shown
+    if info.is_required() or info.default is None:
+        return None
+    value = info.default
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value.value if isinstance(value, enum.Enum) else value)
+
+
+def help_text(field: str, info: Any) -> str:
+    """``description (default: X) [env VAR]``: what ``--help`` says of one setting."""
+    default = shown_default(info)
+    aliases = (_extra(info, "aliases") or ())
+    parts = [info.description or "", f"(default: {default})" if default is not None else "",
+             f"(also {', '.join(aliases)})" if aliases else "", f"[env {env_name(field, info)}]"]
+    return " ".join(p for p in parts if p).replace("%", "%%")
+
+
+def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple[str, ...] = (),
+              default_group: str = "workload") -> None:
+    """One flag per field, in the groups the model's ``flag_groups`` name. Values stay strings
+    (None when absent) so pydantic validates them and names the field in its error, the same way
+    for flags and variables; a field's old spellings (``aliases``) fill the same value, unlisted."""
+    fields = [(f, i) for f, i in model.model_fields.items() if f not in skip]
+    named = {f: group_of(model, f, default_group) for f, _ in fields}
+    order = [g for g in GROUPS if g in named.values()] + sorted(set(named.values()) - set(GROUPS))
+    groups = {g: parser.add_argument_group(f"{g} settings") for g in order}
+    for field, info in fields:
         kind = _plain_type(info.annotation)
-        flag, dest = flag_name(field, info), dest_name(field, info)
-        help_text = f"{info.description or ''} [env {env_name(field, info)}]"
+        flag, dest, group = flag_name(field, info), dest_name(field, info), groups[named[field]]
         if kind is bool:
-            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
-            parser.add_argument(flag, dest=dest, default=None, choices=choices, metavar=dest.upper(), help=help_text)
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text(field, info))
+            continue
+        choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+        # With choices, argparse's own metavar lists them: `--optimizer {sgd,adagrad}`.
+        group.add_argument(flag, dest=dest, default=None, choices=choices,
+                           metavar=None if choices else dest.upper(), help=help_text(field, info))
+        for alias in _extra(info, "aliases") or ():
+            parser.add_argument(alias, dest=dest, default=None, choices=choices, help=argparse.SUPPRESS)
 
 
 def load(model: type[ConfigBase], flags: Mapping[str, Any], environ: Mapping[str, str]) -> Any:
@@ -141,12 +198,12 @@ def load(model: type[ConfigBase], flags: Mapping[str, Any], environ: Mapping[str
     values: dict[str, Any] = {}
     source: dict[str, str] = {}
     for field, info in model.model_fields.items():
-        var = env_name(field, info)
-        if var in environ and environ[var] != "":
-            values[field], source[field] = environ[var], f"environment variable {var}"
+        for var in (*(_extra(info, "env_aliases") or ()), env_name(field, info)):   # the current name wins
+            if var in environ and environ[var] != "":
+                values[field], source[field] = environ[var], f"environment variable {var}"
         if flags.get(dest_name(field, info)) is not None:
             values[field], source[field] = flags[dest_name(field, info)], f"flag {flag_name(field, info)}"
-    known = {env_name(f, i) for f, i in model.model_fields.items()}
+    known = {v for f, i in model.model_fields.items() for v in (env_name(f, i), *(_extra(i, "env_aliases") or ()))}
     for var in environ:
         # Shared environments (compose, k8s) set variables for several roles at once; only warn.
         if var.startswith(ENV_PREFIX) and var not in known:
@@ -177,14 +234,24 @@ def host_and_port(value: str, what: str) -> tuple[str, int]:
 
 def writable_folder(path: Path) -> Path:
     """``path`` if it is a folder this process can write in, or can create; else ``ValueError``
-    saying why (checked at start: a checkpoint that cannot be written fails only when it is due)."""
+    saying why (checked at start: a checkpoint that cannot be written fails only when it is due).
+    Tried for real, not by permission bits alone: root passes every ``access`` check, yet cannot
+    make a folder under ``/proc`` or on a read-only mount."""
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file, not a folder")
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise ValueError(f"{path} cannot be made: {existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{path} cannot be written: {existing} is not writable by this user")
+    try:
+        if existing == path:
+            tempfile.TemporaryFile(dir=path).close()
+        else:   # make the first missing folder, then take it away again: nothing is left behind
+            first = path.relative_to(existing).parts[0]
+            (existing / first).mkdir()
+            (existing / first).rmdir()
+    except OSError as exc:
+        where = "written" if existing == path else f"made in {existing.resolve()}"
+        raise ValueError(f"{path} cannot be {where}: {exc.strerror or exc}") from None
     return path
 
 

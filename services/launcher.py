@@ -14,26 +14,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
-import signal
-import socket
+import re
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal, Optional
-
-from pydantic import Field, SecretStr, ValidationError, create_model, field_validator, model_validator
-from pydantic.fields import FieldInfo
+from typing import Callable, Optional
 
 from services.checkpoint.store import CheckpointStore
 from services.client import SidecarClient
-from services.config import ConfigBase, explain, flag_name, writable_folder
+from services.config import writable_folder
 from services.leader import LEADER_LOST
 from services.lifecycle import RoleStatus
 from services.names import parse_name
+from services.processes import free_port, spawn_role, stop_in_waves
+from services.upconfig import LauncherConfig, flags
 from services.workload import Launch, roles, workloads
 
 log = logging.getLogger(__name__)
@@ -42,141 +39,6 @@ STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
 STATUS_POLL = 1.0  # seconds between status polls of the watched roles
 FINAL_CHECKPOINT_TIMEOUT = 30.0
 _COMMON_FLAGS = ("threads", "log_level", "sidecar_host", "rpc_transport")
-
-
-class LauncherConfig(ConfigBase):
-    """``rpcps up``: the launcher's own settings, whatever the workload."""
-
-    workload: str = Field(description="which workload to run")
-    as_json: bool = Field(False, description="print JSON lines instead of human progress",
-                          json_schema_extra={"flag": "--json", "env": "RPCPS_JSON"})
-    threads: int = Field(1, ge=1, description="torch threads per process")
-    rpc_transport: Literal["uv", "shm"] = Field("uv", description="TensorPipe transport of every role")
-    master_addr: str = Field("127.0.0.1", description="address of the rendezvous store (the leader: ps0 or the agent)")
-    master_port: int = Field(0, ge=0, le=65535, description="rendezvous port (0: a free port)")
-    sidecar_host: str = Field("127.0.0.1", description="address the sidecars bind")
-    sidecar_port: int = Field(0, ge=0, le=65535, description="first sidecar port, one per role in order (0: free ports)")
-    progress_interval: float = Field(5.0, gt=0, description="seconds between progress lines")
-    restart_backoff: float = Field(1.0, gt=0, description="seconds before a dead member is restarted; doubled "
-                                                          "for each death in a row, up to --restart-backoff-max")
-    restart_backoff_max: float = Field(60.0, gt=0, description="the longest wait before a restart")
-    restart_window: float = Field(60.0, gt=0, description="a member up this long is healthy again: its next "
-                                                          "death waits --restart-backoff")
-    max_restarts: Optional[int] = Field(None, ge=0, description="end the run after this many deaths in a row of "
-                                                                "one member (default: never; it is shown failing)")
-    ready_timeout: float = Field(180.0, gt=0, description="seconds for every role to become ready")
-    state_dir: Path = Field(Path(".rpcps"), description="where role logs and cluster.json go")
-    resume: bool = Field(True, description="resume from the newest valid checkpoint (--no-resume: start fresh)")
-    resume_from: Optional[str] = Field(None, description="resume from this checkpoint (step-N or its path)")
-    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
-    final_checkpoint: bool = Field(True, description="take a checkpoint when stopping")
-    checkpoint_dir: Optional[Path] = Field(None, description="folder of the checkpoints (default: the workload's own)")
-    control_token: Optional[SecretStr] = Field(None, description="bearer token for the sidecars' POST routes")
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of every role")
-
-    # Set on the composed ``UpConfig``: each workload's own settings, by name.
-    workload_settings: ClassVar[dict[str, type[ConfigBase]]] = {}
-
-    _folders = field_validator("checkpoint_dir", "state_dir")(
-        classmethod(lambda cls, v: v if v is None else writable_folder(v)))
-
-    @model_validator(mode="after")
-    def _check(self) -> "LauncherConfig":
-        settings = type(self).workload_settings
-        if self.workload not in settings:
-            raise ValueError(f"--workload: unknown workload {self.workload!r}; one of {', '.join(settings)}")
-        # A setting of another workload would be silently ignored: refuse it instead.
-        mine = set(settings[self.workload].model_fields) | set(LauncherConfig.model_fields)
-        wrong = sorted(self.model_fields_set - mine)
-        if wrong:
-            names = ", ".join(flag_name(f, type(self).model_fields[f]) for f in wrong)
-            raise ValueError(f"{names}: not a setting of --workload {self.workload}")
-        # The workload's own checks (its validators) run here, so a bad value is a ConfigError
-        # at load naming its flag, not a failure once the launch has begun.
-        try:
-            self.settings()
-        except ValidationError as exc:
-            fields = type(self).model_fields
-            problems = []
-            for e in exc.errors():
-                field = str(e["loc"][0]) if e["loc"] else None
-                problems.append(explain(e["msg"], field and flag_name(field, fields.get(field)), e["input"] if field else None))
-            raise ValueError("; ".join(problems)) from None
-        return self
-
-    def settings(self) -> ConfigBase:
-        """The chosen workload's settings: those given, its defaults for the rest."""
-        model = type(self).workload_settings[self.workload]
-        return model.model_validate({f: getattr(self, f) for f in self.model_fields_set if f in model.model_fields})
-
-    def restoring_flags(self) -> list[str]:
-        """How the leader (and the servers) should restore and keep checkpoints."""
-        out = ["--resume" if self.resume else "--no-resume", "--keep-checkpoints", str(self.keep_checkpoints)]
-        return out + (["--resume-from", self.resume_from] if self.resume_from else [])
-
-
-def compose_up_config() -> type[LauncherConfig]:
-    """``LauncherConfig`` with every registered workload's settings as fields (one flag each, as
-    `rpcps up --help` lists them): a field two workloads share takes each one's default from it."""
-    settings = {name: spec.up for name, spec in workloads().items()}
-    declared: dict[str, list[tuple[str, FieldInfo]]] = {}
-    for name, model in settings.items():
-        for setting, info in model.model_fields.items():
-            declared.setdefault(setting, []).append((name, info))
-    fields: dict[str, Any] = {}
-    for setting, where in declared.items():
-        first = where[0][1]
-        if len(where) == 1:
-            about = f"{where[0][0]}: {first.description}"
-        else:
-            about = "; ".join(f"{name}: {info.description} (default {info.default})" for name, info in where)
-        fields[setting] = (Optional[first.annotation], FieldInfo.merge_field_infos(first, default=None, description=about))
-    specs = workloads()
-    about = "which workload to run: " + ", ".join(f"{name} ({spec.help})" for name, spec in specs.items())
-    fields["workload"] = (Literal[tuple(specs)], Field(next(iter(specs)), description=about))
-    composed = create_model("UpConfig", __base__=LauncherConfig, **fields)
-    composed.workload_settings = settings
-    return composed
-
-
-UpConfig = compose_up_config()
-
-
-_FIRST_PORT = 20000    # above the well-known and most registered services' ports
-_handed_out: set[int] = set()          # by free_port, in this process: never twice
-_handed_out_lock = threading.Lock()
-
-
-def free_port(count: int = 1) -> int:
-    """The first of ``count`` consecutive ports free on loopback (a role listens at a base port
-    plus its index, as torchrun's workers' sidecars do). Taken below the kernel's ephemeral
-    range: there no outgoing connection can take one before its listener binds it."""
-    top = _ephemeral_low()
-    if top - count <= _FIRST_PORT:    # no room below it: anywhere, as a last resort
-        top = 65536
-    with _handed_out_lock:
-        for _ in range(200):
-            ports = range(base := random.randrange(_FIRST_PORT, top - count), base + count)
-            if _handed_out.isdisjoint(ports) and all(map(_bindable, ports)):
-                _handed_out.update(ports)
-                return base
-    raise RuntimeError(f"no {count} consecutive free ports in {_FIRST_PORT}-{top - 1}")
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768        # Linux's default; elsewhere a guess that is still a free port
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -217,6 +79,8 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
     if kind == "restart":
         return (f"{e['name']} exited with code {e['exit_code']}; restarting in {e['in']:.0f}s "
                 f"({e['restarts']} in a row)")
+    if kind == "waiting":
+        return f"waiting for {', '.join(e['waiting'])} ({e['ready']}/{e['members']} ready)"
     if kind == "checkpoint":
         return f"checkpoint {e['id']} (step {e['step']}) in {e['path']}"
     if kind == "error":
@@ -238,6 +102,7 @@ class Launcher:
         self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
         self._last_status: dict[str, dict] = {}
         self._newest_at_start: Optional[str] = None   # the newest checkpoint before this run
+        self._started_at = time.monotonic()           # when every member was ready
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -275,6 +140,11 @@ class Launcher:
 
     # --- running -------------------------------------------------------------------------------------
     def run(self) -> int:
+        try:
+            writable_folder(self.checkpoint_dir)
+        except ValueError as exc:    # refused before anything starts, as a role would refuse it
+            self._fail(f"--checkpoint-dir: {exc}")
+            return 2
         self._plan()
         self._newest_at_start = self._newest_checkpoint()
         try:
@@ -284,6 +154,7 @@ class Launcher:
             refused = self._wait_ready()
             if refused is not None:
                 return refused
+            self._started_at = time.monotonic()
             self.emit({"event": "started", "sidecars": {m.name: m.url for m in self.members},
                        "master_port": self.master_port, "logs": str(self.cfg.state_dir / "logs")})
             code = self._supervise()
@@ -298,26 +169,41 @@ class Launcher:
 
     def _wait_ready(self) -> Optional[int]:
         """None once every role is ready; else the exit code ``up`` ends with (2: a role refused
-        its settings, as ``up`` itself would)."""
+        its settings, as ``up`` itself would). Says who it waits for whenever that changes, and
+        every --progress-interval while it does not: a start on a busy machine can take minutes."""
         deadline = time.monotonic() + self.cfg.ready_timeout
         pending = {m.name: m for m in self.members}
+        said: tuple[Optional[list[str]], float] = (None, 0.0)
         while pending:
             for name, m in list(pending.items()):
                 if m.proc.poll() is not None:
-                    said = refusal(m.log_path) if m.proc.returncode == 2 else None
-                    self._fail(f"{name} refused to start: {said}" if said else
-                               f"{name} exited with code {m.proc.returncode} before it was ready; see {m.log_path}")
-                    return 2 if said else 1
+                    return self._died_starting(m)
                 with SidecarClient(m.url, timeout=2.0) as c:
                     if c.ready():
                         del pending[name]
+            waiting = [m.name for m in self.members if m.name in pending]
+            if pending and (waiting != said[0] or time.monotonic() - said[1] >= self.cfg.progress_interval):
+                self.emit({"event": "waiting", "waiting": waiting, "ready": len(self.members) - len(waiting),
+                           "members": len(self.members)})
+                said = (waiting, time.monotonic())
             if self._stop.is_set():
                 return 1
             if time.monotonic() > deadline:
-                self._fail(f"not ready within {self.cfg.ready_timeout:.0f}s: {sorted(pending)}")
+                self._fail(f"not ready within {self.cfg.ready_timeout:.0f}s: {', '.join(waiting)} "
+                           f"(their logs are in {self.cfg.state_dir / 'logs'})")
                 return 1
             self._stop.wait(0.2)
         return None
+
+    def _died_starting(self, m: Member) -> int:
+        """``m`` exited before it was ready: say why, in its own words, and end the run."""
+        code = m.proc.returncode
+        said = refusal(m.log_path) if code == 2 else None
+        if said:
+            self._fail(f"{m.name} refused to start: {said}")
+            return 2
+        self._fail(f"{m.name} exited with code {code} before it was ready: {cause(m.log_path)} (log: {m.log_path})")
+        return 1
 
     def _supervise(self) -> int:
         next_report = time.monotonic() + self.cfg.progress_interval
@@ -353,7 +239,7 @@ class Launcher:
 
     def _report(self) -> None:
         for event in self.workload.progress(self._watched_status()):
-            self.emit(event)
+            self.emit({**event, "elapsed_s": round(time.monotonic() - self._started_at, 1)})
 
     def _schedule_restart(self, m: Member, code: int) -> bool:
         """A member died: restart it after a back-off that doubles with each death in a row (as
@@ -421,7 +307,7 @@ class Launcher:
         self.emit({"event": "error", "message": message})
 
     def _write_state(self) -> None:
-        state = {"sidecars": {m.name: m.url for m in self.members}, "leader": self.leader,
+        state = {"sidecars": {m.name: m.url for m in self.members}, "leader": self.leader, "launcher_pid": os.getpid(),
                  "checkpoint_dir": str(self.checkpoint_dir.resolve()),
                  "pids": {m.name: m.proc.pid for m in self.members if m.proc}, "master_port": self.master_port,
                  "failing": {m.name: f for m in self.members if (f := m.failing()) is not None}}
@@ -439,46 +325,6 @@ class Launcher:
         waves = self.workload.stop_waves(list(by_name))[:count]
         stop_in_waves([[(n, by_name[n].proc) for n in wave if by_name[n].proc is not None] for wave in waves],
                       STOP_TIMEOUT)
-
-
-def spawn_role(module: str, argv: list[str], log_path: Path, env: Optional[dict] = None) -> subprocess.Popen:
-    """Start ``python -m module argv`` in its own session, output appended to ``log_path``."""
-    with open(log_path, "ab") as logf:
-        return subprocess.Popen([sys.executable, "-m", module, *argv], stdout=logf, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
-
-
-def stop_in_waves(waves: list[list[tuple[str, subprocess.Popen]]], timeout: float) -> None:
-    """SIGTERM each wave and wait for it before the next; SIGKILL whatever outlives the deadline."""
-    deadline = time.monotonic() + timeout
-    for i, wave in enumerate(waves):
-        live = [(n, p) for n, p in wave if p.poll() is None]
-        for _, p in live:
-            p.send_signal(signal.SIGTERM)
-        wave_deadline = min(deadline, time.monotonic() + timeout * (i + 1) / len(waves) + 2)
-        for name, p in live:
-            try:
-                p.wait(max(0.0, wave_deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time; killing it", name)
-                p.kill()
-                p.wait()
-    for wave in waves:
-        for _, p in wave:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def flags(settings: ConfigBase, fields: tuple[str, ...]) -> list[str]:
-    """The role flags that pass on ``settings``' values of ``fields`` (those that are set)."""
-    out: list[str] = []
-    for f in fields:
-        v: Any = getattr(settings, f)
-        if v is not None:
-            out += [flag_name(f), str(v)]
-    return out
 
 
 def resuming_newest(argv: list[str]) -> list[str]:
@@ -503,3 +349,24 @@ def refusal(log_path: Path) -> Optional[str]:
         return None
     said = [line for line in lines if line.startswith("rpcps ") and ": " in line]
     return said[-1].split(": ", 1)[1] if said else None
+
+
+_LOGGED_ERROR = re.compile(r" (ERROR|CRITICAL) [\w.]+: (.*)$")
+
+
+def cause(log_path: Path) -> str:
+    """Why a role died, from its log: its last logged error, else the last line of its last
+    traceback, else its last line."""
+    try:
+        lines = [line for line in log_path.read_text(errors="replace").splitlines()[-400:] if line.strip()]
+    except OSError as exc:
+        return f"its log cannot be read ({exc.strerror or exc})"
+    errors = [m.group(2) for line in lines if (m := _LOGGED_ERROR.search(line))]
+    if errors:
+        return errors[-1]
+    tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if tracebacks:
+        after = [line for line in lines[tracebacks[-1] + 1:] if not line.startswith((" ", "\t"))]
+        if after:
+            return after[0]
+    return lines[-1] if lines else "its log is empty"

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from services.progress import ProgressStatus
+
 
 class RoleState(str, enum.Enum):
     STARTING = "starting"      # process up, not yet in the RPC group
@@ -38,6 +40,8 @@ class RoleStatus(BaseModel):
     resumed_from: Optional[dict[str, Any]] = None
     restarts_in_a_row: int = 0
     last_checkpoint: Optional[dict[str, Any]] = None
+    progress: Optional[ProgressStatus] = None   # the work under way: done of total, ETA
+    summary: list[str] = []            # ``line()`` as the role itself read it: `rpcps status` prints it as it is
 
     def line(self) -> list[str]:
         """The columns `rpcps status` prints after the name, the role and the state."""
@@ -47,8 +51,8 @@ class RoleStatus(BaseModel):
 class StatusBoard:
     def __init__(self, role: str, name: str, schema: type[RoleStatus] = RoleStatus) -> None:
         self._lock = threading.Lock()
-        self._role, self._name = role, name
-        self._known = set(schema.model_fields) - {"role", "name", "state", "reason"}
+        self._role, self._name, self._schema = role, name, schema
+        self._known = set(schema.model_fields) - {"role", "name", "state", "reason", "summary"}
         self._state = RoleState.STARTING
         self._reason = "starting"
         self._fields: dict[str, Any] = {}
@@ -88,8 +92,10 @@ class StatusBoard:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"role": self._role, "name": self._name, "state": self._state.value,
+            snap = {"role": self._role, "name": self._name, "state": self._state.value,
                     "reason": self._reason, **{k: _copy(v) for k, v in self._fields.items()}}
+        # Rendered here, so a reader needs no schema (and `rpcps status` does not import pydantic).
+        return {**snap, "summary": self._schema.model_validate(snap).line()}
 
 
 def _copy(v: Any) -> Any:

@@ -26,6 +26,11 @@ class Metrics:
         self.episode_running = self.gauge("rpcps_episode_running",
                                           "1 while an episode (LM) or a batch of episodes (RL) runs")
         self.episodes = self.counter("rpcps_episodes_total", "episodes completed").labels(**self.labels)
+        # services/progress.py: the work under way (an episode's steps, a batch of episodes, an evaluation)
+        self.progress_done = self.gauge("rpcps_progress_done_ratio",
+                                        "share of the work under way that is done (NaN: unbounded)")
+        self.progress_eta = self.gauge("rpcps_progress_eta_seconds",
+                                       "seconds until the work under way is done, at the recent rate (NaN: unknown)")
         # Set by the role that takes cluster checkpoints (ps0, the agent): what alerts watch.
         self.checkpoint_last_success = self.gauge("rpcps_checkpoint_last_success_timestamp_seconds",
                                                   "Unix time of the last checkpoint taken (0: none since start)")

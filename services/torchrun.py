@@ -13,12 +13,13 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from services.config import CommonConfig, ConfigError, env_name
 from services.workload import TorchrunSpec
+
+if TYPE_CHECKING:     # imported where used: `rpcps --help` must not pay for torch
+    import torch.distributed as dist
 
 _SET_BY_TORCHRUN = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -47,7 +48,7 @@ def command() -> list[str]:
     return [str(beside)] if beside.exists() else [shutil.which("torchrun") or "torchrun"]
 
 
-def workers_store(environ: Mapping[str, str], timeout: float) -> Optional[tuple[dist.Store, str]]:
+def workers_store(environ: Mapping[str, str], timeout: float) -> Optional[tuple["dist.Store", str]]:
     """A client of torchrun's own store (``MASTER_ADDR:MASTER_PORT``, kept by its agent across
     restarts of the workers), where its workers meet for their process groups, and its address;
     None when torchrun did not start this process."""
@@ -56,6 +57,7 @@ def workers_store(environ: Mapping[str, str], timeout: float) -> Optional[tuple[
     host, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
     if not host or not port.isdigit():
         raise ConfigError(f"torchrun set no usable MASTER_ADDR/MASTER_PORT ({host!r}, {port!r})")
+    import torch.distributed as dist
     store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
     return store, f"{host}:{port}"
 

@@ -4,8 +4,9 @@ A workload (the language model, the RL agent and its observers, later others) li
 under ``trainer/`` and registers a ``WorkloadSpec`` under the entry-point group ``rpcps.workloads``
 (``pyproject.toml``). The CLI, the launcher and the benches reach its roles, settings, launch
 plan, status schemas and benchmarks only through this registry: ``services/`` imports no workload.
-What a spec names as ``"module:attribute"`` is imported only when it is used, so ``rpcps status``
-never pays for importing torch.
+What a spec names as ``"module:attribute"`` (settings, status schemas, metrics, factories,
+benchmarks) is imported only when it is used, so listing the workloads costs no more than reading
+their specs: ``rpcps --help`` imports neither pydantic nor torch.
 """
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import functools
 import importlib
 import importlib.metadata
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-from pydantic import BaseModel
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
-from services.metrics import Metrics
+    from services.metrics import Metrics
 
 GROUP = "rpcps.workloads"
 
@@ -38,14 +40,26 @@ class TorchrunSpec:
 @dataclass(frozen=True)
 class RoleSpec:
     name: str                  # the `rpcps <name>` subcommand, and the role word of its RPC names
-    config: type[BaseModel]    # its settings (flags and RPCPS_* variables)
-    status: type[BaseModel]    # its /status schema; ``line()`` gives `rpcps status`'s columns
+    settings: str              # "module:attribute": its settings (flags and RPCPS_* variables)
+    status_schema: str         # "module:attribute": its /status schema; ``line()`` gives `rpcps status`'s columns
     factory: str               # "module:attribute" building the role from (config, RoleContext)
     help: str
     indexed: bool = True       # named ps0, ps1, … (False: the one agent)
     episodes: bool = False     # its work comes in episodes that `rpcps episode start|stop` controls
-    metrics: type[Metrics] = Metrics   # its metric families (every role's, and its own)
+    metric_families: str = "services.metrics:Metrics"   # its metric families (every role's, and its own)
     torchrun: Optional["TorchrunSpec"] = None   # how it reads its settings when torchrun starts it
+
+    @property
+    def config(self) -> type["BaseModel"]:
+        return _resolve(self.settings)
+
+    @property
+    def status(self) -> type["BaseModel"]:
+        return _resolve(self.status_schema)
+
+    @property
+    def metrics(self) -> type["Metrics"]:
+        return _resolve(self.metric_families)
 
     def build(self) -> Callable[..., Any]:
         return _resolve(self.factory)
@@ -89,10 +103,15 @@ class WorkloadSpec:
     help: str
     leader: str                # the member that hosts the rendezvous store and leads the group
     roles: tuple[RoleSpec, ...]
-    up: type[BaseModel]        # its `rpcps up` settings, besides the launcher's own
+    up_settings: str           # "module:attribute": its `rpcps up` settings, besides the launcher's own
     launch: str                # "module:attribute" building its ``Launch`` from (launcher settings, ``up``)
     checkpoint_dir: str        # where `rpcps up` puts its checkpoints unless told
     benches: tuple[BenchSpec, ...] = ()
+    examples: tuple[tuple[str, str], ...] = ()   # (`rpcps up …` arguments, what they do), for `rpcps up --help`
+
+    @property
+    def up(self) -> type["BaseModel"]:
+        return _resolve(self.up_settings)
 
     def launcher(self, common: Any, settings: Any) -> Launch:
         return _resolve(self.launch)(common, settings)
@@ -129,5 +148,10 @@ def workload_of(role: str) -> WorkloadSpec:
     raise KeyError(role)
 
 
+# Benchmarks of the shared services themselves, besides each workload's.
+SHARED_BENCHES = (BenchSpec("cli", "seconds the quick commands take to answer (--help, status, checkpoint --list)",
+                            "services.bench_cli"),)
+
+
 def benches() -> dict[str, BenchSpec]:
-    return {bench.name: bench for spec in workloads().values() for bench in spec.benches}
+    return {bench.name: bench for bench in (*SHARED_BENCHES, *(b for spec in workloads().values() for b in spec.benches))}

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from services.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -169,6 +167,7 @@ class CheckpointStore:
     def write_file(self, step: int, name: str, obj: Any) -> FileEntry:
         if not _FILE.match(name) or name == MANIFEST:
             raise CheckpointError(f"invalid checkpoint file name {name!r}")
+        import torch     # here, not at the top: `rpcps checkpoint --list` reads manifests without torch
         return atomic_write(self.folder(step) / name, lambda f: torch.save(obj, f))
 
     def commit(self, step: int, entries: list[FileEntry], meta: Optional[dict[str, Any]] = None) -> CheckpointInfo:
@@ -188,11 +187,21 @@ class CheckpointStore:
     def list(self) -> list[CheckpointInfo]:
         """Checkpoints with a readable manifest whose files exist at their sizes, newest first."""
         found = []
+        for _, info in self.scan():
+            if isinstance(info, CheckpointInfo):
+                found.append(info)
+            else:
+                log.info("not a checkpoint: %s", info)
+        return found
+
+    def scan(self) -> list[tuple[Path, "CheckpointInfo | CheckpointError"]]:
+        """Every ``step-N`` folder, newest first, with its checkpoint or why it is none."""
+        found: list[tuple[Path, CheckpointInfo | CheckpointError]] = []
         for path in self._folders():
             try:
-                found.append(self._read(path))
+                found.append((path, self._read(path)))
             except CheckpointError as exc:
-                log.info("not a checkpoint: %s", exc)
+                found.append((path, exc))
         return found
 
     def verify(self, info: CheckpointInfo, names: Optional[list[str]] = None, workers: Optional[int] = None) -> None:
@@ -240,6 +249,7 @@ class CheckpointStore:
         entry = info.files.get(name)
         if entry is None:
             raise CheckpointError(f"{info.id} has no file {name!r} (it has {sorted(info.files)})")
+        import torch
         # mmap: tensors map the file privately (copy-on-write), so nothing is copied up front and
         # the file may be pruned later without touching what was loaded.
         return torch.load(info.path / name, weights_only=True, map_location="cpu", mmap=True)

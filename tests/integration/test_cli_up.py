@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -35,7 +36,14 @@ def test_up_steps_on_wikitext2_loss_falls_and_reports_perplexity(tmp_path, clean
     done = up.wait_event("done", 300)
     assert up.proc.wait(15) == 0, up.logs()
     progress = [e for e in up.events if e["event"] == "progress"]
-    assert progress and all({"step", "loss", "tokens_per_s"} <= set(e) for e in progress), progress
+    assert progress and all({"step", "loss", "tokens_per_s", "percent", "eta_s", "elapsed_s"} <= set(e)
+                            for e in progress), progress
+    # Training's share done grows with its steps, and an ETA follows from the recent rate.
+    training = [e for e in progress if e["phase"] == "train" and e["percent"] is not None and 0 < e["percent"] < 100]
+    assert training and all(e["eta_s"] is not None and e["eta_s"] >= 0 for e in training), training
+    assert [e["percent"] for e in training] == sorted(e["percent"] for e in training), training
+    waiting = [e for e in up.events if e["event"] == "waiting"]
+    assert waiting and waiting[0]["members"] == 4 and waiting[0]["ready"] < 4, waiting
     assert done["steps"] == 40 and done["tokens_per_s"] > 0, done
     # Starts untrained (uniform over ~18k words is 9.8; the second trainer's first step may already
     # see one update of the first's), and falls by more than a nat in 40 steps.
@@ -69,6 +77,9 @@ def test_episode_stop_and_start_from_the_cli(tmp_path, cleanup):
     wait_until(lambda: all((t.get("episode") or {}).get("id") == 2 and t["episode"]["done"] for t in trainers()),
                60, "second episode of 3 steps done")
     assert all(t["episode"]["step"] == 3 for t in trainers())
+    # /status's progress: the second episode's 3 steps done (or its evaluation, after them).
+    assert all(t["progress"]["phase"] == "evaluate" or (t["progress"]["done"], t["progress"]["total"]) == (3, 3)
+               for t in trainers()), trainers()
     assert up.terminate() == 0
     assert up.wait_event("done", 5)["steps"] == 3
 
@@ -79,4 +90,6 @@ def test_human_progress_output(tmp_path):
                        capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout.strip().splitlines()
-    assert out[0].startswith("started ps0 http://") and out[-1].startswith("done: 3 steps | loss ")
+    started = next(i for i, line in enumerate(out) if line.startswith("started ps0 http://"))
+    assert started > 0 and all(re.fullmatch(r"waiting for [a-z0-9, ]+ \(\d/2 ready\)", line) for line in out[:started]), out
+    assert out[-1].startswith("done: 3 steps | loss "), out

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from services.launcher import stop_in_waves
+from services.processes import stop_in_waves
 from tests.support.deploy import (REPO, compose, host_process, interpolate, k8s_prometheus_config, k8s_pod_targets,
                                   start_order)
 from tests.support.netns import HostNetwork, HostProcess, Unavailable

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from services.client import SidecarClient
-from services.launcher import free_port, spawn_role, stop_in_waves
+from services.processes import free_port, spawn_role, stop_in_waves
 from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from services import cli
 from services.config import env_name, load
 from services.sidecar import create_app
+from services.workload import roles
 from tests.support.deploy import (COMPOSE, DOCKERFILE, PROMETHEUS, REPO, TORCH_VARIABLES, ComposeRefuses, compose,
                                   image_env, interpolate, rpcps_services, run, service_env, tool)
 from tests.support.fakes import FakeControl
@@ -38,8 +39,8 @@ def test_every_compose_command_and_variable_is_one_the_cli_accepts():
     assert {"ps0", "ps1", "trainer0", "trainer1", "agent", "observer0"} <= set(services)
     for name, service in services.items():
         argv = [str(a) for a in service["command"]]
-        args = cli._parser().parse_args(argv)            # the image's ENTRYPOINT is `rpcps`
-        model = cli._ROLES[args.command]
+        args = cli.parse(argv)            # the image's ENTRYPOINT is `rpcps`
+        model = roles()[args.command].config
         env = service_env(service, {"RPCPS_CONTROL_TOKEN": "t0ken"})
         cfg = load(model, vars(args), env)                 # raises ConfigError on any bad value
         assert cfg.name == name, f"service {name} runs a role named {cfg.name}"

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from services import cli
 from services.config import env_name, load
 from services.sidecar import create_app
+from services.workload import roles
 from tests.support.deploy import K8S, TORCH_VARIABLES, image_env, k8s_pods, k8s_workloads, run, tool
 from tests.support.fakes import FakeControl
 
@@ -74,8 +75,8 @@ def test_every_pod_runs_a_role_the_cli_accepts_under_its_own_name(stub_rpcps):
         assert container["image"].startswith("rpcps:")
         env = {**image_env(), **container_env(container)}
         argv = executed_argv(container["command"], pod.env, stub_rpcps)
-        args = cli._parser().parse_args(argv)
-        model = cli._ROLES[args.command]
+        args = cli.parse(argv)
+        model = roles()[args.command].config
         cfg = load(model, vars(args), env)               # raises ConfigError on any bad value
         assert cfg.name == pod.role_name, f"pod {pod.name} runs {cfg.name}"
         names.setdefault(args.command, []).append(cfg.name)

@@ -2,7 +2,7 @@ import pytest
 
 from ps.config import PsConfig
 from services.config import ConfigError, load
-from services.launcher import UpConfig
+from services.upconfig import UpConfig
 from trainer.lm.config import TrainerConfig
 from services.names import format_name, parse_name
 from services.torchrun import as_worker
@@ -76,8 +76,8 @@ def test_rl_roles_configs_and_leaders():
 
 def test_up_refuses_a_setting_of_the_other_workload():
     assert load(UpConfig, {"workload": "rl", "observers": "3"}, {}).observers == 3
-    with pytest.raises(ConfigError, match="--ps: not a setting of --workload rl"):
-        load(UpConfig, {"workload": "rl", "ps": "3"}, {})
+    with pytest.raises(ConfigError, match="--num-ps: not a setting of --workload rl"):
+        load(UpConfig, {"workload": "rl", "num_ps": "3"}, {})
     with pytest.raises(ConfigError, match="--episodes: not a setting of --workload lm"):
         load(UpConfig, {"episodes": "3"}, {})
 

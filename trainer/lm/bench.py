@@ -109,7 +109,7 @@ def bench_local(args: dict, data: Path | None) -> dict:
 
 def bench_seed(args: dict, data: Path | None) -> dict:
     from trainer.lm.bench_seed import run_seed
-    from services.launcher import free_port
+    from services.processes import free_port
     from trainer.lm.data import batchify
 
     tokens = batchify(_tokens(data, args["ntoken"]), args["batch_size"])

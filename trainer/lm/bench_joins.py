@@ -42,7 +42,7 @@ def _proc(pid: int) -> dict[str, float]:
 
 def run(ns: argparse.Namespace) -> int:
     from services.client import SidecarClient
-    from services.launcher import free_port, spawn_role, stop_in_waves
+    from services.processes import free_port, spawn_role, stop_in_waves
     from trainer.lm.data import vocab_size
 
     tokens = 20_000

@@ -78,7 +78,7 @@ def _furthest(urls: list[str]) -> int:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from services.launcher import free_port, spawn_role, stop_in_waves
+    from services.processes import free_port, spawn_role, stop_in_waves
 
     ways = [w for w in ns.ways.split(",") if w]
     with tempfile.TemporaryDirectory(prefix="rpcps-recovery-") as tmp:
@@ -113,7 +113,7 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def _rpcps_way(kills: int, root: Path, port: int, flags: list[str]) -> list[dict]:
-    from services.launcher import free_port, spawn_role, stop_in_waves
+    from services.processes import free_port, spawn_role, stop_in_waves
 
     procs: dict[str, subprocess.Popen] = {}
     urls: dict[str, str] = {}
@@ -153,7 +153,7 @@ def _rpcps_way(kills: int, root: Path, port: int, flags: list[str]) -> list[dict
 
 
 def _torchrun_way(kills: int, root: Path, port: int, flags: list[str]) -> list[dict]:
-    from services.launcher import free_port, stop_in_waves
+    from services.processes import free_port, stop_in_waves
     from services.torchrun import command
 
     sidecar = free_port(len(TRAINERS))     # worker k's sidecar listens at sidecar + k

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -66,6 +66,10 @@ class LmServerConfig(PsConfig):
 
 
 class TrainerConfig(ServersConfig):
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "cluster": ("num_trainers",),
+        "consistency": ("dense", "group_timeout", "slow_down", "slow_fraction"),
+        "failures": ("max_refused_steps",), "output": ("log_interval",)}
     name: str = Field("trainer0", description="RPC name: trainer<index>")
     data: Optional[Path] = Field(None, description="WikiText-style folder; default: built-in synthetic corpus")
     _data = field_validator("data")(classmethod(_folder))
@@ -106,10 +110,16 @@ class TrainerConfig(ServersConfig):
 class LmUpSettings(ConfigBase):
     """`rpcps up --workload lm`: the servers' and trainers' settings a local cluster starts with."""
 
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "cluster": ("num_ps", "num_trainers"),
+        "consistency": ("consistency", "dense", "straggler", "jitter", "jitter_fraction"),
+        "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds")}
+
+    # The roles' names for the same counts; the old spellings still work.
     num_ps: int = Field(2, ge=1, le=16, description="parameter servers to start",
-                        json_schema_extra={"flag": "--ps", "env": "RPCPS_PS"})
+                        json_schema_extra={"aliases": ("--ps",), "env_aliases": ("RPCPS_PS",)})
     num_trainers: int = Field(2, ge=1, le=64, description="trainers to start",
-                              json_schema_extra={"flag": "--trainers", "env": "RPCPS_TRAINERS"})
+                              json_schema_extra={"aliases": ("--trainers",), "env_aliases": ("RPCPS_TRAINERS",)})
     steps: Optional[int] = Field(None, ge=1, description="steps per trainer, then stop and exit 0 (default: until Ctrl-C)")
     data: Optional[Path] = Field(None, description="WikiText-style folder (default: built-in synthetic corpus)")
     _data = field_validator("data")(classmethod(_folder))

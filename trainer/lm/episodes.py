@@ -16,6 +16,7 @@ from trainer.lm.config import TrainerConfig
 from services.control import EpisodeGate, EpisodeStart, StepPause
 from services.errors import StepLost, UpdateRefused
 from services.lifecycle import RoleState, StatusBoard
+from services.progress import Progress
 from trainer.lm.loop import EvalResult, StepResult, TrainLoop
 from trainer.lm.metrics import TrainerMetrics
 
@@ -54,11 +55,13 @@ class EpisodeRunner:
         self._refused_in_a_row = 0
         self._traffic = {"steps": 0, "rpc_bytes": 0, "allreduce_bytes": 0}
         self._digests: deque[tuple[int, str]] = deque(maxlen=128)   # --dense allreduce: the replica's last steps
+        self.progress = Progress(board, metrics)
 
     def run(self, request: EpisodeStart) -> None:
         self.episodes += 1
         episode = {"id": self.episodes, "step": 0, "steps": request.steps, "done": False}
         self.board.update(episode=dict(episode))
+        self.progress.start("train", request.steps)
         self.board.set_state(RoleState.RUNNING, f"episode {self.episodes}")
         self.metrics.episode_running.set(1)
         log.info("episode %d: %s steps", self.episodes, request.steps or "unbounded")
@@ -108,6 +111,7 @@ class EpisodeRunner:
                               tokens_per_s=tokens_per_s, grad_norm=result.grad_norm, timed=dict(throughput.window),
                               step_seconds={k: round(v, 6) for k, v in result.phases.items()},
                               moved=self._count_traffic(result), **self._replica_status())
+            self.progress.advance(episode["step"])
             if time.monotonic() - last_log >= self.cfg.log_interval:
                 last_log = time.monotonic()
                 self._heartbeat()
@@ -161,8 +165,10 @@ class EpisodeRunner:
 
     def _evaluate(self) -> None:
         self.board.update(evaluating=True)
+        self.progress.start("evaluate", None)
         with self.pause.quiet():     # evaluation changes neither parameters nor position
-            result: EvalResult = self.loop.evaluate(self.heldout, should_stop=lambda: self.gate.closing)
+            result: EvalResult = self.loop.evaluate(self.heldout, should_stop=lambda: self.gate.closing,
+                                                    progress=lambda done, total: self.progress.advance(done, total))
         self.metrics.eval_loss.set(result.loss)
         log.info("episode %d held-out share: loss %.3f ppl %.1f over %d tokens",
                  self.episodes, result.loss, result.ppl, result.tokens)

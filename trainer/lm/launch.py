@@ -6,8 +6,9 @@ import math
 from typing import Any, Optional
 
 from ps.config import ps_names
-from services.launcher import LauncherConfig, flags
+from services.upconfig import LauncherConfig, flags
 from services.names import format_name
+from services.progress import combine, describe
 from services.workload import Planned
 from trainer.lm.config import LmUpSettings
 from trainer.lm.status import TrainerStatus
@@ -65,11 +66,14 @@ class LmLaunch:
         steps = [s.episode.step if s.episode else 0 for s in st]
         # The trainers training now; once all have finished, the rates their episodes ended at.
         rating = [s for s in st if s.state == "running"] or st
+        evaluating = [n for n, s in statuses.items() if s.evaluating]
+        # Training's progress, or, once any trainer evaluates, the evaluation's (its own ETA).
+        phase = "evaluate" if evaluating else "train"
         return [{"event": "progress", "step": min(steps) if steps else 0, "steps": self.cfg.steps,
                  "loss": sum(losses) / len(losses) if losses else None,
                  "tokens_per_s": sum(s.tokens_per_s or 0.0 for s in rating),
                  "trainers": {n: s.episode.step if s.episode else 0 for n, s in statuses.items()},
-                 "evaluating": [n for n, s in statuses.items() if s.evaluating]}]
+                 "evaluating": evaluating, "phase": phase, **combine([s.progress for s in st], phase)}]
 
     def summary(self, statuses: dict[str, TrainerStatus], restarts: int) -> dict:
         st = list(statuses.values())
@@ -88,12 +92,13 @@ class LmLaunch:
                 "val_tokens": val_tokens, "restarts": restarts, "bytes_per_step": _bytes_per_step(st)}
 
     def human(self, e: dict[str, Any]) -> Optional[str]:
+        if e["event"] == "progress" and e.get("phase") == "evaluate":
+            return f"evaluating the held-out split | {describe(e)}"
         if e["event"] == "progress":
             per = " ".join(f"{n} {s}" for n, s in e["trainers"].items())
             loss = "-" if e["loss"] is None else f"{e['loss']:.3f}"
-            evaluating = " | evaluating the held-out split" if e.get("evaluating") else ""
-            return (f"step {e['step']}{'/' + str(e['steps']) if e.get('steps') else ''} | loss {loss} | "
-                    f"{e['tokens_per_s']:.0f} tokens/s | {per}{evaluating}")
+            return " | ".join(p for p in (f"step {e['step']}{'/' + str(e['steps']) if e.get('steps') else ''}",
+                                          describe(e), f"loss {loss}", f"{e['tokens_per_s']:.0f} tokens/s", per) if p)
         if e["event"] == "done":
             val = f" | held-out ppl {e['val_ppl']:.1f}" if e.get("val_ppl") is not None else ""
             first = "-" if e["loss_first"] is None else f"{e['loss_first']:.3f}"

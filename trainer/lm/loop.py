@@ -6,7 +6,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -84,8 +84,10 @@ class TrainLoop:
             self.metrics.loss.set(result.loss)
         return result
 
-    def evaluate(self, heldout: torch.Tensor, should_stop=lambda: False) -> EvalResult:
+    def evaluate(self, heldout: torch.Tensor, should_stop=lambda: False,
+                 progress: Callable[[int, int], None] = lambda done, total: None) -> EvalResult:
         data = batchify(heldout, self.cfg.eval_batch_size)
+        target_tokens = (data.size(0) - 1) * data.size(1)
         stream = BatchStream(data, self.cfg.bptt)
         hidden = init_hidden(self.model.config, self.cfg.eval_batch_size)
         self.model.eval()
@@ -98,4 +100,5 @@ class TrainLoop:
                 loss, hidden = self.model(x, y, hidden)
                 total += float(loss) * y.numel()
                 tokens += y.numel()
+                progress(tokens, target_tokens)
         return EvalResult(total, tokens)

@@ -2,24 +2,20 @@
 status schemas and benchmarks (registered in pyproject.toml under ``rpcps.workloads``).
 
 Light on purpose: what it names as ``"module:attribute"`` is imported only when used."""
-from ps.metrics import PsMetrics
-from ps.status import PsStatus
 from services.workload import BenchSpec, RoleSpec, TorchrunSpec, WorkloadSpec
-from trainer.lm.config import LmServerConfig, LmUpSettings, TrainerConfig
-from trainer.lm.metrics import TrainerMetrics
-from trainer.lm.status import TrainerStatus
 
 SPEC = WorkloadSpec(
     name="lm",
     help="parameter servers and language-model trainers",
     leader="ps0",
-    roles=(RoleSpec("ps", LmServerConfig, PsStatus, "trainer.lm.server:lm_server",
-                    "run one parameter server (hosting the language model)", metrics=PsMetrics),
-           RoleSpec("trainer", TrainerConfig, TrainerStatus, "trainer.lm.role:TrainerRole", "run one trainer",
-                    episodes=True, metrics=TrainerMetrics,
+    roles=(RoleSpec("ps", "trainer.lm.config:LmServerConfig", "ps.status:PsStatus", "trainer.lm.server:lm_server",
+                    "run one parameter server (hosting the language model)", metric_families="ps.metrics:PsMetrics"),
+           RoleSpec("trainer", "trainer.lm.config:TrainerConfig", "trainer.lm.status:TrainerStatus",
+                    "trainer.lm.role:TrainerRole", "run one language-model trainer", episodes=True,
+                    metric_families="trainer.lm.metrics:TrainerMetrics",
                     # A torchrun worker is a batch job: it trains at once and ends with its episode.
                     torchrun=TorchrunSpec("num_trainers", (("start", "true"), ("exit_when_done", "true"))))),
-    up=LmUpSettings,
+    up_settings="trainer.lm.config:LmUpSettings",
     launch="trainer.lm.launch:LmLaunch",
     checkpoint_dir="checkpoints",
     benches=(BenchSpec("lm", "tokens/s: one process vs the seed design vs rpcps (--dense ps and allreduce)",
@@ -31,4 +27,8 @@ SPEC = WorkloadSpec(
                        "trainer.lm.bench_joins"),
              BenchSpec("recovery", "--dense allreduce: seconds from a trainer's SIGKILL to the next step, "
                                    "rpcps's regroup vs torchrun's restart", "trainer.lm.bench_recovery")),
+    examples=(("--steps 40 --data DIR", "40 steps per trainer on a WikiText-style folder, evaluate, exit 0"),
+              ("--num-ps 3 --num-trainers 4 --consistency sync", "synchronous updates: every step averaged"),
+              ("--consistency sync --dense allreduce", "the LSTM on the trainers, kept in step by all-reduce"),
+              ("--checkpoint-every-steps 100 --keep-checkpoints 5", "periodic checkpoints, newest five kept")),
 )

@@ -22,6 +22,7 @@ from trainer.rl.config import AgentConfig
 from services.control import EpisodeGate, EpisodeStart
 from services.errors import BadRequest, CheckpointError, CheckpointInProgress, NotReady
 from services.lifecycle import RoleState
+from services.progress import Progress
 from services.remote import serve, withdraw
 from services.role import RoleBase, RoleContext
 from trainer.rl.batching import ActionBatcher
@@ -54,6 +55,7 @@ class AgentRole(RoleBase, AgentService):
                                     self.metrics, self.gate, self._wake)
         self.coordinator: Optional[Coordinator] = None   # checkpoints of this cluster of one, once joined
         self._batches = 0
+        self.progress = Progress(self.board, self.metrics)
         self._solved = False                        # any batch of this process passed the threshold
 
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
@@ -131,6 +133,7 @@ class AgentRole(RoleBase, AgentService):
     def _run_batch(self, request: EpisodeStart) -> None:
         batch = {"id": self._batches, "episodes": request.episodes, "done": 0, "finished": False, "solved": False}
         self.board.update(batch=dict(batch))
+        self.progress.start("episodes", request.episodes)
         self.board.set_state(RoleState.RUNNING, "running episodes")
         self.metrics.episode_running.set(1)
         try:
@@ -146,6 +149,7 @@ class AgentRole(RoleBase, AgentService):
                     continue
                 batch["done"] += 1
                 self.board.update(batch=dict(batch))
+                self.progress.advance(batch["done"])
                 if self.cfg.checkpoint_every_episodes and result.episode % self.cfg.checkpoint_every_episodes == 0:
                     self._checkpoint_quietly()
                 if solved(result.running_reward, self.threshold):

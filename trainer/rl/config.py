@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 from pydantic import Field, model_validator
 
@@ -11,6 +11,8 @@ from trainer.rl.env import ENV_PATTERN
 
 
 class AgentConfig(CommonConfig, RestoringConfig, LeaderConfig):
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {"checkpoints": ("checkpoint_every_episodes",),
+                                                         "cluster": ("min_observers",)}
     name: str = Field("agent", description="RPC name: agent")
     checkpoint_dir: Path = Field(Path("checkpoints/rl"), description="folder of the agent's checkpoints")
     env: str = Field("CartPole-v1", pattern=ENV_PATTERN, description="the observers' environment: CartPole-v1; CartPole-v1:<steps> (restarted until that many, for benchmarks); fixed:<steps> (tests)")
@@ -45,6 +47,9 @@ class ObserverConfig(CommonConfig):
 
 class RlUpSettings(ConfigBase):
     """`rpcps up --workload rl`: the agent's and observers' settings a local cluster starts with."""
+
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "cluster": ("observers",), "checkpoints": ("checkpoint_every_episodes", "checkpoint_every_steps")}
 
     observers: int = Field(4, ge=1, le=64, description="observers to start")
     episodes: Optional[int] = Field(None, ge=1, description="episodes to run at most (default: until solved)")

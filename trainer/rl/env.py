@@ -9,9 +9,10 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:        # numpy is imported where an environment is made: settings only need the names
+    import numpy as np
 
 CARTPOLE = "CartPole-v1"
 CARTPOLE_THRESHOLD = 475.0        # gymnasium's reward_threshold for CartPole-v1
@@ -21,26 +22,31 @@ _RESTARTING = re.compile(rf"^{CARTPOLE}:({_STEPS})$")
 ENV_PATTERN = rf"^({CARTPOLE}|{CARTPOLE}:{_STEPS}|fixed:{_STEPS})$"   # every kind above, for settings
 
 
+def _generator(seed: int) -> "np.random.Generator":
+    import numpy as np
+    return np.random.default_rng(seed)
+
+
 class FixedLengthEnv:
     """Ends after exactly ``length`` steps whatever the actions; reward 1 per step; states drawn
     from the seeded generator, so runs repeat."""
 
     def __init__(self, length: int) -> None:
         self.length = length
-        self._rng = np.random.default_rng(0)
+        self._rng = _generator(0)
         self._t = 0
 
     def reset(self, seed: int | None = None) -> tuple[np.ndarray, dict]:
         if seed is not None:
-            self._rng = np.random.default_rng(seed)
+            self._rng = _generator(seed)
         self._t = 0
-        return self._rng.uniform(-0.05, 0.05, 4).astype(np.float32), {}
+        return self._rng.uniform(-0.05, 0.05, 4).astype("float32"), {}
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
         if action not in (0, 1):
             raise ValueError(f"action must be 0 or 1, got {action!r}")
         self._t += 1
-        return self._rng.uniform(-0.05, 0.05, 4).astype(np.float32), 1.0, False, self._t >= self.length, {}
+        return self._rng.uniform(-0.05, 0.05, 4).astype("float32"), 1.0, False, self._t >= self.length, {}
 
     def close(self) -> None:
         pass

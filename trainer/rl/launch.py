@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from services.launcher import LauncherConfig, flags
+from services.upconfig import LauncherConfig, flags
 from services.names import format_name
+from services.progress import combine, describe
 from services.workload import Planned
 from trainer.rl.config import RlUpSettings
 from trainer.rl.status import AgentStatus
@@ -48,6 +49,10 @@ class RlLaunch:
             if h["episode"] > self._reported:
                 events.append({"event": "progress", **h})
                 self._reported = h["episode"]
+        if events:     # the batch's progress as the agent last reported it, on the newest episode
+            batch = agent.batch
+            events[-1].update(episodes=batch.episodes if batch else None, done=batch.done if batch else 0,
+                              **combine([agent.progress], "episodes"))
         return events
 
     def summary(self, statuses: dict[str, AgentStatus], restarts: int) -> dict:
@@ -60,8 +65,11 @@ class RlLaunch:
 
     def human(self, e: dict[str, Any]) -> Optional[str]:
         if e["event"] == "progress":
-            return (f"episode {e['episode']} | reward {e['reward']:.1f} | running reward {e['running_reward']:.1f} | "
-                    f"{e['observers']} observers | {e['steps_per_s']:.0f} steps/s")
+            of = f" ({e['done']}/{e['episodes']} this run)" if e.get("episodes") else ""
+            return " | ".join(p for p in (
+                f"episode {e['episode']}{of}", describe(e), f"reward {e['reward']:.1f}",
+                f"running reward {e['running_reward']:.1f}", f"{e['observers']} observers",
+                f"{e['steps_per_s']:.0f} steps/s") if p)
         if e["event"] == "done":
             rr = e["running_reward"]
             how = "solved" if e["solved"] else "not solved"

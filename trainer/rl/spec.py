@@ -3,20 +3,21 @@ launch plan, status schemas and benchmark (registered in pyproject.toml under ``
 
 Light on purpose: what it names as ``"module:attribute"`` is imported only when used."""
 from services.workload import BenchSpec, RoleSpec, WorkloadSpec
-from trainer.rl.config import AgentConfig, ObserverConfig, RlUpSettings
-from trainer.rl.metrics import RlMetrics
-from trainer.rl.status import AgentStatus, ObserverStatus
 
 SPEC = WorkloadSpec(
     name="rl",
     help="the RL agent and its observers on CartPole",
     leader="agent",
-    roles=(RoleSpec("agent", AgentConfig, AgentStatus, "trainer.rl.agent:AgentRole", "run the RL agent",
-                    indexed=False, episodes=True, metrics=RlMetrics),
-           RoleSpec("observer", ObserverConfig, ObserverStatus, "trainer.rl.observer:ObserverRole",
-                    "run one RL observer", metrics=RlMetrics)),
-    up=RlUpSettings,
+    roles=(RoleSpec("agent", "trainer.rl.config:AgentConfig", "trainer.rl.status:AgentStatus",
+                    "trainer.rl.agent:AgentRole", "run the RL agent", indexed=False, episodes=True,
+                    metric_families="trainer.rl.metrics:RlMetrics"),
+           RoleSpec("observer", "trainer.rl.config:ObserverConfig", "trainer.rl.status:ObserverStatus",
+                    "trainer.rl.observer:ObserverRole", "run one RL observer",
+                    metric_families="trainer.rl.metrics:RlMetrics")),
+    up_settings="trainer.rl.config:RlUpSettings",
     launch="trainer.rl.launch:RlLaunch",
     checkpoint_dir="checkpoints/rl",
     benches=(BenchSpec("rl", "environment steps/s: 1, 2, 4 observers, batched and not", "trainer.rl.bench"),),
+    examples=(("--workload rl --observers 4", "the RL agent and four observers, until CartPole is solved"),
+              ("--workload rl --episodes 50", "at most 50 episodes, then a final checkpoint and exit 0")),
 )

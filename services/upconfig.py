@@ -1,0 +1,137 @@
+"""``rpcps up``'s settings: the launcher's own, joined by every registered workload's.
+
+Light on purpose (pydantic, no torch, no HTTP client): the CLI builds ``rpcps up --help`` from it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Optional
+
+from pydantic import Field, SecretStr, ValidationError, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+from services.config import ConfigBase, explain, flag_name, shown_default, writable_folder
+from services.workload import workloads
+
+
+class LauncherConfig(ConfigBase):
+    """``rpcps up``: the launcher's own settings, whatever the workload."""
+
+    workload: str = Field(description="which workload to run")
+    as_json: bool = Field(False, description="print JSON lines instead of human progress",
+                          json_schema_extra={"flag": "--json", "env": "RPCPS_JSON"})
+    threads: int = Field(1, ge=1, description="torch threads per process")
+    rpc_transport: Literal["uv", "shm"] = Field("uv", description="TensorPipe transport of every role")
+    master_addr: str = Field("127.0.0.1", description="address of the rendezvous store (the leader: ps0 or the agent)")
+    master_port: int = Field(0, ge=0, le=65535, description="rendezvous port (0: a free port)")
+    sidecar_host: str = Field("127.0.0.1", description="address the sidecars bind")
+    sidecar_port: int = Field(0, ge=0, le=65535, description="first sidecar port, one per role in order (0: free ports)")
+    progress_interval: float = Field(5.0, gt=0, description="seconds between progress lines")
+    restart_backoff: float = Field(1.0, gt=0, description="seconds before a dead member is restarted; doubled "
+                                                          "for each death in a row, up to --restart-backoff-max")
+    restart_backoff_max: float = Field(60.0, gt=0, description="the longest wait before a restart")
+    restart_window: float = Field(60.0, gt=0, description="a member up this long is healthy again: its next "
+                                                          "death waits --restart-backoff")
+    max_restarts: Optional[int] = Field(None, ge=0, description="end the run after this many deaths in a row of "
+                                                                "one member (default: never; it is shown failing)")
+    ready_timeout: float = Field(180.0, gt=0, description="seconds for every role to become ready")
+    state_dir: Path = Field(Path(".rpcps"), description="where role logs and cluster.json go")
+    resume: bool = Field(True, description="resume from the newest valid checkpoint (--no-resume: start fresh)")
+    resume_from: Optional[str] = Field(None, description="resume from this checkpoint (step-N or its path)")
+    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
+    final_checkpoint: bool = Field(True, description="take a checkpoint when stopping")
+    checkpoint_dir: Optional[Path] = Field(None, description="folder of the checkpoints (default: the workload's own)")
+    control_token: Optional[SecretStr] = Field(None, description="bearer token for the sidecars' POST routes")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of every role")
+
+    # Set on the composed ``UpConfig``: each workload's own settings, by name.
+    workload_settings: ClassVar[dict[str, type[ConfigBase]]] = {}
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "cluster": ("workload", "threads", "rpc_transport", "master_addr", "master_port", "sidecar_host",
+                    "sidecar_port", "control_token"),
+        "checkpoints": ("checkpoint_dir", "resume", "resume_from", "keep_checkpoints", "final_checkpoint"),
+        "failures": ("restart_backoff", "restart_backoff_max", "restart_window", "max_restarts", "ready_timeout"),
+        "output": ("as_json", "progress_interval", "state_dir", "log_level"),
+    }
+
+    _folders = field_validator("checkpoint_dir", "state_dir")(
+        classmethod(lambda cls, v: v if v is None else writable_folder(v)))
+
+    @model_validator(mode="after")
+    def _check(self) -> "LauncherConfig":
+        settings = type(self).workload_settings
+        if self.workload not in settings:
+            raise ValueError(f"--workload: unknown workload {self.workload!r}; one of {', '.join(settings)}")
+        # A setting of another workload would be silently ignored: refuse it instead.
+        mine = set(settings[self.workload].model_fields) | set(LauncherConfig.model_fields)
+        wrong = sorted(self.model_fields_set - mine)
+        if wrong:
+            names = ", ".join(flag_name(f, type(self).model_fields[f]) for f in wrong)
+            raise ValueError(f"{names}: not a setting of --workload {self.workload}")
+        # The workload's own checks (its validators) run here, so a bad value is a ConfigError
+        # at load naming its flag, not a failure once the launch has begun.
+        try:
+            self.settings()
+        except ValidationError as exc:
+            fields = type(self).model_fields
+            problems = []
+            for e in exc.errors():
+                field = str(e["loc"][0]) if e["loc"] else None
+                problems.append(explain(e["msg"], field and flag_name(field, fields.get(field)), e["input"] if field else None))
+            raise ValueError("; ".join(problems)) from None
+        return self
+
+    def settings(self) -> ConfigBase:
+        """The chosen workload's settings: those given, its defaults for the rest."""
+        model = type(self).workload_settings[self.workload]
+        return model.model_validate({f: getattr(self, f) for f in self.model_fields_set if f in model.model_fields})
+
+    def restoring_flags(self) -> list[str]:
+        """How the leader (and the servers) should restore and keep checkpoints."""
+        out = ["--resume" if self.resume else "--no-resume", "--keep-checkpoints", str(self.keep_checkpoints)]
+        return out + (["--resume-from", self.resume_from] if self.resume_from else [])
+
+
+def compose_up_config() -> type[LauncherConfig]:
+    """``LauncherConfig`` with every registered workload's settings as fields (one flag each, as
+    `rpcps up --help` lists them): a field two workloads share takes each one's default from it."""
+    settings = {name: spec.up for name, spec in workloads().items()}
+    declared: dict[str, list[tuple[str, FieldInfo]]] = {}
+    for name, model in settings.items():
+        for setting, info in model.model_fields.items():
+            declared.setdefault(setting, []).append((name, info))
+    fields: dict[str, Any] = {}
+    for setting, where in declared.items():
+        first = where[0][1]
+        extra = dict(first.json_schema_extra) if isinstance(first.json_schema_extra, dict) else {}
+        if len(where) == 1:
+            # The field's own default is None (so the workload's applies); --help shows the workload's.
+            about, extra["shown_default"] = f"{where[0][0]}: {first.description}", shown_default(first)
+        else:
+            about = "; ".join(f"{name}: {info.description} (default {shown_default(info)})" for name, info in where)
+        fields[setting] = (Optional[first.annotation], FieldInfo.merge_field_infos(
+            first, default=None, description=about, json_schema_extra=extra))
+    specs = workloads()
+    about = "which workload to run: " + ", ".join(f"{name} ({spec.help})" for name, spec in specs.items())
+    fields["workload"] = (Literal[tuple(specs)], Field(next(iter(specs)), description=about))
+    composed = create_model("UpConfig", __base__=LauncherConfig, **fields)
+    composed.workload_settings = settings
+    groups: dict[str, tuple[str, ...]] = {}
+    for model in (*settings.values(), LauncherConfig):
+        for group, names in getattr(model, "flag_groups", {}).items():
+            groups[group] = (*groups.get(group, ()), *names)
+    composed.flag_groups = groups
+    return composed
+
+
+UpConfig = compose_up_config()
+
+
+def flags(settings: ConfigBase, fields: tuple[str, ...]) -> list[str]:
+    """The role flags that pass on ``settings``' values of ``fields`` (those that are set)."""
+    out: list[str] = []
+    for f in fields:
+        v: Any = getattr(settings, f)
+        if v is not None:
+            out += [flag_name(f), str(v)]
+    return out
