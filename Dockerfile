@@ -1,5 +1,12 @@
+# syntax=docker/dockerfile:1
 # One image for every rpcps role; the command picks it: `ps`, `trainer`, `agent`, `observer`.
 FROM python:3.11-slim
+
+# Where torch comes from, and only torch: PyTorch's CPU index by default (no CUDA libraries; pass
+# another index for another build). WHEELS names a folder of wheels in the build context to take
+# packages from first (e.g. `--build-arg WHEELS=wheels` on a machine without the indexes).
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG WHEELS=""
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -11,14 +18,18 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
-# Dependencies first, in their own layer: a code change does not reinstall torch. CPU torch is
-# pinned from PyTorch's CPU index (an unpinned torch pulls gigabytes of CUDA wheels).
-COPY pyproject.toml README.md ./
-RUN mkdir -p services ps trainer \
-    && touch services/__init__.py ps/__init__.py trainer/__init__.py \
-    && pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu . \
-    && pip uninstall --yes rpcps
+# Dependencies first, in their own layer, from the pinned list alone (requirements.lock, made from
+# pyproject.toml by `python -m tools.lock`): a change to the code, the docs or the README
+# reinstalls nothing. Each step names its one index: torch from TORCH_INDEX, the rest from PyPI
+# (torch, already installed, satisfies the list's pin).
+COPY requirements.lock ./
+RUN --mount=type=bind,target=/context \
+    pip install --no-cache-dir --no-deps --index-url "$TORCH_INDEX" ${WHEELS:+--find-links "/context/$WHEELS"} \
+        "$(grep '^torch==' requirements.lock)" \
+    && pip install --no-cache-dir --index-url https://pypi.org/simple ${WHEELS:+--find-links "/context/$WHEELS"} \
+        -r requirements.lock
 
+COPY pyproject.toml README.md LICENSE ./
 COPY services ./services
 COPY ps ./ps
 COPY trainer ./trainer

@@ -137,5 +137,23 @@ def test_the_image_holds_every_package_the_project_installs():
     text = DOCKERFILE.read_text()
     copied = set(re.findall(r"^COPY (\w+) \./(\w+)$", text, re.M))
     assert copied == {(p, p) for p in packages}, "the image must copy every package"
-    stubbed = re.search(r"mkdir -p ([\w ]+?)\s*\\", text).group(1).split()
-    assert set(stubbed) == packages, "the dependency layer stubs every package, so `pip install .` resolves"
+
+
+
+def test_the_image_installs_its_pinned_dependencies_before_the_sources_one_index_a_step():
+    import tomllib
+
+    from packaging.requirements import Requirement
+    text = DOCKERFILE.read_text()
+    copies = re.findall(r"^COPY (.+) \./", text, re.M)
+    assert copies[0] == "requirements.lock", "the dependency layer must depend on the pinned list alone"
+    first_source = text.index("COPY pyproject.toml")
+    assert text.index("-r requirements.lock") < first_source and "--extra-index-url" not in text
+    assert re.search(r'--index-url "\$TORCH_INDEX".*\n.*\^torch==', text), "torch comes from TORCH_INDEX alone"
+    pins = dict(line.split("==") for line in (REPO / "requirements.lock").read_text().splitlines()
+                if line and not line.startswith("#"))
+    for dependency in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+        req = Requirement(dependency)
+        name = req.name.lower().replace("_", "-")
+        assert name in pins and req.specifier.contains(pins[name]), f"requirements.lock: {name} {pins.get(name)} " \
+                                                                    f"does not satisfy {dependency}: python -m tools.lock"

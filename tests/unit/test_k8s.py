@@ -164,3 +164,11 @@ def test_only_rpcps_pods_reach_the_store_and_rpc_ports_and_prometheus_only_the_s
     for name, workload in k8s_workloads().items():      # the named port the rule admits is the sidecar's
         ports = {p["name"]: p["containerPort"] for p in pod_spec(workload)["containers"][0]["ports"]}
         assert ports["sidecar"] == int(image_env()["RPCPS_SIDECAR_PORT"]), name
+
+
+def test_the_image_is_named_in_one_place():
+    kustomization = yaml.safe_load((K8S / "kustomization.yml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in K8S.glob("*.yaml"))
+    [image] = kustomization["images"]
+    images = {c["image"].split(":")[0] for w in k8s_workloads().values() for c in pod_spec(w)["containers"]}
+    assert images == {image["name"]}, "every container's image is the one kustomization.yml rewrites"

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-DEFAULT_DATA = Path("../shared/datasets/wikitext-2")
+# A WikiText-2 folder to benchmark on unless --data names one (the synthetic corpus without either).
+WIKITEXT_VARIABLE = "RPCPS_WIKITEXT"
 WIKITEXT2_NTOKEN = 33_278  # WikiText-2's full (train+valid+test) vocabulary, the classic example's size
 TARGETS = {"rpcps_vs_local": 0.9, "rpcps_vs_seed": 1.5}
 
@@ -34,7 +35,8 @@ def add_model_arguments(p: argparse.ArgumentParser, steps: int, rounds: str) -> 
     """The flags every language-model bench takes: output, data, model size, steps, rounds."""
     p.add_argument("--json", action="store_true", help="JSON lines only (the default output is JSON too)")
     p.add_argument("--data", type=Path, default=None,
-                   help=f"WikiText-style folder (default: {DEFAULT_DATA} if present, else the synthetic corpus)")
+                   help=f"WikiText-style folder (default: the folder ${WIKITEXT_VARIABLE} names, if set; else the "
+                        f"synthetic corpus)")
     p.add_argument("--ntoken", type=int, default=WIKITEXT2_NTOKEN, help="vocabulary rows")
     p.add_argument("--steps", type=int, default=steps, help="steps per trainer, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of tokens/s")
@@ -68,7 +70,8 @@ def sidecar_ready(url: str) -> bool:
 
 
 def data_of(ns: argparse.Namespace) -> Path | None:
-    return ns.data if ns.data is not None else (DEFAULT_DATA if DEFAULT_DATA.is_dir() else None)
+    named = os.environ.get(WIKITEXT_VARIABLE)
+    return ns.data if ns.data is not None else (Path(named) if named else None)
 
 
 def model_args(args: argparse.Namespace) -> dict:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from ps.config import ps_names
 from services.upconfig import LauncherConfig, flags
 from services.names import format_name
-from services.progress import combine, describe
+from services.progress import ProgressStatus, combine, describe
 from services.workload import Planned
 from trainer.lm.config import LmUpSettings
 from trainer.lm.status import TrainerStatus
@@ -69,11 +69,12 @@ class LmLaunch:
         evaluating = [n for n, s in statuses.items() if s.evaluating]
         # Training's progress, or, once any trainer evaluates, the evaluation's (its own ETA).
         phase = "evaluate" if evaluating else "train"
+        shown = [s.progress for s in st] if evaluating else [_training(s) for s in st]
         return [{"event": "progress", "step": min(steps) if steps else 0, "steps": self.cfg.steps,
                  "loss": sum(losses) / len(losses) if losses else None,
                  "tokens_per_s": sum(s.tokens_per_s or 0.0 for s in rating),
                  "trainers": {n: s.episode.step if s.episode else 0 for n, s in statuses.items()},
-                 "evaluating": evaluating, "phase": phase, **combine([s.progress for s in st], phase)}]
+                 "evaluating": evaluating, "phase": phase, **combine(shown, phase)}]
 
     def summary(self, statuses: dict[str, TrainerStatus], restarts: int) -> dict:
         st = list(statuses.values())
@@ -105,6 +106,15 @@ class LmLaunch:
             last = "-" if e["loss_last"] is None else f"{e['loss_last']:.3f}"
             return f"done: {e['steps']} steps | loss {first} -> {last} | {e['tokens_per_s']:.0f} tokens/s{val}"
         return None
+
+
+def _training(s: TrainerStatus) -> Optional[ProgressStatus]:
+    """A trainer's training progress, also once it has gone on to evaluate (its episode's steps)."""
+    if s.progress is not None and s.progress.phase == "train":
+        return s.progress
+    ep = s.episode
+    return None if ep is None else ProgressStatus(phase="train", done=ep.step, total=ep.steps,
+                                                  eta_s=0.0 if ep.done else None)
 
 
 def _tokens_per_s(statuses: list[TrainerStatus]) -> float:
