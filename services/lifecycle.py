@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from services.progress import ProgressStatus
+from services.progress import ProgressStatus, clock
 
 
 class RoleState(str, enum.Enum):
@@ -46,6 +46,13 @@ class RoleStatus(BaseModel):
     def line(self) -> list[str]:
         """The columns `rpcps status` prints after the name, the role and the state."""
         return [self.reason]
+
+    def eta(self) -> list[str]:
+        """``ETA 1:18`` while bounded work is under way (a column for ``line``), else nothing."""
+        p = self.progress
+        if p is None or p.total is None or p.done >= p.total:
+            return []
+        return [f"{p.phase} ETA {clock(p.eta_s)}"]
 
 
 class StatusBoard:

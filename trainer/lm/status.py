@@ -78,5 +78,6 @@ class TrainerStatus(RoleStatus):
                 f"episode {ep.id if ep else '-'} {ep.step if ep else 0}/{(ep.steps if ep else None) or '∞'}",
                 f"loss {self.loss_avg:.3f}" if self.loss_avg is not None else "loss -",
                 f"{self.tokens_per_s or 0:.0f} tokens/s", f"consistency {self.consistency or '-'}"] \
+            + self.eta() \
             + ([f"{self.refused_steps} steps refused"] if self.refused_steps else []) \
             + ([f"{self.lost_steps} steps lost"] if self.lost_steps else [])

@@ -40,7 +40,7 @@ class AgentStatus(RoleStatus):
         return [f"episode {self.episode}", "reward -" if last is None else f"reward {last:.1f}",
                 "running -" if running is None else f"running {running:.1f}",
                 "- steps/s" if self.steps_per_s is None else f"{self.steps_per_s:.0f} steps/s",
-                f"members {len(self.members or [])}"]
+                f"members {len(self.members or [])}", *self.eta()]
 
 
 class ObserverStatus(RoleStatus):
