@@ -1,0 +1,1 @@
+"""The click-through-rate workload: a DLRM-style model over Criteo-shaped data."""

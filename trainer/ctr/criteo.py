@@ -1,0 +1,185 @@
+"""The Criteo format, read as a stream and written from the generator.
+
+A line is 40 tab-separated fields: the label (0 or 1), 13 integer counts and 26 categorical values
+(8 hexadecimal digits); any field but the label may be empty. A file is plain text or gzip (told by
+its first bytes), read a line at a time, so a day file of tens of gigabytes is never in memory.
+
+Trainer ``k`` of ``n`` takes lines ``k, k + n, k + 2n, …`` of the files in order: disjoint shares
+that together are the whole data. Counts become ``log1p(max(count, 0))`` as DLRM feeds them; a
+categorical value is hashed to 64 bits with its feature's index (equal values of two features are
+different rows) and reduced modulo its table's size; an empty one is a value of its own.
+
+A malformed line is a ``CriteoError`` naming the file and line. ``check`` reads the first lines of
+every file before anything starts; while training, ``CriteoStream`` skips and counts what it
+cannot read, and says why in its log.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterator, Optional, Sequence
+
+import numpy as np
+
+from trainer.ctr.synthetic import DENSE, Batch, SyntheticCtr, hashed
+
+log = logging.getLogger(__name__)
+
+CATEGORICAL = 26
+FIELDS = 1 + DENSE + CATEGORICAL
+CHECKED_LINES = 1000           # lines of each file read by ``check`` before anything starts
+_EMPTY = 1 << 32               # the value of an empty categorical field (real values are 32-bit)
+_SALT = 0x43524954             # the hash stream of categorical values
+
+
+class CriteoError(ValueError):
+    """A line or file that is not in the Criteo format; the message names the file and line."""
+
+
+@dataclass
+class Parsed:
+    label: float
+    counts: list[int]            # -1 where empty
+    values: list[int]            # 32-bit values, _EMPTY where empty
+
+
+def open_lines(path: Path) -> IO[bytes]:
+    """The file's lines as bytes: gunzipped when it starts with gzip's magic number."""
+    raw = open(path, "rb")
+    if raw.peek(2)[:2] == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=raw)      # closing it leaves raw open: close both
+    return raw
+
+
+def parse(line: bytes, where: str) -> Parsed:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CriteoError(f"{where}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})") from None
+    fields = text.rstrip("\r\n").split("\t")
+    if len(fields) != FIELDS:
+        raise CriteoError(f"{where}: expected {FIELDS} tab-separated fields (label, {DENSE} counts, "
+                          f"{CATEGORICAL} categorical values), found {len(fields)}")
+    if fields[0] not in ("0", "1"):
+        raise CriteoError(f"{where}: the label (field 1) must be 0 or 1, got {fields[0]!r}")
+    counts = []
+    for j, value in enumerate(fields[1:1 + DENSE]):
+        try:
+            counts.append(int(value) if value else -1)
+        except ValueError:
+            raise CriteoError(f"{where}: count I{j + 1} (field {j + 2}) is not an integer: {value!r}") from None
+    values = []
+    for j, value in enumerate(fields[1 + DENSE:]):
+        try:
+            number = int(value, 16) if value else _EMPTY
+        except ValueError:
+            number = -1
+        if not 0 <= number <= _EMPTY or (value and len(value) > 16):
+            raise CriteoError(f"{where}: categorical C{j + 1} (field {j + 2 + DENSE}) is not hexadecimal: {value!r}")
+        values.append(number)
+    return Parsed(float(fields[0]), counts, values)
+
+
+def check(paths: Sequence[Path], lines: int = CHECKED_LINES) -> None:
+    """Raise ``CriteoError`` naming the first problem in the first ``lines`` lines of each file:
+    an empty or unreadable file, a truncated gzip stream, a malformed line."""
+    if not paths:
+        raise CriteoError("no data files")
+    for path in paths:
+        seen = 0
+        try:
+            with open_lines(path) as f:
+                for seen, line in enumerate(f, start=1):
+                    parse(line, f"{path}:{seen}")
+                    if seen >= lines:
+                        break
+        except (OSError, EOFError) as exc:
+            raise CriteoError(f"{path}: cannot be read past line {seen}: {_why(exc)}") from None
+        if seen == 0:
+            raise CriteoError(f"{path} is empty")
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, EOFError):
+        return "the gzip stream is truncated"
+    if isinstance(exc, gzip.BadGzipFile):
+        return f"not a valid gzip file ({exc})"
+    return getattr(exc, "strerror", None) or str(exc)
+
+
+def row_ids(values: np.ndarray, cardinalities: Sequence[int]) -> np.ndarray:
+    """[B, 26] 32-bit values (or _EMPTY) to row ids: hashed with the feature's index, modulo its size."""
+    fields = np.arange(values.shape[1], dtype=np.int64)[None, :]
+    h = hashed(_SALT, fields, values)
+    return (h % np.array(cardinalities, dtype=np.uint64)[None, :]).astype(np.int64)
+
+
+@dataclass
+class CriteoStream:
+    """Batches of one trainer's share of Criteo files, read once through (an epoch)."""
+
+    paths: Sequence[Path]
+    cardinalities: Sequence[int]
+    share: int = 0
+    shares: int = 1
+    skipped: int = 0
+    last_skip: Optional[str] = None
+    lines: int = field(default=0, init=False)     # lines of the files passed so far, every share's
+
+    def batches(self, size: int) -> Iterator[Batch]:
+        labels, counts, values = [], [], []
+        for parsed in self._mine():
+            labels.append(parsed.label)
+            counts.append(parsed.counts)
+            values.append(parsed.values)
+            if len(labels) == size:
+                yield self._batch(labels, counts, values)
+                labels, counts, values = [], [], []
+        if labels:
+            yield self._batch(labels, counts, values)
+
+    def _mine(self) -> Iterator[Parsed]:
+        for path in self.paths:
+            number = 0
+            try:
+                with open_lines(path) as f:
+                    for number, line in enumerate(f, start=1):
+                        self.lines += 1
+                        if (self.lines - 1) % self.shares != self.share:
+                            continue
+                        try:
+                            yield parse(line, f"{path}:{number}")
+                        except CriteoError as exc:
+                            self._skip(str(exc))
+            except (OSError, EOFError) as exc:
+                self._skip(f"{path}: the rest after line {number} cannot be read: {_why(exc)}")
+
+    def _skip(self, why: str) -> None:
+        self.skipped += 1
+        self.last_skip = why
+        log.warning("skipped: %s (%d skipped so far)", why, self.skipped)
+
+    def _batch(self, labels: list[float], counts: list[list[int]], values: list[list[int]]) -> Batch:
+        raw = np.array(counts, dtype=np.int64)
+        return Batch(dense=np.log1p(np.maximum(raw, 0)).astype(np.float32),
+                     ids=row_ids(np.array(values, dtype=np.int64), self.cardinalities),
+                     labels=np.array(labels, dtype=np.float32), p=np.full(len(labels), np.nan), counts=raw)
+
+
+def write(generator: SyntheticCtr, indices: np.ndarray, out: IO[str], chunk: int = 8192) -> int:
+    """The generator's samples ``indices`` as Criteo lines (categorical values as 8 hex digits of
+    a hash of (feature, id)); the number of lines written."""
+    written = 0
+    for start in range(0, len(indices), chunk):
+        b = generator.batch(indices[start:start + chunk])
+        hexes = (hashed(_SALT + 1, np.arange(CATEGORICAL)[None, :], b.ids) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        buf = io.StringIO()
+        for label, counts, values in zip(b.labels, b.counts, hexes):
+            dense = "\t".join("" if c < 0 else str(c) for c in counts)
+            buf.write(f"{int(label)}\t{dense}\t" + "\t".join(f"{v:08x}" for v in values) + "\n")
+        out.write(buf.getvalue())
+        written += len(b.labels)
+    return written
