@@ -1,0 +1,120 @@
+"""Update rules as objects: how one parameter's gradient changes it, chosen per table.
+
+A rule steps one parameter in place with its gradient (dense, or sparse over rows: a table's step
+touches only the rows a batch used) and keeps its own state, made at the parameter's first step:
+
+* ``Sgd``: ``w -= lr * g``;
+* ``Adagrad``: a running sum of squared gradients per value, as ``torch.optim.Adagrad`` (the same
+  values, the same state name ``sum``);
+* ``RowWiseAdagrad``: one running sum per *row*, of the row gradient's mean square, as FBGEMM's
+  ``EXACT_ROWWISE_ADAGRAD``: a table's optimizer state is 4 bytes a row instead of a row's size.
+
+A workload may add its own: anything with ``name``, ``state_shapes`` and ``step``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+EPS = 1e-10      # torch.optim.Adagrad's
+
+
+class UpdateRule(Protocol):
+    name: str
+
+    def state_shapes(self, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        """The state this rule keeps for ``param`` (zeros until the first step)."""
+
+    def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
+        """Change ``param`` in place by ``grad`` (dense, or a sparse COO over its first dimension)."""
+
+
+def _rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row indices, row values) of a sparse gradient, duplicates summed."""
+    grad = grad.coalesce()
+    return grad.indices()[0], grad.values()
+
+
+@dataclass(frozen=True)
+class Sgd:
+    name: str = "sgd"
+
+    def state_shapes(self, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
+        param.add_(grad, alpha=-lr)      # a sparse gradient adds into its rows only
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    name: str = "adagrad"
+    eps: float = EPS
+
+    def state_shapes(self, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        return {"sum": tuple(param.shape)}
+
+    def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
+        total = state["sum"]
+        if grad.is_sparse:
+            rows, values = _rows(grad)
+            total.index_add_(0, rows, values * values)
+            param.index_add_(0, rows, values / total[rows].sqrt().add_(self.eps), alpha=-lr)
+        else:
+            total.addcmul_(grad, grad)
+            param.addcdiv_(grad, total.sqrt().add_(self.eps), value=-lr)
+
+
+@dataclass(frozen=True)
+class RowWiseAdagrad:
+    name: str = "rowwise_adagrad"
+    eps: float = EPS
+
+    def state_shapes(self, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        return {"sum": (param.shape[0],)}
+
+    def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
+        total = state["sum"]
+        if grad.is_sparse:
+            rows, values = _rows(grad)
+        else:
+            rows, values = torch.arange(param.shape[0]), grad
+        flat = values.reshape(values.shape[0], -1)
+        total.index_add_(0, rows, flat.pow(2).mean(dim=1))
+        scale = total[rows].sqrt().add_(self.eps).reciprocal_()
+        param.index_add_(0, rows, (flat * scale[:, None]).view_as(values), alpha=-lr)
+
+
+RULES: dict[str, UpdateRule] = {r.name: r for r in (Sgd(), Adagrad(), RowWiseAdagrad())}
+
+
+def rule(name: str) -> UpdateRule:
+    """The built-in rule called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown update rule {name!r}: one of {', '.join(RULES)}") from None
+
+
+class RuleOptimizer:
+    """Parameters stepped by their rules, state made at a parameter's first step: a
+    ``torch.optim``-like face (``step``, ``zero_grad``) for a one-process model."""
+
+    def __init__(self, params: list[tuple[torch.nn.Parameter, UpdateRule]], lr: float) -> None:
+        self.params, self.lr = params, lr
+        self.state: dict[int, dict[str, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, (p, r) in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if i not in self.state:
+                self.state[i] = {k: torch.zeros(shape, dtype=p.dtype) for k, shape in r.state_shapes(p).items()}
+            r.step(p, p.grad, self.state[i], self.lr)
+
+    def zero_grad(self) -> None:
+        for p, _ in self.params:
+            p.grad = None
