@@ -5,7 +5,7 @@ touches only the rows a batch used) and keeps its own state, made at the paramet
 
 * ``Sgd``: ``w -= lr * g``;
 * ``Adagrad``: a running sum of squared gradients per value, as ``torch.optim.Adagrad`` (the same
-  values, the same state name ``sum``);
+  values, and the same state, ``step`` and ``sum``, so either reads the other's);
 * ``RowWiseAdagrad``: one running sum per *row*, of the row gradient's mean square, as FBGEMM's
   ``EXACT_ROWWISE_ADAGRAD``: a table's optimizer state is 4 bytes a row instead of a row's size.
 
@@ -54,10 +54,12 @@ class Adagrad:
     eps: float = EPS
 
     def state_shapes(self, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
-        return {"sum": tuple(param.shape)}
+        return {"step": (), "sum": tuple(param.shape)}
 
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
         total = state["sum"]
+        if "step" in state:
+            state["step"] += 1
         if grad.is_sparse:
             rows, values = _rows(grad)
             total.index_add_(0, rows, values * values)
@@ -98,23 +100,37 @@ def rule(name: str) -> UpdateRule:
         raise ValueError(f"unknown update rule {name!r}: one of {', '.join(RULES)}") from None
 
 
+def resolve(given: "UpdateRule | str") -> UpdateRule:
+    return rule(given) if isinstance(given, str) else given
+
+
 class RuleOptimizer:
-    """Parameters stepped by their rules, state made at a parameter's first step: a
-    ``torch.optim``-like face (``step``, ``zero_grad``) for a one-process model."""
+    """Parameters stepped by their rules with their gradients (``.grad``), with ``torch.optim``'s
+    face: ``step``, ``zero_grad``, ``state`` by parameter (made at its first step), and
+    ``state_dict``/``load_state_dict`` between optimizers over the same parameters."""
 
     def __init__(self, params: list[tuple[torch.nn.Parameter, UpdateRule]], lr: float) -> None:
         self.params, self.lr = params, lr
-        self.state: dict[int, dict[str, torch.Tensor]] = {}
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
     @torch.no_grad()
     def step(self) -> None:
-        for i, (p, r) in enumerate(self.params):
+        for p, r in self.params:
             if p.grad is None:
                 continue
-            if i not in self.state:
-                self.state[i] = {k: torch.zeros(shape, dtype=p.dtype) for k, shape in r.state_shapes(p).items()}
-            r.step(p, p.grad, self.state[i], self.lr)
+            if p not in self.state:
+                self.state[p] = {k: torch.zeros(shape, dtype=torch.float32 if k == "step" else p.dtype)
+                                 for k, shape in r.state_shapes(p).items()}
+            r.step(p, p.grad, self.state[p], self.lr)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for p, _ in self.params:
             p.grad = None
+
+    def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {i: {k: v.clone() for k, v in self.state[p].items()} for i, (p, _) in enumerate(self.params)
+                if p in self.state}
+
+    def load_state_dict(self, state: dict[int, dict[str, torch.Tensor]]) -> None:
+        self.state = {p: {k: v.clone() for k, v in state[i].items()} for i, (p, _) in enumerate(self.params)
+                      if i in state}

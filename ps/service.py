@@ -59,8 +59,9 @@ class ParameterServer(Service):
         self.dense = torch.nn.ParameterDict({n.replace(".", "/"): torch.nn.Parameter(values[n])
                                              for n in self.layout.dense_of(shard)})
         self.param_names = [*self.layout.row_params(), *self.layout.dense_of(shard)]
-        self.optimizer = SharedOptimizer([self.param(n) for n in self.param_names], spec.optimizer, spec.lr,
-                                         on_step=self._stepped)
+        self.optimizer = SharedOptimizer([self.param(n) for n in self.param_names],
+                                         [spec.rule_of(self.layout.table_of(n) if n in self.layout.row_params() else None)
+                                          for n in self.param_names], spec.lr, on_step=self._stepped)
         self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.param_names])
         self.sync = SyncSteps(self.optimizer)
         self._contexts: dict[str, collections.OrderedDict[int, _Context]] = {}   # caller -> its recent steps

@@ -7,7 +7,8 @@ The servers know nothing of any workload's model. A ``ModelSpec`` names
 * **dense groups**: tensors kept whole and together, the ``g``-th group on shard ``g % n`` (a layer);
 * **ops**: named operations a server runs on its own rows for a trainer, so that what crosses RPC is
   a partial result instead of a whole table (the language model's sharded softmax);
-* the optimizer the servers apply updates with, and ``meta``: what the workload says its model is,
+* the update rules (``ps/rules.py``): the model's ``optimizer`` for the dense groups and for every
+  table without a ``rule`` of its own; and ``meta``: what the workload says its model is,
   which trainers read back and checkpoints record (``compatible``: the keys a checkpoint must match).
 
 Initial values are drawn for the whole model and each shard keeps its slice, so a cluster of any
@@ -16,9 +17,11 @@ size starts from exactly the one-process model's parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
+
+from ps.rules import UpdateRule, resolve
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class Table:
     rows: int
     params: dict[str, tuple[int, ...]]                # name -> the shape of one row
     init: Callable[[], dict[str, torch.Tensor]]       # every param's whole initial value, [rows, *shape]
+    rule: "UpdateRule | str | None" = None            # its update rule (default: the model's optimizer)
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,15 @@ class ModelSpec:
     tables: dict[str, Table]
     dense: tuple[DenseGroup, ...] = ()
     ops: dict[str, ServerOp] = field(default_factory=dict)
-    optimizer: str = "sgd"
+    optimizer: "UpdateRule | str" = "sgd"        # the rule of the dense groups, and of tables without their own
     lr: float = 0.1
     meta: dict[str, Any] = field(default_factory=dict)
     compatible: tuple[str, ...] = ()
+
+    def rule_of(self, table: Optional[str]) -> UpdateRule:
+        """The update rule of ``table``'s parameters, or (None) of the dense ones."""
+        chosen = self.tables[table].rule if table is not None else None
+        return resolve(chosen if chosen is not None else self.optimizer)
 
     def __post_init__(self) -> None:
         names = [n for t in self.tables.values() for n in t.params] + [n for g in self.dense for n in g.params]

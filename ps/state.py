@@ -2,7 +2,8 @@
 
 Each table's rows are stored with their global ids, so a checkpoint taken with K servers restores
 into any number of servers: each new shard gathers the ids it owns from every old shard. Optimizer
-state tensors shaped like their parameter are resharded the same way; dense groups move whole.
+state with a value per row (Adagrad's per value, row-wise Adagrad's per row) is resharded the same
+way; dense groups move whole.
 """
 from __future__ import annotations
 
@@ -80,8 +81,14 @@ def _gather_rows_state(states: list[dict[str, Any]], name: str, pick: torch.Tens
         return
     optim[name] = {}
     for key in keys:
-        parts = [s["optim"][name][key] for s in states]
-        if parts[0].dim() > 0 and parts[0].size(0) == states[0]["params"][name].size(0):
+        # A shard whose rows never took a step has no state yet: zeros, as its first step would make.
+        given = [s["optim"].get(name, {}).get(key) for s in states]
+        k = next(i for i, p in enumerate(given) if p is not None)
+        like = given[k]
+        if like.dim() > 0 and like.size(0) == states[k]["params"][name].size(0):
+            parts = [p if p is not None else like.new_zeros((s["params"][name].size(0), *like.shape[1:]))
+                     for p, s in zip(given, states)]
             optim[name][key] = torch.cat(parts)[pick].clone()
         else:  # scalars such as Adagrad's step count: the largest is the truest
-            optim[name][key] = torch.stack([p.reshape(()) for p in parts]).max().clone()
+            optim[name][key] = torch.stack([p.reshape(()) for p in given if p is not None]).max().clone()
+

@@ -74,3 +74,32 @@ def test_a_shard_with_values_that_are_not_finite_is_refused_for_a_checkpoint():
         server.param("decoder.bias")[3] = float("nan")
     with pytest.raises(CheckpointError, match="decoder.bias"):
         part.check(server.export_state())
+
+
+def test_each_table_steps_by_its_own_rule_and_its_state_reshards():
+    from ps.rules import RowWiseAdagrad, Sgd
+    from ps.spec import DenseGroup, ModelSpec, Table
+    g = torch.Generator().manual_seed(0)
+    start = {"a": torch.randn(10, 4, generator=g), "b": torch.randn(7, 4, generator=g), "w": torch.randn(3, generator=g)}
+    spec = ModelSpec({"ta": Table(10, {"a": (4,)}, lambda: {"a": start["a"]}, rule="rowwise_adagrad"),
+                      "tb": Table(7, {"b": (4,)}, lambda: {"b": start["b"]})},
+                     (DenseGroup({"w": (3,)}, lambda: {"w": start["w"].clone()}),), optimizer=Sgd(), lr=0.5)
+    [server] = [ParameterServer("ps0", 0, 1, spec, PsMetrics(CollectorRegistry(), "ps", "ps0"))]
+    ids = torch.tensor([1, 4, 4, 9])
+    grads = {"a": torch.sparse_coo_tensor(ids[None], torch.ones(4, 4), (10, 4)),
+             "b": torch.sparse_coo_tensor(ids[None] % 7, torch.ones(4, 4), (7, 4)), "w": torch.ones(3)}
+    server.optimizer.apply({server.param(n): grads[n] for n in grads})
+    expect_a, state = start["a"].clone(), {"sum": torch.zeros(10)}
+    RowWiseAdagrad().step(expect_a, grads["a"], state, 0.5)
+    assert torch.equal(server.param("a").detach(), expect_a)
+    assert torch.equal(server.param("b").detach(), start["b"] - 0.5 * grads["b"].to_dense())
+    assert torch.equal(server.param("w").detach(), start["w"] - 0.5)
+    saved = server.export_state()
+    assert saved["optim"]["a"]["sum"].shape == (10,) and "b" not in saved["optim"]      # SGD keeps nothing
+    for num in (1, 2):
+        again = [ParameterServer(f"ps{k}", k, num, spec, PsMetrics(CollectorRegistry(), "ps", f"ps{k}"),
+                                 restore=[saved]) for k in range(num)]
+        sums = torch.empty(10)
+        for s in again:
+            sums[s.layout.plans["ta"].global_ids(s.shard)] = s.optimizer.state_of(s.param("a"))["sum"]
+        assert torch.equal(sums, state["sum"])

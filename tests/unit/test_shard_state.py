@@ -77,3 +77,24 @@ def test_same_shape_restores_from_the_shards_own_file_alone():
     rows = plan.global_ids(1)
     assert steps == 42 and torch.equal(p["decoder.bias"], params["decoder.bias"][rows])
     assert torch.equal(o["embedding.weight"]["sum"], optim["embedding.weight"]["sum"][rows])
+
+
+def test_row_state_of_any_shape_reshards_and_a_shard_without_state_counts_as_zeros():
+    states = shard_states(3)
+    for k, state in enumerate(states):          # row-wise: one value a row, as RowWiseAdagrad keeps
+        rows = state["params"]["decoder.weight"].size(0)
+        state["optim"]["decoder.weight"] = {"sum": torch.full((rows,), float(k + 1))}
+    del states[1]["optim"]["decoder.bias"]      # this shard's rows never took a step
+    lay = layout(2)
+    plan = lay.plans["vocabulary"]
+    whole_sum = torch.empty(NTOKEN)
+    bias_sum = torch.empty(NTOKEN)
+    for k, state in enumerate(states):
+        ids = layout(3).plans["vocabulary"].global_ids(k)
+        whole_sum[ids] = float(k + 1)
+        bias_sum[ids] = state["optim"]["decoder.bias"]["sum"] if k != 1 else 0.0
+    for shard in range(2):
+        _, optim, _ = gather_shard(states, lay, shard)
+        ids = plan.global_ids(shard)
+        assert torch.equal(optim["decoder.weight"]["sum"], whole_sum[ids])
+        assert torch.equal(optim["decoder.bias"]["sum"], bias_sum[ids])
