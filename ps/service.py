@@ -113,11 +113,26 @@ class ParameterServer(Service):
     @remote
     def lookup(self, param: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows [n, *row shape] of table parameter ``param`` at global ``ids`` [n] this shard owns."""
-        table = self._table_of(param)
-        self.check_ids(table, ids, "ids")
+        return self.lookup_many({param: ids})[param]
+
+    @remote
+    def lookup_many(self, lookups: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rows of several table parameters at once (parameter -> global ``ids`` [n] this shard
+        owns; each answer [n, *row shape]): a step's every table in one request. At most
+        ``--max-ids-per-request`` ids in all."""
+        if not lookups:
+            raise BadRequest("lookup_many names no parameter")
+        total = 0
+        for param, ids in lookups.items():
+            self.check_ids(self._table_of(param), ids, "ids" if len(lookups) == 1 else f"ids of {param}")
+            total += ids.numel()
+        if total > self.max_ids:
+            raise BadRequest(f"the lookups name {total} ids, more than the {self.max_ids} one request may "
+                             f"(--max-ids-per-request): split them")
         with self.optimizer.lock:  # rows are read whole, never mid-update
-            rows = self.rows[param.replace(".", "/")](self.layout.plans[table].to_local(ids))
-        self.metrics.rows_looked_up.inc(ids.numel())
+            rows = {param: self.rows[param.replace(".", "/")](self.layout.plans[self._table_of(param)].to_local(ids))
+                    for param, ids in lookups.items()}
+        self.metrics.rows_looked_up.inc(total)
         return rows
 
     @remote

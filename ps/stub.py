@@ -171,19 +171,26 @@ class PsClient:
               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Rows of table parameters (``lookups``: parameter -> ids [...] of its table; each result
         [..., *row shape]) and, with ``dense``, every dense tensor, in one parallel round."""
+        # Each server's share of every parameter's deduplicated ids, asked in one request per server.
+        asks: list[dict[str, torch.Tensor]] = [{} for _ in self.ps_names]
         pending = []
         for param, ids in lookups.items():
             unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-            table = self.table_of[param]
-            parts = [(pos, self._async(self.ps_names[k], ParameterServer.lookup, param, shard_ids))
-                     for k, (pos, shard_ids) in enumerate(self.plans[table].partition(unique)) if pos.numel()]
+            parts = []
+            for k, (pos, shard_ids) in enumerate(self.plans[self.table_of[param]].partition(unique)):
+                if pos.numel():
+                    asks[k][param] = shard_ids
+                    parts.append((k, pos))
             pending.append((param, ids.shape, inverse, parts))
+        answers = {k: self._async(self.ps_names[k], ParameterServer.lookup_many, ask)
+                   for k, ask in enumerate(asks) if ask}
         dense_futures = [self._async(self.ps_names[k], ParameterServer.dense_params) for k in self._dense_shards] \
             if dense else []
+        answered = {k: wait(f) for k, f in answers.items()}
         rows: dict[str, torch.Tensor] = {}
         for key, shape, inverse, parts in pending:
-            found = torch.cat([wait(f) for _, f in parts])                # [unique, ...], shard order
-            order = torch.cat([pos for pos, _ in parts])
+            found = torch.cat([answered[k][key] for k, _ in parts])      # [unique, ...], shard order
+            order = torch.cat([pos for _, pos in parts])
             by_unique = found[torch.argsort(order)]                       # back to torch.unique's order
             rows[key] = by_unique[inverse].view(*shape, *found.shape[1:])
         weights: dict[str, torch.Tensor] = {}

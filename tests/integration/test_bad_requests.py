@@ -13,6 +13,7 @@ def test_bad_requests_get_errors_and_server_keeps_serving(procs):
     assert "does not own" in result["cases"]["id of another shard"]["message"]
     for case in ("too many ids", "too many targets"):      # 262,144 ids: a 200 MB answer, never built
         assert "262144 ids, more than the 65536" in result["cases"][case]["message"], result["cases"][case]
+    assert "80000 ids, more than the 65536" in result["cases"]["too many ids in all"]["message"]
     assert result["good_rows"] == [2, SMALL_MODEL["emsize"]]
 
     # Still up, healthy and serving a new member after all of that.

@@ -194,6 +194,10 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
         "unknown context": (ParameterServer.grad_sq_norm, 123456789),
         "not a remote method": (ParameterServer.export_state,),
         "missing argument": (lookup, emb),
+        "no lookups": (ParameterServer.lookup_many, {}),
+        "lookups not a dict": (ParameterServer.lookup_many, [emb]),
+        "too many ids in all": (ParameterServer.lookup_many, {emb: torch.zeros(40_000, dtype=torch.long),
+                                                              "decoder.weight": torch.zeros(40_000, dtype=torch.long)}),
     }
     results = {}
     for case, (method, *a) in cases.items():
