@@ -107,7 +107,7 @@ def _server(rows: int, dim: int, restore=None):
 
     g = torch.Generator().manual_seed(0)
     spec = ModelSpec({"rows": Table(rows, {"rows.weight": (dim,)},
-                                    lambda: {"rows.weight": torch.rand(rows, dim, generator=g)})},
+                                    lambda ids: {"rows.weight": torch.rand(len(ids), dim, generator=g)})},
                      optimizer="adagrad", lr=0.1, meta={"rows": rows, "dim": dim}, compatible=("rows", "dim"))
     server = ParameterServer("ps0", 0, 1, spec, PsMetrics(CollectorRegistry(), "ps", "ps0"), restore=restore)
     if restore is None:

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from ps.consistency import checked
 from services.config import CommonConfig, LeaderConfig, RestoringConfig
 from services.names import format_name, parse_name
+from services.workload import hosted
 
 
 def ps_names(num_ps: int) -> list[str]:
@@ -24,10 +25,15 @@ class ServersConfig(CommonConfig):
 
 
 class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
+    """`rpcps ps`: a parameter server; the workload it hosts adds its model's settings."""
+
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "cluster": ("workload",),
         "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds"),
         "failures": ("max_ids_per_request",), "consistency": ("consistency",)}
     name: str = Field("ps0", description="RPC name: ps<index>, index < num_ps")
+    workload: Optional[str] = Field(None, description="the workload whose model this server hosts (default: the first "
+                                                      "registered one the servers host); every server the same")
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="take a checkpoint every N cluster steps (ps0)")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="take a checkpoint every M seconds (ps0)")
     max_ids_per_request: int = Field(65_536, ge=1, description="ids one lookup or operation may name; a request "
@@ -41,6 +47,10 @@ class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
     @model_validator(mode="after")
     def _check(self) -> "PsConfig":
         self._check_role("ps")
+        try:
+            hosted(self.workload)
+        except KeyError as exc:
+            raise ValueError(f"--workload: {exc.args[0]}") from None
         if parse_name(self.name).index >= self.num_ps:
             raise ValueError(f"name {self.name!r} needs num_ps > {parse_name(self.name).index}, got {self.num_ps}")
         return self

@@ -1,7 +1,7 @@
 """Values that cross RPC between trainers and servers (the .proto of the service)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -15,3 +15,4 @@ class ShardInfo:
     dense: tuple[str, ...]      # the dense tensors it holds
     steps: int = 0              # updates applied so far (continues across restores)
     consistency: str = "async"  # how the job applies updates (``ps/consistency.py``)
+    placement: dict[str, tuple[str, int]] = field(default_factory=dict)   # table -> (kind, home): ps/sharding.py

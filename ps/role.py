@@ -35,11 +35,11 @@ class PsRole(RoleBase, WithoutEpisodes):
     role = "ps"
     no_episodes = "parameter servers have no episodes; {} them on the trainers"
 
-    def __init__(self, cfg: PsConfig, ctx: RoleContext, model: Callable[[], ModelSpec]) -> None:
+    def __init__(self, cfg: PsConfig, ctx: RoleContext, model: Callable[[], ModelSpec], client_role: str) -> None:
         """``model``: what this server hosts, described by its workload when the role runs (it may
-        read a corpus to size a table)."""
+        read a corpus to size a table); ``client_role``: the role that trains against it."""
         super().__init__(ctx)
-        self.cfg, self._model = cfg, model
+        self.cfg, self._model, self.client_role = cfg, model, client_role
         self.spec: Optional[ModelSpec] = None
         self.server: Optional[ParameterServer] = None
         self.coordinator: Optional[Coordinator] = None
@@ -205,7 +205,7 @@ class PsRole(RoleBase, WithoutEpisodes):
         def publish(info: Optional[CheckpointInfo]) -> None:
             announce(self.endpoint.store, Standing(info.id if info is not None else None, self._life.life, succeeds))
         publish(resumed)
-        plan = CheckpointPlan(holders=tuple(ps_names(self.cfg.num_ps)), paused_role="trainer",
+        plan = CheckpointPlan(holders=tuple(ps_names(self.cfg.num_ps)), paused_role=self.client_role,
                               meta={"model": self.spec.meta, "num_ps": self.cfg.num_ps, LEADER_LIFE: self._life.life})
         self.coordinator = Coordinator(self.store, plan, self.cfg.keep_checkpoints, local=self.checkpoints,
                                        metrics=self.metrics, resumed=resumed, on_commit=publish)

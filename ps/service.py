@@ -20,7 +20,7 @@ import torch.distributed.autograd as dist_autograd
 
 from ps.consistency import Consistency
 from ps.messages import ShardInfo
-from ps.sharding import Layout
+from ps.sharding import Layout, placement_of
 from ps.spec import ModelSpec
 from ps.state import export_shard, gather_shard
 from ps.tables import RowShard
@@ -31,6 +31,7 @@ from services.remote import Service, remote
 
 log = logging.getLogger(__name__)
 
+INIT_ROWS = 1 << 20  # rows of a table initialised at once
 _CONTEXTS_KEPT = 4  # a trainer has at most one or two contexts open; older ones it released itself
 
 
@@ -74,7 +75,12 @@ class ParameterServer(Service):
         values: dict[str, torch.Tensor] = {}
         for table_name, table in self.spec.tables.items():
             rows = self.layout.plans[table_name].global_ids(self.shard)
-            values.update({n: v[rows].clone() for n, v in table.init().items()})
+            for name, shape in table.params.items():
+                values[name] = torch.empty(len(rows), *shape)
+            for start in range(0, len(rows), INIT_ROWS):       # a slice at a time: bounded temporaries
+                part = table.init(rows[start:start + INIT_ROWS])
+                for name in table.params:
+                    values[name][start:start + len(part[name])] = part[name]
         for g in self.layout.groups_of(self.shard):
             values.update(self.spec.dense[g].init())
         return values
@@ -102,7 +108,8 @@ class ParameterServer(Service):
     def info(self) -> ShardInfo:
         return ShardInfo(self.name, self.shard, self.layout.num_shards, self.spec.meta,
                          {t: p.rows(self.shard) for t, p in self.layout.plans.items()}, dict(self.layout.table_params),
-                         tuple(self.layout.dense_of(self.shard)), self.optimizer.steps, str(self.consistency))
+                         tuple(self.layout.dense_of(self.shard)), self.optimizer.steps, str(self.consistency),
+                         {t: placement_of(p) for t, p in self.layout.plans.items()})
 
     @remote
     def parameters(self) -> dict[str, torch.Tensor]:

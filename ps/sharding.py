@@ -1,7 +1,14 @@
 """Where everything lives: pure values computed before any RPC.
 
-A table's rows (every parameter of the table alike) go to shard ``id % num_shards`` at local row
-``id // num_shards``; the ``g``-th dense group lives on shard ``g % num_shards``.
+Each table is placed as its ``Table.placement`` says (as TorchRec's ``ParameterSharding``):
+
+* **row-wise** (``ShardPlan``), for big tables: row ``id`` (every parameter of the table alike) on
+  shard ``id % num_shards`` at local row ``id // num_shards``;
+* **table-wise** (``WholePlan``), for tables smaller than the server count: the whole table on one
+  shard, the ``t``-th table's on shard ``t % num_shards``, so small tables spread over the servers.
+
+Unsaid, a table is row-wise when it has at least a row per shard. The ``g``-th dense group lives on
+shard ``g % num_shards``.
 """
 from __future__ import annotations
 
@@ -49,17 +56,73 @@ class ShardPlan:
 
 
 @dataclass(frozen=True)
+class WholePlan:
+    """One id space kept whole on shard ``home`` of ``num_shards``: ``ShardPlan``'s interface."""
+
+    num_shards: int
+    num_ids: int
+    home: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.home < self.num_shards:
+            raise ValueError(f"home {self.home} is not a shard of {self.num_shards}")
+
+    def rows(self, shard: int) -> int:
+        return self.num_ids if shard == self.home else 0
+
+    def global_ids(self, shard: int) -> torch.Tensor:
+        return torch.arange(self.num_ids if shard == self.home else 0)
+
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(ids, self.home)
+
+    def to_local(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def partition(self, unique_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        nothing = torch.empty(0, dtype=torch.long)
+        return [(torch.arange(unique_ids.numel()), unique_ids) if k == self.home else (nothing, nothing)
+                for k in range(self.num_shards)]
+
+
+Plan = ShardPlan | WholePlan
+
+
+def plan_of(placement: str, num_shards: int, num_ids: int, index: int) -> Plan:
+    """The plan of the ``index``-th table (``placement``: row_wise, table_wise, or "" for the
+    default: row-wise when every shard gets a row)."""
+    placement = placement or ("row_wise" if num_ids >= num_shards else "table_wise")
+    if placement == "row_wise":
+        return ShardPlan(num_shards, num_ids)
+    if placement == "table_wise":
+        return WholePlan(num_shards, num_ids, index % num_shards)
+    raise ValueError(f"unknown placement {placement!r}: row_wise or table_wise")
+
+
+def placement_of(plan: Plan) -> tuple[str, int]:
+    """(kind, home) as a server tells it to its clients (home: 0 for row-wise)."""
+    return ("table_wise", plan.home) if isinstance(plan, WholePlan) else ("row_wise", 0)
+
+
+def from_placement(placed: tuple[str, int], num_shards: int, num_ids: int) -> Plan:
+    """The plan a server told of with ``placement_of``."""
+    kind, home = placed
+    return WholePlan(num_shards, num_ids, home) if kind == "table_wise" else ShardPlan(num_shards, num_ids)
+
+
+@dataclass(frozen=True)
 class Layout:
     """A model's tables and dense groups over ``num_shards`` shards."""
 
     num_shards: int
-    plans: dict[str, ShardPlan]                    # per table
+    plans: dict[str, Plan]                         # per table
     table_params: dict[str, tuple[str, ...]]       # per table, its parameters
     dense_groups: tuple[tuple[str, ...], ...]      # the g-th group's parameters
 
     @classmethod
     def of(cls, spec: ModelSpec, num_shards: int) -> "Layout":
-        return cls(num_shards, {t: ShardPlan(num_shards, table.rows) for t, table in spec.tables.items()},
+        return cls(num_shards, {t: plan_of(table.placement, num_shards, table.rows, i)
+                                for i, (t, table) in enumerate(spec.tables.items())},
                    {t: tuple(table.params) for t, table in spec.tables.items()},
                    tuple(tuple(group.params) for group in spec.dense))
 

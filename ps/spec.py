@@ -11,8 +11,9 @@ The servers know nothing of any workload's model. A ``ModelSpec`` names
   table without a ``rule`` of its own; and ``meta``: what the workload says its model is,
   which trainers read back and checkpoints record (``compatible``: the keys a checkpoint must match).
 
-Initial values are drawn for the whole model and each shard keeps its slice, so a cluster of any
-size starts from exactly the one-process model's parameters.
+Each shard builds its own rows' initial values (a table's ``init`` is asked for given rows), so a
+cluster of any size starts from exactly the one-process model's parameters, and no process builds
+a whole table.
 """
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ from ps.rules import UpdateRule, resolve
 class Table:
     rows: int
     params: dict[str, tuple[int, ...]]                # name -> the shape of one row
-    init: Callable[[], dict[str, torch.Tensor]]       # every param's whole initial value, [rows, *shape]
+    # The initial rows at global ids [n] of every param, [n, *shape]: a server asks only for its own,
+    # a slice at a time, so no process builds a whole table.
+    init: Callable[[torch.Tensor], dict[str, torch.Tensor]]
     rule: "UpdateRule | str | None" = None            # its update rule (default: the model's optimizer)
+    placement: str = ""                               # row_wise or table_wise (ps/sharding.py); "": by size
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from ps.clock import FREEZE_SECONDS, Applied, Granted, StepClockService
 from ps.consistency import Consistency
 from ps.messages import ShardInfo
 from ps.service import ParameterServer
-from ps.sharding import ShardPlan
+from ps.sharding import from_placement
 from services.errors import PeerUnavailable, StepLost, UpdateRefused
 from services.remote import call_async, wait
 
@@ -109,7 +109,10 @@ class PsClient:
         # starts with this many trainers (0: not in lockstep)
         self.lockstep = 0
         self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
-        self.plans = {table: ShardPlan(len(ps_names), sum(i.tables[table] for i in infos)) for table in infos[0].tables}
+        placed = infos[0].placement
+        self.plans = {table: from_placement(placed.get(table, ("row_wise", 0)), len(ps_names),
+                                            sum(i.tables[table] for i in infos))
+                      for table in infos[0].tables}
         self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
         self._dense_shards = [k for k, info in enumerate(infos) if info.dense]
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from services.errors import ConfigError
 from services.names import parse_name
-from services.workload import benches, roles, workloads
+from services.workload import benches, roles, settings_of, workloads
 
 STATE_FILE = "cluster.json"
 
@@ -100,7 +100,7 @@ def _parser(argv: Sequence[str]) -> tuple[_Parser, dict[str, argparse.ArgumentPa
     for role in roles().values():
         sp = command(role.name, role.help, usage="%(prog)s [options]")
         if chosen == role.name:
-            flags_of(sp, role.config)
+            flags_of(sp, _settings(role, argv))
     up = command("up", "run a whole cluster as local processes, supervised, with progress",
                  usage="%(prog)s [--workload {" + ",".join(workloads()) + "}] [options]")
     if chosen == "up":
@@ -132,6 +132,17 @@ def _parser(argv: Sequence[str]) -> tuple[_Parser, dict[str, argparse.ArgumentPa
             spec.load().add_arguments(sp)      # imports the benchmark (and torch) only when it runs
             made[f"bench {spec.name}"] = sp
     return p, made
+
+
+def _settings(role: Any, argv: Sequence[str]) -> Any:
+    """The role's settings, as the command line and environment choose them (a hosting role's
+    depend on ``--workload``); the hosting role's own when that names no workload it can host."""
+    given = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+             for i, a in enumerate(argv) if a == "--workload" or a.startswith("--workload=")]
+    try:
+        return settings_of(role, {"workload": given[-1] if given else None}, os.environ)
+    except KeyError:
+        return role.config          # its validation names the workloads there are
 
 
 def _sidecar_flags(sp: argparse.ArgumentParser) -> None:
@@ -345,7 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 from services.torchrun import as_worker
                 flags, environ = as_worker(cmd, spec.torchrun, flags, environ)
             from services.config import load
-            cfg = load(spec.config, flags, environ)
+            cfg = load(_settings(spec, argv), flags, environ)
             from services.runtime import run_role
             run_role(cfg, spec)          # exits the process with the role's code
         if cmd == "up":

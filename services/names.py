@@ -51,4 +51,5 @@ def parse_name(name: str) -> RoleName:
 
 def leader_of(name: str) -> str:
     """The member that hosts the rendezvous store and admits ``name``'s workload."""
-    return workload_of(parse_name(name).role).leader
+    role = parse_name(name).role
+    return roles()[role].leader or workload_of(role).leader

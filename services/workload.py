@@ -13,8 +13,9 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -22,6 +23,13 @@ if TYPE_CHECKING:
     from services.metrics import Metrics
 
 GROUP = "rpcps.workloads"
+ROLES_GROUP = "rpcps.roles"      # roles that serve any workload: the parameter servers
+EXTRA = "RPCPS_WORKLOADS"        # "module:attribute,…": workloads not installed as entry points (tests, development)
+
+
+def resolve(ref: str) -> Any:
+    """What a spec names as ``"module:attribute"``, imported now."""
+    return _resolve(ref)
 
 
 def _resolve(ref: str) -> Any:
@@ -48,6 +56,12 @@ class RoleSpec:
     episodes: bool = False     # its work comes in episodes that `rpcps episode start|stop` controls
     metric_families: str = "services.metrics:Metrics"   # its metric families (every role's, and its own)
     torchrun: Optional["TorchrunSpec"] = None   # how it reads its settings when torchrun starts it
+    hosting: bool = False      # it serves a workload chosen by --workload: its settings are that one's ``server``
+    leader: Optional[str] = None   # the member that leads it, when no one workload owns it
+
+    def settings_for(self, workload: Optional[str]) -> type["BaseModel"]:
+        """Its settings; a hosting role's are those of the workload it hosts (None: the default)."""
+        return _resolve(hosted(workload).server.settings) if self.hosting else self.config
 
     @property
     def config(self) -> type["BaseModel"]:
@@ -98,6 +112,15 @@ class Launch(Protocol):
 
 
 @dataclass(frozen=True)
+class HostedSpec:
+    """What a workload hosted on the parameter servers hands them (``rpcps ps --workload <name>``)."""
+
+    settings: str              # "module:attribute": the servers' settings for it (the server role's, and its model's)
+    model: str                 # "module:attribute": (those settings) -> the ``ModelSpec`` the servers host
+    client_role: str           # the role that trains against the servers: a checkpoint holds its members
+
+
+@dataclass(frozen=True)
 class WorkloadSpec:
     name: str                  # `rpcps up --workload <name>`
     help: str
@@ -108,6 +131,7 @@ class WorkloadSpec:
     checkpoint_dir: str        # where `rpcps up` puts its checkpoints unless told
     benches: tuple[BenchSpec, ...] = ()
     examples: tuple[tuple[str, str], ...] = ()   # (`rpcps up …` arguments, what they do), for `rpcps up --help`
+    server: Optional[HostedSpec] = None          # its model, when the parameter servers host it
 
     @property
     def up(self) -> type["BaseModel"]:
@@ -121,11 +145,13 @@ class WorkloadSpec:
 def workloads() -> dict[str, WorkloadSpec]:
     """Every registered workload, by name (the order of registration)."""
     found: dict[str, WorkloadSpec] = {}
-    seen_roles: dict[str, str] = {}
-    for entry in sorted(importlib.metadata.entry_points(group=GROUP), key=lambda e: e.name):
-        spec = entry.load()
-        if not isinstance(spec, WorkloadSpec) or spec.name != entry.name:
-            raise RuntimeError(f"entry point {entry.name} = {entry.value} is not the WorkloadSpec {entry.name!r}")
+    seen_roles: dict[str, str] = {role: "the shared roles" for role in _shared_roles()}
+    entries = [(e.name, e.value) for e in sorted(importlib.metadata.entry_points(group=GROUP), key=lambda e: e.name)]
+    extra = [ref for ref in os.environ.get(EXTRA, "").split(",") if ref]
+    for name, ref in entries + [(_resolve(ref).name, ref) for ref in extra]:
+        spec = _resolve(ref)
+        if not isinstance(spec, WorkloadSpec) or spec.name != name:
+            raise RuntimeError(f"entry point {name} = {ref} is not the WorkloadSpec {name!r}")
         for role in spec.roles:
             if role.name in seen_roles:
                 raise RuntimeError(f"workloads {seen_roles[role.name]} and {spec.name} both define the role {role.name}")
@@ -137,8 +163,20 @@ def workloads() -> dict[str, WorkloadSpec]:
 
 
 @functools.cache
+def _shared_roles() -> dict[str, RoleSpec]:
+    found = {}
+    for entry in importlib.metadata.entry_points(group=ROLES_GROUP):
+        role = entry.load()
+        if not isinstance(role, RoleSpec) or role.name != entry.name:
+            raise RuntimeError(f"entry point {entry.name} = {entry.value} is not the RoleSpec {entry.name!r}")
+        found[role.name] = role
+    return found
+
+
+@functools.cache
 def roles() -> dict[str, RoleSpec]:
-    return {role.name: role for spec in workloads().values() for role in spec.roles}
+    """Every role: the shared ones (the parameter servers), then each workload's."""
+    return {**_shared_roles(), **{role.name: role for spec in workloads().values() for role in spec.roles}}
 
 
 def workload_of(role: str) -> WorkloadSpec:
@@ -146,6 +184,25 @@ def workload_of(role: str) -> WorkloadSpec:
         if any(r.name == role for r in spec.roles):
             return spec
     raise KeyError(role)
+
+
+def hosted(name: Optional[str] = None) -> WorkloadSpec:
+    """The workload the parameter servers host: ``name``, or (None) the first that declares a
+    ``server``; ``KeyError`` saying which there are otherwise."""
+    servable = {n: spec for n, spec in workloads().items() if spec.server is not None}
+    if name is None and servable:
+        return next(iter(servable.values()))
+    if name not in servable:
+        raise KeyError(f"no workload {name!r} for the servers to host: one of {', '.join(servable) or 'none'}")
+    return servable[name]
+
+
+def settings_of(role: RoleSpec, flags: Mapping[str, Any], environ: Mapping[str, str]) -> type["BaseModel"]:
+    """``role``'s settings as a command line and environment choose them (``--workload`` or
+    ``RPCPS_WORKLOAD`` pick what a hosting role hosts)."""
+    if not role.hosting:
+        return role.config
+    return role.settings_for(flags.get("workload") or environ.get("RPCPS_WORKLOAD") or None)
 
 
 # Benchmarks of the shared services themselves, besides each workload's.

@@ -151,7 +151,10 @@ def environment_page() -> str:
     from services.config import env_name, flag_name, shown_default
     from services.upconfig import UpConfig
     from services.workload import roles
-    models = [("rpcps up", UpConfig), *((f"rpcps {n}", r.config) for n, r in roles().items()),
+    from services.workload import hosted
+    models = [("rpcps up", UpConfig),
+              *((f"rpcps {n}" + (f" --workload {hosted().name}" if r.hosting else ""), r.settings_for(None))
+                for n, r in roles().items()),
               ("rpcps chaos", ChaosConfig)]
     text = [HEADER, "# Environment variables\n\n",
             "Every setting can be given as a flag or as an environment variable; the flag wins. Empty "

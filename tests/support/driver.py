@@ -211,9 +211,55 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
     return {"cases": results, "good_rows": list(rows.shape)}
 
 
+def tiny(client: PsClient, args: argparse.Namespace) -> dict:
+    """Steps of the tests' own model (``tests/support/tiny.py``) through the servers, and the same
+    steps in this process with the same rules: the largest difference of every parameter after."""
+    from ps.rules import rule
+    from tests.support.tiny import TinyServerConfig, model
+    spec = model(TinyServerConfig.model_construct(rows=int(client.model["rows"])))   # the servers checked it
+    local = {"big.weight": spec.tables["big"].init(torch.arange(spec.tables["big"].rows))["big.weight"],
+             "flag.weight": spec.tables["flag"].init(torch.arange(1))["flag.weight"], **spec.dense[0].init()}
+    rules = {"big.weight": rule("rowwise_adagrad"), "flag.weight": rule("sgd"), "w": rule("adagrad")}
+    state = {n: {k: torch.zeros(s) for k, s in r.state_shapes(local[n]).items()} for n, r in rules.items()}
+    g = torch.Generator().manual_seed(5)
+    for _ in range(args.steps):
+        ids = torch.randint(0, spec.tables["big"].rows, (6,), generator=g)
+        target = torch.randn(6, generator=g)
+
+        def loss_of(big: torch.Tensor, flag: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return ((big * w).sum(1) + (flag * w).sum() - target).pow(2).mean()
+        with client.step() as step:
+            rows, weights = step.fetch({"big.weight": ids, "flag.weight": torch.zeros(6, dtype=torch.long)})
+            step.finish(loss_of(rows["big.weight"], rows["flag.weight"], weights["w"]), clip=0.0)
+        mine = {n: t.clone().requires_grad_() for n, t in local.items()}
+        loss_of(mine["big.weight"][ids], mine["flag.weight"][torch.zeros(6, dtype=torch.long)], mine["w"]).backward()
+        with torch.no_grad():
+            for n, r in rules.items():
+                grad = mine[n].grad
+                if n != "w":        # table rows step sparsely, as the servers' do
+                    touched = grad.abs().sum(1).nonzero().squeeze(1)
+                    grad = torch.sparse_coo_tensor(touched[None], grad[touched], grad.shape)
+                r.step(local[n], grad, state[n], spec.lr)
+    client.end()
+    served: dict[str, dict[str, torch.Tensor]] = {}
+    for k, name in enumerate(client.ps_names):
+        served[name] = client.call(name, ParameterServer.parameters)
+    big = torch.empty_like(local["big.weight"])
+    for k, name in enumerate(client.ps_names):
+        big[client.plans["big"].global_ids(k)] = served[name]["big.weight"]
+    holder = [name for name, p in served.items() if p["flag.weight"].shape[0] == 1]
+    flag = served[holder[0]]["flag.weight"]
+    w = next(p["w"] for p in served.values() if "w" in p)
+    return {"rows_per_server": {name: {t: int(p[f"{t}.weight"].shape[0]) for t in ("big", "flag")}
+                                for name, p in served.items()},
+            "diff": {"big": float((big - local["big.weight"]).abs().max()),
+                     "flag": float((flag - local["flag.weight"]).abs().max()), "w": float((w - local["w"]).abs().max())},
+            "moved": float((big - spec.tables["big"].init(torch.arange(spec.tables["big"].rows))["big.weight"]).abs().max())}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad"))
+    p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad", "tiny"))
     p.add_argument("--name", required=True)
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
@@ -237,7 +283,7 @@ def main() -> None:
         wait_until(lambda: set(servers) <= set(current_members()), 60, "servers in the group")
         client = PsClient(args.name, servers)
         modes = {"equivalence": equivalence, "sync": sync, "clocked": clocked, "hammer": hammer, "inspect": inspect,
-                 "bad": bad}
+                 "bad": bad, "tiny": tiny}
         result = modes[args.mode](client, args)
         del client
     finally:

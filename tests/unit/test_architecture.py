@@ -128,10 +128,12 @@ SHARED_WORDS = {
 
 def test_nothing_outside_a_workload_names_its_settings_or_status_keys():
     # A workload's own names: fields of its settings and /status declared only in its folder.
-    from services.workload import workloads
+    from services.workload import resolve, roles, workloads
     declared: dict[str, set[str]] = {}          # field -> the modules of the classes declaring it
+    shared = [m for r in roles().values() if r.hosting for m in (r.config, r.status)]   # the servers'
     for spec in workloads().values():
-        for model in [spec.up] + [r.config for r in spec.roles] + [r.status for r in spec.roles]:
+        hosted = [resolve(spec.server.settings)] if spec.server else []
+        for model in [spec.up, *hosted, *shared] + [r.config for r in spec.roles] + [r.status for r in spec.roles]:
             for info_model in [model, *(m for i in model.model_fields.values() for m in _models_in(i.annotation))]:
                 for cls in info_model.__mro__:
                     for field in getattr(cls, "__annotations__", {}):

@@ -37,7 +37,7 @@ def help_of(*argv: str, capsys) -> str:
 
 @pytest.mark.parametrize("command", ["up", *sorted(roles())])
 def test_every_help_shows_defaults_and_allowed_values(command, capsys):
-    model = UpConfig if command == "up" else roles()[command].config
+    model = UpConfig if command == "up" else roles()[command].settings_for(None)
     text = help_of(command, capsys=capsys)
     for field, info in model.model_fields.items():
         default = shown_default(info)

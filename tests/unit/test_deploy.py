@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from services import cli
 from services.config import env_name, load
 from services.sidecar import create_app
-from services.workload import roles
+from services.workload import roles, settings_of
 from tests.support.deploy import (COMPOSE, DOCKERFILE, PROMETHEUS, REPO, TORCH_VARIABLES, ComposeRefuses, compose,
                                   image_env, interpolate, rpcps_services, run, service_env, tool)
 from tests.support.fakes import FakeControl
@@ -40,8 +40,8 @@ def test_every_compose_command_and_variable_is_one_the_cli_accepts():
     for name, service in services.items():
         argv = [str(a) for a in service["command"]]
         args = cli.parse(argv)            # the image's ENTRYPOINT is `rpcps`
-        model = roles()[args.command].config
         env = service_env(service, {"RPCPS_CONTROL_TOKEN": "t0ken"})
+        model = settings_of(roles()[args.command], vars(args), env)
         cfg = load(model, vars(args), env)                 # raises ConfigError on any bad value
         assert cfg.name == name, f"service {name} runs a role named {cfg.name}"
         known = {env_name(f, i) for f, i in model.model_fields.items()} | TORCH_VARIABLES

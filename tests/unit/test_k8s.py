@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from services import cli
 from services.config import env_name, load
 from services.sidecar import create_app
-from services.workload import roles
+from services.workload import roles, settings_of
 from tests.support.deploy import K8S, TORCH_VARIABLES, image_env, k8s_pods, k8s_workloads, run, tool
 from tests.support.fakes import FakeControl
 
@@ -76,7 +76,7 @@ def test_every_pod_runs_a_role_the_cli_accepts_under_its_own_name(stub_rpcps):
         env = {**image_env(), **container_env(container)}
         argv = executed_argv(container["command"], pod.env, stub_rpcps)
         args = cli.parse(argv)
-        model = roles()[args.command].config
+        model = settings_of(roles()[args.command], vars(args), env)
         cfg = load(model, vars(args), env)               # raises ConfigError on any bad value
         assert cfg.name == pod.role_name, f"pod {pod.name} runs {cfg.name}"
         names.setdefault(args.command, []).append(cfg.name)

@@ -81,8 +81,8 @@ def test_each_table_steps_by_its_own_rule_and_its_state_reshards():
     from ps.spec import DenseGroup, ModelSpec, Table
     g = torch.Generator().manual_seed(0)
     start = {"a": torch.randn(10, 4, generator=g), "b": torch.randn(7, 4, generator=g), "w": torch.randn(3, generator=g)}
-    spec = ModelSpec({"ta": Table(10, {"a": (4,)}, lambda: {"a": start["a"]}, rule="rowwise_adagrad"),
-                      "tb": Table(7, {"b": (4,)}, lambda: {"b": start["b"]})},
+    spec = ModelSpec({"ta": Table(10, {"a": (4,)}, lambda ids: {"a": start["a"][ids]}, rule="rowwise_adagrad"),
+                      "tb": Table(7, {"b": (4,)}, lambda ids: {"b": start["b"][ids]})},
                      (DenseGroup({"w": (3,)}, lambda: {"w": start["w"].clone()}),), optimizer=Sgd(), lr=0.5)
     [server] = [ParameterServer("ps0", 0, 1, spec, PsMetrics(CollectorRegistry(), "ps", "ps0"))]
     ids = torch.tensor([1, 4, 4, 9])

@@ -2,13 +2,15 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-from ps.sharding import ShardPlan
+from ps.sharding import ShardPlan, WholePlan, from_placement, placement_of, plan_of
 from trainer.lm.softmax import DecoderShard, combine_partials
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 5])
-def test_plan_partitions_every_id_exactly_once(shards):
-    plan = ShardPlan(shards, 23)
+@pytest.mark.parametrize("placement", ["row_wise", "table_wise"])
+def test_plan_partitions_every_id_exactly_once(shards, placement):
+    plan = plan_of(placement, shards, 23, 7)
+    assert from_placement(placement_of(plan), shards, 23) == plan
     assert sum(plan.rows(k) for k in range(shards)) == 23
     owned = torch.cat([plan.global_ids(k) for k in range(shards)])
     assert sorted(owned.tolist()) == list(range(23))
@@ -19,9 +21,13 @@ def test_plan_partitions_every_id_exactly_once(shards):
         assert bool((plan.owner(g) == k).all()) and torch.equal(ids[pos], g)
 
 
-def test_plan_refuses_more_shards_than_rows():
+def test_a_row_wise_plan_refuses_more_shards_than_rows_and_a_small_table_goes_whole():
     with pytest.raises(ValueError):
         ShardPlan(4, 3)
+    assert isinstance(plan_of("", 4, 3, 5), WholePlan) and plan_of("", 4, 3, 5).home == 1
+    assert isinstance(plan_of("", 4, 4, 5), ShardPlan)
+    with pytest.raises(ValueError, match="unknown placement 'column_wise'"):
+        plan_of("column_wise", 2, 10, 0)
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3])

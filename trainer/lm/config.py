@@ -51,7 +51,7 @@ class LmModelConfig(ConfigBase):
 
 
 class LmServerConfig(PsConfig):
-    """`rpcps ps`: a parameter server hosting the language model."""
+    """`rpcps ps --workload lm`: a parameter server hosting the language model."""
 
     ntoken: Optional[int] = Field(None, ge=2, description="vocabulary size; default: from --data")
     data: Optional[Path] = Field(None, description="corpus folder, read only to size the vocabulary")

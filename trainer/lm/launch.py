@@ -30,7 +30,7 @@ class LmLaunch:
         if ntoken is None:
             from trainer.lm.data import vocab_size
             ntoken = vocab_size(cfg.data)
-        servers = [Planned(name, "ps", ["--num-ps", str(cfg.num_ps), "--ntoken", str(ntoken),
+        servers = [Planned(name, "ps", ["--workload", "lm", "--num-ps", str(cfg.num_ps), "--ntoken", str(ntoken),
                                         *self.common.restoring_flags(), *flags(cfg, _PS_FLAGS)])
                    for name in ps_names(cfg.num_ps)]
         trainers = []

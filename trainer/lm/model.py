@@ -66,8 +66,10 @@ def init_lstm_layer(cfg: LmModelConfig, layer: int) -> dict[str, torch.Tensor]:
 def model_spec(cfg: LmModelConfig) -> ModelSpec:
     """What the servers host: one vocabulary table (embedding and decoder rows), an LSTM layer per
     dense group, and the decoder's sharded softmax as the ``decode`` operation."""
-    def vocabulary() -> dict[str, torch.Tensor]:
-        return {EMBEDDING: init_embedding(cfg), **dict(zip(DECODER, init_decoder(cfg)))}
+    def vocabulary(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        # A vocabulary is small: drawn whole, as the one-process model draws it, then sliced.
+        whole = {EMBEDDING: init_embedding(cfg), **dict(zip(DECODER, init_decoder(cfg)))}
+        return {name: value[ids] for name, value in whole.items()}
 
     table = Table(cfg.ntoken, {EMBEDDING: (cfg.emsize,), DECODER[0]: (cfg.nhid,), DECODER[1]: ()}, vocabulary)
     layers = tuple(DenseGroup(lstm_shapes(cfg, layer), lambda layer=layer: init_lstm_layer(cfg, layer))

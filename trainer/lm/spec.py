@@ -2,19 +2,18 @@
 status schemas and benchmarks (registered in pyproject.toml under ``rpcps.workloads``).
 
 Light on purpose: what it names as ``"module:attribute"`` is imported only when used."""
-from services.workload import BenchSpec, RoleSpec, TorchrunSpec, WorkloadSpec
+from services.workload import BenchSpec, HostedSpec, RoleSpec, TorchrunSpec, WorkloadSpec
 
 SPEC = WorkloadSpec(
     name="lm",
     help="parameter servers and language-model trainers",
     leader="ps0",
-    roles=(RoleSpec("ps", "trainer.lm.config:LmServerConfig", "ps.status:PsStatus", "trainer.lm.server:lm_server",
-                    "run one parameter server (hosting the language model)", metric_families="ps.metrics:PsMetrics"),
-           RoleSpec("trainer", "trainer.lm.config:TrainerConfig", "trainer.lm.status:TrainerStatus",
+    roles=(RoleSpec("trainer", "trainer.lm.config:TrainerConfig", "trainer.lm.status:TrainerStatus",
                     "trainer.lm.role:TrainerRole", "run one language-model trainer", episodes=True,
                     metric_families="trainer.lm.metrics:TrainerMetrics",
                     # A torchrun worker is a batch job: it trains at once and ends with its episode.
-                    torchrun=TorchrunSpec("num_trainers", (("start", "true"), ("exit_when_done", "true"))))),
+                    torchrun=TorchrunSpec("num_trainers", (("start", "true"), ("exit_when_done", "true")))),),
+    server=HostedSpec("trainer.lm.config:LmServerConfig", "trainer.lm.server:lm_model", client_role="trainer"),
     up_settings="trainer.lm.config:LmUpSettings",
     launch="trainer.lm.launch:LmLaunch",
     checkpoint_dir="checkpoints",
