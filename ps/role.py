@@ -92,6 +92,7 @@ class PsRole(RoleBase, WithoutEpisodes):
             self._handover.remove()     # restored from, or not matching: used once either way
             read_standing = self.endpoint.reader(CLUSTER_CHECKPOINT_KEY)
         self.metrics.up.set(1)
+        self.board.update(steps=self.server.optimizer.steps, refused=self.server.refused)   # before anyone reads it
         self.board.set_state(RoleState.RUNNING, "serving")
         while not self._stop.wait(1.0):
             self._heartbeat()

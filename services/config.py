@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import enum
 import logging
+import os
 import tempfile
 import types
 import typing
@@ -247,10 +248,9 @@ def writable_folder(path: Path) -> Path:
     try:
         if existing == path:
             tempfile.TemporaryFile(dir=path).close()
-        else:   # make the first missing folder, then take it away again: nothing is left behind
-            first = path.relative_to(existing).parts[0]
-            (existing / first).mkdir()
-            (existing / first).rmdir()
+        else:   # a folder of its own, made and taken away again: the servers starting beside this
+            # one may be making the same path at this moment
+            os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".rpcps-probe-"))
     except OSError as exc:
         where = "written" if existing == path else f"made in {existing.resolve()}"
         raise ValueError(f"{path} cannot be {where}: {exc.strerror or exc}") from None

@@ -28,6 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.distributed_c10d import _abort_process_group
+
+# torch 2.13: in a process that never imported torch._dynamo, _abort_process_group returns, yet a
+# peer's all-reduce over gloo waits on to the group's timeout (tests/integration/test_dense_group.py:
+# 60 s without this import, under a second with it). Building a torch optimizer imports it; the
+# replica's update rule (ps/rules.py) is not one, so the import is made here, where it matters.
+import torch._dynamo  # noqa: E402,F401
 from torch.nn.parallel import DistributedDataParallel
 
 from ps.clock import Granted
