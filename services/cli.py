@@ -195,17 +195,20 @@ def cluster_state(state_dir: Path) -> Optional[dict]:
     return state
 
 
-def _sidecars(args: argparse.Namespace, pick: Callable[[str], bool] = lambda name: True) -> dict[str, str]:
+def _sidecars(args: argparse.Namespace, pick: Callable[[str], bool] = lambda name: True
+              ) -> tuple[dict[str, str], dict[str, dict]]:
+    """The sidecars to ask, by name, and the members ``rpcps up`` is restarting after a death
+    (both from its cluster.json, unless sidecars are named)."""
     if args.sidecar:
-        return {url: url for url in args.sidecar}
+        return {url: url for url in args.sidecar}, {}
     env = os.environ.get("RPCPS_SIDECARS")
     if env:
-        return {url: url for url in env.split(",") if url}
+        return {url: url for url in env.split(",") if url}, {}
     state = cluster_state(Path(args.state_dir))
     if state is None:
         raise CliError(f"no cluster is running here: no --sidecar given and no {Path(args.state_dir) / STATE_FILE} "
                        f"(start one with `rpcps up`, or name a sidecar with --sidecar URL)")
-    return {n: u for n, u in state["sidecars"].items() if pick(n)}
+    return {n: u for n, u in state["sidecars"].items() if pick(n)}, state.get("failing", {})
 
 
 def _runs_episodes(name: str) -> bool:
@@ -222,19 +225,11 @@ def _client(url: str):
     return SidecarClient(url, token=os.environ.get("RPCPS_CONTROL_TOKEN") or None)
 
 
-def _failing(args: argparse.Namespace) -> dict[str, dict]:
-    """Members ``rpcps up`` is restarting after a death (from its cluster.json)."""
-    if args.sidecar or os.environ.get("RPCPS_SIDECARS"):
-        return {}
-    state = cluster_state(Path(args.state_dir))
-    return (state or {}).get("failing", {})
-
-
 def _status(args: argparse.Namespace) -> int:
     code = 0
     rows = {}
-    failing = _failing(args)
-    for name, url in _sidecars(args).items():
+    targets, failing = _sidecars(args)
+    for name, url in targets.items():
         try:
             with _client(url) as c:
                 rows[name] = c.status()
@@ -265,7 +260,7 @@ def _status(args: argparse.Namespace) -> int:
 def _each(args: argparse.Namespace, call, pick: Callable[[str], bool] = lambda name: True,
           first_only: bool = False) -> int:
     code = 0
-    targets = _sidecars(args, pick)
+    targets, _ = _sidecars(args, pick)
     names = _leader_first(list(targets))
     for name in names[:1] if first_only else names:
         url = targets[name]

@@ -29,10 +29,6 @@ EXTRA = "RPCPS_WORKLOADS"        # "module:attribute,…": workloads not install
 
 def resolve(ref: str) -> Any:
     """What a spec names as ``"module:attribute"``, imported now."""
-    return _resolve(ref)
-
-
-def _resolve(ref: str) -> Any:
     module, _, attribute = ref.partition(":")
     return getattr(importlib.import_module(module), attribute)
 
@@ -61,22 +57,22 @@ class RoleSpec:
 
     def settings_for(self, workload: Optional[str]) -> type["BaseModel"]:
         """Its settings; a hosting role's are those of the workload it hosts (None: the default)."""
-        return _resolve(hosted(workload).server.settings) if self.hosting else self.config
+        return resolve(hosted(workload).server.settings) if self.hosting else self.config
 
     @property
     def config(self) -> type["BaseModel"]:
-        return _resolve(self.settings)
+        return resolve(self.settings)
 
     @property
     def status(self) -> type["BaseModel"]:
-        return _resolve(self.status_schema)
+        return resolve(self.status_schema)
 
     @property
     def metrics(self) -> type["Metrics"]:
-        return _resolve(self.metric_families)
+        return resolve(self.metric_families)
 
     def build(self) -> Callable[..., Any]:
-        return _resolve(self.factory)
+        return resolve(self.factory)
 
 
 @dataclass(frozen=True)
@@ -135,10 +131,10 @@ class WorkloadSpec:
 
     @property
     def up(self) -> type["BaseModel"]:
-        return _resolve(self.up_settings)
+        return resolve(self.up_settings)
 
     def launcher(self, common: Any, settings: Any) -> Launch:
-        return _resolve(self.launch)(common, settings)
+        return resolve(self.launch)(common, settings)
 
 
 @functools.cache
@@ -148,8 +144,8 @@ def workloads() -> dict[str, WorkloadSpec]:
     seen_roles: dict[str, str] = {role: "the shared roles" for role in _shared_roles()}
     entries = [(e.name, e.value) for e in sorted(importlib.metadata.entry_points(group=GROUP), key=lambda e: e.name)]
     extra = [ref for ref in os.environ.get(EXTRA, "").split(",") if ref]
-    for name, ref in entries + [(_resolve(ref).name, ref) for ref in extra]:
-        spec = _resolve(ref)
+    for name, ref in entries + [(resolve(ref).name, ref) for ref in extra]:
+        spec = resolve(ref)
         if not isinstance(spec, WorkloadSpec) or spec.name != name:
             raise RuntimeError(f"entry point {name} = {ref} is not the WorkloadSpec {name!r}")
         for role in spec.roles:

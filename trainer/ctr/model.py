@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -110,7 +110,7 @@ class LocalDlrm:
         self.optimizer = RuleOptimizer([(bag.weight, table_rule) for bag in self.tables]
                                        + [(p, dense_rule) for p in self.dense.parameters()], lr)
 
-    def logits(self, batch: Batch, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(self, batch: Batch) -> torch.Tensor:
         ids = torch.from_numpy(batch.ids)
         pooled = torch.stack([bag(ids[:, t:t + 1]) for t, bag in enumerate(self.tables)], dim=1)
         return self.dense(torch.from_numpy(batch.dense), pooled)
