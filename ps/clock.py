@@ -13,7 +13,7 @@ when its mode allows; it reports ``arrive`` once its part of the step is done.
   its members at once, once each has asked to begin it (and, for the first step, once the job's
   starting count of trainers asks). The members of a step are its *group*; a new group (a trainer
   died, left or joined, or a member found the group broken) has a new ``group_key``, under which
-  its members form a new process group before the step (``trainer/lm/dense.py``).
+  its members form a new process group before the step (``trainer/core/replica.py``).
 * **ssp:K**: an update is the trainer's own, applied before it arrives; ``begin`` of a trainer's
   step t waits while the slowest member has not finished step t-K-1.
 

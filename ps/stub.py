@@ -229,7 +229,7 @@ class PsClient:
 
 
 class Replica(Protocol):
-    """Weights every trainer holds a copy of, all-reduced among the trainers (``trainer/lm/dense.py``)."""
+    """Weights every trainer holds a copy of, all-reduced among the trainers (``trainer/core/replica.py``)."""
 
     def averaged(self, grads: dict[torch.Tensor, torch.Tensor]) -> Optional[dict[torch.Tensor, torch.Tensor]]: ...
     def sq_norm(self, grads: Optional[dict[torch.Tensor, torch.Tensor]]) -> float: ...

@@ -107,6 +107,9 @@ def compose_up_config() -> type[LauncherConfig]:
         if len(where) == 1:
             # The field's own default is None (so the workload's applies); --help shows the workload's.
             about, extra["shown_default"] = f"{where[0][0]}: {first.description}", shown_default(first)
+        elif len({(info.description, shown_default(info)) for _, info in where}) == 1:
+            # Every workload's alike (a setting their shared base declares): said once.
+            about, extra["shown_default"] = first.description, shown_default(first)
         else:
             about = "; ".join(f"{name}: {info.description} (default {shown_default(info)})" for name, info in where)
         fields[setting] = (Optional[first.annotation], FieldInfo.merge_field_infos(

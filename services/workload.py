@@ -128,6 +128,7 @@ class WorkloadSpec:
     benches: tuple[BenchSpec, ...] = ()
     examples: tuple[tuple[str, str], ...] = ()   # (`rpcps up …` arguments, what they do), for `rpcps up --help`
     server: Optional[HostedSpec] = None          # its model, when the parameter servers host it
+    rank: int = 50             # its place in listings (then by name): the first is `rpcps up`'s and `rpcps ps`'s default
 
     @property
     def up(self) -> type["BaseModel"]:
@@ -139,12 +140,13 @@ class WorkloadSpec:
 
 @functools.cache
 def workloads() -> dict[str, WorkloadSpec]:
-    """Every registered workload, by name (the order of registration)."""
+    """Every registered workload, by name, in their ``rank`` order (then by name)."""
     found: dict[str, WorkloadSpec] = {}
     seen_roles: dict[str, str] = {role: "the shared roles" for role in _shared_roles()}
-    entries = [(e.name, e.value) for e in sorted(importlib.metadata.entry_points(group=GROUP), key=lambda e: e.name)]
+    entries = [(e.name, e.value) for e in importlib.metadata.entry_points(group=GROUP)]
     extra = [ref for ref in os.environ.get(EXTRA, "").split(",") if ref]
-    for name, ref in entries + [(resolve(ref).name, ref) for ref in extra]:
+    listed = entries + [(resolve(ref).name, ref) for ref in extra]
+    for name, ref in sorted(listed, key=lambda entry: (resolve(entry[1]).rank, entry[0])):
         spec = resolve(ref)
         if not isinstance(spec, WorkloadSpec) or spec.name != name:
             raise RuntimeError(f"entry point {name} = {ref} is not the WorkloadSpec {name!r}")

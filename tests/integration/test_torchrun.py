@@ -33,8 +33,8 @@ def test_torchrun_launches_trainers_that_train_against_the_servers(procs, tmp_pa
         assert f"trainer{rank} INFO trainer.lm.role: data: synthetic corpus (5000 tokens, seed 1111); " \
                f"share {rank} of 2" in text
         assert f"trainer{rank} INFO services.http_server: sidecar listening on http://127.0.0.1:{sidecar + rank}" in text
-        assert f"trainer{rank} INFO trainer.lm.episodes: episode 1 done after {STEPS} steps" in text
-        assert f"trainer{rank} INFO trainer.lm.role: the trainers' process groups meet at torchrun's store" in text
+        assert f"trainer{rank} INFO trainer.core.episodes: episode 1 done after {STEPS} steps" in text
+        assert f"trainer{rank} INFO trainer.core.role: the trainers' process groups meet at torchrun's store" in text
     # Evaluation: each trainer its share, then the whole split's by all_reduce over their group,
     # the same on both, and the token-weighted mean of the shares.
     shares = [(float(loss), int(tokens)) for loss, tokens in

@@ -11,6 +11,7 @@ import json
 import sys
 import time
 
+import numpy as np
 import torch
 
 from ps.clock import StepClockService
@@ -24,9 +25,10 @@ from services.rpc import RpcEndpoint
 from tests.support.wait import wait_until
 from trainer.lm.config import LmModelConfig, TrainerConfig
 from trainer.lm.data import BatchStream
-from trainer.lm.dense import GROUP_PREFIX
-from trainer.lm.loop import TrainLoop
+from trainer.core.loop import TrainLoop
+from trainer.core.replica import GROUP_PREFIX
 from trainer.lm.model import DistributedLM, LocalLM, init_hidden
+from trainer.lm.task import LmTask
 
 
 def full_parameters(client: PsClient) -> dict[str, torch.Tensor]:
@@ -55,7 +57,7 @@ def equivalence(client: PsClient, args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(7)
     model = LmModelConfig.model_validate(client.model)
     data = torch.randint(0, model.ntoken, (cfg.bptt * args.steps + 1, cfg.batch_size), generator=g)
-    dist_loop = TrainLoop(DistributedLM(client, 0.0), BatchStream(data, cfg.bptt), cfg)
+    dist_loop = TrainLoop.of(LmTask(DistributedLM(client, 0.0), BatchStream(data, cfg.bptt), cfg), cfg)
     local = LocalLM(model, 0.0)
     local_stream, hidden = BatchStream(data, cfg.bptt), init_hidden(model, cfg.batch_size)
     initial = full_parameters(client)
@@ -83,7 +85,7 @@ def sync(client: PsClient, args: argparse.Namespace) -> dict:
     initial = full_parameters(client)
     if args.dense == "allreduce":
         dist_model.replicate(lambda key: args.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", 60), args.trainers, 60)
-    loop = TrainLoop(dist_model, BatchStream(data[:, index * batch:(index + 1) * batch], cfg.bptt), cfg)
+    loop = TrainLoop.of(LmTask(dist_model, BatchStream(data[:, index * batch:(index + 1) * batch], cfg.bptt), cfg), cfg)
     # Everyone in step 1: a trainer joins the open step only while nobody has finished it (in
     # lockstep, the first step waits for every trainer anyway).
     client.begin()
@@ -119,7 +121,7 @@ def clocked(client: PsClient, args: argparse.Namespace) -> dict:
     model = DistributedLM(client, 0.0)
     g = torch.Generator().manual_seed(int(args.name.removeprefix("trainer")))
     data = torch.randint(0, model.config.ntoken, (cfg.bptt * args.steps + 1, cfg.batch_size), generator=g)
-    loop = TrainLoop(model, BatchStream(data, cfg.bptt), cfg)
+    loop = TrainLoop.of(LmTask(model, BatchStream(data, cfg.bptt), cfg), cfg)
     client.begin()
     wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
@@ -257,9 +259,53 @@ def tiny(client: PsClient, args: argparse.Namespace) -> dict:
             "moved": float((big - spec.tables["big"].init(torch.arange(spec.tables["big"].rows))["big.weight"]).abs().max())}
 
 
+def ctr(client: PsClient, args: argparse.Namespace) -> dict:
+    """One of ``--trainers`` sync CTR trainers (the real task and loop), each on its share of the
+    generated stream; trainer0 also trains the one-process DLRM on every trainer's samples of each
+    step and compares every parameter at the end."""
+    from trainer.ctr.model import DistributedDlrm, LocalDlrm, table_name
+    from trainer.ctr.source import GeneratedSource
+    from trainer.ctr.synthetic import SyntheticCtr
+    from trainer.ctr.task import CtrTask
+    index, batch = int(args.name.removeprefix("ctr")), 64
+    model = DistributedDlrm(client)
+    generator = SyntheticCtr.fitting(model.config.cardinalities, seed=3)
+    task = CtrTask(model, GeneratedSource(generator, batch, index, args.trainers), name=args.name,
+                   num_trainers=args.trainers)
+    loop = TrainLoop(task, clip=0.0)
+    client.begin()
+    wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
+               "every trainer on the step clock")
+    losses = [loop.step().loss for _ in range(args.steps)]
+    client.end()
+    result: dict = {"losses": losses, "consistency": str(client.consistency)}
+    if index != 0:
+        return result
+    served = [client.call(name, ParameterServer.parameters) for name in client.ps_names]
+    local = LocalDlrm(model.config)
+    initial = {t: bag.weight.detach().clone() for t, bag in enumerate(local.tables)}
+    local_losses = [local.step(generator.batch(np.arange(step * batch * args.trainers,
+                                                         (step + 1) * batch * args.trainers)))
+                    for step in range(args.steps)]
+    diffs, moved = {}, 0.0
+    for t, bag in enumerate(local.tables):
+        param = f"{table_name(t)}.weight"
+        whole = torch.full_like(bag.weight, float("nan"))
+        for k, part in enumerate(served):
+            whole[client.plans[table_name(t)].global_ids(k)] = part[param]
+        diffs[param] = float((whole - bag.weight.detach()).abs().max())
+        moved = max(moved, float((bag.weight.detach() - initial[t]).abs().max()))
+    dense = {n: p for part in served for n, p in part.items() if n.startswith(("bottom.", "top."))}
+    for name, p in local.dense.named_parameters():
+        diffs[name] = float((dense[name] - p.detach()).abs().max())
+    result.update(local_losses=local_losses, param_diff=diffs, tables_moved=moved,
+                  placements={t: type(plan).__name__ for t, plan in client.plans.items()})
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad", "tiny"))
+    p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad", "tiny", "ctr"))
     p.add_argument("--name", required=True)
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
@@ -283,7 +329,7 @@ def main() -> None:
         wait_until(lambda: set(servers) <= set(current_members()), 60, "servers in the group")
         client = PsClient(args.name, servers)
         modes = {"equivalence": equivalence, "sync": sync, "clocked": clocked, "hammer": hammer, "inspect": inspect,
-                 "bad": bad, "tiny": tiny}
+                 "bad": bad, "tiny": tiny, "ctr": ctr}
         result = modes[args.mode](client, args)
         del client
     finally:

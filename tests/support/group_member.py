@@ -16,8 +16,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ps.clock import Granted
+from trainer.core.replica import DenseReplica
 from trainer.lm.config import LmModelConfig
-from trainer.lm.dense import DenseReplica
 from trainer.lm.model import _Body, init_lstm_layer
 
 GROUP_TIMEOUT = 60.0
@@ -28,8 +28,8 @@ def main() -> None:
     role, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=GROUP_TIMEOUT))
     config = LmModelConfig(ntoken=10, emsize=4, nhid=4, nlayers=1)
-    replica = DenseReplica(MEMBERS[rank], config, _Body(config, 0.0), init_lstm_layer(config, 0),
-                           lambda key: dist.PrefixStore(key, store), GROUP_TIMEOUT)
+    replica = DenseReplica(MEMBERS[rank], _Body(config, 0.0).lstm, config.optimizer, config.lr,
+                           init_lstm_layer(config, 0), lambda key: dist.PrefixStore(key, store), GROUP_TIMEOUT)
     replica.follow(Granted(0, MEMBERS, "test/1"))
     if role == "waiter":
         store.set("waiting", "1")

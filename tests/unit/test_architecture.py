@@ -86,7 +86,24 @@ def test_workloads_are_registered_and_their_specs_import_no_torch():
             "w = workloads(); [b.load() for b in benches().values()]; "
             "print(sorted(w), sorted(roles()), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
-    assert out.split() == ["['lm',", "'rl']", "['agent',", "'observer',", "'ps',", "'trainer']", "False"], out
+    assert out.split() == ["['ctr',", "'lm',", "'rl']", "['agent',", "'ctr',", "'observer',", "'ps',", "'trainer']",
+                           "False"], out
+
+
+def test_a_workload_imports_no_other_workload():
+    # What trainers share lives in trainer/core/; a workload's folder is its own.
+    offenders = {}
+    for rel, path in sources():
+        parts = rel.split("/")
+        if parts[0] != "trainer" or len(parts) < 3:
+            continue
+        mine = parts[1]
+        foreign = sorted(m for m in imported_modules(path)
+                         if m.startswith("trainer.") and m.split(".")[1] not in (mine, "core"))
+        if foreign or (mine == "core" and any(m.startswith("trainer.") and not m.startswith("trainer.core")
+                                              for m in imported_modules(path))):
+            offenders[rel] = foreign or sorted(imported_modules(path))
+    assert not offenders, offenders
 
 
 def test_main_modules_only_delegate():
@@ -123,6 +140,8 @@ SHARED_WORDS = {
     "loss": "the step protocol (StepSession.finish)", "clip": "the step protocol's gradient clipping",
     "grad_norm": "the step protocol's result", "data": "file contents", "env": "environment variables",
     "start": "threads", "done": "events", "finished": "events",
+    "placement": "a table's placement over the servers (ps/spec.py)", "top": "the top of a stack or listing",
+    "dim": "a tensor's dimension", "scale": "scaling a tensor (an update rule's factor)",
 }
 
 
@@ -179,7 +198,8 @@ def _line_of(rel: str, text: str) -> int:
     return next(i for i, line in enumerate((REPO / rel).read_text().splitlines(), 1) if line.startswith(text))
 
 
-ROLE_MODULES = ("ps/role.py", "trainer/lm/role.py", "trainer/rl/agent.py", "trainer/rl/observer.py")
+ROLE_MODULES = ("ps/role.py", "trainer/core/role.py", "trainer/lm/role.py", "trainer/ctr/role.py", "trainer/rl/agent.py",
+                "trainer/rl/observer.py")
 COLLABORATORS = {"RpcEndpoint", "Membership", "StatusBoard", "CheckpointStore", "CheckpointMember", "Metrics"}
 
 

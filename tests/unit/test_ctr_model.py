@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ps.rules import Adagrad, RowWiseAdagrad, Sgd, rule
-from trainer.ctr.model import DlrmConfig, DlrmDense, LocalDlrm, table_rows
+from trainer.ctr.config import CtrModelConfig
+from trainer.ctr.model import DlrmDense, LocalDlrm, interactions, table_rows
 from trainer.ctr.quality import auc
 from trainer.ctr.synthetic import SyntheticCtr
 
@@ -58,7 +59,7 @@ def test_rowwise_adagrad_keeps_one_value_a_row():
 
 
 def test_initial_rows_are_functions_of_seed_table_and_row():
-    cfg = DlrmConfig((1000, 50), dim=8, seed=3)
+    cfg = CtrModelConfig(cardinalities=(1000, 50), dim=8, seed=3)
     whole = table_rows(cfg, 0, torch.arange(1000))
     assert torch.equal(table_rows(cfg, 0, torch.tensor([7, 500, 999])), whole[[7, 500, 999]])
     assert not torch.equal(table_rows(cfg, 1, torch.arange(50)), whole[:50])
@@ -69,8 +70,8 @@ def test_initial_rows_are_functions_of_seed_table_and_row():
 def test_the_one_process_baseline_learns_the_ground_truth():
     torch.manual_seed(0)
     data = SyntheticCtr(seed=2, scale=0.001)
-    cfg = DlrmConfig(data.cardinalities, dim=8, bottom=(32,), top=(32,))
-    assert DlrmDense(cfg)(torch.zeros(4, 13), torch.zeros(4, 26, 8)).shape == (4,) and cfg.interactions == 351
+    cfg = CtrModelConfig(cardinalities=data.cardinalities, dim=8, bottom=(32,), top=(32,), optimizer="adagrad")
+    assert DlrmDense(cfg)(torch.zeros(4, 13), torch.zeros(4, 26, 8)).shape == (4,) and interactions(cfg) == 351
     model = LocalDlrm(cfg, lr=0.1)
     test = data.batch(data.held_out(5000))
     before = auc(model.predict(test), test.labels)

@@ -10,8 +10,8 @@ from services.control import EpisodeGate, EpisodeStart, StepPause
 from services.errors import StepLost, UpdateRefused
 from services.lifecycle import StatusBoard
 from trainer.lm.config import TrainerConfig
-from trainer.lm.episodes import EpisodeRunner
-from trainer.lm.loop import StepResult
+from trainer.core.episodes import EpisodeRunner
+from trainer.core.loop import StepResult
 from trainer.lm.metrics import TrainerMetrics
 from trainer.lm.status import TrainerStatus
 
@@ -24,6 +24,8 @@ class ScriptedLoop:
         self.model = self     # the runner leaves the step clock through loop.model.client.end()
         self.client = self
         self.replica = None
+        self.task = self
+        self.unit = "tokens"
 
     def step(self):
         outcome = self.script.pop(0)
@@ -31,7 +33,7 @@ class ScriptedLoop:
             raise StepLost("this step was lost, nothing of it applied: Connection reset by peer")
         if not outcome:
             raise UpdateRefused("trainer0's update in context 7 is not finite; nothing of it was applied")
-        return StepResult(loss=1.0, tokens=10, seconds=0.01, grad_norm=0.5)
+        return StepResult(loss=1.0, units=10, seconds=0.01, grad_norm=0.5)
 
     def end(self):
         pass
@@ -44,7 +46,7 @@ def runner(script, max_refused=3):
     board = StatusBoard("trainer", "trainer0", TrainerStatus)
     cfg = TrainerConfig(name="trainer0", num_ps=1, max_refused_steps=max_refused)
     return EpisodeRunner(ScriptedLoop(script), cfg, board, metrics, gate, StepPause(wake, gate), wake,
-                         None, heartbeat=lambda: None), metrics, board
+                         False, heartbeat=lambda: None), metrics, board
 
 
 def test_refused_steps_are_skipped_and_counted():

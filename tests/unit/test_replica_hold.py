@@ -9,7 +9,7 @@ from ps.metrics import PsMetrics
 from ps.service import ParameterServer
 from services.errors import BadRequest
 from trainer.lm.config import LmModelConfig
-from trainer.lm.dense import DenseReplica, ReplicaHold
+from trainer.core.replica import DenseReplica, ReplicaHold
 from trainer.lm.model import _Body, model_spec
 
 
@@ -82,7 +82,8 @@ def test_a_replicas_optimizer_state_goes_to_the_servers_and_back():
     """Adagrad's sums travel with the weights: a replica restored from the servers takes the same
     next update as the one that wrote them."""
     def replica() -> DenseReplica:
-        return DenseReplica("trainer0", MODEL, _Body(MODEL, 0.0), ps.dense_params(), lambda key: None, 5.0)
+        return DenseReplica("trainer0", _Body(MODEL, 0.0).lstm, MODEL.optimizer, MODEL.lr, ps.dense_params(),
+                            lambda key: None, 5.0)
     ps = server()
     first = replica()
     grads = {p: torch.full_like(p, 0.1) for p in first.params}

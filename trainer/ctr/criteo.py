@@ -127,6 +127,8 @@ class CriteoStream:
     shares: int = 1
     skipped: int = 0
     last_skip: Optional[str] = None
+    start: int = 0                  # lines passed over unread first (held out, or read before a restart)
+    stop: Optional[int] = None      # no line past this one is read
     lines: int = field(default=0, init=False)     # lines of the files passed so far, every share's
 
     def batches(self, size: int) -> Iterator[Batch]:
@@ -147,8 +149,10 @@ class CriteoStream:
             try:
                 with open_lines(path) as f:
                     for number, line in enumerate(f, start=1):
+                        if self.stop is not None and self.lines >= self.stop:
+                            return
                         self.lines += 1
-                        if (self.lines - 1) % self.shares != self.share:
+                        if self.lines <= self.start or (self.lines - 1) % self.shares != self.share:
                             continue
                         try:
                             yield parse(line, f"{path}:{number}")

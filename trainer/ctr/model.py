@@ -1,4 +1,5 @@
-"""A DLRM-style click-through-rate model, and the one-process baseline that trains it.
+"""A DLRM-style click-through-rate model: what the servers host (``model_spec``), the trainer's
+view of it (``DistributedDlrm``), and the one-process baseline that trains it (``LocalDlrm``).
 
 The model: a bottom MLP over the 13 dense features down to the embedding dimension D; one pooled
 embedding per categorical feature (a bag of ids, summed or averaged); the pairwise dot products of
@@ -12,8 +13,7 @@ a server builds only its shard.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -21,27 +21,28 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ps.rules import RuleOptimizer, UpdateRule, rule
+from ps.spec import DenseGroup, ModelSpec, Table
+from ps.stub import PsClient
+from trainer.core.served import ServedModel
+from trainer.ctr.config import CtrModelConfig
 from trainer.ctr.synthetic import DENSE, Batch, hashed, normal, uniform
 
 _TABLE_SALT, _LAYER_SALT = 0x7AB1E, 0x1A7E2
+COMPATIBLE = ("cardinalities", "dim", "bottom", "top", "table_rule", "optimizer")   # a checkpoint must match these
+INIT_SLICE = 1 << 20      # rows of a table built at a time
 
 
-@dataclass(frozen=True)
-class DlrmConfig:
-    cardinalities: tuple[int, ...]
-    dim: int = 16
-    bottom: tuple[int, ...] = (512, 256, 64)     # hidden sizes; the last layer gives ``dim``
-    top: tuple[int, ...] = (512, 256)            # hidden sizes; the last layer gives one logit
-    pooling: str = "sum"                         # of a bag's rows: "sum" or "mean"
-    seed: int = 1
-
-    @property
-    def interactions(self) -> int:
-        n = len(self.cardinalities) + 1
-        return n * (n - 1) // 2
+def interactions(cfg: CtrModelConfig) -> int:
+    n = len(cfg.cardinalities) + 1
+    return n * (n - 1) // 2
 
 
-def table_rows(cfg: DlrmConfig, table: int, ids: torch.Tensor) -> torch.Tensor:
+def table_name(table: int) -> str:
+    """Criteo's name of a categorical feature: C1 … C26; its table's parameter is ``C<n>.weight``."""
+    return f"C{table + 1}"
+
+
+def table_rows(cfg: CtrModelConfig, table: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of table ``table`` as initialised: uniform in ±1/sqrt(rows), as DLRM does, each
     a pure function of (seed, table, id)."""
     rows = cfg.cardinalities[table]
@@ -51,7 +52,7 @@ def table_rows(cfg: DlrmConfig, table: int, ids: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy((2.0 * u - 1.0) * bound).to(torch.float32)
 
 
-def _mlp(sizes: Sequence[int], cfg: DlrmConfig, salt: int, last_sigmoid: bool = False) -> nn.Sequential:
+def _mlp(sizes: Sequence[int], cfg: CtrModelConfig, salt: int, last_sigmoid: bool = False) -> nn.Sequential:
     """Linear layers with ReLU between, weights normal with DLRM's std sqrt(2 / (fan_in + fan_out)),
     from hashes of (seed, layer), so every process builds the same."""
     layers: list[nn.Module] = []
@@ -71,11 +72,11 @@ def _mlp(sizes: Sequence[int], cfg: DlrmConfig, salt: int, last_sigmoid: bool = 
 class DlrmDense(nn.Module):
     """Everything but the tables: the bottom and top MLPs and the interaction between them."""
 
-    def __init__(self, cfg: DlrmConfig) -> None:
+    def __init__(self, cfg: CtrModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.bottom = _mlp([DENSE, *cfg.bottom, cfg.dim], cfg, 0)
-        self.top = _mlp([cfg.dim + cfg.interactions, *cfg.top, 1], cfg, 1)
+        self.top = _mlp([cfg.dim + interactions(cfg), *cfg.top, 1], cfg, 1)
         n = len(cfg.cardinalities) + 1
         self._upper = torch.triu_indices(n, n, offset=1)
 
@@ -91,28 +92,84 @@ def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, labels)
 
 
+def bags(batch: Batch) -> torch.Tensor:
+    """[B, 26, K] the ids of each sample's bag per feature (K = 1: one id each)."""
+    ids = torch.from_numpy(batch.ids)
+    return ids.reshape(ids.shape[0], ids.shape[1], -1)
+
+
+def model_spec(cfg: CtrModelConfig) -> ModelSpec:
+    """What the servers host: a table per categorical feature (its rows built a slice at a time,
+    from (seed, table, row)), placed and updated as ``cfg`` says, and the two MLPs as dense groups."""
+    placement = "" if cfg.placement == "auto" else cfg.placement
+    tables = {table_name(t): Table(rows, {f"{table_name(t)}.weight": (cfg.dim,)},
+                                   lambda ids, t=t: {f"{table_name(t)}.weight": table_rows(cfg, t, ids)},
+                                   rule=cfg.table_rule, placement=placement)
+              for t, rows in enumerate(cfg.cardinalities)}
+    dense = DlrmDense(cfg)
+    groups = tuple(DenseGroup({f"{part}.{n}": tuple(p.shape) for n, p in getattr(dense, part).named_parameters()},
+                              lambda part=part: {f"{part}.{n}": p.detach().clone()
+                                                 for n, p in getattr(DlrmDense(cfg), part).named_parameters()})
+                   for part in ("bottom", "top"))
+    return ModelSpec(tables, groups, optimizer=cfg.optimizer, lr=cfg.lr, meta=cfg.model_dump(mode="json"),
+                     compatible=COMPATIBLE)
+
+
+def pool(rows: torch.Tensor, pooling: str) -> torch.Tensor:
+    """[B, K, D] a bag's rows -> [B, D]"""
+    return rows.sum(dim=1) if pooling == "sum" else rows.mean(dim=1)
+
+
+class DistributedDlrm(ServedModel):
+    """The trainer's view: each step fetches every table's rows of the batch's ids (one request per
+    server) and the MLPs' weights (unless replicated here), pools the bags, and computes the logits."""
+
+    def __init__(self, client: PsClient) -> None:
+        config = CtrModelConfig.model_validate(client.model)
+        super().__init__(client, DlrmDense(config))
+        self.config = config
+
+    def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``ids`` [B, 26, K] -> (pooled rows [B, 26, D], the dense weights fetched)."""
+        rows, weights = self.fetch_rows({f"{table_name(t)}.weight": ids[:, t, :] for t in range(ids.shape[1])})
+        pooled = torch.stack([pool(rows[f"{table_name(t)}.weight"], self.config.pooling)
+                              for t in range(ids.shape[1])], dim=1)
+        return pooled, weights
+
+    def logits(self, dense: torch.Tensor, pooled: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.run_dense(weights, dense, pooled)
+
+    def predict(self, batch: Batch) -> np.ndarray:
+        with torch.no_grad():
+            pooled, weights = self.fetch(bags(batch))
+            return torch.sigmoid(self.logits(torch.from_numpy(batch.dense), pooled, weights)).numpy()
+
+
 class LocalDlrm:
     """The one-process baseline: every table in memory as an ``EmbeddingBag`` with sparse
     gradients, stepped by the same update rules the servers use."""
 
-    def __init__(self, cfg: DlrmConfig, table_rule: UpdateRule = rule("rowwise_adagrad"),
-                 dense_rule: UpdateRule = rule("adagrad"), lr: float = 0.05) -> None:
+    def __init__(self, cfg: CtrModelConfig, table_rule: Optional[UpdateRule] = None,
+                 dense_rule: Optional[UpdateRule] = None, lr: Optional[float] = None) -> None:
         self.cfg = cfg
+        table_rule = table_rule or rule(cfg.table_rule)
+        dense_rule = dense_rule or rule(cfg.optimizer)
+        lr = cfg.lr if lr is None else lr
         self.dense = DlrmDense(cfg)
         self.tables = nn.ModuleList()
         for t, rows in enumerate(cfg.cardinalities):
             bag = nn.EmbeddingBag(rows, cfg.dim, mode=cfg.pooling, sparse=True)
             with torch.no_grad():
-                for start in range(0, rows, 1 << 20):       # a table at a time, in slices
-                    ids = torch.arange(start, min(rows, start + (1 << 20)))
+                for start in range(0, rows, INIT_SLICE):       # a table at a time, in slices
+                    ids = torch.arange(start, min(rows, start + INIT_SLICE))
                     bag.weight[start:start + len(ids)] = table_rows(cfg, t, ids)
             self.tables.append(bag)
         self.optimizer = RuleOptimizer([(bag.weight, table_rule) for bag in self.tables]
                                        + [(p, dense_rule) for p in self.dense.parameters()], lr)
 
     def logits(self, batch: Batch) -> torch.Tensor:
-        ids = torch.from_numpy(batch.ids)
-        pooled = torch.stack([bag(ids[:, t:t + 1]) for t, bag in enumerate(self.tables)], dim=1)
+        ids = bags(batch)
+        pooled = torch.stack([bag(ids[:, t, :]) for t, bag in enumerate(self.tables)], dim=1)
         return self.dense(torch.from_numpy(batch.dense), pooled)
 
     def step(self, batch: Batch) -> float:
@@ -120,7 +177,7 @@ class LocalDlrm:
         loss = loss_of(self.logits(batch), torch.from_numpy(batch.labels))
         loss.backward()
         self.optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:

@@ -108,6 +108,19 @@ class SyntheticCtr:
     scale: float = 1.0               # times Criteo Kaggle's cardinalities
     missing: float = 0.1             # share of dense fields left empty, as in Criteo
 
+    @classmethod
+    def fitting(cls, cardinalities: "tuple[int, ...] | list[int]", seed: int = 1) -> "SyntheticCtr":
+        """The generator whose tables are ``cardinalities`` (Criteo Kaggle's at some scale, as its
+        biggest table says), or ``ValueError`` when no scale gives them."""
+        biggest = max(range(len(KAGGLE_CARDINALITIES)), key=KAGGLE_CARDINALITIES.__getitem__)
+        if len(cardinalities) == len(KAGGLE_CARDINALITIES):
+            ratio = cardinalities[biggest] / KAGGLE_CARDINALITIES[biggest]
+            for scale in (float(f"{ratio:.3g}"), float(f"{ratio:.6g}"), ratio):   # as given, before rounding
+                generator = cls(seed=seed, scale=scale)
+                if generator.cardinalities == tuple(cardinalities):
+                    return generator
+        raise ValueError(f"tables of {list(cardinalities)} rows are not Criteo Kaggle's at any scale")
+
     @cached_property
     def cardinalities(self) -> tuple[int, ...]:
         return tuple(max(2, round(c * self.scale)) for c in KAGGLE_CARDINALITIES)
@@ -144,17 +157,22 @@ class SyntheticCtr:
                 break
         return tuple(out)
 
-    def ids(self, indices: np.ndarray) -> np.ndarray:
-        """[B, 26] row ids of the samples ``indices``: their ranks, permuted."""
+    def ids(self, indices: np.ndarray, draw: int = 0) -> np.ndarray:
+        """[B, 26] row ids of the samples ``indices``: their ranks, permuted. ``draw`` > 0: another
+        id per feature from the same distribution (a bag's further ids, which labels ignore)."""
         mult, add = self._permutation
         sizes = np.array(self.cardinalities, dtype=np.int64)[None, :]
-        return (mult[None, :] * self.ranks(indices) + add[None, :]) % sizes
+        return (mult[None, :] * self.ranks(indices, draw) + add[None, :]) % sizes
 
-    def ranks(self, indices: np.ndarray) -> np.ndarray:
+    def bag_ids(self, indices: np.ndarray, hot: int) -> np.ndarray:
+        """[B, 26, hot] a bag of ``hot`` ids per feature: the sample's id, then further draws."""
+        return np.stack([self.ids(indices, draw) for draw in range(hot)], axis=2)
+
+    def ranks(self, indices: np.ndarray, draw: int = 0) -> np.ndarray:
         """[B, 26] popularity ranks (0: the hottest row of its table) of the samples ``indices``."""
         idx = np.asarray(indices, dtype=np.int64)[:, None]
         fields = np.arange(len(self.cardinalities), dtype=np.int64)[None, :]
-        u = uniform(hashed(self.seed, _ID, idx, fields))
+        u = uniform(hashed(self.seed, _ID, idx, fields) if draw == 0 else hashed(self.seed, _ID, idx, fields, draw))
         rows = np.array(self.cardinalities, dtype=np.float64)[None, :]
         e = 1.0 - self.exponents[None, :]
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -207,13 +225,17 @@ class SyntheticCtr:
         scale = (lo + hi) / 2
         return scale, bias(scale)
 
-    def batch(self, indices: np.ndarray) -> Batch:
+    def batch(self, indices: np.ndarray, hot: int = 1) -> Batch:
+        """The samples ``indices``; ``hot`` > 1: ids [B, 26, hot], bags whose first id is the one
+        labels depend on."""
         idx = np.asarray(indices, dtype=np.int64)
         ids, counts = self.ids(idx), self.counts(idx)
         dense = np.log1p(np.maximum(counts, 0)).astype(np.float64)
         scale, bias = self._calibration
         p = _sigmoid(scale * self._raw_logit(ids, dense) + bias)
         labels = (uniform(hashed(self.seed, _LABEL, idx)) < p).astype(np.float32)
+        if hot > 1:
+            ids = np.concatenate([ids[:, :, None], self.bag_ids(idx, hot)[:, :, 1:]], axis=2)
         return Batch(dense.astype(np.float32), ids, labels, p, counts)
 
     @staticmethod

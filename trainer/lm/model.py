@@ -1,9 +1,9 @@
 """The word-level LSTM language model: what the servers host (``model_spec``), and the model two
 ways with the same math and the same initial parameters:
 
-* ``DistributedLM``: the trainer's view. Embeddings, LSTM weights and the decoder live on the servers;
-  each step fetches the current values and the loss comes from the shards' partial results
-  (``trainer/lm/softmax.py``).
+* ``DistributedLM``: the trainer's view (a ``trainer.core.served.ServedModel``). Embeddings, LSTM
+  weights and the decoder live on the servers; each step fetches the current values and the loss
+  comes from the shards' partial results (``trainer/lm/softmax.py``).
 * ``LocalLM``: the whole model in one process, the reference for equivalence tests and benchmarks.
 
 Initialisation is defined for the whole model (one seeded stream per tensor), and each shard takes
@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed import Store
 from torch.func import functional_call
 
 from ps.spec import DenseGroup, ModelSpec, Table
-from ps.service import ParameterServer
 from ps.stub import PsClient
 from ps.update import grad_sq_norm, make_optimizer
+from trainer.core.served import ServedModel
 from trainer.lm.config import LmModelConfig
-from trainer.lm.dense import DenseReplica
 from trainer.lm.softmax import DECODER, VOCABULARY, Decode, combine_partials
 
 Hidden = tuple[torch.Tensor, torch.Tensor]
@@ -103,64 +101,33 @@ class _Body(nn.Module):
         return out.reshape(-1, out.size(-1)), hidden
 
 
-class DistributedLM(nn.Module):
-    def __init__(self, client: PsClient, dropout: float) -> None:
+class _Forward(nn.Module):
+    """The body as the dense weights' computation: what DDP runs under ``--dense allreduce``."""
+
+    def __init__(self, body: _Body) -> None:
         super().__init__()
-        self.client = client
-        self.config = LmModelConfig.model_validate(client.model)
-        self.body = _Body(self.config, dropout)
-        for p in self.body.parameters():
-            p.requires_grad_(False)  # a skeleton only: the weights used are the servers'
-        self.replica: Optional[DenseReplica] = None
+        self.body = body
 
-    def replicate(self, store_for: Callable[[str], Store], start_with: int, timeout: float) -> None:
-        """``--dense allreduce``: hold the LSTM here, starting from the servers' weights and their
-        optimizer state, kept equal to the other trainers' replicas by a process group of the
-        trainers of each step, whose members meet in ``store_for(key)`` and wait ``timeout`` for
-        each other. Steps begin in lockstep; the job starts once ``start_with`` trainers ask for
-        its first step."""
-        _, weights = self.client.fetch({})
-        self.replica = DenseReplica(self.client.me, self.config, self.body, weights, store_for, timeout)
-        for state in self.client.each_dense_shard(ParameterServer.dense_state):
-            self.replica.load_optimizer_state(state)
-        self.client.lockstep = start_with
+    def forward(self, emb: torch.Tensor, hidden: Hidden) -> tuple[torch.Tensor, Hidden]:
+        return self.body.run(emb, hidden, None)
 
-    def follow_group(self) -> None:
-        """At a step's beginning: with a replica, be in the group the step was granted with."""
-        if self.replica is None:
-            return
-        try:
-            self.replica.follow(self.client.granted)
-        except Exception as exc:
-            raise self.client.lose_step(exc, self.replica) from exc
 
-    @property
-    def allreduce_bytes(self) -> int:
-        return self.replica.allreduce_bytes if self.replica is not None else 0
-
-    def sum_over_trainers(self, values: list[float]) -> Optional[list[float]]:
-        """With a replica: ``values`` summed over the trainers of its group, else None."""
-        return self.replica.sum_over_group(values) if self.replica is not None else None
-
-    def write_replica(self) -> None:
-        """The replica's weights and optimizer state into the servers' dense tensors (for a
-        checkpoint), unless it has taken no step: then it holds the servers' own."""
-        if self.replica.step >= 0:
-            self.client.each_dense_shard(ParameterServer.set_dense, self.replica.weights(), self.replica.step,
-                                         self.replica.optimizer_state())
+class DistributedLM(ServedModel):
+    def __init__(self, client: PsClient, dropout: float) -> None:
+        config = LmModelConfig.model_validate(client.model)
+        body = _Body(config, dropout)
+        super().__init__(client, body.lstm, _Forward(body))
+        self.config = config
 
     def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The servers' current embeddings of ``ids`` and LSTM weights (unless this trainer holds
         a replica of them), in one parallel round."""
-        rows, weights = self.client.fetch({EMBEDDING: ids}, dense=self.replica is None)
+        rows, weights = self.fetch_rows({EMBEDDING: ids})
         return rows[EMBEDDING], weights
 
     def compute(self, emb: torch.Tensor, weights: dict[str, torch.Tensor], targets: torch.Tensor,
                 hidden: Hidden) -> tuple[torch.Tensor, Hidden]:
-        if self.replica is not None:
-            out, hidden = self.replica.forward(emb, hidden, self.training)
-        else:
-            out, hidden = self.body.run(emb, hidden, weights)
+        out, hidden = self.run_dense(weights, emb, hidden)
         partials = self.client.op("decode", out, targets.reshape(-1))
         return combine_partials([p[0] for p in partials], [p[1] for p in partials]), hidden
 

@@ -1,4 +1,4 @@
-"""A trainer's position in its data: what checkpoints save of it (``PositionPart``), and where it
+"""A language-model trainer's position in its text: what checkpoints save of it, and where it
 resumes from the positions a checkpoint saved.
 
 The same trainer count on the same data resumes exactly: position, epoch, LSTM state. A different
@@ -9,10 +9,7 @@ run in near lockstep), with fresh LSTM state. No RPC here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
-
-from services.checkpoint.parts import PausedPart
-from services.errors import CheckpointError
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -62,29 +59,3 @@ def move_to(loop: Any, point: ResumePoint) -> None:
     loop.stream.position, loop.stream.epoch = point.position, point.epoch
     if point.hidden is not None and tuple(point.hidden[0].shape) == tuple(loop.hidden[0].shape):
         loop.hidden = (point.hidden[0], point.hidden[1])
-
-
-class Hold(Protocol):
-    """Where a checkpoint holds the trainer: its own step boundary (``services.control.StepPause``,
-    async) or the step clock (``ps.stub.ClockPause``, sync and ssp)."""
-
-    def hold(self, timeout: float) -> bool: ...
-    def release(self) -> None: ...
-
-
-class PositionPart(PausedPart):
-    """A trainer's position in cluster checkpoints: held at a step boundary while the servers copy
-    their shards, then saved by the coordinator."""
-
-    def __init__(self, name: str, pause: Hold, position: Callable[[], dict[str, Any]]) -> None:
-        self.name, self._pause, self._position = name, pause, position
-
-    def pause(self, timeout: float) -> None:
-        if not self._pause.hold(timeout):
-            raise CheckpointError(f"{self.name} did not reach a step boundary in {timeout:.0f}s")
-
-    def resume(self) -> None:
-        self._pause.release()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._position()

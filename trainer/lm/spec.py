@@ -8,6 +8,7 @@ SPEC = WorkloadSpec(
     name="lm",
     help="parameter servers and language-model trainers",
     leader="ps0",
+    rank=0,
     roles=(RoleSpec("trainer", "trainer.lm.config:TrainerConfig", "trainer.lm.status:TrainerStatus",
                     "trainer.lm.role:TrainerRole", "run one language-model trainer", episodes=True,
                     metric_families="trainer.lm.metrics:TrainerMetrics",

@@ -1,18 +1,12 @@
-"""A language-model trainer's /status: what `rpcps status` and `rpcps up` read of it."""
+"""A language-model trainer's /status: what `rpcps status` and `rpcps up` read of it, besides
+every trainer's (``trainer/core/status.py``)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from pydantic import BaseModel
 
-from services.lifecycle import RoleStatus
-
-
-class EpisodeProgress(BaseModel):
-    id: int
-    step: int = 0
-    steps: Optional[int] = None        # the episode's target (None: unbounded)
-    done: bool = False
+from trainer.core.status import TrainerStatusBase
 
 
 class HeldOut(BaseModel):
@@ -30,54 +24,12 @@ class TimedWindow(BaseModel):
     end: Optional[float] = None
 
 
-class ReplicaState(BaseModel):
-    """--dense allreduce: this trainer's replica of the dense weights."""
-
-    step: int                          # the step clock's step its weights are at (-1: the servers' weights)
-    digest: str                        # sha256 of its weights, shortened: equal on every trainer at one step
-    allreduce_group: list[str]         # the trainers it last all-reduced with
-    group_id: str = ""                 # that group's key: new with each group, even of the same names
-    # (step, digest) of its last steps: trainers read at different moments compare at a step all took
-    digests: list[tuple[int, str]] = []
-
-
-class Traffic(BaseModel):
-    """The bytes this trainer's successful steps moved: tensors to and from the servers over RPC
-    (distributed backward's gradients included), and what it handed to the trainers' all-reduce."""
-
-    steps: int = 0
-    rpc_bytes: int = 0
-    allreduce_bytes: int = 0
-
-
-class TrainerStatus(RoleStatus):
-    step: int = 0                      # this trainer's steps, across episodes and restarts
-    refused_steps: int = 0             # steps skipped because the servers refused their update
-    lost_steps: int = 0                # steps skipped because they failed on their way (a peer died)
-    dense_replica: Optional[ReplicaState] = None
-    moved: Traffic = Traffic()
-    episode: Optional[EpisodeProgress] = None
-    episodes_completed: int = 0
-    model: Optional[dict[str, Any]] = None
-    data: Optional[str] = None
-    consistency: Optional[str] = None  # the servers' (async, sync, ssp:K)
-    loss: Optional[float] = None
-    loss_avg: Optional[float] = None   # of the last 20 steps
-    loss_first: Optional[float] = None
+class TrainerStatus(TrainerStatusBase):
     tokens_per_s: Optional[float] = None
-    grad_norm: Optional[float] = None
     timed: Optional[TimedWindow] = None
-    step_seconds: Optional[dict[str, float]] = None
-    evaluating: bool = False
     eval: Optional[HeldOut] = None     # its own share of the held-out split
     eval_all: Optional[HeldOut] = None  # --dense allreduce: every trainer's share, summed by all_reduce
 
     def line(self) -> list[str]:
-        ep = self.episode
-        return [f"step {self.step}",
-                f"episode {ep.id if ep else '-'} {ep.step if ep else 0}/{(ep.steps if ep else None) or '∞'}",
-                f"loss {self.loss_avg:.3f}" if self.loss_avg is not None else "loss -",
-                f"{self.tokens_per_s or 0:.0f} tokens/s", f"consistency {self.consistency or '-'}"] \
-            + self.eta() \
-            + ([f"{self.refused_steps} steps refused"] if self.refused_steps else []) \
-            + ([f"{self.lost_steps} steps lost"] if self.lost_steps else [])
+        return self.steps_line() + [f"{self.tokens_per_s or 0:.0f} tokens/s", f"consistency {self.consistency or '-'}"] \
+            + self.eta() + self.failures_line()

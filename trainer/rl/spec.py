@@ -7,6 +7,7 @@ from services.workload import BenchSpec, RoleSpec, WorkloadSpec
 SPEC = WorkloadSpec(
     name="rl",
     help="the RL agent and its observers on CartPole",
+    rank=10,
     leader="agent",
     roles=(RoleSpec("agent", "trainer.rl.config:AgentConfig", "trainer.rl.status:AgentStatus",
                     "trainer.rl.agent:AgentRole", "run the RL agent", indexed=False, episodes=True,

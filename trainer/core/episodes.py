@@ -1,52 +1,60 @@
-"""One LM trainer's episodes: steps until the episode's target or a stop, each at a step boundary
-a checkpoint may hold; progress on the status board and in the metrics; then the held-out
-evaluation. Runs on the role thread."""
+"""A trainer's episodes, for any server-hosted workload: steps until the episode's target or a
+stop, each at a step boundary a checkpoint may hold; progress on the status board and in the
+metrics; then the task's held-out evaluation. Runs on the role thread."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
-
-from trainer.lm.config import TrainerConfig
 from services.control import EpisodeGate, EpisodeStart, StepPause
 from services.errors import StepLost, UpdateRefused
 from services.lifecycle import RoleState, StatusBoard
 from services.progress import Progress
-from trainer.lm.loop import EvalResult, StepResult, TrainLoop
-from trainer.lm.metrics import TrainerMetrics
+from trainer.core.loop import StepResult, TrainLoop
+from trainer.core.metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Throughput:
-    """An episode's tokens/s, its first steps (``warmup``) left out: they pay connection set-up and
-    allocation. ``window`` is wall-clock, so ``rpcps up`` can add up trainers' windows."""
+    """An episode's units (tokens, samples) a second, its first steps (``warmup``) left out: they
+    pay connection set-up and allocation. ``window`` is wall-clock, so ``rpcps up`` can add up
+    trainers' windows; it names its count by the unit."""
 
     warmup: int
-    tokens: int = 0
+    unit: str
+    units: int = 0
     seconds: float = 0.0
-    window: dict[str, Any] = field(default_factory=lambda: {"tokens": 0, "start": None, "end": None})
+    start: Optional[float] = None
+    end: Optional[float] = None
 
     def add(self, step: int, result: StepResult, started: float) -> float:
         if step > self.warmup:
-            self.tokens += result.tokens
+            self.units += result.units
             self.seconds += result.seconds
-            self.window = {"tokens": self.tokens, "start": self.window["start"] or started, "end": time.time()}
-        return self.tokens / self.seconds if self.seconds else result.tokens / result.seconds
+            self.start, self.end = self.start or started, time.time()
+        return self.units / self.seconds if self.seconds else result.units / result.seconds
+
+    @property
+    def window(self) -> dict[str, Any]:
+        return {self.unit: self.units, "start": self.start, "end": self.end}
 
 
 class EpisodeRunner:
-    def __init__(self, loop: TrainLoop, cfg: TrainerConfig, board: StatusBoard, metrics: TrainerMetrics,
+    """``cfg``: the trainer's settings (``trainer/core/config.py``); ``evaluate``: whether episodes
+    end with the task's held-out evaluation."""
+
+    def __init__(self, loop: TrainLoop, cfg: Any, board: StatusBoard, metrics: TrainerMetrics,
                  gate: EpisodeGate, pause: StepPause, wake: threading.Condition,
-                 heldout: Optional[torch.Tensor], heartbeat: Callable[[], Any], steps: int = 0) -> None:
+                 evaluate: bool, heartbeat: Callable[[], Any], steps: int = 0) -> None:
         self.loop, self.cfg, self.board, self.metrics = loop, cfg, board, metrics
-        self.gate, self.pause, self._wake, self.heldout = gate, pause, wake, heldout
+        self.gate, self.pause, self._wake, self.evaluates = gate, pause, wake, evaluate
+        self.unit = loop.task.unit
         self._heartbeat = heartbeat       # the members, into the status, with each log line
         self.steps = steps          # this trainer's steps, across episodes and restores
         self.episodes = 0
@@ -72,7 +80,7 @@ class EpisodeRunner:
                 self._leave_clock()
             with self._wake:
                 shutting_down = self.gate.closing
-            if self.heldout is not None and not shutting_down and episode["step"] > 0:
+            if self.evaluates and not shutting_down and episode["step"] > 0:
                 self._evaluate()
         finally:
             episode["done"] = True
@@ -86,7 +94,7 @@ class EpisodeRunner:
     def _train(self, episode: dict[str, Any], target: Optional[int]) -> None:
         recent: deque[float] = deque(maxlen=20)
         first_loss: Optional[float] = None
-        throughput = _Throughput(self.cfg.warmup_steps)
+        throughput = _Throughput(self.cfg.warmup_steps, self.unit)
         last_log = time.monotonic()
         while target is None or episode["step"] < target:
             with self._wake:
@@ -104,18 +112,18 @@ class EpisodeRunner:
             episode["step"] += 1
             first_loss = result.loss if first_loss is None else first_loss
             recent.append(result.loss)
-            tokens_per_s = throughput.add(episode["step"], result, started)
-            self.metrics.tokens_per_second.set(tokens_per_s)
+            per_s = throughput.add(episode["step"], result, started)
+            self.metrics.per_second.set(per_s)
             self.board.update(step=self.steps, episode=dict(episode), loss=result.loss,
                               loss_avg=sum(recent) / len(recent), loss_first=first_loss,
-                              tokens_per_s=tokens_per_s, grad_norm=result.grad_norm, timed=dict(throughput.window),
+                              **{f"{self.unit}_per_s": per_s}, grad_norm=result.grad_norm, timed=throughput.window,
                               step_seconds={k: round(v, 6) for k, v in result.phases.items()},
                               moved=self._count_traffic(result), **self._replica_status())
             self.progress.advance(episode["step"])
             if time.monotonic() - last_log >= self.cfg.log_interval:
                 last_log = time.monotonic()
                 self._heartbeat()
-                log.info("step %d | loss %.3f | %.0f tokens/s", self.steps, sum(recent) / len(recent), tokens_per_s)
+                log.info("step %d | loss %.3f | %.0f %s/s", self.steps, sum(recent) / len(recent), per_s, self.unit)
 
     def _skip(self, exc: Exception) -> None:
         """A step the servers refused, or lost on its way (``StepLost``): its batch is skipped;
@@ -167,20 +175,5 @@ class EpisodeRunner:
         self.board.update(evaluating=True)
         self.progress.start("evaluate", None)
         with self.pause.quiet():     # evaluation changes neither parameters nor position
-            result: EvalResult = self.loop.evaluate(self.heldout, should_stop=lambda: self.gate.closing,
-                                                    progress=lambda done, total: self.progress.advance(done, total))
-        self.metrics.eval_loss.set(result.loss)
-        log.info("episode %d held-out share: loss %.3f ppl %.1f over %d tokens",
-                 self.episodes, result.loss, result.ppl, result.tokens)
-        # --dense allreduce: the whole held-out split's, summed over the group by all_reduce.
-        whole = self.loop.model.sum_over_trainers([result.loss_sum, float(result.tokens)])
-        if whole is not None:
-            everyone = EvalResult(whole[0], int(whole[1]))
-            self.board.update(eval_all=_held_out(everyone))
-            log.info("episode %d held-out, every trainer's share (all_reduce): loss %.4f ppl %.2f over %d tokens",
-                     self.episodes, everyone.loss, everyone.ppl, everyone.tokens)
-        self.board.update(evaluating=False, eval=_held_out(result))
-
-
-def _held_out(result: EvalResult) -> dict[str, float]:
-    return {"loss_sum": result.loss_sum, "tokens": result.tokens, "loss": result.loss, "ppl": result.ppl}
+            found = self.loop.task.evaluate(lambda: self.gate.closing, self.progress.advance)
+        self.board.update(evaluating=False, **found)

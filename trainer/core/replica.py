@@ -1,7 +1,7 @@
-"""``--dense allreduce``: the LSTM replicated on every trainer and kept in step by
-``DistributedDataParallel`` over a gloo process group of the trainers, while the embedding and
-decoder rows stay sharded on the servers (updated in sync mode). The pattern of pytorch/examples'
-``distributed/rpc/ddp_rpc``: the dense weights never cross to a server.
+"""``--dense allreduce``: a model's dense weights (the language model's LSTM, the CTR model's MLPs)
+replicated on every trainer and kept in step by ``DistributedDataParallel`` over a gloo process
+group of the trainers, while the tables stay sharded on the servers (updated in sync mode). The
+pattern of pytorch/examples' ``distributed/rpc/ddp_rpc``: the dense weights never cross to a server.
 
 Within a step: the forward runs through DDP inside the step's distributed autograd context, so
 ``dist_autograd.backward`` both sends the rows' gradients to the servers and has DDP all-reduce
@@ -22,7 +22,7 @@ import datetime
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,9 @@ import torch._dynamo  # noqa: E402,F401
 from torch.nn.parallel import DistributedDataParallel
 
 from ps.clock import Granted
+from ps.rules import UpdateRule
 from ps.update import grad_sq_norm, make_optimizer
-from trainer.lm.config import LmModelConfig
-from trainer.lm.position import Hold
+from trainer.core.position import Hold
 
 log = logging.getLogger(__name__)
 
@@ -77,33 +77,30 @@ def _finite_mean(state: _Reduced, bucket: dist.GradBucket) -> torch.futures.Futu
     return pending.then(averaged)
 
 
-class _Forward(nn.Module):
-    """The LSTM part of the model as DDP calls it."""
-
-    def __init__(self, body: nn.Module) -> None:
-        super().__init__()
-        self.body = body
-
-    def forward(self, emb: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor]):
-        return self.body.run(emb, hidden, None)
-
-
 class DenseReplica:
     """This trainer's replica of the dense weights, their update, and its place in the group of
-    trainers that keeps the replicas equal. ``store_for(key)``: a store where a group's members meet;
-    ``timeout``: how long the group waits for a member, forming it and in each collective."""
+    trainers that keeps the replicas equal. ``module``: what DDP runs, whose parameters are the
+    replicated weights; ``named``: the module whose parameter names are the servers' names of
+    them (``module`` itself unless it wraps them); ``rule``, ``lr``: the servers' update rule.
+    ``store_for(key)``: a store where a group's members meet; ``timeout``: how long the group
+    waits for a member, forming it and in each collective."""
 
-    def __init__(self, me: str, config: LmModelConfig, body: nn.Module, weights: dict[str, torch.Tensor],
-                 store_for: Callable[[str], dist.Store], timeout: float) -> None:
+    def __init__(self, me: str, module: nn.Module, rule: "UpdateRule | str", lr: float,
+                 weights: dict[str, torch.Tensor], store_for: Callable[[str], dist.Store], timeout: float,
+                 named: Optional[nn.Module] = None) -> None:
+        self.named = named if named is not None else module
+        params = dict(self.named.named_parameters())
         with torch.no_grad():
             for name, tensor in weights.items():
-                getattr(body.lstm, name).copy_(tensor)
-        for p in body.parameters():
+                params[name].copy_(tensor)
+        for p in module.parameters():
             p.requires_grad_(True)
         self.me, self._store_for, self._timeout = me, store_for, timeout
-        self.module = _Forward(body)
+        self.module = module
         self.params = list(self.module.parameters())
-        self.optimizer = make_optimizer(config.optimizer, self.params, config.lr)
+        if {id(p) for p in self.params} != {id(p) for p in params.values()}:
+            raise ValueError("the replicated module's parameters are not the named ones")
+        self.optimizer = make_optimizer(rule, self.params, lr)
         self.step = -1                   # the clock's step the weights are at (-1: the servers' weights)
         self.group: tuple[str, ...] = ()
         self.group_key = ""              # of the group it is in ("": none)
@@ -171,21 +168,21 @@ class DenseReplica:
         if dist.get_rank() != source:
             taken = state[0]
             with torch.no_grad():
-                for name, p in self.module.body.lstm.named_parameters():
+                for name, p in self.named.named_parameters():
                     p.copy_(taken["weights"][name])
             self.optimizer.load_state_dict(taken["optimizer"])
             if taken["step"] != self.step:
                 log.info("took the replica at step %d from rank %d (mine was at %d)", taken["step"], source, self.step)
             self.step = taken["step"]
 
-    def forward(self, emb: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor], training: bool):
+    def forward(self, *inputs: Any, training: bool) -> Any:
         self.module.train(training)
         if training:
             if self.ddp is None:
                 raise RuntimeError("a training step with a replica needs its group first (follow)")
             self._reduced.counts.clear()
-            return self.ddp(emb, hidden)
-        return self.module(emb, hidden)     # evaluation: no gradients, nothing to all-reduce
+            return self.ddp(*inputs)
+        return self.module(*inputs)     # evaluation: no gradients, nothing to all-reduce
 
     def averaged(self, grads: dict[torch.Tensor, torch.Tensor]) -> Optional[dict[torch.Tensor, torch.Tensor]]:
         """The replica's part of the step's gradients (``grads``: the step's autograd context's,
@@ -216,24 +213,24 @@ class DenseReplica:
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer's state of each replicated tensor, by name (none for SGD)."""
         return {n: {k: v.detach().clone() for k, v in self.optimizer.state[p].items()}
-                for n, p in self.module.body.lstm.named_parameters() if self.optimizer.state.get(p)}
+                for n, p in self.named.named_parameters() if self.optimizer.state.get(p)}
 
     def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """The optimizer's state from the servers' (of a checkpoint): a replica goes on where
         the servers' tensors left off."""
-        for n, p in self.module.body.lstm.named_parameters():
+        for n, p in self.named.named_parameters():
             if n in state:
                 self.optimizer.state[p] = {k: v.clone() for k, v in state[n].items()}
 
     def digest(self) -> str:
         """The replica's weights, bit for bit, as a short hash: equal on every trainer of a group."""
         h = hashlib.sha256()
-        for _, p in sorted(self.module.body.lstm.named_parameters()):
+        for _, p in sorted(self.named.named_parameters()):
             h.update(p.detach().contiguous().numpy())   # the buffer itself, not a copy
         return h.hexdigest()[:16]
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.module.body.lstm.named_parameters()}
+        return {n: p.detach().clone() for n, p in self.named.named_parameters()}
 
 
 class ReplicaHold:

@@ -1,0 +1,89 @@
+"""What every trainer of a server-hosted workload is told, besides its workload's own settings:
+its share of the trainers, how it steps, where the dense weights live, and how it fails."""
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from ps.config import ServersConfig
+from ps.consistency import checked
+from services.config import ConfigBase
+
+Dense = Literal["ps", "allreduce"]
+DENSE_HELP = ("where the model's dense layers live: ps (on the servers, fetched each step) or allreduce (replicated "
+              "on every trainer and kept in step by DDP's all-reduce among them; needs --consistency sync)")
+
+
+def dense_needs_sync(dense: str, consistency: str) -> None:
+    if dense == "allreduce" and consistency != "sync":
+        raise ValueError(f"--dense allreduce updates synchronously (the replicas all-reduce every step), but the "
+                         f"consistency is {consistency}: use --consistency sync, or --dense ps")
+
+
+class TrainerSettings(ServersConfig):
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "cluster": ("num_trainers",),
+        "consistency": ("dense", "group_timeout", "slow_down", "slow_fraction"),
+        "failures": ("max_refused_steps",), "output": ("log_interval",)}
+    num_trainers: int = Field(2, ge=1, description="how many disjoint shares the training data is cut into")
+    clip: float = Field(0.25, ge=0, description="global gradient-norm clip (0: off)")
+    start: bool = Field(False, description="start an episode at launch instead of waiting for one")
+    steps: Optional[int] = Field(None, ge=1, description="steps of the episode started at launch (default: unbounded)")
+    dense: Dense = Field("ps", description=DENSE_HELP)
+    group_timeout: float = Field(30.0, gt=0, description="--dense allreduce: seconds the trainers' process group "
+                                                         "waits for a member, forming it and in each all-reduce")
+    exit_when_done: bool = Field(False, description="stop, with exit 0, when the episode started at launch ends "
+                                                    "(a batch job: under torchrun, the default)")
+    seed: int = Field(1111, description="seed of the trainer's randomness (dropout, stragglers, generated data)")
+    log_interval: float = Field(10.0, gt=0, description="seconds between progress lines in the log")
+    warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of its throughput")
+    max_refused_steps: int = Field(5, ge=1, description="stop with an error after this many steps in a row whose "
+                                                         "update the servers refused (gradients not finite)")
+    slow_down: float = Field(1.0, ge=1.0, le=100.0, description="run at 1/N speed: idle N-1 times each step's "
+                                                                   "work after it (a straggler, for benchmarks and tests)")
+    slow_fraction: float = Field(1.0, gt=0.0, le=1.0, description="slow down only this fraction of steps, drawn "
+                                                                    "at random (seeded by --seed and --name)")
+
+    @model_validator(mode="after")
+    def _launched_episode(self) -> "TrainerSettings":
+        if self.exit_when_done and not self.start:
+            raise ValueError("--exit-when-done ends the episode started at launch: add --start")
+        return self
+
+
+class TrainersUpSettings(ConfigBase):
+    """What `rpcps up` takes for every workload of servers and trainers; each adds its model and data."""
+
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "cluster": ("num_ps", "num_trainers"),
+        "consistency": ("consistency", "dense", "straggler", "jitter", "jitter_fraction"),
+        "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds")}
+
+    # The roles' names for the same counts; the old spellings still work.
+    num_ps: int = Field(2, ge=1, le=16, description="parameter servers to start",
+                        json_schema_extra={"aliases": ("--ps",), "env_aliases": ("RPCPS_PS",)})
+    num_trainers: int = Field(2, ge=1, le=64, description="trainers to start",
+                              json_schema_extra={"aliases": ("--trainers",), "env_aliases": ("RPCPS_TRAINERS",)})
+    steps: Optional[int] = Field(None, ge=1, description="steps per trainer, then stop and exit 0 (default: until Ctrl-C)")
+    seed: int = Field(1111, description="seed of the initial parameters, dropout and the generated data")
+    clip: float = Field(0.25, ge=0, description="global gradient-norm clip (0: off)")
+    warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of the throughput")
+    checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N cluster steps")
+    checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="checkpoint every M seconds")
+    consistency: str = Field("async", description="how the servers apply updates: async, sync or ssp:K")
+    dense: Dense = Field("ps", description=DENSE_HELP)
+    straggler: float = Field(1.0, ge=1.0, le=100.0, description="run trainer 0 at 1/N speed (its --slow-down), "
+                                                                 "a straggler for benchmarks")
+    jitter: float = Field(1.0, ge=1.0, le=100.0, description="every trainer runs at 1/N speed on a random "
+                                                              "--jitter-fraction of its steps (benchmarks)")
+    jitter_fraction: float = Field(0.25, gt=0.0, le=1.0, description="the fraction of steps --jitter slows")
+
+    _consistency = field_validator("consistency")(classmethod(lambda cls, v: checked(v)))
+
+    @model_validator(mode="after")
+    def _one_slow_down(self) -> "TrainersUpSettings":
+        if self.straggler > 1.0 and self.jitter > 1.0:
+            raise ValueError("--straggler and --jitter both slow trainer 0 down: choose one")
+        dense_needs_sync(self.dense, self.consistency)
+        return self

@@ -1,0 +1,107 @@
+"""One trainer's training step against the servers, for any server-hosted workload: wait for the
+step clock, take a batch, fetch, compute the loss, finish (the step protocol is ``ps/stub.py``'s
+``StepSession``). What a batch is and how its loss is computed is the workload's ``Task``; no
+HTTP, no process concerns."""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from trainer.core.served import ServedModel
+
+
+@dataclass
+class StepResult:
+    loss: float
+    units: int                  # what the step trained on, in the task's unit (tokens, samples)
+    seconds: float
+    grad_norm: float
+    phases: dict[str, float] = field(default_factory=dict)
+    arrived_at: float = 0.0     # time.monotonic() when reported to the step clock (sync, ssp)
+    rpc_bytes: int = 0          # tensor bytes to and from the servers (``ps.stub.Traffic``)
+    allreduce_bytes: int = 0    # bytes handed to the trainers' all-reduce (--dense allreduce)
+
+
+class Task(Protocol):
+    """What a workload's trainer computes, over a ``ServedModel``: its batches in order (its
+    position in its data, which checkpoints save), a step's loss, and the held-out evaluation."""
+
+    unit: str                   # what throughput counts: "tokens", "samples"
+    model: ServedModel
+    data: str                   # what it trains on, in words (saved with positions)
+
+    def next_batch(self) -> Any:
+        """The next training batch; the position moves past it."""
+
+    def fetch(self, batch: Any) -> Any:
+        """Inside the step's autograd context: what the step needs from the servers."""
+
+    def loss(self, batch: Any, fetched: Any) -> torch.Tensor: ...
+
+    def units(self, batch: Any) -> int: ...
+
+    def stepped(self) -> None:
+        """After a step (state carried from one batch to the next is detached here)."""
+
+    def position(self, steps: int) -> dict[str, Any]:
+        """What a checkpoint saves of where this trainer is, ``steps`` its steps so far."""
+
+    def restore(self, saved: list[dict[str, Any]], checkpoint: str) -> int:
+        """Move to where the saved positions (every trainer's, of ``checkpoint``) left this trainer;
+        the steps it had taken (0: from the beginning)."""
+
+    def evaluate(self, should_stop: Callable[[], bool], progress: Callable[[int, Optional[int]], None]
+                 ) -> dict[str, Any]:
+        """The held-out evaluation (no gradients, nothing changed): the status fields it gives."""
+
+
+class TrainLoop:
+    """``clip``: the global gradient-norm clip; ``slow_down``/``slow_fraction``: a straggler on
+    purpose (``seed`` and ``name`` choose which steps); ``metrics``: a ``TrainerMetrics``."""
+
+    def __init__(self, task: Task, clip: float, *, name: str = "", seed: int = 0, slow_down: float = 1.0,
+                 slow_fraction: float = 1.0, metrics: Any = None) -> None:
+        self.task, self.model, self.clip = task, task.model, clip
+        self.slow_down, self.slow_fraction = slow_down, slow_fraction
+        self.metrics = metrics
+        self._slow = random.Random(f"{seed}/{name}")   # which steps --slow-fraction slows
+
+    @classmethod
+    def of(cls, task: Task, cfg: Any, metrics: Any = None) -> "TrainLoop":
+        """From a trainer's settings (``trainer/core/config.py``)."""
+        return cls(task, cfg.clip, name=cfg.name, seed=cfg.seed, slow_down=cfg.slow_down,
+                   slow_fraction=cfg.slow_fraction, metrics=metrics)
+
+    def step(self) -> StepResult:
+        client = self.model.client
+        # The step boundary: in sync and ssp modes, wait for the step clock before taking the batch.
+        rpc_before, allreduce_before = client.traffic.total, self.model.allreduce_bytes
+        waited = client.begin()
+        self.model.follow_group()
+        batch = self.task.next_batch()
+        self.model.train()
+        t0 = time.perf_counter()
+        with client.step() as step:
+            fetched = self.task.fetch(batch)
+            t_fetch = time.perf_counter()
+            loss = self.task.loss(batch, fetched)
+            t_forward = time.perf_counter()
+            done = step.finish(loss, self.clip, self.model.replica)
+        total = time.perf_counter() - t0
+        self.task.stepped()
+        if self.slow_down > 1.0 and self._slow.random() < self.slow_fraction:
+            # A straggler on purpose: idle (N-1) times this step's own work (not its wait for others).
+            time.sleep((self.slow_down - 1.0) * (total - done.barrier))
+            total = time.perf_counter() - t0
+        phases = {"fetch": t_fetch - t0, "forward": t_forward - t_fetch, "backward": done.backward, "clip": done.clip,
+                  "optimize": done.optimize, "barrier": waited + done.barrier, "total": total + waited}
+        result = StepResult(float(loss.detach()), self.task.units(batch), total + waited, done.grad_norm, phases,
+                            done.arrived_at, client.traffic.total - rpc_before,
+                            self.model.allreduce_bytes - allreduce_before)
+        if self.metrics is not None:
+            self.metrics.stepped(result)
+        return result

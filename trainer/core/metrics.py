@@ -1,0 +1,39 @@
+"""The metrics of a trainer of a server-hosted workload, besides every role's
+(``services/metrics.py``); its workload names the unit its throughput counts and adds its own."""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from prometheus_client import CollectorRegistry
+
+from services.metrics import Metrics
+
+STEP_PHASES = ("fetch", "forward", "backward", "clip", "optimize", "barrier", "total")
+
+
+class TrainerMetrics(Metrics):
+    unit: ClassVar[str] = "tokens"       # rpcps_trainer_<unit>_total, rpcps_trainer_<unit>_per_second
+
+    def __init__(self, registry: CollectorRegistry, role: str, name: str) -> None:
+        super().__init__(registry, role, name)
+        unit = self.unit
+        self.steps = self.counter("rpcps_trainer_steps_total", "training steps completed").labels(**self.labels)
+        self.units = self.counter(f"rpcps_trainer_{unit}_total", f"{unit} trained on").labels(**self.labels)
+        self.steps_refused = self.counter("rpcps_trainer_steps_refused_total", "steps whose update the servers "
+                                          "refused (gradients not finite), skipped").labels(**self.labels)
+        self.loss = self.gauge("rpcps_trainer_loss", "training loss of the last step")
+        self.per_second = self.gauge(f"rpcps_trainer_{unit}_per_second", "training throughput of the current episode")
+        self._step_seconds = self.histogram("rpcps_trainer_step_seconds", "time of a training step by phase", ("phase",))
+        for phase in STEP_PHASES:   # every phase series at 0, so dashboards see them before the first step
+            self._step_seconds.labels(phase=phase, **self.labels)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        self._step_seconds.labels(phase=phase, **self.labels).observe(seconds)
+
+    def stepped(self, result: Any) -> None:
+        """A step done (a ``trainer.core.loop.StepResult``)."""
+        for phase, seconds in result.phases.items():
+            self.observe_phase(phase, seconds)
+        self.steps.inc()
+        self.units.inc(result.units)
+        self.loss.set(result.loss)

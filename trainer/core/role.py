@@ -1,0 +1,165 @@
+"""The trainer role of a server-hosted workload: joins the cluster, then runs episodes on request.
+A workload's trainer is this with two parts of its own: ``prepare`` (read its data, before
+joining, so bad data ends it before anything waits for it) and ``task`` (its model over the
+servers' client, and how it trains and evaluates: ``trainer.core.loop.Task``).
+
+Threads: the role thread (``run``) joins and trains (``trainer/core/episodes.py``); the sidecar
+thread calls the control methods, which only post requests under ``_lock`` and read the status
+board; the checkpoint coordinator's RPCs hold training at a step boundary (``PositionPart``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable, Optional
+
+from torch.distributed import PrefixStore, Store
+
+from ps.config import ps_names
+from ps.stub import ClockPause, PsClient
+from services.checkpoint.coordinator import Coordinator
+from services.control import EpisodeGate, EpisodeStart, StepPause
+from services.errors import BadRequest, ConfigError
+from services.lifecycle import RoleState
+from services.membership import current_members
+from services.remote import withdraw
+from services.role import RoleBase, RoleContext
+from services.torchrun import workers_store
+from trainer.core.config import TrainerSettings, dense_needs_sync
+from trainer.core.episodes import EpisodeRunner
+from trainer.core.loop import Task, TrainLoop
+from trainer.core.position import PositionPart
+from trainer.core.replica import GROUP_PREFIX, ReplicaHold
+
+log = logging.getLogger(__name__)
+
+REPORT_TIMEOUT = 5.0   # leaving the position with ps0 on the way out; a stop must stay bounded
+
+
+class ServedTrainer(RoleBase):
+    def __init__(self, cfg: TrainerSettings, ctx: RoleContext) -> None:
+        super().__init__(ctx)
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self.gate = EpisodeGate(self._wake, self.role, EpisodeStart(steps=cfg.steps) if cfg.start else None)
+        self.pause = StepPause(self._wake, self.gate)
+        self._episodes: Optional[EpisodeRunner] = None   # once joined and holding the model
+
+    # What a workload's trainer adds.
+    def prepare(self) -> None:
+        """Before joining: read and check the data (an error here ends the role before it joins)."""
+
+    def task(self, client: PsClient) -> Task:
+        """The workload's model over ``client`` and its training and evaluation."""
+        raise NotImplementedError
+
+    def evaluates(self) -> bool:
+        """Whether episodes end with a held-out evaluation."""
+        return True
+
+    # Control (the sidecar thread).
+    def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
+        if request.episodes is not None:
+            raise BadRequest("a trainer counts episodes in steps; send {\"steps\": N}")
+        self.gate.start(request, self.board.ready())
+        return {"started": True, "steps": request.steps}
+
+    def stop_episode(self) -> dict[str, Any]:
+        if not self.gate.stop():
+            return {"stopping": False, "cancelled": True}
+        return {"stopping": True, "at_step": self._episodes.steps if self._episodes else 0}
+
+    def checkpoint(self) -> dict[str, Any]:
+        return self._ask_coordinator(Coordinator.take)
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        return self._ask_coordinator(Coordinator.listing, timeout=30)
+
+    def request_stop(self) -> None:
+        self.gate.close()
+
+    def _position(self) -> dict[str, Any]:
+        episodes = self._episodes
+        return episodes.loop.task.position(episodes.steps)
+
+    def _restore_position(self, task: Task) -> int:
+        """Move ``task`` to where the cluster's checkpoint left this trainer; the steps it had taken."""
+        saved = self._ask_coordinator(Coordinator.positions, timeout=60)
+        return 0 if saved is None else task.restore(saved["states"], saved["checkpoint"])
+
+    def _group_stores(self) -> Callable[[str], Store]:
+        """Where the trainers' process groups meet (--dense allreduce): under torchrun, at its own
+        store (its MASTER_ADDR/MASTER_PORT); else at the leader's, each under its own key."""
+        timeout = self.cfg.group_timeout
+        torchrun = workers_store(os.environ, timeout)
+        if torchrun is None:
+            log.info("the trainers' process groups meet at ps0's store")
+            return lambda key: self.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", timeout)
+        store, address = torchrun
+        log.info("the trainers' process groups meet at torchrun's store %s", address)
+        return lambda key: PrefixStore(f"{GROUP_PREFIX}{key}/", store)
+
+    def run(self) -> None:
+        cfg = self.cfg
+        self.prepare()
+        self._join("joining the RPC group")
+        servers = ps_names(cfg.num_ps)
+        self._await_members(servers, cfg.join_timeout, self._wake, lambda: self.gate.closing)
+        client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
+        task = self.task(client)
+        model = task.model
+        if cfg.dense == "allreduce":
+            try:
+                dense_needs_sync(cfg.dense, str(client.consistency))
+            except ValueError as exc:
+                raise ConfigError(f"{exc} (the servers run {client.consistency})") from None
+            model.replicate(self._group_stores(), cfg.num_trainers, cfg.group_timeout)
+        loop = TrainLoop.of(task, cfg, self.metrics)
+        steps = self._restore_position(task)
+        with self._lock:
+            self._episodes = EpisodeRunner(loop, cfg, self.board, self.metrics, self.gate, self.pause, self._wake,
+                                           self.evaluates(), self._heartbeat, steps)
+        # In sync and ssp modes a checkpoint holds trainers at the step clock, where no barrier waits.
+        hold = ClockPause(client) if client.consistency.clocked else self.pause
+        if model.replica is not None:
+            hold = ReplicaHold(hold, model.write_replica)
+        self.checkpoints.add(PositionPart(cfg.name, hold, self._position))
+        self.metrics.up.set(1)
+        self.board.update(step=steps, episode=None, episodes_completed=0, members=current_members(),
+                          model=client.model, data=task.data, consistency=str(client.consistency))
+        self.board.set_state(RoleState.IDLE, "waiting for an episode")
+        while True:
+            request = self.gate.next(self._heartbeat)
+            if request is None:
+                return
+            self._episodes.run(request)
+            if cfg.exit_when_done:
+                log.info("the episode started at launch is over: stopping (--exit-when-done)")
+                return
+
+    def close(self) -> None:
+        self.metrics.up.set(0)
+        self.board.set_state(RoleState.STOPPING, "stopping")
+        withdraw(self.checkpoints)    # no checkpoint may hold it any more
+        self._report_position()
+        self._leave()
+
+    def _report_position(self) -> None:
+        """Tell ps0 where this trainer stopped, for the checkpoints taken after it is gone (and
+        leave its replica's weights with the servers, under --dense allreduce)."""
+        with self._lock:
+            if self._episodes is None or not self.endpoint.joined:
+                return
+            position = self._position()
+            model = self._episodes.loop.model
+        if model.replica is not None:
+            try:
+                model.write_replica()
+            except Exception as exc:  # noqa: BLE001 - a server may be gone already; stopping goes on
+                log.warning("could not leave the replica's weights with the servers: %s", exc)
+        try:
+            self._ask_coordinator(Coordinator.left, self.cfg.name, position, timeout=REPORT_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - ps0 may be gone already; stopping goes on
+            log.warning("could not leave my position with ps0: %s", exc)

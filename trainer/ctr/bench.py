@@ -1,0 +1,206 @@
+"""``rpcps bench ctr``: the DLRM on the same generated data four ways, side by side in one run.
+
+* ``local``: one process, every table in memory as an ``EmbeddingBag`` with sparse gradients and
+  the same update rules, every core, on batches of trainers x ``--batch-size`` samples (so its
+  updates are sync mode's);
+* ``async``, ``sync``, ``sync-allreduce``: ``rpcps up --workload ctr`` with 2 servers and 2 trainers,
+  each ``--steps`` steps of ``--batch-size`` samples (the MLPs on the servers, or replicated on the
+  trainers and all-reduced).
+
+Every variant trains on the same number of samples and is scored on the same held-out samples
+(AUC, logloss), beside the generator's ground truth (``oracle_auc``). Each variant runs in its own
+processes, in rounds (a b c d a b c d …); the median of the rounds is reported. Also: each
+process's peak resident memory, and what a step moves over RPC per sample beside the bytes of the
+batch's deduplicated rows (a row goes out, its gradient comes back). Prints JSON lines, the last
+one the summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = ("local", "async", "sync", "sync-allreduce")
+TRAINERS = 2
+TARGETS = {"async_vs_local": 0.8, "sync_auc_minus_local": 0.002, "rows_bytes_ratio": 2.0}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="JSON lines only (the default output is JSON too)")
+    p.add_argument("--scale", type=float, default=0.1, help="Criteo Kaggle's cardinalities times this (1: 33.8 M rows)")
+    p.add_argument("--steps", type=int, default=60, help="steps per trainer (local: steps of both trainers' samples)")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of samples/s")
+    p.add_argument("--batch-size", type=int, default=2048, help="samples per trainer step")
+    p.add_argument("--eval-samples", type=int, default=16384, help="held-out samples scored")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of every variant")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset to run")
+
+
+def _args(ns: argparse.Namespace) -> dict:
+    return {"scale": ns.scale, "steps": ns.steps, "warmup": ns.warmup, "batch_size": ns.batch_size,
+            "eval_samples": ns.eval_samples}
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def bench_local(args: dict) -> dict:
+    import numpy as np
+    import torch
+
+    from trainer.ctr.config import CtrModelSettings
+    from trainer.ctr.model import LocalDlrm
+    from trainer.ctr.quality import auc, logloss
+    from trainer.ctr.source import GeneratedSource
+    from trainer.ctr.synthetic import SyntheticCtr
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = LocalDlrm(CtrModelSettings(scale=args["scale"]).model())
+    source = GeneratedSource(SyntheticCtr(seed=1, scale=args["scale"]), args["batch_size"] * TRAINERS)
+    times = []
+    for _ in range(args["steps"]):
+        batch = source.next()
+        t0 = time.perf_counter()
+        model.step(batch)
+        times.append(time.perf_counter() - t0)
+    timed = times[args["warmup"]:]
+    held = list(source.held_out(args["eval_samples"], 4096))
+    scores = np.concatenate([model.predict(b) for b in held])
+    labels = np.concatenate([b.labels for b in held])
+    truth = np.concatenate([b.p for b in held])
+    return {"samples_per_s": args["batch_size"] * TRAINERS * len(timed) / sum(timed), "auc": auc(scores, labels),
+            "logloss": logloss(scores, labels), "oracle_auc": auc(truth, labels), "rss_mb": _peak_rss_mb()}
+
+
+def _sample_peaks(state: Path, peaks: dict[str, float]) -> None:
+    """Each member's peak resident memory so far (VmHWM), by its pid in cluster.json."""
+    try:
+        pids = json.loads((state / "cluster.json").read_text()).get("pids", {})
+    except (OSError, ValueError):
+        return
+    for name, pid in pids.items():
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks[name] = max(peaks.get(name, 0.0), int(line.split()[1]) / 1024)
+        except OSError:
+            pass
+
+
+def bench_cluster(args: dict, extra: tuple[str, ...]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        state = Path(tmp) / "state"
+        argv = [sys.executable, "-m", "services.cli", "up", "--workload", "ctr", "--json", "--num-ps", "2",
+                "--num-trainers", str(TRAINERS), "--steps", str(args["steps"]), "--warmup-steps", str(args["warmup"]),
+                "--scale", str(args["scale"]), "--batch-size", str(args["batch_size"]),
+                "--eval-samples", str(args["eval_samples"]), "--state-dir", str(state), "--progress-interval", "30",
+                "--checkpoint-dir", str(Path(tmp) / "ckpt"), "--no-final-checkpoint", *extra]
+        out = Path(tmp) / "out.jsonl"
+        peaks: dict[str, float] = {}
+        with open(out, "w") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.DEVNULL, text=True)
+            deadline = time.monotonic() + 3600
+            while proc.poll() is None and time.monotonic() < deadline:
+                _sample_peaks(state, peaks)
+                time.sleep(0.5)  # noqa: sleep-ok (sampling memory while the run goes on)
+            if proc.poll() is None:
+                proc.kill()
+        events = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+        done = [e for e in events if e.get("event") == "done"]
+        if proc.returncode != 0 or not done:
+            raise RuntimeError(f"rpcps up failed ({proc.returncode}): {out.read_text()[-2000:]}")
+        d = done[-1]
+    return {"samples_per_s": d["samples_per_s"], "auc": d["auc"], "logloss": d["logloss"],
+            "oracle_auc": d["oracle_auc"], "auc_spread": d.get("auc_spread"),
+            "bytes_per_sample": d["bytes_per_step"]["rpc"] / args["batch_size"],
+            "allreduce_bytes_per_sample": d["bytes_per_step"]["allreduce"] / args["batch_size"],
+            "rss_mb": {n: round(v, 1) for n, v in sorted(peaks.items())}}
+
+
+def rows_bytes_per_sample(args: dict, batches: int = 5) -> float:
+    """The bytes of one trainer batch's deduplicated rows (dimension 16, float32), per sample."""
+    import numpy as np
+
+    from trainer.ctr.source import GeneratedSource
+    from trainer.ctr.synthetic import SyntheticCtr
+    source = GeneratedSource(SyntheticCtr(seed=1, scale=args["scale"]), args["batch_size"], 0, TRAINERS)
+    unique = []
+    for _ in range(batches):
+        ids = source.next().ids
+        unique.append(sum(len(np.unique(ids[:, t])) for t in range(ids.shape[1])))
+    return statistics.mean(unique) * 16 * 4 / args["batch_size"]
+
+
+EXTRA = {"async": (), "sync": ("--consistency", "sync"),
+         "sync-allreduce": ("--consistency", "sync", "--dense", "allreduce")}
+
+
+def _run_variant(name: str, args: dict) -> dict:
+    """Each variant in a fresh interpreter, so thread settings and allocations never leak between them."""
+    r = subprocess.run([sys.executable, "-m", "trainer.ctr.bench", name, json.dumps(args)], capture_output=True,
+                       text=True, timeout=7200)
+    if r.returncode != 0:
+        raise RuntimeError(f"variant {name} failed: {r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(ns: argparse.Namespace) -> int:
+    args = _args(ns)
+    names = [v for v in ns.variants.split(",") if v]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"rpcps bench ctr: unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    rounds = []
+    for i in range(ns.rounds):
+        result = {}
+        for name in names:
+            result[name] = _run_variant(name, args)
+            print(json.dumps({"bench": "ctr", "round": i, "variant": name, **result[name]}), flush=True)
+        rounds.append(result)
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[name][key] for r in rounds)
+
+    results = {}
+    for name in names:
+        results[name] = {k: median(name, k) for k in ("samples_per_s", "auc", "logloss")}
+        if name == "local":
+            results[name]["rss_mb"] = median(name, "rss_mb")
+        else:
+            results[name].update(bytes_per_sample=median(name, "bytes_per_sample"), rss_mb=rounds[-1][name]["rss_mb"])
+    rows = rows_bytes_per_sample(args)
+    ratios = {}
+    if "async" in results and "local" in results:
+        ratios["async_vs_local"] = statistics.median(r["async"]["samples_per_s"] / r["local"]["samples_per_s"]
+                                                     for r in rounds)
+    if "sync" in results and "local" in results:
+        ratios["sync_auc_minus_local"] = results["sync"]["auc"] - results["local"]["auc"]
+    for name in ("async", "sync", "sync-allreduce"):
+        if name in results:
+            ratios[f"{name}_bytes_vs_rows"] = results[name]["bytes_per_sample"] / rows
+    met = {}
+    if "async_vs_local" in ratios:
+        met["async_vs_local"] = ratios["async_vs_local"] >= TARGETS["async_vs_local"]
+    if "sync_auc_minus_local" in ratios:
+        met["sync_auc_minus_local"] = abs(ratios["sync_auc_minus_local"]) <= TARGETS["sync_auc_minus_local"]
+    if "sync-allreduce_bytes_vs_rows" in ratios:
+        met["rows_bytes_ratio"] = ratios["sync-allreduce_bytes_vs_rows"] <= TARGETS["rows_bytes_ratio"]
+    oracle = next((r[n]["oracle_auc"] for r in rounds for n in names if r[n].get("oracle_auc") is not None), None)
+    print(json.dumps({"bench": "ctr", "oracle_auc": oracle, "results": results, "rows_bytes_per_sample": rows,
+                      "ratios": ratios, "targets": TARGETS, "met": met,
+                      "config": {**args, "trainers": TRAINERS, "servers": 2, "rounds": ns.rounds,
+                                 "cpus": os.cpu_count(), "load_avg": os.getloadavg()}}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    variant, raw = sys.argv[1], json.loads(sys.argv[2])
+    print(json.dumps(bench_local(raw) if variant == "local" else bench_cluster(raw, EXTRA[variant])))

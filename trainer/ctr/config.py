@@ -1,0 +1,142 @@
+"""The CTR workload's settings: its model (the servers' truth), its servers', its trainers', and
+what `rpcps up --workload ctr` takes."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from ps.config import PsConfig
+from services.config import ConfigBase
+from trainer.core.config import TrainerSettings, TrainersUpSettings
+
+TableRule = Literal["sgd", "adagrad", "rowwise_adagrad"]
+DenseRule = Literal["sgd", "adagrad"]
+Pooling = Literal["sum", "mean"]
+Placement = Literal["auto", "row_wise", "table_wise"]
+
+SCALE_HELP = "the tables' rows: Criteo Kaggle's 26 cardinalities (33.8 M rows in all) times this"
+DATA_HELP = ("Criteo-format file, or a folder of them (plain or gzip; read in name order); default: generated "
+             "Criteo-shaped data")
+
+
+def data_files(data: Optional[Path]) -> list[Path]:
+    """The files ``--data`` names, in the order they are read."""
+    if data is None:
+        return []
+    if data.is_dir():
+        return sorted(p for p in data.iterdir() if p.is_file() and not p.name.startswith("."))
+    return [data]
+
+
+def _checked_data(cls: type, data: Optional[Path]) -> Optional[Path]:
+    """A ``--data`` whose first lines are not Criteo's is refused before anything starts, with the
+    file and line (a ``CriteoError``'s sentence)."""
+    if data is None:
+        return None
+    from trainer.ctr.criteo import CriteoError, check
+    if not data.exists():
+        raise ValueError(f"{data} does not exist")
+    try:
+        check(data_files(data))
+    except CriteoError as exc:
+        raise ValueError(str(exc) if data_files(data) else f"{data} holds no data files") from None
+    return data
+
+
+class CtrModelConfig(ConfigBase):
+    """The DLRM the servers host (their ``ModelSpec.meta``), which trainers read back on join."""
+
+    cardinalities: tuple[int, ...]
+    dim: int = Field(16, ge=1)
+    bottom: tuple[int, ...] = (512, 256, 64)
+    top: tuple[int, ...] = (512, 256)
+    pooling: Pooling = "sum"
+    seed: int = 1111
+    table_rule: TableRule = "rowwise_adagrad"
+    optimizer: DenseRule = "sgd"           # the MLPs' rule
+    lr: float = Field(0.1, gt=0)
+    placement: Placement = "auto"
+
+
+class CtrModelSettings(ConfigBase):
+    """What the servers and `rpcps up` say of the model's shape and rules."""
+
+    scale: float = Field(1.0, gt=0, le=1.0, description=SCALE_HELP)
+    dim: int = Field(16, ge=1, le=1024, description="embedding dimension (every table)")
+    bottom: str = Field("512,256,64", description="the bottom MLP's hidden sizes over the 13 dense features")
+    top: str = Field("512,256", description="the top MLP's hidden sizes over the interaction")
+    pooling: Pooling = Field("sum", description="how a bag of ids per feature is pooled")
+    table_rule: TableRule = Field("rowwise_adagrad", description="the tables' update rule (rowwise_adagrad: one "
+                                                                "state value per row)")
+    optimizer: DenseRule = Field("sgd", description="the MLPs' update rule")
+    lr: float = Field(0.1, gt=0, description="learning rate (tables and MLPs)")
+    placement: Placement = Field("auto", description="where a table's rows go: row_wise (over every server), "
+                                                      "table_wise (all on one), auto (row-wise unless smaller than "
+                                                      "the server count)")
+    seed: int = Field(1111, description="seed of the initial parameters")
+
+    _sizes = field_validator("bottom", "top")(classmethod(lambda cls, v: _sizes(v) and v))
+
+    def model(self) -> CtrModelConfig:
+        from trainer.ctr.synthetic import SyntheticCtr
+        return CtrModelConfig(cardinalities=SyntheticCtr(scale=self.scale).cardinalities, dim=self.dim,
+                              bottom=_sizes(self.bottom), top=_sizes(self.top), pooling=self.pooling, seed=self.seed,
+                              table_rule=self.table_rule, optimizer=self.optimizer, lr=self.lr,
+                              placement=self.placement)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{text!r}: comma-separated layer sizes, as 512,256") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"{text!r}: at least one layer, each of size 1 or more")
+    return sizes
+
+
+class CtrServerConfig(PsConfig, CtrModelSettings):
+    """`rpcps ps --workload ctr`: a parameter server hosting the CTR model's tables and MLPs."""
+
+
+class CtrTrainerConfig(TrainerSettings):
+    """`rpcps ctr`: a click-through-rate trainer."""
+
+    name: str = Field("ctr0", description="RPC name: ctr<index>")
+    data: Optional[Path] = Field(None, description=DATA_HELP)
+    _data = field_validator("data")(classmethod(_checked_data))
+    batch_size: int = Field(2048, ge=1, le=65536, description="samples per step")
+    hot: int = Field(1, ge=1, le=64, description="generated data: ids per categorical feature (a bag; 1: one-hot)")
+    data_seed: int = Field(1, description="generated data: which data set (its hidden ground truth and samples)")
+    eval_samples: int = Field(16384, ge=0, description="held-out samples every trainer evaluates at an episode's "
+                                                       "end (0: none); with --data, the files' first lines, never "
+                                                       "trained on")
+    eval_batch_size: int = Field(4096, ge=1, le=65536, description="samples per evaluation batch")
+    clip: float = Field(0.0, ge=0, description="global gradient-norm clip (0: off)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CtrTrainerConfig":
+        self._check_role("ctr")
+        if self.data is not None and self.hot > 1:
+            raise ValueError("--hot shapes generated data; Criteo files have one value per feature")
+        return self
+
+
+class CtrUpSettings(TrainersUpSettings, CtrModelSettings):
+    """`rpcps up --workload ctr`: the servers' and trainers' settings a local cluster starts with."""
+
+    data: Optional[Path] = Field(None, description=DATA_HELP)
+    _data = field_validator("data")(classmethod(_checked_data))
+    batch_size: int = Field(2048, ge=1, le=65536, description="samples per trainer step")
+    hot: int = Field(1, ge=1, le=64, description="generated data: ids per categorical feature (a bag; 1: one-hot)")
+    data_seed: int = Field(1, description="generated data: which data set (its hidden ground truth and samples)")
+    eval_samples: int = Field(16384, ge=0, description="held-out samples evaluated at the end (0: none)")
+    clip: float = Field(0.0, ge=0, description="global gradient-norm clip (0: off)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "CtrUpSettings":
+        if self.data is not None and self.hot > 1:
+            raise ValueError("--hot shapes generated data; Criteo files have one value per feature")
+        return self

@@ -1,0 +1,37 @@
+"""`rpcps up --workload ctr`: parameter servers and CTR trainers as local processes
+(``trainer/core/launch.py``), and what their evaluation says: held-out AUC and logloss."""
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.core.launch import TrainersLaunch
+
+MODEL_FLAGS = ("scale", "dim", "bottom", "top", "pooling", "table_rule", "optimizer", "lr", "placement")
+
+
+class CtrLaunch(TrainersLaunch):
+    workload, trainer, unit = "ctr", "ctr", "samples"
+    server_flags = MODEL_FLAGS
+    trainer_flags = ("batch_size", "hot", "data_seed", "eval_samples", "data")
+
+    def held_out(self, statuses: list[Any]) -> dict[str, Any]:
+        """Every trainer evaluates the same held-out samples: their mean, and how far apart they are
+        (0 in sync mode, where all evaluate the same final model)."""
+        evals = [s.eval for s in statuses if s.eval]
+        if not evals:
+            return {"auc": None, "logloss": None, "oracle_auc": None, "eval_samples": 0}
+        aucs = [e.auc for e in evals]
+        oracle = [e.oracle_auc for e in evals if e.oracle_auc is not None]
+        return {"auc": sum(aucs) / len(aucs), "auc_spread": max(aucs) - min(aucs),
+                "logloss": sum(e.logloss for e in evals) / len(evals),
+                "oracle_auc": oracle[0] if oracle else None, "eval_samples": evals[0].samples,
+                "skipped_lines": sum(s.skipped_lines for s in statuses)}
+
+    def held_out_line(self, e: dict[str, Any]) -> str:
+        if e.get("auc") is None:
+            return ""
+        best = "" if e.get("oracle_auc") is None else f" (best possible {e['oracle_auc']:.4f})"
+        skipped = f" | {e['skipped_lines']} lines skipped" if e.get("skipped_lines") else ""
+        return f" | held-out AUC {e['auc']:.4f}{best}, logloss {e['logloss']:.4f}{skipped}"
+
+

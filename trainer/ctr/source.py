@@ -1,0 +1,93 @@
+"""Where a CTR trainer's batches come from, and where it is in them: generated samples (a share of
+an endless stream of sample indices) or Criteo files (a share of their lines, read again from the
+top at their end). Either way the held-out samples are never trained on, and a position is one
+number a checkpoint saves: the samples (or lines) of the whole stream passed so far."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+from trainer.ctr.criteo import CriteoStream
+from trainer.ctr.synthetic import Batch, SyntheticCtr
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GeneratedSource:
+    """Trainer ``share`` of ``shares`` takes indices ``cursor + share``, ``+ shares``, … of the
+    generator's stream: each step's batch of every trainer together is one range of the stream."""
+
+    generator: SyntheticCtr
+    batch_size: int
+    share: int = 0
+    shares: int = 1
+    hot: int = 1
+    cursor: int = 0          # the stream's samples passed (every trainer's share of them)
+    skipped: int = 0         # nothing is ever malformed here
+
+    @property
+    def description(self) -> str:
+        g = self.generator
+        return f"generated Criteo-shaped data (seed {g.seed}, scale {g.scale:g}" + \
+            (f", {self.hot} ids per feature)" if self.hot > 1 else ")")
+
+    def next(self) -> Batch:
+        indices = self.generator.share(self.cursor, self.batch_size * self.shares, self.share, self.shares)
+        self.cursor += self.batch_size * self.shares
+        return self.generator.batch(indices, self.hot)
+
+    def held_out(self, count: int, batch_size: int) -> Iterator[Batch]:
+        indices = self.generator.held_out(count)
+        for start in range(0, count, batch_size):
+            yield self.generator.batch(indices[start:start + batch_size], self.hot)
+
+
+@dataclass
+class FileSource:
+    """Trainer ``share`` of ``shares`` takes lines ``k`` with ``k % shares == share`` of the
+    files after the first ``held`` (the held-out lines); ``cursor``: the lines passed, every
+    share's, in this pass (``epoch``) over the files."""
+
+    paths: Sequence[Path]
+    cardinalities: Sequence[int]
+    batch_size: int
+    held: int = 0
+    share: int = 0
+    shares: int = 1
+    cursor: int = 0
+    epoch: int = 0
+    skipped: int = 0
+    last_skip: Optional[str] = None
+    _stream: Optional[CriteoStream] = field(default=None, init=False, repr=False)
+    _batches: Optional[Iterator[Batch]] = field(default=None, init=False, repr=False)
+
+    @property
+    def description(self) -> str:
+        return f"Criteo files {', '.join(str(p) for p in self.paths)} (the first {self.held} lines held out)"
+
+    def _open(self) -> None:
+        self._stream = CriteoStream(self.paths, self.cardinalities, self.share, self.shares,
+                                    start=max(self.cursor, self.held))
+        self._batches = self._stream.batches(self.batch_size)
+
+    def next(self) -> Batch:
+        for _ in range(2):      # at the files' end, once more from their top
+            if self._batches is None:
+                self._open()
+            before = self._stream.skipped
+            batch = next(self._batches, None)
+            self.skipped += self._stream.skipped - before
+            self.last_skip = self._stream.last_skip or self.last_skip
+            if batch is not None:
+                self.cursor = self._stream.lines
+                return batch
+            self.epoch += 1
+            self.cursor, self._batches = 0, None
+            log.info("the data files read through: pass %d over them begins", self.epoch + 1)
+        raise ValueError(f"{self.description}: no training lines for share {self.share} of {self.shares}")
+
+    def held_out(self, count: int, batch_size: int) -> Iterator[Batch]:
+        return CriteoStream(self.paths, self.cardinalities, stop=min(count, self.held)).batches(batch_size)

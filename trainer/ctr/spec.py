@@ -1,0 +1,27 @@
+"""The click-through-rate workload, as the shared services see it: a DLRM whose 26 embedding tables
+(Criteo Kaggle's, scalable) are sharded over the parameter servers, trained by ``ctr`` trainers
+(registered in pyproject.toml under ``rpcps.workloads``).
+
+Light on purpose: what it names as ``"module:attribute"`` is imported only when used."""
+from services.workload import BenchSpec, HostedSpec, RoleSpec, TorchrunSpec, WorkloadSpec
+
+SPEC = WorkloadSpec(
+    name="ctr",
+    help="parameter servers and click-through-rate (DLRM) trainers",
+    leader="ps0",
+    rank=20,
+    roles=(RoleSpec("ctr", "trainer.ctr.config:CtrTrainerConfig", "trainer.ctr.status:CtrStatus",
+                    "trainer.ctr.role:CtrTrainer", "run one click-through-rate trainer", episodes=True,
+                    metric_families="trainer.ctr.metrics:CtrMetrics",
+                    torchrun=TorchrunSpec("num_trainers", (("start", "true"), ("exit_when_done", "true")))),),
+    server=HostedSpec("trainer.ctr.config:CtrServerConfig", "trainer.ctr.server:ctr_model", client_role="ctr"),
+    up_settings="trainer.ctr.config:CtrUpSettings",
+    launch="trainer.ctr.launch:CtrLaunch",
+    checkpoint_dir="checkpoints/ctr",
+    benches=(BenchSpec("ctr", "samples/s, AUC and memory: one process vs async, sync and sync-allreduce servers",
+                       "trainer.ctr.bench"),),
+    examples=(("--workload ctr --steps 200 --scale 0.01", "a DLRM on generated data at 1 % of Criteo's rows: "
+                                                          "held-out AUC beside the best possible"),
+              ("--workload ctr --data day_0.gz --steps 1000", "Criteo-format files, streamed"),
+              ("--workload ctr --consistency sync --dense allreduce", "the MLPs on the trainers, all-reduced")),
+)

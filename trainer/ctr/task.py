@@ -1,0 +1,119 @@
+"""What a CTR trainer computes (``trainer.core.loop.Task``): batches of its share of the data, the
+DLRM's loss over the servers' rows and weights, and, at an episode's end, AUC and logloss on the
+held-out samples (on generated data, with the best AUC any model could reach on them)."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+import torch
+
+from services.lifecycle import StatusBoard
+from trainer.ctr.metrics import CtrMetrics
+from trainer.ctr.model import DistributedDlrm, bags, loss_of
+from trainer.ctr.quality import auc, logloss
+from trainer.ctr.source import FileSource, GeneratedSource
+from trainer.ctr.synthetic import Batch
+
+log = logging.getLogger(__name__)
+
+Source = Union[GeneratedSource, FileSource]
+
+
+class CtrTask:
+    unit = "samples"
+
+    def __init__(self, model: DistributedDlrm, source: Source, *, name: str, num_trainers: int,
+                 eval_samples: int = 0, eval_batch_size: int = 4096, metrics: Optional[CtrMetrics] = None,
+                 board: Optional[StatusBoard] = None) -> None:
+        self.model, self.source = model, source
+        self.name, self.num_trainers = name, num_trainers
+        self.eval_samples, self.eval_batch_size = eval_samples, eval_batch_size
+        self.metrics, self.board = metrics, board
+        self.data = source.description
+        self._skipped = source.skipped
+
+    def next_batch(self) -> Batch:
+        batch = self.source.next()
+        if self.source.skipped != self._skipped:
+            # A malformed line met in training is skipped and counted, never a crash.
+            if self.metrics is not None:
+                self.metrics.lines_skipped.inc(self.source.skipped - self._skipped)
+            if self.board is not None:
+                self.board.update(skipped_lines=self.source.skipped, last_skipped=self.source.last_skip)
+            self._skipped = self.source.skipped
+        return batch
+
+    def fetch(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.model.fetch(bags(batch))
+
+    def loss(self, batch: Batch, fetched: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> torch.Tensor:
+        pooled, weights = fetched
+        return loss_of(self.model.logits(torch.from_numpy(batch.dense), pooled, weights), torch.from_numpy(batch.labels))
+
+    def units(self, batch: Batch) -> int:
+        return len(batch.labels)
+
+    def stepped(self) -> None:
+        pass
+
+    def position(self, steps: int) -> dict[str, Any]:
+        return {"name": self.name, "num_trainers": self.num_trainers, "data": self.data,
+                "cursor": self.source.cursor, "epoch": getattr(self.source, "epoch", 0), "steps": steps}
+
+    def restore(self, saved: list[dict[str, Any]], checkpoint: str) -> int:
+        same = [s for s in saved if s.get("data") == self.data and "cursor" in s]
+        if not same:
+            log.warning("%s: starting from the data's beginning: its trainers read %r, not %r", checkpoint,
+                        saved[0].get("data") if saved else None, self.data)
+            return 0
+        mine = next((s for s in same if s.get("name") == self.name and s.get("num_trainers") == self.num_trainers),
+                    None)
+        if mine is not None:
+            cursor, epoch, steps, why = int(mine["cursor"]), int(mine.get("epoch", 0)), int(mine["steps"]), \
+                "same trainers, same data"
+        else:
+            # Re-divided: every trainer goes on from the furthest pass's mean position.
+            epoch = max(int(s.get("epoch", 0)) for s in same)
+            furthest = [int(s["cursor"]) for s in same if int(s.get("epoch", 0)) == epoch]
+            cursor = sum(furthest) // len(furthest)
+            steps = sum(int(s.get("steps", 0)) for s in same) // max(1, self.num_trainers)
+            why = f"{len(same)} trainers saved, {self.num_trainers} now: re-divided"
+        self.source.cursor = cursor
+        if isinstance(self.source, FileSource):
+            self.source.epoch = epoch
+        log.info("resumed position from %s (%s): sample %d of the stream, step %d", checkpoint, why, cursor, steps)
+        return steps
+
+    def predictions(self, should_stop: Callable[[], bool] = lambda: False,
+                    progress: Callable[[int, Optional[int]], None] = lambda done, total: None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(predicted click probabilities, labels, the ground truth's probabilities or NaN) of the
+        held-out samples."""
+        self.model.eval()
+        scores, labels, truth = [], [], []
+        for batch in self.source.held_out(self.eval_samples, self.eval_batch_size):
+            if should_stop():
+                break
+            scores.append(self.model.predict(batch))
+            labels.append(batch.labels)
+            truth.append(batch.p)
+            progress(sum(len(x) for x in labels), self.eval_samples)
+        if not scores:
+            return np.zeros(0), np.zeros(0), np.zeros(0)
+        return np.concatenate(scores), np.concatenate(labels), np.concatenate(truth)
+
+    def evaluate(self, should_stop: Callable[[], bool], progress: Callable[[int, Optional[int]], None]
+                 ) -> dict[str, Any]:
+        scores, labels, truth = self.predictions(should_stop, progress)
+        if not len(labels):
+            return {}
+        found = {"samples": int(len(labels)), "positives": int(labels.sum()), "auc": auc(scores, labels),
+                 "logloss": logloss(scores, labels),
+                 "oracle_auc": auc(truth, labels) if np.isfinite(truth).all() else None}
+        if self.metrics is not None:
+            self.metrics.held_out(found)
+        log.info("held-out: AUC %.4f logloss %.4f over %d samples%s", found["auc"], found["logloss"], found["samples"],
+                 "" if found["oracle_auc"] is None else f" (the ground truth's AUC: {found['oracle_auc']:.4f})")
+        return {"eval": found}
