@@ -140,7 +140,10 @@ class Chaos:
                   "next_step_seconds": round(stepping - killed_at, 2) if stepping is not None else None,
                   "steps_before": before, "resumed_from": resumed.get("id"), "resumed_step": resumed_step,
                   "steps_lost": max(0, before - resumed_step) if before is not None and resumed_step is not None else None,
-                  "checkpoint_at_kill": checkpoint["id"] if checkpoint else None}
+                  "checkpoint_at_kill": checkpoint["id"] if checkpoint else None,
+                  # A server or the leader restores its state: steps it had taken are lost. A trainer
+                  # goes on from its saved position: its steps since are taken again.
+                  "restores": name == leader or name.startswith("ps")}
         if name == leader:
             record["kept_by"] = sorted(n for n in now["pids"] if n != name
                                        and ((self.cluster.status(n) or {}).get("resumed_from") or {}).get("handover"))
@@ -166,8 +169,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"kills": len(records), "recovered": len(back), "by_member": by_member,
             "median_seconds": statistics.median(back) if back else None, "max_seconds": max(back) if back else None,
             "median_next_step_seconds": statistics.median(stepping) if stepping else None,
-            "steps_lost": sum(r.get("steps_lost") or 0 for r in records if not r["member"].startswith("trainer")),
-            "steps_repeated": sum(r.get("steps_lost") or 0 for r in records if r["member"].startswith("trainer"))}
+            "steps_lost": sum(r.get("steps_lost") or 0 for r in records if r.get("restores")),
+            "steps_repeated": sum(r.get("steps_lost") or 0 for r in records if not r.get("restores"))}
 
 
 def human(e: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from services.errors import ConfigError
 from services.names import parse_name
-from services.workload import benches, roles, settings_of, workloads
+from services.workload import benches, data_writers, roles, settings_of, workloads
 
 STATE_FILE = "cluster.json"
 
@@ -131,6 +131,13 @@ def _parser(argv: Sequence[str]) -> tuple[_Parser, dict[str, argparse.ArgumentPa
         if chosen == "bench" and len(words) > 1 and words[1] == spec.name:
             spec.load().add_arguments(sp)      # imports the benchmark (and torch) only when it runs
             made[f"bench {spec.name}"] = sp
+    data = command("data", "write a workload's data as files: its format, to read or to test a pipeline with")
+    data_sub = data.add_subparsers(dest="data", required=True, metavar="workload", parser_class=_Parser)
+    for spec in data_writers().values():
+        sp = data_sub.add_parser(spec.name, help=spec.help, description=spec.help, formatter_class=_Help)
+        if chosen == "data" and len(words) > 1 and words[1] == spec.name:
+            spec.load().add_arguments(sp)
+            made[f"data {spec.name}"] = sp
     return p, made
 
 
@@ -156,7 +163,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser, made = _parser(argv)
     args, extras = parser.parse_known_args(argv)
     if extras:
-        owner = made.get(f"bench {getattr(args, 'bench', '')}") or made.get(args.command) or parser
+        owner = made.get(f"{args.command} {getattr(args, args.command, '')}") or made.get(args.command) or parser
         known = [o for a in owner._actions for o in a.option_strings if a.help != argparse.SUPPRESS]
         owner.error(f"unrecognized arguments: {' '.join(extras)}{did_you_mean(extras[0].split('=')[0], known)}")
     return args
@@ -384,6 +391,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             sys.exit(_each(args, lambda c: c.checkpoint(), first_only=True))
         if cmd == "bench":
             sys.exit(benches()[args.bench].load().run(args))
+        if cmd == "data":
+            sys.exit(data_writers()[args.data].load().run(args))
     except ConfigError as exc:
         print(f"rpcps {cmd}: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -77,7 +77,9 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class BenchSpec:
-    name: str                  # `rpcps bench <name>`
+    """A command a workload adds: a benchmark (`rpcps bench <name>`) or its data writer (`rpcps data <name>`)."""
+
+    name: str
     help: str
     module: str                # its ``add_arguments(parser)`` and ``run(args) -> exit code``
 
@@ -128,6 +130,7 @@ class WorkloadSpec:
     benches: tuple[BenchSpec, ...] = ()
     examples: tuple[tuple[str, str], ...] = ()   # (`rpcps up …` arguments, what they do), for `rpcps up --help`
     server: Optional[HostedSpec] = None          # its model, when the parameter servers host it
+    data: Optional[BenchSpec] = None             # `rpcps data <name>`: writes its data as files
     rank: int = 50             # its place in listings (then by name): the first is `rpcps up`'s and `rpcps ps`'s default
 
     @property
@@ -206,6 +209,10 @@ def settings_of(role: RoleSpec, flags: Mapping[str, Any], environ: Mapping[str, 
 # Benchmarks of the shared services themselves, besides each workload's.
 SHARED_BENCHES = (BenchSpec("cli", "seconds the quick commands take to answer (--help, status, checkpoint --list)",
                             "services.bench_cli"),)
+
+
+def data_writers() -> dict[str, BenchSpec]:
+    return {spec.data.name: spec.data for spec in workloads().values() if spec.data is not None}
 
 
 def benches() -> dict[str, BenchSpec]:

@@ -18,6 +18,7 @@ SPEC = WorkloadSpec(
     up_settings="trainer.ctr.config:CtrUpSettings",
     launch="trainer.ctr.launch:CtrLaunch",
     checkpoint_dir="checkpoints/ctr",
+    data=BenchSpec("ctr", "generated Criteo-shaped samples as Criteo TSV files", "trainer.ctr.datagen"),
     benches=(BenchSpec("ctr", "samples/s, AUC and memory: one process vs async, sync and sync-allreduce servers",
                        "trainer.ctr.bench"),),
     examples=(("--workload ctr --steps 200 --scale 0.01", "a DLRM on generated data at 1 % of Criteo's rows: "

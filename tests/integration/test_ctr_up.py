@@ -1,0 +1,89 @@
+"""The CTR workload as a user runs it: `rpcps data ctr` writes Criteo files, `rpcps up --workload
+ctr --data` trains on them (a malformed line skipped and counted, a malformed file refused at the
+start), reports held-out AUC and logloss in its done event, status and metrics, and a restart on
+another server count resumes from its checkpoint, resharded."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+from tests.support.upcli import UpProcess
+from tests.support.wait import wait_until
+
+SMALL = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "32", "--top", "32", "--batch-size", "256",
+         "--eval-samples", "1000", "--progress-interval", "1"]
+
+
+def cli(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=dict(os.environ))
+
+
+def test_ctr_on_criteo_files_trains_reports_quality_and_resumes_resharded(tmp_path, cleanup):
+    data = tmp_path / "data"
+    made = cli(tmp_path, "data", "ctr", "--rows", "6000", "--files", "2", "--scale", "0.001", "--out", str(data))
+    assert made.returncode == 0, made.stderr
+    assert [f["lines"] for f in json.loads(made.stdout)["files"]] == [3000, 3000]
+    with open(data / "day_0.tsv", "a") as f:      # read in training (the first 1000 lines are held out)
+        f.write("1\t2\tthree\n")
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "day_0.tsv").write_text("1\t" + "\t".join(["x"] * 39) + "\n")
+    refused = cli(tmp_path, "up", *SMALL, "--data", str(bad), "--steps", "2")
+    assert refused.returncode == 2 and "day_0.tsv:1: count I1 (field 2) is not an integer: 'x'" in refused.stderr, \
+        refused.stderr
+
+    up = UpProcess(tmp_path / "first", *SMALL, "--data", str(data), "--steps", "8", "--num-ps", "2")
+    cleanup(up)
+    up.wait_event("started", 120)
+    done = up.wait_event("done", 300)
+    assert up.proc.wait(30) == 0, up.logs()
+    assert done["steps"] == 8 and done["samples_per_s"] > 0, done
+    assert 0.5 < done["auc"] < 1 and 0 < done["logloss"] < 1 and done["eval_samples"] == 1000, done
+    assert done["oracle_auc"] is None, "Criteo files carry no ground truth"
+    assert done["skipped_lines"] == 1, done
+    progress = [e for e in up.events if e["event"] == "progress"]
+    assert progress and all("samples_per_s" in e for e in progress), progress
+    checkpoints = sorted((tmp_path / "first" / "ckpt").glob("step-*"))
+    assert checkpoints, "the final checkpoint"
+
+    # Three servers now: the checkpoint of two is resharded; the trainers go on where they were.
+    again = UpProcess(tmp_path / "first", *SMALL, "--data", str(data), "--steps", "2", "--num-ps", "3")
+    cleanup(again)
+    again.wait_event("started", 120)
+    assert set(again.cluster()["sidecars"]) == {"ps0", "ps1", "ps2", "ctr0", "ctr1"}
+    done = again.wait_event("done", 300)
+    assert done["total_steps"] == 2 * (8 + 2), done        # the steps before the restart counted on
+    logs = again.full_logs()
+    assert f"resharding {checkpoints[-1].name} from 2 to 3 servers" in logs, again.logs()
+    assert "resumed position from step-" in logs and "same trainers, same data" in logs, again.logs()
+    assert again.proc.wait(30) == 0, again.logs()
+    assert math.isfinite(done["auc"]), done
+
+
+def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
+    up = UpProcess(tmp_path, *SMALL, "--steps", "4", "--num-ps", "1", "--num-trainers", "1",
+                   "--no-final-checkpoint")
+    cleanup(up)
+    up.wait_event("started", 120)
+    url = up.cluster()["sidecars"]["ctr0"]
+    import httpx
+    found = {}
+
+    def evaluated():
+        status = httpx.get(f"{url}/status", timeout=5).json()
+        if status.get("eval"):
+            found.update(status=status, metrics=httpx.get(f"{url}/metrics", timeout=5).text)
+            return True
+        return False
+    wait_until(evaluated, 180, "ctr0's evaluation on its status")
+    status = found["status"]
+    assert 0.5 < status["eval"]["auc"] < 1 and 0.7 < status["eval"]["oracle_auc"] < 0.9, status["eval"]
+    assert any("AUC" in column for column in status["summary"]), status["summary"]
+    metrics = found["metrics"]
+    assert 'rpcps_trainer_eval_auc{name="ctr0",role="ctr"}' in metrics
+    assert 'rpcps_trainer_samples_total{name="ctr0",role="ctr"} 1024.0' in metrics, metrics
+    up.wait_event("done", 120)
+    assert up.proc.wait(30) == 0, up.logs()
