@@ -13,6 +13,7 @@ from torch.func import functional_call
 
 from ps.service import ParameterServer
 from ps.stub import PsClient
+from services.errors import ConfigError
 from trainer.core.replica import DenseReplica
 
 
@@ -37,7 +38,11 @@ class ServedModel(nn.Module):
         each other. Steps begin in lockstep; the job starts once ``start_with`` trainers ask for
         its first step."""
         _, weights = self.client.fetch({})
-        rule, lr = self.client.model.get("optimizer", "sgd"), float(self.client.model.get("lr", 0.1))
+        model = self.client.model
+        if "optimizer" not in model or "lr" not in model:
+            raise ConfigError("--dense allreduce steps the dense weights by the servers' rule, but their model "
+                              "names no optimizer and lr (its ModelSpec.meta)")
+        rule, lr = model["optimizer"], float(model["lr"])
         self.replica = DenseReplica(self.client.me, self.forward_module, rule, lr, weights, store_for, timeout,
                                     named=self.dense)
         for state in self.client.each_dense_shard(ParameterServer.dense_state):

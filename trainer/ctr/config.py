@@ -101,42 +101,38 @@ class CtrServerConfig(PsConfig, CtrModelSettings):
     """`rpcps ps --workload ctr`: a parameter server hosting the CTR model's tables and MLPs."""
 
 
-class CtrTrainerConfig(TrainerSettings):
-    """`rpcps ctr`: a click-through-rate trainer."""
-
-    name: str = Field("ctr0", description="RPC name: ctr<index>")
-    data: Optional[Path] = Field(None, description=DATA_HELP)
-    _data = field_validator("data")(classmethod(_checked_data))
-    batch_size: int = Field(2048, ge=1, le=65536, description="samples per step")
-    hot: int = Field(1, ge=1, le=64, description="generated data: ids per categorical feature (a bag; 1: one-hot)")
-    data_seed: int = Field(1, description="generated data: which data set (its hidden ground truth and samples)")
-    eval_samples: int = Field(16384, ge=0, description="held-out samples every trainer evaluates at an episode's "
-                                                       "end (0: none); with --data, the files' first lines, never "
-                                                       "trained on")
-    eval_batch_size: int = Field(4096, ge=1, le=65536, description="samples per evaluation batch")
-    clip: float = Field(0.0, ge=0, description="global gradient-norm clip (0: off)")
-
-    @model_validator(mode="after")
-    def _check(self) -> "CtrTrainerConfig":
-        self._check_role("ctr")
-        if self.data is not None and self.hot > 1:
-            raise ValueError("--hot shapes generated data; Criteo files have one value per feature")
-        return self
-
-
-class CtrUpSettings(TrainersUpSettings, CtrModelSettings):
-    """`rpcps up --workload ctr`: the servers' and trainers' settings a local cluster starts with."""
+class CtrDataSettings(ConfigBase):
+    """What a CTR trainer reads and how much at a time: `rpcps ctr`'s and `rpcps up`'s alike."""
 
     data: Optional[Path] = Field(None, description=DATA_HELP)
     _data = field_validator("data")(classmethod(_checked_data))
     batch_size: int = Field(2048, ge=1, le=65536, description="samples per trainer step")
     hot: int = Field(1, ge=1, le=64, description="generated data: ids per categorical feature (a bag; 1: one-hot)")
     data_seed: int = Field(1, description="generated data: which data set (its hidden ground truth and samples)")
-    eval_samples: int = Field(16384, ge=0, description="held-out samples evaluated at the end (0: none)")
+    eval_samples: int = Field(16384, ge=0, description="held-out samples every trainer evaluates at an episode's "
+                                                       "end (0: none); with --data, the files' first lines, never "
+                                                       "trained on")
     clip: float = Field(0.0, ge=0, description="global gradient-norm clip (0: off)")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "CtrUpSettings":
+    def _one_source(self) -> "CtrDataSettings":
         if self.data is not None and self.hot > 1:
             raise ValueError("--hot shapes generated data; Criteo files have one value per feature")
         return self
+
+
+# The data settings come first: their clip (0, DLRM's) wins over every trainer's (0.25).
+class CtrTrainerConfig(CtrDataSettings, TrainerSettings):
+    """`rpcps ctr`: a click-through-rate trainer."""
+
+    name: str = Field("ctr0", description="RPC name: ctr<index>")
+    eval_batch_size: int = Field(4096, ge=1, le=65536, description="samples per evaluation batch")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CtrTrainerConfig":
+        self._check_role("ctr")
+        return self
+
+
+class CtrUpSettings(CtrDataSettings, TrainersUpSettings, CtrModelSettings):
+    """`rpcps up --workload ctr`: the servers' and trainers' settings a local cluster starts with."""

@@ -107,9 +107,11 @@ def model_spec(cfg: CtrModelConfig) -> ModelSpec:
                                    rule=cfg.table_rule, placement=placement)
               for t, rows in enumerate(cfg.cardinalities)}
     dense = DlrmDense(cfg)
-    groups = tuple(DenseGroup({f"{part}.{n}": tuple(p.shape) for n, p in getattr(dense, part).named_parameters()},
-                              lambda part=part: {f"{part}.{n}": p.detach().clone()
-                                                 for n, p in getattr(DlrmDense(cfg), part).named_parameters()})
+
+    def weights(part: str) -> dict[str, torch.Tensor]:
+        return {f"{part}.{n}": p.detach() for n, p in getattr(dense, part).named_parameters()}
+    groups = tuple(DenseGroup({n: tuple(p.shape) for n, p in weights(part).items()},
+                              lambda part=part: {n: p.clone() for n, p in weights(part).items()})
                    for part in ("bottom", "top"))
     return ModelSpec(tables, groups, optimizer=cfg.optimizer, lr=cfg.lr, meta=cfg.model_dump(mode="json"),
                      compatible=COMPATIBLE)
