@@ -2,38 +2,69 @@
 ``sync`` (one averaged update per step, every live trainer in lockstep) or ``ssp:K`` (as they
 arrive, but no trainer more than K steps ahead of the slowest). The servers hold the setting
 (``--consistency``, ``RPCPS_CONSISTENCY``); trainers learn it from them. No torch here: the
-settings and the CLI read it."""
+settings and the CLI read it.
+
+A mode is an object that says what it implies (``clocked``, ``averaged``, ``bound``); code asks
+those, never which mode it is. The step clock's rules for each clocked mode are in ``ps/clock/pace.py``.
+"""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar
 
 _SSP = re.compile(r"ssp:(\d+)")
 
 
 @dataclass(frozen=True)
 class Consistency:
-    kind: Literal["async", "sync", "ssp"] = "async"
-    bound: Optional[int] = None     # ssp: how many steps the fastest may run ahead of the slowest
+    """A mode; ``Consistency.parse`` makes one from its name."""
 
-    @classmethod
-    def parse(cls, text: str) -> "Consistency":
+    clocked: ClassVar[bool] = False    # trainers step by the leader's step clock (``ps/clock/``)
+    averaged: ClassVar[bool] = False   # a step's updates are handed over and applied once, averaged
+
+    @staticmethod
+    def parse(text: str) -> "Consistency":
         text = text.strip().lower()
-        if text in ("async", "sync"):
-            return cls(text)  # type: ignore[arg-type]
+        if text == "async":
+            return Async()
+        if text == "sync":
+            return Sync()
         m = _SSP.fullmatch(text)
         if m is None:
             raise ValueError("consistency must be async, sync or ssp:K with K a whole number >= 0")
-        return cls("ssp", int(m.group(1)))
+        return Ssp(int(m.group(1)))
 
-    @property
-    def clocked(self) -> bool:
-        """Trainers step by the leader's step clock (``ps/clock.py``): every mode but async."""
-        return self.kind != "async"
+
+@dataclass(frozen=True)
+class Async(Consistency):
+    """Each update applied as it arrives; nobody waits for anybody."""
 
     def __str__(self) -> str:
-        return f"ssp:{self.bound}" if self.kind == "ssp" else self.kind
+        return "async"
+
+
+@dataclass(frozen=True)
+class Sync(Consistency):
+    """One update per step, the average of every live trainer's, applied once all have arrived."""
+
+    clocked: ClassVar[bool] = True
+    averaged: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return "sync"
+
+
+@dataclass(frozen=True)
+class Ssp(Consistency):
+    """Stale-synchronous: each update applied as it arrives, no trainer more than ``bound`` steps
+    ahead of the slowest."""
+
+    bound: int = 0
+    clocked: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return f"ssp:{self.bound}"
 
 
 def checked(text: str) -> str:

@@ -7,23 +7,21 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
-from ps.clock import StepClock, StepClockService, applier
-from ps.config import PsConfig, ps_names
+from ps.config import PsConfig
 from ps.consistency import Consistency
+from ps.leading import Leading
 from ps.participant import ServerPart, shard_files
 from ps.service import ParameterServer
-from ps.stub import apply_sync_step
 from ps.spec import ModelSpec
-from services.checkpoint.coordinator import (CLUSTER_CHECKPOINT_KEY, CheckpointPlan, Coordinator, announce,
-                                             follow_leader, standing_now)
-from services.checkpoint.handover import LEADER_LIFE, Handover, LeaderLife, Standing
+from services.checkpoint.coordinator import CLUSTER_CHECKPOINT_KEY, Coordinator, follow_leader, standing_now
+from services.checkpoint.handover import LEADER_LIFE, Handover, Standing
 from services.checkpoint.parts import restore_newest
-from services.checkpoint.periodic import Periodic, take_final
+from services.checkpoint.periodic import take_final
 from services.checkpoint.store import CheckpointInfo
 from services.errors import CheckpointError
 from services.lifecycle import RoleState
 from services.names import parse_name
-from services.remote import local, remote_methods, serve, withdraw
+from services.remote import remote_methods, serve, withdraw
 from services.role import RoleBase, RoleContext, WithoutEpisodes
 
 log = logging.getLogger(__name__)
@@ -42,20 +40,17 @@ class PsRole(RoleBase, WithoutEpisodes):
         self.cfg, self._model, self.client_role = cfg, model, client_role
         self.spec: Optional[ModelSpec] = None
         self.server: Optional[ParameterServer] = None
-        self.coordinator: Optional[Coordinator] = None
-        self.clock: Optional[StepClock] = None           # ps0, in sync and ssp modes
-        self._periodic: Optional[Periodic] = None
+        self.leading: Optional[Leading] = None           # ps0's duties
         self._stop = threading.Event()
         self._stopped = False                            # run() ended on request, not by a failure
-        self._life: Optional[LeaderLife] = None          # ps0: its life, for the servers' handovers
         self._standing: Optional[Standing] = None        # where the leader last said the cluster stands
         self._handover = Handover(cfg.checkpoint_dir, cfg.name)
 
     def checkpoint(self) -> dict[str, Any]:
-        if self.coordinator is None:
+        if self.leading is None or self.leading.coordinator is None:
             result = self._ask_coordinator(Coordinator.take)
         else:
-            result = self.coordinator.take()
+            result = self.leading.coordinator.take()
         self.board.update(last_checkpoint={k: result[k] for k in ("id", "step", "path")})
         return result
 
@@ -78,15 +73,16 @@ class PsRole(RoleBase, WithoutEpisodes):
         self.board.update(shard=shard, num_shards=self.cfg.num_ps, rows=sum(info.tables.values()),
                           tables=info.tables, dense=list(info.dense), model=info.model, consistency=info.consistency)
         if self.membership.is_leader:
-            self._start_clock(resumed)
+            self.leading = Leading(self.cfg, self.ctx, self.server, self.spec, self.client_role)
+            self.leading.start_clock(resumed)
         self.checkpoints.add(ServerPart(self.cfg.name, self.server, self._describe))
         serve(self.server)
-        self.membership.add_listener(self.server.forget)
-        if self.membership.is_leader:
-            self.membership.on_join(self._count_on)
+        self.membership.add_listener(self.server.contexts.forget)
+        if self.leading is not None:
+            self.membership.on_join(self.leading.count_on)
         reply = self._join("joining the RPC group", note={"steps": self.server.optimizer.steps})
-        if self.membership.is_leader:
-            self._lead(resumed)
+        if self.leading is not None:
+            self.leading.lead(resumed, self.checkpoint)
         else:
             self.server.optimizer.advance_to(int(reply.get("steps", 0)))
             self._handover.remove()     # restored from, or not matching: used once either way
@@ -100,9 +96,8 @@ class PsRole(RoleBase, WithoutEpisodes):
                 now = standing_now(read_standing)
                 if now is not None and self._standing is not None and now.leader == self._standing.leader:
                     self._standing = now      # another leader's word is no news of the one this server serves
-            if self.clock is not None:
-                self.clock.tick()
-                self.board.update(clock=self.clock.describe())
+            if self.leading is not None:
+                self.leading.tick()
             self.board.update(steps=self.server.optimizer.steps, refused=self.server.refused)
         self._stopped = True
 
@@ -161,76 +156,24 @@ class PsRole(RoleBase, WithoutEpisodes):
                                         "updates_kept": meta["steps"] - since})
         return info, server
 
-    def _count_on(self, name: str, note: dict) -> dict:
-        """ps0, as a server joins: every server counts steps from the furthest one's count. Steps
-        number the cluster's updates (sync mode needs them equal); a server that kept its shard
-        across a lost leader has come further than the checkpoint ps0 restored, and one restarted
-        alone from a checkpoint is behind."""
-        steps = self.server.optimizer.advance_to(int(note.get("steps", 0)))
-        if self.clock is not None:
-            self.clock.advance_to(steps)
-        return {"steps": steps}
-
-    def _start_clock(self, resumed: Optional[CheckpointInfo]) -> None:
-        """ps0: keep the trainers' step clock (sync, ssp), continuing the checkpoint's."""
-        consistency = self.server.consistency
-        saved = resumed.meta.get("consistency", "async") if resumed is not None else None
-        if saved is not None and saved != str(consistency):
-            log.warning("consistency changed across the restart: %s was taken with %s, this job runs %s",
-                        resumed.id, saved, consistency)
-        if not consistency.clocked:
-            return
-        servers = ps_names(self.cfg.num_ps)
-        clocks = resumed.meta.get("clocks", {}) if resumed is not None and saved == str(consistency) else {}
-        self.clock = StepClock(consistency, apply=functools.partial(apply_sync_step, servers, self.cfg.rpc_timeout),
-                               run=applier(), metrics=self.metrics, step=self.server.optimizer.steps,
-                               saved=dict(clocks))
-        serve(StepClockService(self.clock))
-        self.membership.add_listener(self.clock.drop)
-        self.board.update(clock=self.clock.describe())
-
     def _describe(self) -> dict[str, Any]:
-        """What ps0's part adds to a checkpoint's manifest: the mode and its step clock."""
-        out: dict[str, Any] = {"consistency": str(self.server.consistency)}
-        if self.clock is not None:
-            out["clocks"] = self.clock.clocks()
-        return out
-
-    def _lead(self, resumed: Optional[CheckpointInfo]) -> None:
-        """ps0: coordinate checkpoints, and announce the one the cluster stands on."""
-        self._life = LeaderLife(self.cfg.checkpoint_dir)
-        succeeds = self._life.begin()
-        if succeeds is not None:
-            log.warning("the previous leader (life %s) did not stop cleanly: servers keep what they handed over", succeeds)
-
-        def publish(info: Optional[CheckpointInfo]) -> None:
-            announce(self.endpoint.store, Standing(info.id if info is not None else None, self._life.life, succeeds))
-        publish(resumed)
-        plan = CheckpointPlan(holders=tuple(ps_names(self.cfg.num_ps)), paused_role=self.client_role,
-                              meta={"model": self.spec.meta, "num_ps": self.cfg.num_ps, LEADER_LIFE: self._life.life})
-        self.coordinator = Coordinator(self.store, plan, self.cfg.keep_checkpoints, local=self.checkpoints,
-                                       metrics=self.metrics, resumed=resumed, on_commit=publish)
-        serve(self.coordinator)
-        self._periodic = Periodic(self.checkpoint, lambda: self.server.optimizer.steps,
-                                  self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_seconds).start()
+        """What this server's part adds to a checkpoint's manifest: the mode (and ps0's clocks)."""
+        return {"consistency": str(self.server.consistency), **(self.leading.describe() if self.leading else {})}
 
     def close(self) -> None:
         self.metrics.up.set(0)
         self.board.set_state(RoleState.STOPPING, "stopping")
-        if self._periodic is not None:
-            self._periodic.stop()
+        if self.leading is not None:
+            self.leading.stop_checkpoints()
         if self.ctx.leader_lost.is_set():
             self._hand_over()
         else:
             self._final_checkpoint()
         self._leave()
-        if self._life is not None and self._stopped:
-            self._life.release()
-        for served in (self.server, self.coordinator):
-            if served is not None:
-                withdraw(served)
-        if self.clock is not None:
-            withdraw(local(StepClockService))
+        if self.leading is not None:
+            self.leading.close(self._stopped)
+        if self.server is not None:
+            withdraw(self.server)
 
     def _hand_over(self) -> None:
         """The leader is gone: keep this shard for this server's next life (``handover.py``)."""
@@ -255,8 +198,8 @@ class PsRole(RoleBase, WithoutEpisodes):
         if self.server is None or self.server.optimizer.steps == 0 or not self.endpoint.joined:
             return
         steps = self.server.optimizer.steps
-        if self.coordinator is not None:
-            take = functools.partial(self.coordinator.take_unless_saved, steps)
+        if self.leading is not None and self.leading.coordinator is not None:
+            take = functools.partial(self.leading.coordinator.take_unless_saved, steps)
         else:
             take = functools.partial(self._ask_coordinator, Coordinator.take_unless_saved, steps,
                                      timeout=FINAL_CHECKPOINT_SECONDS)

@@ -7,11 +7,14 @@ way; dense groups move whole.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ps.sharding import Layout
+
+if TYPE_CHECKING:
+    from ps.spec import ModelSpec
 
 FORMAT = 1
 
@@ -92,3 +95,23 @@ def _gather_rows_state(states: list[dict[str, Any]], name: str, pick: torch.Tens
         else:  # scalars such as Adagrad's step count: the largest is the truest
             optim[name][key] = torch.stack([p.reshape(()) for p in given if p is not None]).max().clone()
 
+
+
+INIT_ROWS = 1 << 20  # rows of a table initialised at once
+
+
+def initial_shard(spec: "ModelSpec", layout: Layout, shard: int) -> dict[str, torch.Tensor]:
+    """A new shard's parameters: its rows of every table (only its own: no process ever builds a
+    whole table) and its dense groups, as the spec initialises them."""
+    values: dict[str, torch.Tensor] = {}
+    for table_name, table in spec.tables.items():
+        rows = layout.plans[table_name].global_ids(shard)
+        for name, shape in table.params.items():
+            values[name] = torch.empty(len(rows), *shape)
+        for start in range(0, len(rows), INIT_ROWS):       # a slice at a time: bounded temporaries
+            part = table.init(rows[start:start + INIT_ROWS])
+            for name in table.params:
+                values[name][start:start + len(part[name])] = part[name]
+    for g in layout.groups_of(shard):
+        values.update(spec.dense[g].init())
+    return values

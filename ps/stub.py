@@ -156,7 +156,7 @@ class PsClient:
         waits on it there, and the clock forms a new one. The error for the caller to raise."""
         if replica is not None:
             replica.leave_group()
-        if self.consistency.kind == "sync" and self.granted is not None:
+        if self.consistency.averaged and self.granted is not None:
             try:
                 self.arrive(0.0, refused=True, broken=replica is not None)
             except Exception as exc:  # noqa: BLE001 - the leader is gone too: the next begin says so
@@ -292,34 +292,47 @@ class StepSession:
         off), and apply them as the job's consistency says; sync mode also updates the trainers'
         ``replica`` of the weights they hold themselves (``--dense allreduce``)."""
         client = self.client
-        t0 = time.perf_counter()
-        if client.consistency.kind == "sync" and client.granted is None:
+        averaged = client.consistency.averaged
+        if averaged and client.granted is None:
             raise RuntimeError("a sync step needs client.begin() at its boundary first")
+        if replica is not None and not averaged:
+            raise RuntimeError("replicated weights are updated in sync mode only")
+        t0 = time.perf_counter()
         try:
             dist_autograd.backward(self.context_id, [loss])
         except Exception as exc:
             # A sync step that cannot hand its gradients over still ends at the clock, or every
             # other trainer would wait for it (with a replica: a peer in its all-reduce died).
-            if client.consistency.kind != "sync":
+            if not averaged:
                 raise
             raise client.lose_step(exc, replica) from exc
+        backward = time.perf_counter() - t0
+        return self._hand_over(backward, clip, replica) if averaged else self._apply_own(backward, clip)
+
+    def _hand_over(self, backward: float, clip: float, replica: Optional[Replica]) -> Finished:
+        """sync: hand the gradients to every server; the step clock has them applied, averaged
+        with the other trainers', once every trainer has."""
+        client = self.client
         t1 = time.perf_counter()
-        if client.consistency.kind == "sync":
-            replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None
-            _, refused = wait_all([client._async(n, ParameterServer.contribute, self.context_id,
-                                                 client.granted.step) for n in client.ps_names])
-            t3 = time.perf_counter()
-            applied, arrived_at = client.arrive(clip, refused is not None,
-                                                replica.sq_norm(replicated) if replica is not None else 0.0)
-            if replica is not None and applied.participants:
-                # Every trainer all-reduced the same gradients and reads the same norm: every
-                # replica takes the same update, whether or not the servers refused its own rows.
-                replica.apply(replicated, clip_coef(clip, applied.grad_norm), applied.step)
-            if refused is not None:
-                raise refused
-            return Finished(applied.grad_norm, t1 - t0, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
-        if replica is not None:
-            raise RuntimeError("replicated weights are updated in sync mode only")
+        replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None
+        _, refused = wait_all([client._async(n, ParameterServer.contribute, self.context_id,
+                                             client.granted.step) for n in client.ps_names])
+        t3 = time.perf_counter()
+        applied, arrived_at = client.arrive(clip, refused is not None,
+                                            replica.sq_norm(replicated) if replica is not None else 0.0)
+        if replica is not None and applied.participants:
+            # Every trainer all-reduced the same gradients and reads the same norm: every
+            # replica takes the same update, whether or not the servers refused its own rows.
+            replica.apply(replicated, clip_coef(clip, applied.grad_norm), applied.step)
+        if refused is not None:
+            raise refused
+        return Finished(applied.grad_norm, backward, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
+
+    def _apply_own(self, backward: float, clip: float) -> Finished:
+        """async and ssp: this trainer's own update, checked finite and clipped across every
+        server, then applied on each; ssp then reports the step to the clock."""
+        client = self.client
+        t1 = time.perf_counter()
         try:
             norm = client.grad_norm(self.context_id)
         except UpdateRefused:
@@ -334,7 +347,7 @@ class StepSession:
         t3, arrived_at = time.perf_counter(), 0.0
         if client.consistency.clocked:
             _, arrived_at = client.arrive(clip)
-        return Finished(norm, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, arrived_at)
+        return Finished(norm, backward, t2 - t1, t3 - t2, time.perf_counter() - t3, arrived_at)
 
 
 class ClockPause:

@@ -7,60 +7,33 @@ launcher, which then stops the workers first and the leader, the store host, las
 dies is restarted after a back-off that grows while it keeps dying; the others train on. When the
 leader dies, every other member leaves with ``LEADER_LOST`` (``services/leader.py``) and is started
 again at once, to join the restarted leader. The run ends when the user stops it, when the workload
-says it is finished, or when a member spends ``--max-restarts``.
+says it is finished, or when a member spends ``--max-restarts``. The processes themselves (planned,
+started, restarted, recorded, stopped) are its ``Roster`` (``services/roster.py``).
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from services.checkpoint.store import CheckpointStore
 from services.client import SidecarClient
 from services.config import writable_folder
 from services.leader import LEADER_LOST
 from services.lifecycle import RoleStatus
 from services.names import parse_name
-from services.processes import free_port, spawn_role, stop_in_waves
-from services.upconfig import LauncherConfig, flags
+from services.roster import Member, Roster
+from services.upconfig import LauncherConfig
 from services.workload import Launch, roles, workloads
 
 log = logging.getLogger(__name__)
 
-STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
 STATUS_POLL = 1.0  # seconds between status polls of the watched roles
 FINAL_CHECKPOINT_TIMEOUT = 30.0
-_COMMON_FLAGS = ("threads", "log_level", "sidecar_host", "rpc_transport")
-
-
-@dataclass
-class Member:
-    name: str
-    role: str
-    argv: list[str]
-    url: str
-    log_path: Path
-    proc: Optional[subprocess.Popen] = None
-    started_at: float = 0.0                 # time.monotonic() of its last start
-    deaths: int = 0                         # in a row: each before it stayed up --restart-window
-    restarts: int = 0                       # in this run
-    last_exit: Optional[int] = None
-    restart_at: Optional[float] = None      # time.monotonic() its restart is due, while it waits
-
-    def failing(self) -> Optional[dict]:
-        """What ``rpcps status`` shows of a member in a crash loop (None: not failing)."""
-        if not self.deaths:
-            return None
-        due = None if self.restart_at is None else time.time() + max(0.0, self.restart_at - time.monotonic())
-        return {"exit_code": self.last_exit, "deaths": self.deaths, "restart_at": due}
 
 
 def emitter(as_json: bool, workload: Optional[Launch] = None, out=sys.stdout) -> Callable[[dict], None]:
@@ -98,46 +71,17 @@ class Launcher:
         self.emit = emit or emitter(cfg.as_json, self.workload)
         self.checkpoint_dir = cfg.checkpoint_dir or Path(spec.checkpoint_dir)
         self._stop = threading.Event()
-        self.members: list[Member] = []
+        self.roster = Roster(cfg, self.workload, self.leader, self.checkpoint_dir, self.emit, self._fail)
+        self.roster.on_restart = lambda m: self._last_status.pop(m.name, None)
+        self.members = self.roster.members
         self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
         self._last_status: dict[str, dict] = {}
-        self._newest_at_start: Optional[str] = None   # the newest checkpoint before this run
         self._started_at = time.monotonic()           # when every member was ready
 
     def request_stop(self) -> None:
         self._stop.set()
 
     # --- building the cluster ----------------------------------------------------------------------
-    def _plan(self) -> None:
-        cfg = self.cfg
-        logs = cfg.state_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        self.master_port = cfg.master_port or free_port()
-        for i, planned in enumerate(self.workload.plan()):
-            port = cfg.sidecar_port + i if cfg.sidecar_port else free_port()
-            argv = [planned.role, "--name", planned.name, "--sidecar-port", str(port),
-                    "--master-addr", cfg.master_addr, "--master-port", str(self.master_port),
-                    "--checkpoint-dir", str(self.checkpoint_dir), *planned.argv, *flags(cfg, _COMMON_FLAGS)]
-            host = "127.0.0.1" if cfg.sidecar_host in ("0.0.0.0", "") else cfg.sidecar_host
-            self.members.append(Member(planned.name, planned.role, argv, f"http://{host}:{port}",
-                                       logs / f"{planned.name}.log"))
-
-    def _newest_checkpoint(self) -> Optional[str]:
-        found = CheckpointStore(self.checkpoint_dir).list()
-        return found[0].id if found else None
-
-    def _spawn(self, m: Member) -> None:
-        # The token travels in the environment: argv is visible to every user of the machine.
-        env = {"RPCPS_RESTARTS_IN_A_ROW": str(m.deaths), **({"RPCPS_CONTROL_TOKEN": self._token} if self._token else {})}
-        argv = m.argv
-        if m.name == self.leader and m.restarts and self._newest_checkpoint() != self._newest_at_start:
-            # This run has committed a checkpoint: a restarted leader resumes it, whatever the
-            # first start was told (--no-resume, --resume-from an older one).
-            argv = resuming_newest(argv)
-        m.proc = spawn_role("services.cli", argv, m.log_path, env)
-        m.started_at = time.monotonic()
-        log.info("started %s (pid %d), log %s", m.name, m.proc.pid, m.log_path)
-
     # --- running -------------------------------------------------------------------------------------
     def run(self) -> int:
         try:
@@ -145,27 +89,28 @@ class Launcher:
         except ValueError as exc:    # refused before anything starts, as a role would refuse it
             self._fail(f"--checkpoint-dir: {exc}")
             return 2
-        self._plan()
-        self._newest_at_start = self._newest_checkpoint()
+        roster = self.roster
+        roster.plan()
+        roster.newest_at_start = roster.newest_checkpoint()
         try:
             for m in self.members:
-                self._spawn(m)
-            self._write_state()
+                roster.spawn(m)
+            roster.write_state()
             refused = self._wait_ready()
             if refused is not None:
                 return refused
             self._started_at = time.monotonic()
             self.emit({"event": "started", "sidecars": {m.name: m.url for m in self.members},
-                       "master_port": self.master_port, "logs": str(self.cfg.state_dir / "logs")})
+                       "master_port": roster.master_port, "logs": str(self.cfg.state_dir / "logs")})
             code = self._supervise()
             self._poll()
             if self.cfg.final_checkpoint and code == 0:
-                self._stop_waves(1)          # the workers, which leave their positions with the leader
+                roster.stop_waves(1)          # the workers, which leave their positions with the leader
                 self._final_checkpoint()
             self.emit(self._summary())
             return code
         finally:
-            self._stop_all()
+            roster.stop_waves()
 
     def _wait_ready(self) -> Optional[int]:
         """None once every role is ready; else the exit code ``up`` ends with (2: a role refused
@@ -213,17 +158,17 @@ class Launcher:
             for m in self.members:
                 if m.restart_at is not None:
                     if now >= m.restart_at:
-                        self._respawn(m)
+                        self.roster.respawn(m)
                     continue
                 code = m.proc.poll()
                 if code is None:
                     if m.deaths and now - m.started_at >= self.cfg.restart_window:
                         m.deaths = 0          # up long enough: healthy again
-                        self._write_state()
+                        self.roster.write_state()
                     continue
                 if code == LEADER_LOST:
-                    self._rejoin(m)
-                elif not self._schedule_restart(m, code):
+                    self.roster.rejoin(m)
+                elif not self.roster.schedule_restart(m, code):
                     return 1
             if time.monotonic() >= next_poll:  # statuses once a second; liveness every tick
                 next_poll = time.monotonic() + STATUS_POLL
@@ -240,37 +185,6 @@ class Launcher:
     def _report(self) -> None:
         for event in self.workload.progress(self._watched_status()):
             self.emit({**event, "elapsed_s": round(time.monotonic() - self._started_at, 1)})
-
-    def _schedule_restart(self, m: Member, code: int) -> bool:
-        """A member died: restart it after a back-off that doubles with each death in a row (as
-        Kubernetes does), while the others go on. False: the user set --max-restarts and it is spent."""
-        if self.cfg.max_restarts is not None and m.deaths >= self.cfg.max_restarts:
-            self._fail(f"{m.name} exited with code {code} after {m.deaths} restarts in a row; giving up "
-                       f"(--max-restarts; see {m.log_path})")
-            return False
-        m.deaths += 1
-        m.restarts += 1
-        m.last_exit = code
-        delay = min(self.cfg.restart_backoff_max, self.cfg.restart_backoff * 2 ** (m.deaths - 1))
-        m.restart_at = time.monotonic() + delay
-        self._last_status.pop(m.name, None)
-        self.emit({"event": "restart", "name": m.name, "exit_code": code, "restarts": m.deaths, "in": delay})
-        self._write_state()
-        return True
-
-    def _rejoin(self, m: Member) -> None:
-        """``m`` left because the leader died: start it now (it waits for the new leader); no
-        death of its own, so no back-off."""
-        m.restarts += 1
-        m.last_exit = LEADER_LOST
-        self._last_status.pop(m.name, None)
-        self.emit({"event": "restart", "name": m.name, "exit_code": LEADER_LOST, "restarts": m.deaths, "in": 0.0})
-        self._respawn(m)
-
-    def _respawn(self, m: Member) -> None:
-        m.restart_at = None
-        self._spawn(m)
-        self._write_state()
 
     def _watched(self) -> list[Member]:
         names = self.workload.watched([m.name for m in self.members])
@@ -305,41 +219,6 @@ class Launcher:
     def _fail(self, message: str) -> None:
         log.error("%s", message)
         self.emit({"event": "error", "message": message})
-
-    def _write_state(self) -> None:
-        state = {"sidecars": {m.name: m.url for m in self.members}, "leader": self.leader, "launcher_pid": os.getpid(),
-                 "checkpoint_dir": str(self.checkpoint_dir.resolve()),
-                 "pids": {m.name: m.proc.pid for m in self.members if m.proc}, "master_port": self.master_port,
-                 "failing": {m.name: f for m in self.members if (f := m.failing()) is not None}}
-        path = self.cfg.state_dir / "cluster.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        tmp.replace(path)
-
-    def _stop_all(self) -> None:
-        self._stop_waves()
-
-    def _stop_waves(self, count: Optional[int] = None) -> None:
-        """The first ``count`` waves (default all): workers first, the leader (the store host) last."""
-        by_name = {m.name: m for m in self.members}
-        waves = self.workload.stop_waves(list(by_name))[:count]
-        stop_in_waves([[(n, by_name[n].proc) for n in wave if by_name[n].proc is not None] for wave in waves],
-                      STOP_TIMEOUT)
-
-
-def resuming_newest(argv: list[str]) -> list[str]:
-    """``argv`` with its restore flags replaced by ``--resume`` (the newest valid checkpoint)."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--resume-from":
-            skip = True
-        elif arg not in ("--resume", "--no-resume"):
-            out.append(arg)
-    return out + ["--resume"]
-
 
 def refusal(log_path: Path) -> Optional[str]:
     """What a role said when it refused to start (``rpcps <role>: …``, its last such line), if it did."""

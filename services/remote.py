@@ -173,7 +173,7 @@ def _checked(method: Callable[..., Any], args: tuple) -> list[Any]:
                 where = "".join(f"[{p}]" for p in problem["loc"])
                 name = sig.names[i] if named else f"{sig.rest}[{i - len(sig.names)}]"
                 raise BadRequest(f"{method.__name__}: {name}{where}: {problem['msg']}, "
-                                 f"got {_describe(problem['input'])}") from None
+                                 f"got {describe(problem['input'])}") from None
         values.append(value)
     return values
 
@@ -251,7 +251,8 @@ def wait(fut: Any) -> Any:
         raise cls(f"{name}: {message}") from None
 
 
-def _describe(x: Any) -> str:
+def describe(x: Any) -> str:
+    """A value as an error message names it: a tensor by dtype and shape, anything else by type and start."""
     if isinstance(x, torch.Tensor):
         return f"{x.dtype} tensor {list(x.shape)}"
     text = repr(x)

@@ -1,4 +1,4 @@
-"""docker-compose.yml run without a container engine: every service of the default profile is a
+"""docker-compose.yml run without a container engine: every service of a profile is a
 separate host (a network namespace with its own address, found by name through DNS as compose's
 network finds it), running the service's own command and environment. The cluster trains; curl
 reaches the sidecars across hosts; Debian's Prometheus, started with the shipped
@@ -53,8 +53,11 @@ def network():
 class Hosts:
     """The running services: one process per host, reaped in compose's stop order."""
 
-    def __init__(self, net: HostNetwork, services: dict[str, dict], tmp: Path) -> None:
+    def __init__(self, net: HostNetwork, services: dict[str, dict], tmp: Path,
+                 environ: dict[str, str] | None = None) -> None:
+        """``environ``: what the user's shell or .env sets for compose to interpolate."""
         self.net, self.services, self.tmp = net, services, tmp
+        self.environ = {"RPCPS_CONTROL_TOKEN": TOKEN, **(environ or {})}
         self.procs: dict[str, subprocess.Popen] = {}
         self.order = start_order(services)
 
@@ -67,7 +70,7 @@ class Hosts:
 
     def up(self, names: list[str] | None = None) -> None:
         for name in names or self.order:
-            argv, env = host_process(self.services[name], self.tmp / "volumes", {"RPCPS_CONTROL_TOKEN": TOKEN})
+            argv, env = host_process(self.services[name], self.tmp / "volumes", self.environ)
             self.run_on(name, name, argv, self.tmp / "workdir" / name, env)
 
     def down(self, names: list[str] | None = None) -> dict[str, int]:
@@ -88,6 +91,15 @@ class Hosts:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
                 raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)}")
+
+    def wait_trained(self, trainers: list[str], steps: int) -> None:
+        def trained() -> bool:
+            self.alive()
+            try:
+                return all(get_json(self.url(t, "/status")).get("step", 0) >= steps for t in trainers)
+            except httpx.HTTPError:
+                return False
+        wait_until(trained, 180, f"{', '.join(trainers)} past step {steps}")
 
     def curl(self, on: str, *args: str) -> str:
         """curl run on host ``on`` (so names resolve through the network's DNS)."""
@@ -110,8 +122,9 @@ def query(prometheus: str, expr: str) -> list[dict]:
 
 
 def wait_scraped(hosts: Hosts, prometheus: str, roles: list[str], series: dict[str, set[str]]) -> None:
-    """Until Prometheus has ``up == 1`` for exactly ``roles`` (labelled with their role and name),
-    and each query in ``series`` is nonzero for exactly the names given."""
+    """Until Prometheus has ``up == 1`` for exactly ``roles`` (labelled with their role and name:
+    a prefixed service's, ``ctr-ps0``, are ``ps`` and ``ps0``), and each query in ``series`` is
+    nonzero for exactly the names given."""
     def scraped() -> bool:
         hosts.alive()
         try:
@@ -119,7 +132,8 @@ def wait_scraped(hosts: Hosts, prometheus: str, roles: list[str], series: dict[s
             found = {expr: {s["metric"]["name"] for s in query(prometheus, expr)} for expr in series}
         except httpx.HTTPError:
             return False
-        return up == {(n.rstrip("0123456789"), n): "1" for n in roles} and found == series
+        named = [n.split("-")[-1] for n in roles]
+        return up == {(n.rstrip("0123456789"), n): "1" for n in named} and found == series
     wait_until(scraped, 90, f"Prometheus: up == 1 for {roles}, and {series}")
 
 
@@ -150,13 +164,7 @@ def test_compose_services_as_separate_hosts(network, tmp_path):
         hosts.up()
 
         # The cluster trains: every trainer's status, read from this host, shows steps.
-        def trained() -> bool:
-            hosts.alive()
-            try:
-                return all(get_json(hosts.url(t, "/status")).get("step", 0) >= 5 for t in ("trainer0", "trainer1"))
-            except httpx.HTTPError:
-                return False
-        wait_until(trained, 180, "both trainers past step 5")
+        hosts.wait_trained(["trainer0", "trainer1"], 5)
 
         # Tensors cross the network, as between containers: a trainer's steps move its activations
         # and their gradients (hundreds of KB at the shipped model's size) through its eth0, not by
@@ -288,6 +296,43 @@ def test_rl_profile_as_separate_hosts(network, tmp_path):
         codes = hosts.down()
         assert all(code == 0 for name, code in codes.items() if name != "prometheus"), codes
         assert int(newest_checkpoint(volume).name.split("-")[1]) > taken["step"]
+    except AssertionError as exc:
+        logs = "\n".join(f"--- {n} ---\n{hosts.log(n)}" for n in hosts.order)
+        raise AssertionError(f"{exc}\n{logs}") from None
+    finally:
+        hosts.down()
+
+
+@pytest.mark.timeout(300)
+def test_ctr_profile_as_separate_hosts(network, tmp_path):
+    # `RPCPS_CTR_SCALE=0.01 docker compose --profile ctr up ctr-ps0 ctr-ps1 ctr0 ctr1 prometheus`
+    everything = compose()["services"]
+    services = {n: everything[n] for n in ("ctr-ps0", "ctr-ps1", "ctr0", "ctr1", "prometheus")}
+    assert all(everything[n].get("profiles") == ["ctr"] for n in services if n != "prometheus")
+    net = network(services)
+    hosts = Hosts(net, services, tmp_path, {"RPCPS_CTR_SCALE": "0.01"})
+    roles = [n for n in hosts.order if n != "prometheus"]
+    try:
+        hosts.up()
+
+        hosts.wait_trained(["ctr0", "ctr1"], 3)
+
+        # Asked of a trainer, by name, from another host: the servers checkpoint into their own
+        # volume, apart from the language model's, with both trainers' positions.
+        taken = json.loads(hosts.curl("prometheus", "-f", "-X", "POST", "-H", f"Authorization: Bearer {TOKEN}",
+                                      "http://ctr1:8080/checkpoint"))
+        volume = tmp_path / "volumes" / "ctr-checkpoints"
+        manifest = json.loads((volume / taken["id"] / "manifest.json").read_text())
+        assert set(manifest["files"]) == {"ps0.pt", "ps1.pt", "ctr0.pt", "ctr1.pt"}
+        model = manifest["meta"]["model"]
+        assert len(model["cardinalities"]) == 26 and sum(model["cardinalities"]) < 400_000, model   # at RPCPS_CTR_SCALE
+
+        wait_scraped(hosts, f"http://{net.addresses['prometheus']}:9090", roles, {
+            "rpcps_trainer_samples_total > 0": {"ctr0", "ctr1"},
+            'sum by (name) (rpcps_ps_optimizer_steps_total{cluster="ctr"}) > 0': {"ps0", "ps1"}})
+
+        codes = hosts.down()
+        assert all(code == 0 for name, code in codes.items() if name != "prometheus"), codes
     except AssertionError as exc:
         logs = "\n".join(f"--- {n} ---\n{hosts.log(n)}" for n in hosts.order)
         raise AssertionError(f"{exc}\n{logs}") from None

@@ -1,13 +1,15 @@
 """The CTR workload as a user runs it: `rpcps data ctr` writes Criteo files, `rpcps up --workload
 ctr --data` trains on them (a malformed line skipped and counted, a malformed file refused at the
 start), reports held-out AUC and logloss in its done event, status and metrics, and a restart on
-another server count resumes from its checkpoint, resharded."""
+another server count resumes from its checkpoint, resharded; members killed at random, the
+leader among them, come back and training goes on."""
 import json
 import math
 import os
 import subprocess
 import sys
 
+from services.client import SidecarClient
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
 
@@ -87,3 +89,45 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     assert 'rpcps_trainer_samples_total{name="ctr0",role="ctr"} 1024.0' in metrics, metrics
     up.wait_event("done", 120)
     assert up.proc.wait(30) == 0, up.logs()
+
+
+def test_ctr_members_killed_at_random_and_the_leader_come_back(tmp_path, cleanup):
+    # What the language model's supervision test does, on this workload: `rpcps chaos` kills
+    # members (trainers and servers), then the leader; each comes back by itself, a server with no
+    # less than the checkpoint it had, the other server keeps its shard across the leader's loss,
+    # and training goes on to a clean stop.
+    up = UpProcess(tmp_path, *SMALL, "--checkpoint-every-steps", "20", "--restart-backoff", "0.25",
+                   "--restart-backoff-max", "1")
+    cleanup(up)
+    urls = up.wait_event("started", 120)["sidecars"]
+
+    def step_of(name: str) -> int:
+        with SidecarClient(urls[name], timeout=2.0) as c:
+            return c.status().get("step", 0)
+    wait_until(lambda: min(step_of("ctr0"), step_of("ctr1")) >= 25, 120, "both trainers past a checkpoint")
+
+    def chaos(*flags: str) -> list[dict]:
+        done = subprocess.run([sys.executable, "-m", "services.cli", "chaos", "--json", "--state-dir",
+                               str(up.state_dir), "--interval", "0.2", *flags], capture_output=True, text=True,
+                              timeout=400)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return [json.loads(line) for line in done.stdout.splitlines()]
+
+    kills = [e for e in chaos("--kills", "4", "--seed", "3") + chaos("--kills", "1", "--members", "ps0")
+             if e["event"] == "kill"]
+    assert len(kills) == 5 and all(k["back_at"] for k in kills), kills
+    assert {k["member"] for k in kills} & {"ctr0", "ctr1"}, kills      # the seed kills trainers too
+    for k in kills:
+        print(f"chaos: {k['member']} back in {k['seconds']}s, resumed from {k['resumed_from']}, "
+              f"{k['steps_lost']} steps lost")
+        if k["member"].startswith("ps") and k["checkpoint_at_kill"]:
+            assert k["resumed_step"] >= int(k["checkpoint_at_kill"].split("-")[1]), k
+    assert kills[-1]["kept_by"] == ["ps1"], kills[-1]
+    leader_lost = sorted(e["name"] for e in up.drain() if e["event"] == "restart" and e["exit_code"] == 75)
+    assert leader_lost == ["ctr0", "ctr1", "ps1"], leader_lost
+
+    after = step_of("ctr0")
+    wait_until(lambda: step_of("ctr0") > after + 5, 90, "ctr0 training after the chaos")
+    assert up.terminate(timeout=15) == 0, up.logs()
+    done = up.wait_event("done", 5)
+    assert done["restarts"] >= 5 + 3, done

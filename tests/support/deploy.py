@@ -169,7 +169,8 @@ def k8s_pods() -> list[Pod]:
     for name, doc in k8s_workloads().items():
         spec = doc["spec"]
         if doc["kind"] == "StatefulSet":
-            pods += [Pod(f"{name}-{i}", f"{name}{i}", {"POD_NAME": f"{name}-{i}", "HOSTNAME": f"{name}-{i}"},
+            # A second cluster's servers (ctr-ps-1) are ps1 of their own group.
+            pods += [Pod(f"{name}-{i}", f"{name.split('-')[-1]}{i}", {"POD_NAME": f"{name}-{i}", "HOSTNAME": f"{name}-{i}"},
                          {"apps.kubernetes.io/pod-index": str(i)}, doc) for i in range(spec["replicas"])]
         elif spec.get("completionMode") == "Indexed":
             pods += [Pod(f"{name}-{i}-x1y2z", f"{name}{i}", {"POD_NAME": f"{name}-{i}-x1y2z", "JOB_COMPLETION_INDEX": str(i)},

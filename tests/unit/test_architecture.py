@@ -10,7 +10,7 @@ RPC_SEAMS = {
     "services/rpc.py",          # init_rpc / shutdown
     "services/remote.py",       # the one remote-call mechanism every surface uses
     "services/membership.py",   # the group's membership (private torch internals)
-    "ps/service.py",            # the server side of the PS interface (RRefs, autograd contexts)
+    "ps/contexts.py",           # the server side of the PS interface: its callers' autograd contexts
     "ps/stub.py",               # the client side of the PS interface (distributed autograd)
     "trainer/lm/bench_seed.py",   # the seed design, kept verbatim as the benchmark's baseline
 }

@@ -36,18 +36,20 @@ def test_prometheus_config_rules_and_rule_tests_pass_promtool():
 
 def test_every_compose_command_and_variable_is_one_the_cli_accepts():
     services = rpcps_services()
-    assert {"ps0", "ps1", "trainer0", "trainer1", "agent", "observer0"} <= set(services)
+    assert {"ps0", "ps1", "trainer0", "trainer1", "agent", "observer0", "ctr-ps0", "ctr0"} <= set(services)
     for name, service in services.items():
         argv = [str(a) for a in service["command"]]
         args = cli.parse(argv)            # the image's ENTRYPOINT is `rpcps`
         env = service_env(service, {"RPCPS_CONTROL_TOKEN": "t0ken"})
         model = settings_of(roles()[args.command], vars(args), env)
         cfg = load(model, vars(args), env)                 # raises ConfigError on any bad value
-        assert cfg.name == name, f"service {name} runs a role named {cfg.name}"
+        # A second cluster's servers are ps0, ps1 of their own group, under a prefixed service name.
+        assert cfg.name == name.split("-")[-1], f"service {name} runs a role named {cfg.name}"
         known = {env_name(f, i) for f, i in model.model_fields.items()} | TORCH_VARIABLES
         unknown = sorted(k for k in env if (k.startswith("RPCPS_") or k in TORCH_VARIABLES) and k not in known)
         assert not unknown, f"{name}: {unknown} are not read by `rpcps {args.command}`"
-        leader = "agent" if args.command in ("agent", "observer") else "ps0"
+        workload = getattr(cfg, "workload", None) or args.command
+        leader = {"agent": "agent", "observer": "agent", "ctr": "ctr-ps0"}.get(workload, "ps0")
         assert env["MASTER_ADDR"] == leader and leader in services, f"{name} looks for its store at {env['MASTER_ADDR']}"
         assert cfg.sidecar_host == "0.0.0.0" and str(cfg.checkpoint_dir) == "/checkpoints"
 

@@ -83,35 +83,43 @@ def test_every_pod_runs_a_role_the_cli_accepts_under_its_own_name(stub_rpcps):
         known = {env_name(f, i) for f, i in model.model_fields.items()} | TORCH_VARIABLES
         unknown = sorted(k for k in env if (k.startswith("RPCPS_") or k in TORCH_VARIABLES) and k not in known)
         assert not unknown, f"{pod.name}: {unknown} are not read by `rpcps {args.command}`"
-        if args.command in ("ps", "trainer"):
-            assert cfg.num_ps == k8s_workloads()["ps"]["spec"]["replicas"], f"{pod.name}: RPCPS_NUM_PS"
-        if args.command == "trainer":
+        servers = "ctr-ps" if args.command == "ctr" or getattr(cfg, "workload", None) == "ctr" else "ps"
+        if args.command in ("ps", "trainer", "ctr"):
+            assert cfg.num_ps == k8s_workloads()[servers]["spec"]["replicas"], f"{pod.name}: RPCPS_NUM_PS"
+        if args.command in ("trainer", "ctr"):
             assert cfg.num_trainers == pod.workload["spec"]["completions"]
-    assert names == {"ps": ["ps0", "ps1"], "trainer": ["trainer0", "trainer1"], "agent": ["agent"],
-                     "observer": ["observer0", "observer1", "observer2", "observer3"]}
+    assert names == {"ps": ["ps0", "ps1", "ps0", "ps1"], "trainer": ["trainer0", "trainer1"], "agent": ["agent"],
+                     "observer": ["observer0", "observer1", "observer2", "observer3"], "ctr": ["ctr0", "ctr1"]}
     agent = pod_spec(k8s_workloads()["agent"])["containers"][0]["command"]
     assert agent[agent.index("--min-observers") + 1] == str(k8s_workloads()["observer"]["spec"]["completions"])
 
 
 def test_peers_find_the_store_before_anything_is_ready():
     docs = resources()
-    for workload_name, service_name in (("ps", "ps"), ("agent", "agent")):
+    for workload_name, service_name in (("ps", "ps"), ("agent", "agent"), ("ctr-ps", "ctr-ps")):
         service = docs[("Service", service_name)]["spec"]
         assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
         workload = k8s_workloads()[workload_name]
         assert service["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
         assert 29500 in [p["port"] for p in service["ports"]]
-    ps = k8s_workloads()["ps"]["spec"]
-    assert ps["serviceName"] == "ps" and ps["podManagementPolicy"] == "Parallel"
+    for servers in ("ps", "ctr-ps"):
+        spec = k8s_workloads()[servers]["spec"]
+        assert spec["serviceName"] == servers and spec["podManagementPolicy"] == "Parallel"
+    selectors = [w["spec"]["selector"]["matchLabels"] for w in k8s_workloads().values() if "selector" in w["spec"]]
+    for w in k8s_workloads().values():      # no controller's selector takes another's pods
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert sum(s.items() <= labels.items() for s in selectors) <= 1, w["metadata"]["name"]
     for name, workload in k8s_workloads().items():
         env = container_env(pod_spec(workload)["containers"][0])
-        leader = "agent" if name in ("agent", "observer") else "ps-0.ps"   # pod 0's DNS name under the Service
+        # pod 0's DNS name under the Service
+        leader = {"agent": "agent", "observer": "agent", "ctr-ps": "ctr-ps-0.ctr-ps", "ctr": "ctr-ps-0.ctr-ps"}.get(name, "ps-0.ps")
         assert env["MASTER_ADDR"] == leader and env["MASTER_PORT"] == "29500", name
         assert env["TP_SOCKET_IFNAME"] == "eth0", f"{name}: TensorPipe would advertise loopback"
 
 
-def test_each_server_shard_has_its_own_checkpoint_volume():
-    ps = k8s_workloads()["ps"]
+@pytest.mark.parametrize("servers", ["ps", "ctr-ps"])
+def test_each_server_shard_has_its_own_checkpoint_volume(servers):
+    ps = k8s_workloads()[servers]
     templates = {t["metadata"]["name"]: t for t in ps["spec"]["volumeClaimTemplates"]}
     mount = {m["name"]: m["mountPath"] for m in pod_spec(ps)["containers"][0]["volumeMounts"]}
     assert set(templates) == set(mount) and mount["checkpoints"] == image_env()["RPCPS_CHECKPOINT_DIR"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.checkpoint.handover import Handover, LeaderLife, Standing
-from services.launcher import resuming_newest
+from services.roster import resuming_newest
 from services.leader import LeaderWatch
 
 

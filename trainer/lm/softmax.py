@@ -12,7 +12,9 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ps.service import ParameterServer, describe, in_autograd_context
+from ps.contexts import in_autograd_context
+from ps.service import ParameterServer
+from services.remote import describe
 from ps.tables import BufferPool
 from services.errors import BadRequest
 
@@ -97,7 +99,7 @@ class Decode:
         h, targets = args
         if not isinstance(h, torch.Tensor) or h.dtype != torch.float32 or h.dim() != 2 or h.size(1) != self.nhid:
             raise BadRequest(f"h must be a float32 tensor [N, {self.nhid}], got {describe(h)}")
-        server.check_ids(VOCABULARY, targets, "targets", any_shard=True)
+        server.checks.ids(VOCABULARY, targets, "targets", any_shard=True)
         if targets.numel() != h.size(0):
             raise BadRequest(f"targets has {targets.numel()} entries for {h.size(0)} rows of h")
         plan = server.layout.plans[VOCABULARY]

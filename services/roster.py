@@ -1,0 +1,151 @@
+"""The members ``rpcps up`` runs, as processes: where each is planned (its argv, sidecar, log),
+started, restarted after a back-off when it dies (at once when it only lost its leader), recorded
+in ``cluster.json`` for ``rpcps status``/``chaos``/``down``, and stopped in waves."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from services.checkpoint.store import CheckpointStore
+from services.leader import LEADER_LOST
+from services.processes import free_port, spawn_role, stop_in_waves
+from services.upconfig import LauncherConfig, flags
+from services.workload import Launch
+
+log = logging.getLogger("services.launcher")
+
+STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
+_COMMON_FLAGS = ("threads", "log_level", "sidecar_host", "rpc_transport")
+
+
+@dataclass
+class Member:
+    name: str
+    role: str
+    argv: list[str]
+    url: str
+    log_path: Path
+    proc: Optional[subprocess.Popen] = None
+    started_at: float = 0.0                 # time.monotonic() of its last start
+    deaths: int = 0                         # in a row: each before it stayed up --restart-window
+    restarts: int = 0                       # in this run
+    last_exit: Optional[int] = None
+    restart_at: Optional[float] = None      # time.monotonic() its restart is due, while it waits
+
+    def failing(self) -> Optional[dict]:
+        """What ``rpcps status`` shows of a member in a crash loop (None: not failing)."""
+        if not self.deaths:
+            return None
+        due = None if self.restart_at is None else time.time() + max(0.0, self.restart_at - time.monotonic())
+        return {"exit_code": self.last_exit, "deaths": self.deaths, "restart_at": due}
+
+
+class Roster:
+    def __init__(self, cfg: LauncherConfig, workload: Launch, leader: str, checkpoint_dir: Path,
+                 emit: Callable[[dict], None], fail: Callable[[str], None]) -> None:
+        self.cfg, self.workload, self.leader, self.checkpoint_dir = cfg, workload, leader, checkpoint_dir
+        self.emit, self._fail = emit, fail
+        self.members: list[Member] = []
+        self.master_port = 0
+        self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
+        self.newest_at_start: Optional[str] = None   # the newest checkpoint before this run
+        self.on_restart: Callable[[Member], None] = lambda m: None   # its last status is stale
+
+    def plan(self) -> None:
+        cfg = self.cfg
+        logs = cfg.state_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.master_port = cfg.master_port or free_port()
+        for i, planned in enumerate(self.workload.plan()):
+            port = cfg.sidecar_port + i if cfg.sidecar_port else free_port()
+            argv = [planned.role, "--name", planned.name, "--sidecar-port", str(port),
+                    "--master-addr", cfg.master_addr, "--master-port", str(self.master_port),
+                    "--checkpoint-dir", str(self.checkpoint_dir), *planned.argv, *flags(cfg, _COMMON_FLAGS)]
+            host = "127.0.0.1" if cfg.sidecar_host in ("0.0.0.0", "") else cfg.sidecar_host
+            self.members.append(Member(planned.name, planned.role, argv, f"http://{host}:{port}",
+                                       logs / f"{planned.name}.log"))
+
+    def newest_checkpoint(self) -> Optional[str]:
+        found = CheckpointStore(self.checkpoint_dir).list()
+        return found[0].id if found else None
+
+    def spawn(self, m: Member) -> None:
+        # The token travels in the environment: argv is visible to every user of the machine.
+        env = {"RPCPS_RESTARTS_IN_A_ROW": str(m.deaths), **({"RPCPS_CONTROL_TOKEN": self._token} if self._token else {})}
+        argv = m.argv
+        if m.name == self.leader and m.restarts and self.newest_checkpoint() != self.newest_at_start:
+            # This run has committed a checkpoint: a restarted leader resumes it, whatever the
+            # first start was told (--no-resume, --resume-from an older one).
+            argv = resuming_newest(argv)
+        m.proc = spawn_role("services.cli", argv, m.log_path, env)
+        m.started_at = time.monotonic()
+        log.info("started %s (pid %d), log %s", m.name, m.proc.pid, m.log_path)
+
+    def schedule_restart(self, m: Member, code: int) -> bool:
+        """A member died: restart it after a back-off that doubles with each death in a row (as
+        Kubernetes does), while the others go on. False: the user set --max-restarts and it is spent."""
+        if self.cfg.max_restarts is not None and m.deaths >= self.cfg.max_restarts:
+            self._fail(f"{m.name} exited with code {code} after {m.deaths} restarts in a row; giving up "
+                       f"(--max-restarts; see {m.log_path})")
+            return False
+        m.deaths += 1
+        m.restarts += 1
+        m.last_exit = code
+        delay = min(self.cfg.restart_backoff_max, self.cfg.restart_backoff * 2 ** (m.deaths - 1))
+        m.restart_at = time.monotonic() + delay
+        self.on_restart(m)
+        self.emit({"event": "restart", "name": m.name, "exit_code": code, "restarts": m.deaths, "in": delay})
+        self.write_state()
+        return True
+
+    def rejoin(self, m: Member) -> None:
+        """``m`` left because the leader died: start it now (it waits for the new leader); no
+        death of its own, so no back-off."""
+        m.restarts += 1
+        m.last_exit = LEADER_LOST
+        self.on_restart(m)
+        self.emit({"event": "restart", "name": m.name, "exit_code": LEADER_LOST, "restarts": m.deaths, "in": 0.0})
+        self.respawn(m)
+
+    def respawn(self, m: Member) -> None:
+        m.restart_at = None
+        self.spawn(m)
+        self.write_state()
+
+    def write_state(self) -> None:
+        state = {"sidecars": {m.name: m.url for m in self.members}, "leader": self.leader, "launcher_pid": os.getpid(),
+                 "checkpoint_dir": str(self.checkpoint_dir.resolve()),
+                 "pids": {m.name: m.proc.pid for m in self.members if m.proc}, "master_port": self.master_port,
+                 "failing": {m.name: f for m in self.members if (f := m.failing()) is not None}}
+        path = self.cfg.state_dir / "cluster.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(path)
+
+    def stop_waves(self, count: Optional[int] = None) -> None:
+        """The first ``count`` waves (default all): workers first, the leader (the store host) last."""
+        by_name = {m.name: m for m in self.members}
+        waves = self.workload.stop_waves(list(by_name))[:count]
+        stop_in_waves([[(n, by_name[n].proc) for n in wave if by_name[n].proc is not None] for wave in waves],
+                      STOP_TIMEOUT)
+
+
+
+def resuming_newest(argv: list[str]) -> list[str]:
+    """``argv`` with its restore flags replaced by ``--resume`` (the newest valid checkpoint)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume-from":
+            skip = True
+        elif arg not in ("--resume", "--no-resume"):
+            out.append(arg)
+    return out + ["--resume"]
