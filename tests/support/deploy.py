@@ -149,10 +149,17 @@ def _label_name(key: str) -> str:
 class Pod:
     """One pod of a deploy/k8s workload, as Kubernetes would create it."""
     name: str                       # the pod's name (ps-1)
-    role_name: str                  # the rpcps role it must run as (ps1)
+    role_name: str                  # the rpcps role it must run as (ps1; ps1 for ctr-ps-1 too)
     env: dict[str, str]             # what the Downward API and the Job controller set
     index_labels: dict[str, str]    # the labels Kubernetes adds with the pod's index
     workload: dict
+
+    @property
+    def service(self) -> str:
+        """The compose service that runs the same member (ps1, ctr-ps1, trainer1, agent)."""
+        index = self.index_labels.get("apps.kubernetes.io/pod-index",
+                                      self.index_labels.get("batch.kubernetes.io/job-completion-index", ""))
+        return self.workload["metadata"]["name"] + index
 
 
 def k8s_workloads() -> dict[str, dict]:
@@ -184,10 +191,10 @@ def k8s_pods() -> list[Pod]:
 def k8s_pod_targets(addresses: dict[str, str], namespace: str = "default") -> list[dict]:
     """What Prometheus's Kubernetes pod discovery would list for deploy/k8s's pods, in file_sd form:
     one target per declared container port, with the pod's labels, annotations and index. A pod is
-    placed at ``addresses[<its role name>]``; pods without an address are not running."""
+    placed at ``addresses[<its compose service's name>]``; pods without an address are not running."""
     targets = []
     for pod in k8s_pods():
-        if pod.role_name not in addresses:
+        if pod.service not in addresses:
             continue
         template = pod.workload["spec"]["template"]
         meta = {"__meta_kubernetes_namespace": namespace, "__meta_kubernetes_pod_name": pod.name}
@@ -196,7 +203,7 @@ def k8s_pod_targets(addresses: dict[str, str], namespace: str = "default") -> li
         for key, value in template["metadata"].get("annotations", {}).items():
             meta[f"__meta_kubernetes_pod_annotation_{_label_name(key)}"] = value
         for port in template["spec"]["containers"][0]["ports"]:
-            targets.append({"targets": [f"{addresses[pod.role_name]}:{port['containerPort']}"],
+            targets.append({"targets": [f"{addresses[pod.service]}:{port['containerPort']}"],
                             "labels": {**meta, "__meta_kubernetes_pod_container_port_name": port["name"]}})
     return targets
 
