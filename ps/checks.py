@@ -10,6 +10,8 @@ from ps.sharding import Layout
 from services.errors import BadRequest
 from services.remote import describe
 
+ID_DTYPES = (torch.int64, torch.int32)   # int32: what the client sends for a table under 2**31 rows
+
 
 class RequestChecks:
     def __init__(self, layout: Layout, shard: int, max_ids: int) -> None:
@@ -25,8 +27,8 @@ class RequestChecks:
     def ids(self, table: str, ids: Any, what: str, any_shard: bool = False) -> None:
         """``ids`` of ``table``, as one request may name them (``any_shard``: owned by any shard)."""
         plan = self.layout.plans[table]
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-            raise BadRequest(f"{what} must be an int64 tensor [n], got {describe(ids)}")
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in ID_DTYPES or ids.dim() != 1:
+            raise BadRequest(f"{what} must be an int64 or int32 tensor [n], got {describe(ids)}")
         if ids.numel() == 0:
             raise BadRequest(f"{what} is empty")
         self.count(ids.numel(), what)

@@ -88,7 +88,7 @@ class PsRole(RoleBase, WithoutEpisodes):
             self._handover.remove()     # restored from, or not matching: used once either way
             read_standing = self.endpoint.reader(CLUSTER_CHECKPOINT_KEY)
         self.metrics.up.set(1)
-        self.board.update(steps=self.server.optimizer.steps, refused=self.server.refused)   # before anyone reads it
+        self._show_work()   # before anyone reads it
         self.board.set_state(RoleState.RUNNING, "serving")
         while not self._stop.wait(1.0):
             self._heartbeat()
@@ -98,8 +98,12 @@ class PsRole(RoleBase, WithoutEpisodes):
                     self._standing = now      # another leader's word is no news of the one this server serves
             if self.leading is not None:
                 self.leading.tick()
-            self.board.update(steps=self.server.optimizer.steps, refused=self.server.refused)
+            self._show_work()
         self._stopped = True
+
+    def _show_work(self) -> None:
+        server = self.server
+        self.board.update(steps=server.optimizer.steps, refused=server.refused, work=server.work.describe())
 
     def _build(self, shard: int) -> tuple[Optional[CheckpointInfo], ParameterServer]:
         """This shard: from the checkpoint the cluster stands on (ps0's choice), from this server's

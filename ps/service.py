@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from typing import Any, Optional
 
 import torch
@@ -25,6 +26,7 @@ from ps.replica_writes import ReplicaWrites
 from ps.state import export_shard, gather_shard, initial_shard
 from ps.tables import RowShard
 from ps.update import SharedOptimizer, SyncSteps, grad_sq_norm
+from ps.work import Work
 from services.errors import BadRequest, UpdateRefused
 from ps.metrics import PsMetrics
 from services.remote import Service, remote
@@ -40,6 +42,7 @@ class ParameterServer(Service):
         ``max_ids``: the most ids one request may name."""
         self.name, self.shard, self.spec, self.metrics = name, shard, spec, metrics
         self.consistency = consistency
+        self.work = Work()
         self.layout = Layout.of(spec, num_shards)
         self.checks = RequestChecks(self.layout, shard, max_ids)
         if restore is None:
@@ -75,9 +78,10 @@ class ParameterServer(Service):
         return export_shard(self.shard, self.layout, self.spec.meta, steps, dict(zip(self.param_names, params)),
                             {n: s for n, s in zip(self.param_names, state) if s})
 
-    def _stepped(self, rows: int) -> None:
+    def _stepped(self, rows: int, seconds: float) -> None:
         self.metrics.optimizer_steps.inc()
         self.metrics.rows_updated.inc(rows)
+        self.work.add("update", rows, seconds)
 
     # --- the RPC surface ---------------------------------------------------------------------------
     @remote
@@ -111,8 +115,10 @@ class ParameterServer(Service):
             total += ids.numel()
         self.checks.count(total, "the lookups")
         with self.optimizer.lock:  # rows are read whole, never mid-update
+            started = time.perf_counter()
             rows = {param: self.rows[param.replace(".", "/")](self.layout.plans[self.checks.table_of(param)].to_local(ids))
                     for param, ids in lookups.items()}
+            self.work.add("lookup", total, time.perf_counter() - started)
         self.metrics.rows_looked_up.inc(total)
         return rows
 

@@ -17,6 +17,7 @@ class PsStatus(RoleStatus):
     refused: int = 0                               # updates refused whole (gradients not finite)
     consistency: Optional[str] = None              # async, sync or ssp:K
     clock: Optional[dict[str, Any]] = None         # ps0 in sync/ssp: trainers' step clocks, whom a barrier waits for
+    work: Optional[dict[str, dict[str, float]]] = None  # lookup, update: rows, seconds, rows_per_s
 
     def line(self) -> list[str]:
         out = [f"shard {self.shard}/{self.num_shards}", f"{self.rows} rows", f"members {len(self.members or [])}",

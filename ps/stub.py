@@ -58,34 +58,48 @@ def tensor_bytes(value: Any) -> tuple[int, int]:
 class Traffic:
     """The tensor bytes this trainer's RPCs moved to and from the servers, distributed backward's
     gradients included (each as large as the tensor it is the gradient of): payloads, counted as
-    they are handed to RPC, not wire bytes."""
+    they are handed to RPC, not wire bytes. And the messages: each call, and each gradient message
+    distributed backward sends (one per answer that carried tensors needing gradients)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.sent = 0
         self.received = 0
+        self.messages = 0
 
-    def add(self, sent: int, received: int) -> None:
+    def add(self, sent: int, received: int, messages: int = 0) -> None:
         with self._lock:
             self.sent += sent
             self.received += received
+            self.messages += messages
 
     def call(self, args: tuple, future: torch.futures.Future) -> None:
         sent, grads_back = tensor_bytes(args)
-        self.add(sent, grads_back)
+        self.add(sent, grads_back, 1)
 
         def answered(f: torch.futures.Future) -> None:
             try:
                 received, grads_sent = tensor_bytes(f.value())
             except Exception:  # noqa: BLE001 - a failed call moved no answer; its caller hears of it
                 return
-            self.add(grads_sent, received)
+            self.add(grads_sent, received, 1 if grads_sent else 0)
         future.add_done_callback(answered)
 
     @property
     def total(self) -> int:
         with self._lock:
             return self.sent + self.received
+
+    @property
+    def calls(self) -> int:
+        with self._lock:
+            return self.messages
+
+
+def on_the_wire(ids: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """Ids as a request carries them: int32 for a table of fewer than 2**31 rows, which halves the
+    bytes that name the rows."""
+    return ids.to(torch.int32) if num_ids <= torch.iinfo(torch.int32).max else ids
 
 
 class PsClient:
@@ -179,10 +193,11 @@ class PsClient:
         pending = []
         for param, ids in lookups.items():
             unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+            plan = self.plans[self.table_of[param]]
             parts = []
-            for k, (pos, shard_ids) in enumerate(self.plans[self.table_of[param]].partition(unique)):
+            for k, (pos, shard_ids) in enumerate(plan.partition(unique)):
                 if pos.numel():
-                    asks[k][param] = shard_ids
+                    asks[k][param] = on_the_wire(shard_ids, plan.num_ids)
                     parts.append((k, pos))
             pending.append((param, ids.shape, inverse, parts))
         answers = {k: self._async(self.ps_names[k], ParameterServer.lookup_many, ask)

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import os
 import threading
+import time
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -99,8 +100,9 @@ class SharedOptimizer:
     """The server's optimizer and the lock that orders its steps against parameter reads."""
 
     def __init__(self, params: list[torch.nn.Parameter], rules: list[UpdateRule], lr: float,
-                 on_step: Optional[Callable[[int], None]] = None) -> None:
-        """``rules``: each parameter's update rule (a table's may differ from the dense ones')."""
+                 on_step: Optional[Callable[[int, float], None]] = None) -> None:
+        """``rules``: each parameter's update rule (a table's may differ from the dense ones');
+        ``on_step(rows, seconds)`` after each step: table rows it changed, seconds it took."""
         self.lock = threading.Lock()
         self.params = params
         self.optimizer = RuleOptimizer(list(zip(params, rules)), lr)
@@ -112,11 +114,13 @@ class SharedOptimizer:
         of updates applied before this one."""
         with self.lock:
             before = self.steps
+            started = time.perf_counter()
             for p in self.params:
                 p.grad = grads.get(p)
             rows = self._step()
+            seconds = time.perf_counter() - started
         if self._on_step is not None:
-            self._on_step(rows)
+            self._on_step(rows, seconds)
         return before
 
     def advance_to(self, steps: int) -> int:

@@ -87,7 +87,19 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     metrics = found["metrics"]
     assert 'rpcps_trainer_eval_auc{name="ctr0",role="ctr"}' in metrics
     assert 'rpcps_trainer_samples_total{name="ctr0",role="ctr"} 1024.0' in metrics, metrics
-    up.wait_event("done", 120)
+
+    # Where the steps' time went: the server's rows and seconds, the trainer's messages and phases.
+    ps0 = up.cluster()["sidecars"]["ps0"]
+    work = {}
+    wait_until(lambda: work.update(httpx.get(f"{ps0}/status", timeout=5).json().get("work") or {})
+               or work.get("update", {}).get("rows", 0) > 0, 30, "ps0's work on its status")
+    assert work["lookup"]["rows"] > 0 and work["lookup"]["rows_per_s"] > 0, work
+    assert work["update"]["seconds"] > 0, work
+    done = up.wait_event("done", 120)
+    # Each step: a lookup, the MLPs' weights, the norm, the apply, and distributed backward's
+    # gradients for the rows and the weights.
+    assert done["per_step"]["rpcs"] >= 6, done["per_step"]
+    assert {"fetch", "forward", "backward", "optimize", "total"} <= set(done["per_step"]["seconds"]), done
     assert up.proc.wait(30) == 0, up.logs()
 
 

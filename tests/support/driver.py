@@ -180,6 +180,7 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
     lookup, decode, emb = ParameterServer.lookup, ParameterServer.op, "embedding.weight"
     cases = {
         "float ids": (lookup, emb, torch.tensor([0.0, 1.0])),
+        "int16 ids": (lookup, emb, torch.tensor([0, 1], dtype=torch.int16)),
         "2-d ids": (lookup, emb, torch.zeros(2, 2, dtype=torch.long)),
         "negative id": (lookup, emb, torch.tensor([-1])),
         "id past vocab": (lookup, emb, torch.tensor([m.ntoken + 5])),

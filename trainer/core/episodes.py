@@ -61,7 +61,8 @@ class EpisodeRunner:
         self.refused = 0            # steps skipped because their update was refused
         self.lost = 0               # steps skipped because they failed on their way (StepLost)
         self._refused_in_a_row = 0
-        self._traffic = {"steps": 0, "rpc_bytes": 0, "allreduce_bytes": 0}
+        self._traffic: dict[str, Any] = {"steps": 0, "rpc_bytes": 0, "rpcs": 0, "allreduce_bytes": 0,
+                                         "timed_steps": 0, "phase_seconds": {}}
         self._digests: deque[tuple[int, str]] = deque(maxlen=128)   # --dense allreduce: the replica's last steps
         self.progress = Progress(board, metrics)
 
@@ -118,7 +119,7 @@ class EpisodeRunner:
                               loss_avg=sum(recent) / len(recent), loss_first=first_loss,
                               **{f"{self.unit}_per_s": per_s}, grad_norm=result.grad_norm, timed=throughput.window,
                               step_seconds={k: round(v, 6) for k, v in result.phases.items()},
-                              moved=self._count_traffic(result), **self._replica_status())
+                              moved=self._count_traffic(result, episode["step"] > self.cfg.warmup_steps), **self._replica_status())
             self.progress.advance(episode["step"])
             if time.monotonic() - last_log >= self.cfg.log_interval:
                 last_log = time.monotonic()
@@ -145,12 +146,18 @@ class EpisodeRunner:
                             f"stopping rather than spinning: check the data, --lr and --clip, and the trainers' "
                             f"connections to each other")
 
-    def _count_traffic(self, result: StepResult) -> dict[str, int]:
+    def _count_traffic(self, result: StepResult, timed: bool) -> dict[str, Any]:
+        """``timed``: past the warm-up steps, whose set-up costs would blur where a step's time goes."""
         t = self._traffic
         t["steps"] += 1
         t["rpc_bytes"] += result.rpc_bytes
+        t["rpcs"] += result.rpcs
         t["allreduce_bytes"] += result.allreduce_bytes
-        return dict(t)
+        if timed:
+            t["timed_steps"] += 1
+            for phase, seconds in result.phases.items():
+                t["phase_seconds"][phase] = t["phase_seconds"].get(phase, 0.0) + seconds
+        return {**t, "phase_seconds": {k: round(v, 6) for k, v in t["phase_seconds"].items()}}
 
     def _replica_status(self) -> dict[str, Any]:
         """--dense allreduce: which step the replica is at, its digest (equal on every trainer of

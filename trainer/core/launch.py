@@ -100,7 +100,7 @@ class TrainersLaunch:
                 "loss_first": sum(firsts) / len(firsts) if firsts else None,
                 "loss_last": sum(lasts) / len(lasts) if lasts else None,
                 f"{self.unit}_per_s": self._per_s(st), **self.held_out(st),
-                "restarts": restarts, "bytes_per_step": _bytes_per_step(st)}
+                "restarts": restarts, "bytes_per_step": _bytes_per_step(st), "per_step": _per_step(st)}
 
     def human(self, e: dict[str, Any]) -> Optional[str]:
         unit = self.unit
@@ -142,3 +142,13 @@ def _bytes_per_step(statuses: list[Any]) -> dict[str, float]:
     steps = sum(s.moved.steps for s in statuses)
     return {"rpc": sum(s.moved.rpc_bytes for s in statuses) / steps if steps else 0.0,
             "allreduce": sum(s.moved.allreduce_bytes for s in statuses) / steps if steps else 0.0}
+
+
+def _per_step(statuses: list[Any]) -> dict[str, Any]:
+    """Where a trainer's step goes, on average over every trainer's steps: its messages to the
+    servers, and the seconds of each phase (of the steps past the warm-up)."""
+    steps = sum(s.moved.steps for s in statuses)
+    timed = sum(s.moved.timed_steps for s in statuses)
+    phases = sorted({p for s in statuses for p in s.moved.phase_seconds})
+    return {"rpcs": sum(s.moved.rpcs for s in statuses) / steps if steps else 0.0,
+            "seconds": {p: sum(s.moved.phase_seconds.get(p, 0.0) for s in statuses) / timed for p in phases} if timed else {}}

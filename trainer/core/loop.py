@@ -24,6 +24,7 @@ class StepResult:
     arrived_at: float = 0.0     # time.monotonic() when reported to the step clock (sync, ssp)
     rpc_bytes: int = 0          # tensor bytes to and from the servers (``ps.stub.Traffic``)
     allreduce_bytes: int = 0    # bytes handed to the trainers' all-reduce (--dense allreduce)
+    rpcs: int = 0               # messages to the servers: calls and distributed backward's gradients
 
 
 class Task(Protocol):
@@ -80,6 +81,7 @@ class TrainLoop:
         client = self.model.client
         # The step boundary: in sync and ssp modes, wait for the step clock before taking the batch.
         rpc_before, allreduce_before = client.traffic.total, self.model.allreduce_bytes
+        calls_before = client.traffic.calls
         waited = client.begin()
         self.model.follow_group()
         batch = self.task.next_batch()
@@ -101,7 +103,7 @@ class TrainLoop:
                   "optimize": done.optimize, "barrier": waited + done.barrier, "total": total + waited}
         result = StepResult(float(loss.detach()), self.task.units(batch), total + waited, done.grad_norm, phases,
                             done.arrived_at, client.traffic.total - rpc_before,
-                            self.model.allreduce_bytes - allreduce_before)
+                            self.model.allreduce_bytes - allreduce_before, client.traffic.calls - calls_before)
         if self.metrics is not None:
             self.metrics.stepped(result)
         return result

@@ -28,12 +28,16 @@ class ReplicaState(BaseModel):
 
 
 class Traffic(BaseModel):
-    """The bytes this trainer's successful steps moved: tensors to and from the servers over RPC
-    (distributed backward's gradients included), and what it handed to the trainers' all-reduce."""
+    """What this trainer's successful steps moved and where their time went: tensor bytes to and
+    from the servers over RPC (distributed backward's gradients included), the messages that
+    carried them, what it handed to the trainers' all-reduce, and the seconds of each phase."""
 
     steps: int = 0
     rpc_bytes: int = 0
+    rpcs: int = 0
     allreduce_bytes: int = 0
+    timed_steps: int = 0               # those past the warm-up steps, which ``phase_seconds`` adds up
+    phase_seconds: dict[str, float] = {}   # per phase (fetch, forward, backward, clip, optimize, barrier, total)
 
 
 class TrainerStatusBase(RoleStatus):

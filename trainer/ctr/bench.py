@@ -11,8 +11,10 @@ Every variant trains on the same number of samples and is scored on the same hel
 (AUC, logloss), beside the generator's ground truth (``oracle_auc``). Each variant runs in its own
 processes, in rounds (a b c d a b c d …); the median of the rounds is reported. Also: each
 process's peak resident memory, and what a step moves over RPC per sample beside the bytes of the
-batch's deduplicated rows (a row goes out, its gradient comes back). Prints JSON lines, the last
-one the summary.
+batch's deduplicated rows (a row goes out, its gradient comes back). And where the time goes (the
+``account``, of the last round): a trainer's messages, bytes and milliseconds per phase per step,
+and each server's lookup and update rows/s and its milliseconds on them per trainer step, read
+from the servers' /status while the trainers train. Prints JSON lines, the last one the summary.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from services.client import SidecarClient
 
 VARIANTS = ("local", "async", "sync", "sync-allreduce")
 TRAINERS = 2
@@ -80,19 +84,49 @@ def bench_local(args: dict) -> dict:
             "logloss": logloss(scores, labels), "oracle_auc": auc(truth, labels), "rss_mb": _peak_rss_mb()}
 
 
-def _sample_peaks(state: Path, peaks: dict[str, float]) -> None:
-    """Each member's peak resident memory so far (VmHWM), by its pid in cluster.json."""
+def _sample(state: Path, peaks: dict[str, float], training: dict) -> None:
+    """Each member's peak resident memory so far (VmHWM, by its pid in cluster.json); and, while
+    every trainer trains (before any evaluates), each server's work and the trainers' steps so far."""
     try:
-        pids = json.loads((state / "cluster.json").read_text()).get("pids", {})
+        cluster = json.loads((state / "cluster.json").read_text())
     except (OSError, ValueError):
         return
-    for name, pid in pids.items():
+    for name, pid in cluster.get("pids", {}).items():
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
                     peaks[name] = max(peaks.get(name, 0.0), int(line.split()[1]) / 1024)
         except OSError:
             pass
+    statuses = {}
+    for name, url in cluster.get("sidecars", {}).items():
+        try:
+            with SidecarClient(url, timeout=1.0) as c:
+                statuses[name] = c.status()
+        except Exception:  # noqa: BLE001 - starting or stopping: this sample is left out
+            return
+    trainers = [st for n, st in statuses.items() if not n.startswith("ps")]
+    if trainers and all(st.get("state") == "running" and not st.get("evaluating") for st in trainers):
+        training.update(steps=sum(st.get("step", 0) for st in trainers),
+                        work={n: st.get("work") or {} for n, st in statuses.items() if n.startswith("ps")})
+
+
+def account(done: dict, training: dict) -> dict:
+    """Where a step's time goes: a trainer's messages, bytes and milliseconds per phase per step;
+    each server's lookup and update rows/s (rows over the seconds it spent on them), and the
+    milliseconds it spent on them per trainer step (while the trainers trained)."""
+    per_step = done.get("per_step", {})
+    steps = training.get("steps") or 1
+    servers = {}
+    for name, w in sorted(training.get("work", {}).items()):
+        lookup, update = w.get("lookup", {}), w.get("update", {})
+        servers[name] = {"lookup_rows_per_s": lookup.get("rows_per_s", 0.0),
+                         "update_rows_per_s": update.get("rows_per_s", 0.0),
+                         "lookup_rows_per_step": lookup.get("rows", 0) / steps,
+                         "lookup_ms_per_step": 1e3 * lookup.get("seconds", 0.0) / steps,
+                         "update_ms_per_step": 1e3 * update.get("seconds", 0.0) / steps}
+    return {"rpcs_per_step": per_step.get("rpcs", 0.0), "rpc_bytes_per_step": done["bytes_per_step"]["rpc"],
+            "step_ms": {k: 1e3 * v for k, v in per_step.get("seconds", {}).items()}, "servers": servers}
 
 
 def bench_cluster(args: dict, extra: tuple[str, ...]) -> dict:
@@ -105,11 +139,12 @@ def bench_cluster(args: dict, extra: tuple[str, ...]) -> dict:
                 "--checkpoint-dir", str(Path(tmp) / "ckpt"), "--no-final-checkpoint", *extra]
         out = Path(tmp) / "out.jsonl"
         peaks: dict[str, float] = {}
+        training: dict = {}
         with open(out, "w") as f:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.DEVNULL, text=True)
             deadline = time.monotonic() + 3600
             while proc.poll() is None and time.monotonic() < deadline:
-                _sample_peaks(state, peaks)
+                _sample(state, peaks, training)
                 time.sleep(0.5)  # noqa: sleep-ok (sampling memory while the run goes on)
             if proc.poll() is None:
                 proc.kill()
@@ -122,7 +157,8 @@ def bench_cluster(args: dict, extra: tuple[str, ...]) -> dict:
             "oracle_auc": d["oracle_auc"], "auc_spread": d.get("auc_spread"),
             "bytes_per_sample": d["bytes_per_step"]["rpc"] / args["batch_size"],
             "allreduce_bytes_per_sample": d["bytes_per_step"]["allreduce"] / args["batch_size"],
-            "rss_mb": {n: round(v, 1) for n, v in sorted(peaks.items())}}
+            "rss_mb": {n: round(v, 1) for n, v in sorted(peaks.items())},
+            "account": account(d, training)}
 
 
 def rows_bytes_per_sample(args: dict, batches: int = 5) -> float:
@@ -175,7 +211,8 @@ def run(ns: argparse.Namespace) -> int:
         if name == "local":
             results[name]["rss_mb"] = median(name, "rss_mb")
         else:
-            results[name].update(bytes_per_sample=median(name, "bytes_per_sample"), rss_mb=rounds[-1][name]["rss_mb"])
+            results[name].update(bytes_per_sample=median(name, "bytes_per_sample"), rss_mb=rounds[-1][name]["rss_mb"],
+                                 account=rounds[-1][name]["account"])
     rows = rows_bytes_per_sample(args)
     ratios = {}
     if "async" in results and "local" in results:
