@@ -32,9 +32,10 @@ class RequestChecks:
         if ids.numel() == 0:
             raise BadRequest(f"{what} is empty")
         self.count(ids.numel(), what)
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= plan.num_ids:
-            raise BadRequest(f"{what} out of range: [{lo}, {hi}] not within [0, {plan.num_ids})")
+        if plan.id_max < torch.iinfo(torch.int64).max:     # a hashed table takes any raw id
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi > plan.id_max:
+                raise BadRequest(f"{what} out of range: [{lo}, {hi}] not within [0, {plan.num_ids})")
         if not any_shard and bool((plan.owner(ids) != self.shard).any()):
             raise BadRequest(f"{what} holds ids that shard {self.shard} of {plan.num_shards} does not own")
 

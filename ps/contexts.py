@@ -7,8 +7,8 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch.distributed.autograd as dist_autograd
 
@@ -23,6 +23,7 @@ _KEPT = 4
 class StepContext:
     read_at: int             # the server's step when the trainer first read in it
     checked: bool = False    # its gradients' norm was taken, so they are known to be finite
+    reads: dict[str, Any] = field(default_factory=dict)   # hashed parameters: what it read (``ps/hashed/serving.py``)
 
 
 class Contexts:
@@ -41,6 +42,17 @@ class Contexts:
                 recent[context_id] = StepContext(step)
                 while len(recent) > _KEPT:
                     recent.popitem(last=False)
+
+    def note_read(self, caller: str, param: str, read: Any) -> None:
+        """What ``caller``'s current context read of hashed parameter ``param`` (nothing outside
+        a context: a read without a way back for gradients needs no record)."""
+        if not in_autograd_context():
+            return
+        context_id = dist_autograd._current_context()._context_id()
+        with self._lock:
+            known = self._by_caller.get(caller, {}).get(context_id)
+            if known is not None:
+                known.reads[param] = read
 
     def get(self, caller: str, context_id: int) -> Optional[StepContext]:
         with self._lock:

@@ -1,7 +1,7 @@
 """A parameter server's metrics, besides every role's (``services/metrics.py``)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from services.metrics import LATENCY_BUCKETS, Metrics
 
@@ -30,12 +30,36 @@ class PsMetrics(Metrics):
         self.barrier_wait = self.histogram(
             "rpcps_ps_barrier_wait_seconds", "time a trainer waited at the step clock (sync: for the step to be "
             "applied; ssp: for the slowest to catch up)", buckets=WAIT_BUCKETS).labels(**self.labels)
+        # Hashed tables (``ps/hashed/``), by table.
+        self._hashed_rows = Gauge("rpcps_ps_hashed_rows", "a hashed table's rows in use", [*self.labels, "table"],
+                                  registry=registry)
+        self._hashed_capacity = Gauge("rpcps_ps_hashed_capacity", "a hashed table's rows on this server",
+                                      [*self.labels, "table"], registry=registry)
+        self._hashed_totals = {k: self.counter(f"rpcps_ps_hashed_{k}_total", doc, ("table",)) for k, doc in (
+            ("admitted", "ids a hashed table gave a row"), ("evicted", "ids that lost their row"),
+            ("dropped", "lookups of ids without a row: zeros read, gradient dropped"))}
+        self.stale_gradient_rows = self.counter(
+            "rpcps_ps_hashed_stale_gradient_rows_total", "gradient rows dropped: their ids lost the row between "
+            "the read and the update").labels(**self.labels)
+        self._hashed_last: dict[tuple[str, str], int] = {}     # the totals last seen, for the counters' increase
         self.staleness = self.histogram(
             "rpcps_ps_update_staleness_steps", "updates this server applied between a trainer's first read of a "
             "step and that step's update (sync: 0)", buckets=STALENESS_BUCKETS).labels(**self.labels)
         self.short_steps = self.counter(
             "rpcps_ps_short_steps_total", "sync steps applied with fewer trainers than began them (one died or "
             "left)").labels(**self.labels)
+
+    def hashed(self, tables: dict[str, dict], stale_rows: int) -> None:
+        """Each hashed table's rows and what happened to them since the last call (the role's
+        loop, once a second): totals become counters by their increase."""
+        for table, t in tables.items():
+            self._hashed_rows.labels(table=table, **self.labels).set(t["rows"])
+            self._hashed_capacity.labels(table=table, **self.labels).set(t["capacity"])
+            for k, counter in self._hashed_totals.items():
+                counter.labels(table=table, **self.labels).inc(t[k] - self._hashed_last.get((table, k), 0))
+                self._hashed_last[(table, k)] = t[k]
+        self.stale_gradient_rows.inc(stale_rows - self._hashed_last.get(("", "stale"), 0))
+        self._hashed_last[("", "stale")] = stale_rows
 
     # The step clock's metrics (``ps/clock.py``'s ``ClockMetrics``).
     def observe_wait(self, seconds: float) -> None:

@@ -103,7 +103,11 @@ class PsRole(RoleBase, WithoutEpisodes):
 
     def _show_work(self) -> None:
         server = self.server
-        self.board.update(steps=server.optimizer.steps, refused=server.refused, work=server.work.describe())
+        hashed = server.hashed.describe() or None
+        self.board.update(steps=server.optimizer.steps, refused=server.refused, work=server.work.describe(),
+                          hashed=hashed)
+        if hashed:
+            self.metrics.hashed(hashed, server.hashed.stale_rows)
 
     def _build(self, shard: int) -> tuple[Optional[CheckpointInfo], ParameterServer]:
         """This shard: from the checkpoint the cluster stands on (ps0's choice), from this server's

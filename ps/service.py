@@ -17,11 +17,12 @@ from typing import Any, Optional
 import torch
 
 from ps.consistency import Async, Consistency
+from ps.hashed.serving import HashedTables
 from ps.messages import ShardInfo
 from ps.sharding import Layout, placement_of
 from ps.spec import ModelSpec
 from ps.checks import RequestChecks
-from ps.contexts import Contexts
+from ps.contexts import Contexts, in_autograd_context
 from ps.replica_writes import ReplicaWrites
 from ps.state import export_shard, gather_shard, initial_shard
 from ps.tables import RowShard
@@ -46,9 +47,9 @@ class ParameterServer(Service):
         self.layout = Layout.of(spec, num_shards)
         self.checks = RequestChecks(self.layout, shard, max_ids)
         if restore is None:
-            values, optim_state, steps = initial_shard(spec, self.layout, shard), {}, 0
+            values, optim_state, steps, kept = initial_shard(spec, self.layout, shard), {}, 0, {}
         else:
-            values, optim_state, steps = gather_shard(restore, self.layout, shard)
+            values, optim_state, steps, kept = gather_shard(restore, self.layout, shard)
         self.rows = torch.nn.ModuleDict({n.replace(".", "/"): RowShard(values[n]) for n in self.layout.row_params()})
         self.dense = torch.nn.ParameterDict({n.replace(".", "/"): torch.nn.Parameter(values[n])
                                              for n in self.layout.dense_of(shard)})
@@ -58,6 +59,10 @@ class ParameterServer(Service):
                                           for n in self.param_names], spec.lr, on_step=self._stepped)
         self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.param_names])
         self.sync = SyncSteps(self.optimizer)
+        self.hashed = HashedTables(spec, self.layout, shard, {n: self.param(n) for t in self.layout.hashed_tables()
+                                                               for n in self.layout.table_params[t]},
+                                   self.optimizer.clear_rows)
+        self.hashed.restore(kept)
         self.contexts = Contexts()
         self.replica = ReplicaWrites({n: self.param(n) for n in self.layout.dense_of(shard)}, self.optimizer)
         self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
@@ -74,9 +79,13 @@ class ParameterServer(Service):
     def export_state(self, into: Optional[tuple] = None) -> dict[str, Any]:
         """This shard for a checkpoint: parameters, optimizer state and step, copied at one instant
         (into buffers from ``self.optimizer.copy_buffers()`` when given)."""
+        with self.optimizer.lock:
+            # A checkpoint is when hashed tables' rows unseen for long are evicted (trainers are held).
+            self.hashed.expire(self.optimizer.steps)
+            kept = self.hashed.snapshot()
         steps, params, state = self.optimizer.state_copy(into)
         return export_shard(self.shard, self.layout, self.spec.meta, steps, dict(zip(self.param_names, params)),
-                            {n: s for n, s in zip(self.param_names, state) if s})
+                            {n: s for n, s in zip(self.param_names, state) if s}, kept)
 
     def _stepped(self, rows: int, seconds: float) -> None:
         self.metrics.optimizer_steps.inc()
@@ -116,11 +125,28 @@ class ParameterServer(Service):
         self.checks.count(total, "the lookups")
         with self.optimizer.lock:  # rows are read whole, never mid-update
             started = time.perf_counter()
-            rows = {param: self.rows[param.replace(".", "/")](self.layout.plans[self.checks.table_of(param)].to_local(ids))
-                    for param, ids in lookups.items()}
+            rows = {param: self._rows_of(param, ids) for param, ids in lookups.items()}
             self.work.add("lookup", total, time.perf_counter() - started)
         self.metrics.rows_looked_up.inc(total)
         return rows
+
+    def _rows_of(self, param: str, ids: torch.Tensor) -> torch.Tensor:
+        table = self.checks.table_of(param)
+        if table not in self.hashed:
+            return self.rows[param.replace(".", "/")](self.layout.plans[table].to_local(ids))
+        # Only a training step's read admits, evicts and counts: an evaluation changes nothing.
+        training = in_autograd_context()
+        found, read = self.hashed.lookup(table, param, ids, self.optimizer.steps, training)
+        if training:
+            self.contexts.note_read(self._call.caller, param, read)
+        return found
+
+    def _current(self, context_id: int) -> Any:
+        """``keep`` for ``SharedOptimizer.apply``: the caller's gradients in ``context_id``
+        without the hashed rows whose ids lost them since it read them."""
+        known = self.contexts.get(self._call.caller, context_id)
+        reads = known.reads if known is not None else {}
+        return lambda grads: self.hashed.current(grads, reads) if reads else grads
 
     @remote
     def dense_params(self) -> dict[str, torch.Tensor]:
@@ -174,7 +200,7 @@ class ParameterServer(Service):
         known = self.contexts.get(self._call.caller, context_id)
         if known is None or not known.checked:     # a caller that skipped the norm round
             self._finite_sq_norm(grads, f"update in context {context_id}")
-        before = self.optimizer.apply(grads)
+        before = self.optimizer.apply(grads, self._current(context_id))
         if known is not None:
             self.metrics.staleness.observe(before - known.read_at)
 
@@ -185,6 +211,8 @@ class ParameterServer(Service):
         self._require(True, "hand over gradients")
         grads = self.contexts.grads(context_id)
         self._finite_sq_norm(grads, f"gradients for step {step}")
+        with self.optimizer.lock:
+            grads = self._current(context_id)(grads)
         self.sync.contribute(step, self._call.caller, grads)
 
     @remote

@@ -7,6 +7,9 @@ Each table is placed as its ``Table.placement`` says (as TorchRec's ``ParameterS
 * **table-wise** (``WholePlan``), for tables smaller than the server count: the whole table on one
   shard, the ``t``-th table's on shard ``t % num_shards``, so small tables spread over the servers.
 
+* **hashed** (``HashedPlan``), for a table keyed by raw 64-bit ids: id ``id`` on shard
+  ``id % num_shards``, at whichever row that shard's index gives it (``ps/hashed/``).
+
 Unsaid, a table is row-wise when it has at least a row per shard. The ``g``-th dense group lives on
 shard ``g % num_shards``.
 """
@@ -32,6 +35,11 @@ class ShardPlan:
         if self.num_ids < self.num_shards:
             raise ValueError(f"num_ids ({self.num_ids}) must be >= num_shards ({self.num_shards})")
 
+    @property
+    def id_max(self) -> int:
+        """The largest id a request may name."""
+        return self.num_ids - 1
+
     def rows(self, shard: int) -> int:
         """How many ids shard ``shard`` owns."""
         return (self.num_ids - shard + self.num_shards - 1) // self.num_shards
@@ -56,6 +64,23 @@ class ShardPlan:
 
 
 @dataclass(frozen=True)
+class HashedPlan(ShardPlan):
+    """A hashed table (``ps/hashed/``): raw 64-bit id ``id`` on shard ``id % num_shards`` (any
+    int64, negative too), in whichever of the shard's rows its index gives it; ``num_ids`` is the
+    table's capacity in rows, shared out as ``ShardPlan`` shares ids."""
+
+    @property
+    def id_max(self) -> int:
+        return torch.iinfo(torch.int64).max
+
+    def global_ids(self, shard: int) -> torch.Tensor:
+        raise TypeError("a hashed table's rows have no fixed ids: ask its index")
+
+    def to_local(self, ids: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a hashed table's ids find their rows in its index")
+
+
+@dataclass(frozen=True)
 class WholePlan:
     """One id space kept whole on shard ``home`` of ``num_shards``: ``ShardPlan``'s interface."""
 
@@ -66,6 +91,10 @@ class WholePlan:
     def __post_init__(self) -> None:
         if not 0 <= self.home < self.num_shards:
             raise ValueError(f"home {self.home} is not a shard of {self.num_shards}")
+
+    @property
+    def id_max(self) -> int:
+        return self.num_ids - 1
 
     def rows(self, shard: int) -> int:
         return self.num_ids if shard == self.home else 0
@@ -85,13 +114,15 @@ class WholePlan:
                 for k in range(self.num_shards)]
 
 
-Plan = ShardPlan | WholePlan
+Plan = ShardPlan | HashedPlan | WholePlan
 
 
 def plan_of(placement: str, num_shards: int, num_ids: int, index: int) -> Plan:
-    """The plan of the ``index``-th table (``placement``: row_wise, table_wise, or "" for the
-    default: row-wise when every shard gets a row)."""
+    """The plan of the ``index``-th table (``placement``: row_wise, table_wise, hashed, or "" for
+    the default: row-wise when every shard gets a row)."""
     placement = placement or ("row_wise" if num_ids >= num_shards else "table_wise")
+    if placement == "hashed":       # raw ids spread over every shard: each needs a row at least
+        return HashedPlan(num_shards, max(num_ids, num_shards))
     if placement == "row_wise":
         return ShardPlan(num_shards, num_ids)
     if placement == "table_wise":
@@ -100,14 +131,16 @@ def plan_of(placement: str, num_shards: int, num_ids: int, index: int) -> Plan:
 
 
 def placement_of(plan: Plan) -> tuple[str, int]:
-    """(kind, home) as a server tells it to its clients (home: 0 for row-wise)."""
-    return ("table_wise", plan.home) if isinstance(plan, WholePlan) else ("row_wise", 0)
+    """(kind, home) as a server tells it to its clients (home: 0 unless table-wise)."""
+    if isinstance(plan, WholePlan):
+        return "table_wise", plan.home
+    return ("hashed" if isinstance(plan, HashedPlan) else "row_wise"), 0
 
 
 def from_placement(placed: tuple[str, int], num_shards: int, num_ids: int) -> Plan:
     """The plan a server told of with ``placement_of``."""
     kind, home = placed
-    return WholePlan(num_shards, num_ids, home) if kind == "table_wise" else ShardPlan(num_shards, num_ids)
+    return WholePlan(num_shards, num_ids, home) if kind == "table_wise" else plan_of(kind, num_shards, num_ids, 0)
 
 
 @dataclass(frozen=True)
@@ -121,8 +154,8 @@ class Layout:
 
     @classmethod
     def of(cls, spec: ModelSpec, num_shards: int) -> "Layout":
-        return cls(num_shards, {t: plan_of(table.placement, num_shards, table.rows, i)
-                                for i, (t, table) in enumerate(spec.tables.items())},
+        return cls(num_shards, {t: plan_of("hashed" if table.hashed else table.placement, num_shards,
+                                           table.rows, i) for i, (t, table) in enumerate(spec.tables.items())},
                    {t: tuple(table.params) for t, table in spec.tables.items()},
                    tuple(tuple(group.params) for group in spec.dense))
 
@@ -140,6 +173,9 @@ class Layout:
             if param in params:
                 return table
         raise KeyError(param)
+
+    def hashed_tables(self) -> list[str]:
+        return [t for t, plan in self.plans.items() if isinstance(plan, HashedPlan)]
 
     def row_params(self) -> list[str]:
         return [name for params in self.table_params.values() for name in params]

@@ -3,7 +3,8 @@
 The servers know nothing of any workload's model. A ``ModelSpec`` names
 
 * **tables**: parameters indexed by the same ids (their first dimension), row ``i`` of each on
-  shard ``i % n`` (an embedding and the decoder of the same vocabulary, say);
+  shard ``i % n`` (an embedding and the decoder of the same vocabulary, say); a hashed table is
+  keyed by raw 64-bit ids, which get rows as they come, within its capacity;
 * **dense groups**: tensors kept whole and together, the ``g``-th group on shard ``g % n`` (a layer);
 * **ops**: named operations a server runs on its own rows for a trainer, so that what crosses RPC is
   a partial result instead of a whole table (the language model's sharded softmax);
@@ -22,6 +23,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from ps.hashed.rows import Lifecycle
 from ps.rules import UpdateRule, resolve
 
 
@@ -34,6 +36,9 @@ class Table:
     init: Callable[[torch.Tensor], dict[str, torch.Tensor]]
     rule: "UpdateRule | str | None" = None            # its update rule (default: the model's optimizer)
     placement: str = ""                               # row_wise or table_wise (ps/sharding.py); "": by size
+    # Keyed by raw 64-bit ids instead of 0 .. rows - 1: ``rows`` is then its capacity, and rows
+    # come and go as this says (``ps/hashed/``); ``init`` is asked for raw ids.
+    hashed: Optional[Lifecycle] = None
 
 
 @dataclass(frozen=True)

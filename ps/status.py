@@ -18,12 +18,17 @@ class PsStatus(RoleStatus):
     consistency: Optional[str] = None              # async, sync or ssp:K
     clock: Optional[dict[str, Any]] = None         # ps0 in sync/ssp: trainers' step clocks, whom a barrier waits for
     work: Optional[dict[str, dict[str, float]]] = None  # lookup, update: rows, seconds, rows_per_s
+    hashed: Optional[dict[str, dict[str, Any]]] = None  # per hashed table: rows, capacity, admitted, evicted, …
 
     def line(self) -> list[str]:
         out = [f"shard {self.shard}/{self.num_shards}", f"{self.rows} rows", f"members {len(self.members or [])}",
                f"consistency {self.consistency}"]
         if self.refused:
             out.append(f"{self.refused} updates refused")
+        if self.hashed:
+            rows = sum(t["rows"] for t in self.hashed.values())
+            capacity = sum(t["capacity"] for t in self.hashed.values())
+            out.append(f"hashed {rows}/{capacity} rows, {sum(t['evicted'] for t in self.hashed.values())} evicted")
         waiting = (self.clock or {}).get("waiting")
         if waiting:
             out.append(f"step {waiting['step']} waiting {waiting['seconds']:.1f}s for {', '.join(waiting['on'])}")

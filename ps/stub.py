@@ -96,10 +96,10 @@ class Traffic:
             return self.messages
 
 
-def on_the_wire(ids: torch.Tensor, num_ids: int) -> torch.Tensor:
-    """Ids as a request carries them: int32 for a table of fewer than 2**31 rows, which halves the
-    bytes that name the rows."""
-    return ids.to(torch.int32) if num_ids <= torch.iinfo(torch.int32).max else ids
+def on_the_wire(ids: torch.Tensor, id_max: int) -> torch.Tensor:
+    """Ids as a request carries them: int32 when no id of the table can pass 2**31 - 1, which
+    halves the bytes that name the rows (a hashed table's raw ids stay int64)."""
+    return ids.to(torch.int32) if id_max <= torch.iinfo(torch.int32).max else ids
 
 
 class PsClient:
@@ -197,7 +197,7 @@ class PsClient:
             parts = []
             for k, (pos, shard_ids) in enumerate(plan.partition(unique)):
                 if pos.numel():
-                    asks[k][param] = on_the_wire(shard_ids, plan.num_ids)
+                    asks[k][param] = on_the_wire(shard_ids, plan.id_max)
                     parts.append((k, pos))
             pending.append((param, ids.shape, inverse, parts))
         answers = {k: self._async(self.ps_names[k], ParameterServer.lookup_many, ask)

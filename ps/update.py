@@ -109,12 +109,15 @@ class SharedOptimizer:
         self._on_step = on_step
         self.steps = 0  # updates applied: the cluster's step, the same on every server at a pause
 
-    def apply(self, grads: dict[torch.Tensor, torch.Tensor]) -> int:
-        """Apply ``grads`` (parameter -> gradient; parameters left out are not updated). The number
-        of updates applied before this one."""
+    def apply(self, grads: dict[torch.Tensor, torch.Tensor],
+              keep: Optional[Callable[[dict], dict]] = None) -> int:
+        """Apply ``grads`` (parameter -> gradient; parameters left out are not updated), as
+        ``keep(grads)`` leaves them, under the lock. The number of updates applied before this one."""
         with self.lock:
             before = self.steps
             started = time.perf_counter()
+            if keep is not None:
+                grads = keep(grads)
             for p in self.params:
                 p.grad = grads.get(p)
             rows = self._step()
@@ -137,6 +140,13 @@ class SharedOptimizer:
         for p in self.params:
             p.grad = None
         return rows
+
+    def clear_rows(self, param: torch.Tensor, rows: torch.Tensor) -> None:
+        """Zero ``param``'s optimizer state of ``rows`` (a hashed table's rows handed to new ids).
+        Under ``lock``."""
+        for value in self.optimizer.state.get(param, {}).values():
+            if value.dim() > 0 and value.shape[0] == param.shape[0]:
+                value[rows] = 0
 
     def state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of ``param``'s optimizer state (empty before its first step, and for SGD). Under ``lock``."""

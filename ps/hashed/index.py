@@ -63,12 +63,18 @@ def _place(slots, new_keys, rows):
 
 @numba.njit(nogil=True)
 def _unplace(slots, keys, rows):
+    """Tombstones for ``rows``' slots; how many of them had none (0 unless a row was not live)."""
     n = slots.shape[0]
+    missing = 0
     for i in range(rows.shape[0]):
         p = _home(keys[rows[i]], n)
-        while slots[p] != rows[i]:
+        while slots[p] != rows[i] and slots[p] != EMPTY:
             p = p + 1 if p + 1 < n else 0
-        slots[p] = TOMBSTONE
+        if slots[p] == rows[i]:
+            slots[p] = TOMBSTONE
+        else:
+            missing += 1
+    return missing
 
 
 class HashIndex:
@@ -120,6 +126,8 @@ class HashIndex:
         """Give back ``rows`` [n] (live, distinct): their ids have no row any more."""
         if rows.numel() == 0:
             return
+        if not bool(self.live[rows].all()):
+            raise ValueError("remove names rows that are not live")
         _unplace(self.slots.numpy(), self.keys.numpy(), rows.to(torch.int32).contiguous().numpy())
         self.live[rows] = False
         self._holes = torch.cat([self._holes, rows]).sort().values

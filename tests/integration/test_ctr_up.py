@@ -2,7 +2,7 @@
 ctr --data` trains on them (a malformed line skipped and counted, a malformed file refused at the
 start), reports held-out AUC and logloss in its done event, status and metrics, and a restart on
 another server count resumes from its checkpoint, resharded; members killed at random, the
-leader among them, come back and training goes on."""
+leader among them, come back and training goes on (with hashed tables)."""
 import json
 import math
 import os
@@ -15,6 +15,8 @@ from tests.support.wait import wait_until
 
 SMALL = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "32", "--top", "32", "--batch-size", "256",
          "--eval-samples", "1000", "--progress-interval", "1"]
+# Every table keyed by raw ids within 300 rows (over the servers), ids admitted when seen twice.
+HASHED = ["--tables", "hashed", "--table-capacity", "300", "--admit-after", "2", "--evict-after-steps", "4"]
 
 
 def cli(tmp_path, *args):
@@ -104,11 +106,11 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
 
 
 def test_ctr_members_killed_at_random_and_the_leader_come_back(tmp_path, cleanup):
-    # What the language model's supervision test does, on this workload: `rpcps chaos` kills
-    # members (trainers and servers), then the leader; each comes back by itself, a server with no
-    # less than the checkpoint it had, the other server keeps its shard across the leader's loss,
-    # and training goes on to a clean stop.
-    up = UpProcess(tmp_path, *SMALL, "--checkpoint-every-steps", "20", "--restart-backoff", "0.25",
+    # What the language model's supervision test does, on this workload with hashed tables:
+    # `rpcps chaos` kills members (trainers and servers), then the leader; each comes back by
+    # itself, a server with no less than the checkpoint it had (its hashed rows restored from it),
+    # the other server keeps its shard across the leader's loss, and training goes on to a clean stop.
+    up = UpProcess(tmp_path, *SMALL, *HASHED, "--checkpoint-every-steps", "20", "--restart-backoff", "0.25",
                    "--restart-backoff-max", "1")
     cleanup(up)
     urls = up.wait_event("started", 120)["sidecars"]

@@ -30,7 +30,7 @@ def test_ids_travel_as_int32_unless_the_table_needs_more():
     ids = torch.tensor([0, 5, 2**31 - 2])
     assert on_the_wire(ids, 2**31 - 1).dtype == torch.int32
     assert torch.equal(on_the_wire(ids, 2**31 - 1).long(), ids)
-    assert on_the_wire(ids, 2**33).dtype == torch.int64
+    assert on_the_wire(ids, 2**31).dtype == torch.int64
 
 
 def test_traffic_counts_calls_and_the_gradient_messages_their_answers_bring():

@@ -5,7 +5,10 @@
   updates are sync mode's);
 * ``async``, ``sync``, ``sync-allreduce``: ``rpcps up --workload ctr`` with 2 servers and 2 trainers,
   each ``--steps`` steps of ``--batch-size`` samples (the MLPs on the servers, or replicated on the
-  trainers and all-reduced).
+  trainers and all-reduced);
+* ``hashed``, ``hashed-10``: async, every table keyed by raw 64-bit ids (``--tables hashed``), as
+  many rows as ids, and a tenth of that (``--capacity-share 0.1``): what a bounded table costs
+  in AUC.
 
 Every variant trains on the same number of samples and is scored on the same held-out samples
 (AUC, logloss), beside the generator's ground truth (``oracle_auc``). Each variant runs in its own
@@ -31,9 +34,10 @@ from pathlib import Path
 
 from services.client import SidecarClient
 
-VARIANTS = ("local", "async", "sync", "sync-allreduce")
+VARIANTS = ("local", "async", "sync", "sync-allreduce", "hashed", "hashed-10")
 TRAINERS = 2
-TARGETS = {"async_vs_local": 0.8, "sync_auc_minus_local": 0.002, "rows_bytes_ratio": 2.0}
+TARGETS = {"async_vs_local": 0.8, "sync_auc_minus_local": 0.002, "rows_bytes_ratio": 2.0,
+           "hashed_10_auc_minus_hashed": 0.005}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -176,7 +180,9 @@ def rows_bytes_per_sample(args: dict, batches: int = 5) -> float:
 
 
 EXTRA = {"async": (), "sync": ("--consistency", "sync"),
-         "sync-allreduce": ("--consistency", "sync", "--dense", "allreduce")}
+         "sync-allreduce": ("--consistency", "sync", "--dense", "allreduce"),
+         # Hashed tables (async): unbounded (each as big as its ids), and with a tenth of the rows.
+         "hashed": ("--tables", "hashed"), "hashed-10": ("--tables", "hashed", "--capacity-share", "0.1")}
 
 
 def _run_variant(name: str, args: dict) -> dict:
@@ -230,6 +236,10 @@ def run(ns: argparse.Namespace) -> int:
         met["sync_auc_minus_local"] = abs(ratios["sync_auc_minus_local"]) <= TARGETS["sync_auc_minus_local"]
     if "sync-allreduce_bytes_vs_rows" in ratios:
         met["rows_bytes_ratio"] = ratios["sync-allreduce_bytes_vs_rows"] <= TARGETS["rows_bytes_ratio"]
+    if "hashed" in results and "hashed-10" in results:
+        key = "hashed_10_auc_minus_hashed"
+        ratios[key] = results["hashed-10"]["auc"] - results["hashed"]["auc"]
+        met[key] = abs(ratios[key]) <= TARGETS[key]
     oracle = next((r[n]["oracle_auc"] for r in rounds for n in names if r[n].get("oracle_auc") is not None), None)
     print(json.dumps({"bench": "ctr", "oracle_auc": oracle, "results": results, "rows_bytes_per_sample": rows,
                       "ratios": ratios, "targets": TARGETS, "met": met,

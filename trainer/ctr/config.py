@@ -8,6 +8,7 @@ from typing import Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from ps.config import PsConfig
+from ps.hashed.settings import HashedTableSettings
 from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings
 
@@ -58,10 +59,15 @@ class CtrModelConfig(ConfigBase):
     optimizer: DenseRule = "sgd"           # the MLPs' rule
     lr: float = Field(0.1, gt=0)
     placement: Placement = "auto"
+    hashed: tuple[int, ...] = ()          # tables keyed by raw 64-bit ids (indices)
+    capacities: tuple[int, ...] = ()      # the hashed tables' rows, in the same order
+    admit_after: int = Field(1, ge=1)
+    evict_after_steps: int = Field(0, ge=0)
 
 
-class CtrModelSettings(ConfigBase):
-    """What the servers and `rpcps up` say of the model's shape and rules."""
+class CtrModelSettings(HashedTableSettings):
+    """What the servers and `rpcps up` say of the model's shape and rules (with the hashed
+    tables' capacity, admission and eviction, as ``ps/hashed/settings.py`` words them)."""
 
     scale: float = Field(1.0, gt=0, le=1.0, description=SCALE_HELP)
     dim: int = Field(16, ge=1, le=1024, description="embedding dimension (every table)")
@@ -76,15 +82,35 @@ class CtrModelSettings(ConfigBase):
                                                       "table_wise (all on one), auto (row-wise unless smaller than "
                                                       "the server count)")
     seed: int = Field(1111, description="seed of the initial parameters")
+    tables: str = Field("modulo", description="how ids find rows: modulo (a value's hash modulo the table's size), "
+                                              "hashed (every table keyed by raw 64-bit ids, rows admitted and "
+                                              "evicted within a capacity), or the hashed tables' names, as C3,C20")
 
     _sizes = field_validator("bottom", "top")(classmethod(lambda cls, v: _sizes(v) and v))
+    _tables = field_validator("tables")(classmethod(lambda cls, v: _hashed(v) is not None and v))
 
     def model(self) -> CtrModelConfig:
         from trainer.ctr.synthetic import SyntheticCtr
-        return CtrModelConfig(cardinalities=SyntheticCtr(scale=self.scale).cardinalities, dim=self.dim,
+        sizes, hashed = SyntheticCtr(scale=self.scale).cardinalities, _hashed(self.tables)
+        return CtrModelConfig(cardinalities=sizes, dim=self.dim,
                               bottom=_sizes(self.bottom), top=_sizes(self.top), pooling=self.pooling, seed=self.seed,
                               table_rule=self.table_rule, optimizer=self.optimizer, lr=self.lr,
-                              placement=self.placement)
+                              placement=self.placement, hashed=hashed,
+                              capacities=tuple(self.capacity(sizes[t]) for t in hashed),
+                              admit_after=self.admit_after, evict_after_steps=self.evict_after_steps)
+
+
+def _hashed(tables: str) -> tuple[int, ...]:
+    """``--tables``: the indices of the hashed tables."""
+    from trainer.ctr.criteo import CATEGORICAL
+    if tables in ("modulo", "hashed"):
+        return tuple(range(CATEGORICAL)) if tables == "hashed" else ()
+    names = [n.strip() for n in tables.split(",") if n.strip()]
+    known = {f"C{t + 1}": t for t in range(CATEGORICAL)}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"{tables!r}: modulo, hashed, or table names among C1 … C{CATEGORICAL}, as C3,C20")
+    return tuple(sorted({known[n] for n in names}))
 
 
 def _sizes(text: str) -> tuple[int, ...]:

@@ -111,10 +111,12 @@ def _why(exc: BaseException) -> str:
 
 
 def row_ids(values: np.ndarray, cardinalities: Sequence[int]) -> np.ndarray:
-    """[B, 26] 32-bit values (or _EMPTY) to row ids: hashed with the feature's index, modulo its size."""
+    """[B, 26] 32-bit values (or _EMPTY) to row ids: hashed with the feature's index, modulo its
+    size; a size of 0 keeps the 64-bit hash itself (as int64), the raw id a hashed table takes."""
     fields = np.arange(values.shape[1], dtype=np.int64)[None, :]
     h = hashed(_SALT, fields, values)
-    return (h % np.array(cardinalities, dtype=np.uint64)[None, :]).astype(np.int64)
+    sizes = np.array(cardinalities, dtype=np.uint64)[None, :]
+    return np.where(sizes > 0, h % np.maximum(sizes, np.uint64(1)), h).view(np.int64)
 
 
 @dataclass

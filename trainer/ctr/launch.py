@@ -6,7 +6,8 @@ from typing import Any
 
 from trainer.core.launch import TrainersLaunch
 
-MODEL_FLAGS = ("scale", "dim", "bottom", "top", "pooling", "table_rule", "optimizer", "lr", "placement")
+MODEL_FLAGS = ("scale", "dim", "bottom", "top", "pooling", "table_rule", "optimizer", "lr", "placement", "tables",
+               "table_capacity", "admit_after", "evict_after_steps")
 
 
 class CtrLaunch(TrainersLaunch):

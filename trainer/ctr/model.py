@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ps.hashed.rows import Lifecycle
 from ps.rules import RuleOptimizer, UpdateRule, rule
 from ps.spec import DenseGroup, ModelSpec, Table
 from ps.stub import PsClient
@@ -28,7 +29,7 @@ from trainer.ctr.config import CtrModelConfig
 from trainer.ctr.synthetic import DENSE, Batch, hashed, normal, uniform
 
 _TABLE_SALT, _LAYER_SALT = 0x7AB1E, 0x1A7E2
-COMPATIBLE = ("cardinalities", "dim", "bottom", "top", "table_rule", "optimizer")   # a checkpoint must match these
+COMPATIBLE = ("cardinalities", "dim", "bottom", "top", "table_rule", "optimizer", "hashed")   # a checkpoint must match these
 INIT_SLICE = 1 << 20      # rows of a table built at a time
 
 
@@ -102,9 +103,12 @@ def model_spec(cfg: CtrModelConfig) -> ModelSpec:
     """What the servers host: a table per categorical feature (its rows built a slice at a time,
     from (seed, table, row)), placed and updated as ``cfg`` says, and the two MLPs as dense groups."""
     placement = "" if cfg.placement == "auto" else cfg.placement
-    tables = {table_name(t): Table(rows, {f"{table_name(t)}.weight": (cfg.dim,)},
+    life = Lifecycle(admit_after=cfg.admit_after, evict_after_steps=cfg.evict_after_steps)
+    capacity = dict(zip(cfg.hashed, cfg.capacities))
+    tables = {table_name(t): Table(capacity.get(t, rows), {f"{table_name(t)}.weight": (cfg.dim,)},
                                    lambda ids, t=t: {f"{table_name(t)}.weight": table_rows(cfg, t, ids)},
-                                   rule=cfg.table_rule, placement=placement)
+                                   rule=cfg.table_rule, placement=placement,
+                                   hashed=life if t in cfg.hashed else None)
               for t, rows in enumerate(cfg.cardinalities)}
     dense = DlrmDense(cfg)
 

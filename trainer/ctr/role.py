@@ -38,9 +38,12 @@ class CtrTrainer(ServedTrainer):
                 generator = SyntheticCtr.fitting(cardinalities, cfg.data_seed)
             except ValueError as exc:
                 raise ConfigError(f"the servers' {exc}: generated data cannot fill them; use --data") from None
-            source = GeneratedSource(generator, cfg.batch_size, share, cfg.num_trainers, cfg.hot)
+            source = GeneratedSource(generator, cfg.batch_size, share, cfg.num_trainers, cfg.hot,
+                                     hashed=model.config.hashed)
         else:
-            source = FileSource(data_files(cfg.data), cardinalities, cfg.batch_size, cfg.eval_samples, share,
+            # A hashed table takes a value's 64-bit hash itself: modulo 0.
+            sizes = [0 if t in model.config.hashed else c for t, c in enumerate(cardinalities)]
+            source = FileSource(data_files(cfg.data), sizes, cfg.batch_size, cfg.eval_samples, share,
                                 cfg.num_trainers)
         log.info("data: %s; share %d of %d, %d samples a step", source.description, share, cfg.num_trainers,
                  cfg.batch_size)

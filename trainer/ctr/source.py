@@ -5,12 +5,14 @@ number a checkpoint saves: the samples (or lines) of the whole stream passed so 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+import numpy as np
+
 from trainer.ctr.criteo import CriteoStream
-from trainer.ctr.synthetic import Batch, SyntheticCtr
+from trainer.ctr.synthetic import Batch, SyntheticCtr, raw_ids
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,7 @@ class GeneratedSource:
     hot: int = 1
     cursor: int = 0          # the stream's samples passed (every trainer's share of them)
     skipped: int = 0         # nothing is ever malformed here
+    hashed: tuple[int, ...] = ()     # tables whose ids are given raw (64-bit), for hashed tables
 
     @property
     def description(self) -> str:
@@ -37,12 +40,16 @@ class GeneratedSource:
     def next(self) -> Batch:
         indices = self.generator.share(self.cursor, self.batch_size * self.shares, self.share, self.shares)
         self.cursor += self.batch_size * self.shares
-        return self.generator.batch(indices, self.hot)
+        return self._batch(indices)
 
     def held_out(self, count: int, batch_size: int) -> Iterator[Batch]:
         indices = self.generator.held_out(count)
         for start in range(0, count, batch_size):
-            yield self.generator.batch(indices[start:start + batch_size], self.hot)
+            yield self._batch(indices[start:start + batch_size])
+
+    def _batch(self, indices: np.ndarray) -> Batch:
+        batch = self.generator.batch(indices, self.hot)
+        return replace(batch, ids=raw_ids(batch.ids, self.hashed)) if self.hashed else batch
 
 
 @dataclass

@@ -20,9 +20,13 @@ SPEC = WorkloadSpec(
     checkpoint_dir="checkpoints/ctr",
     data=BenchSpec("ctr", "generated Criteo-shaped samples as Criteo TSV files", "trainer.ctr.datagen"),
     benches=(BenchSpec("ctr", "samples/s, AUC and memory: one process vs async, sync and sync-allreduce servers",
-                       "trainer.ctr.bench"),),
+                       "trainer.ctr.bench"),
+             BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
+                                     "eviction", "ps.hashed.bench")),
     examples=(("--workload ctr --steps 200 --scale 0.01", "a DLRM on generated data at 1 % of Criteo's rows: "
                                                           "held-out AUC beside the best possible"),
               ("--workload ctr --data day_0.gz --steps 1000", "Criteo-format files, streamed"),
-              ("--workload ctr --consistency sync --dense allreduce", "the MLPs on the trainers, all-reduced")),
+              ("--workload ctr --consistency sync --dense allreduce", "the MLPs on the trainers, all-reduced"),
+              ("--workload ctr --tables hashed --table-capacity 20000 --admit-after 2",
+               "tables keyed by raw 64-bit ids, within a capacity")),
 )

@@ -36,7 +36,7 @@ VECTOR = 4                  # the ground truth's interaction vectors
 TEST_OFFSET = 1 << 40       # held-out samples are indices from here on: disjoint from any training share
 
 # Salts of the hash streams: one per use, so no two draws share a random number.
-_ID, _DENSE, _MISSING, _LABEL, _W, _V, _U, _MU, _PERM, _PAIRS = range(1, 11)
+_ID, _DENSE, _MISSING, _LABEL, _W, _V, _U, _MU, _PERM, _PAIRS, _RAW = range(1, 12)
 
 _G = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -58,6 +58,15 @@ def hashed(*parts: "np.ndarray | int") -> np.ndarray:
         with np.errstate(over="ignore"):
             h = mix(h * _G + np.asarray(part, dtype=np.int64).astype(np.uint64))
     return np.asarray(h, dtype=np.uint64)
+
+
+def raw_ids(ids: np.ndarray, tables: "tuple[int, ...] | list[int]") -> np.ndarray:
+    """Generated ids [B, 26, ...] with the columns of ``tables`` as the raw 64-bit values a hashed
+    table is keyed by: a hash of (table, row), as a Criteo value's is of (feature, value)."""
+    out = ids.copy()
+    for t in tables:
+        out[:, t] = hashed(_RAW, t, ids[:, t]).view(np.int64)
+    return out
 
 
 def uniform(h: np.ndarray) -> np.ndarray:
@@ -96,7 +105,7 @@ def calibrated_exponent(rows: int) -> float:
 @dataclass
 class Batch:
     dense: np.ndarray       # [B, 13] float32: log1p of the counts (missing: 0)
-    ids: np.ndarray         # [B, 26] int64: row ids, each below its table's size
+    ids: np.ndarray         # [B, 26] int64: row ids, each below its table's size (a hashed table's: raw ids)
     labels: np.ndarray      # [B] float32, 0 or 1
     p: np.ndarray           # [B] float64: the ground truth's click probability
     counts: np.ndarray      # [B, 13] int64: the raw counts, -1 where missing

@@ -1,0 +1,136 @@
+"""A server's hashed tables: a request's raw ids to rows, rows initialised as they are handed out,
+and gradients for rows that changed hands since they were read dropped.
+
+A lookup of an id without a row (not admitted yet) gives zeros and no way back for a gradient.
+An id's row may be evicted and handed to another id between a trainer's read and its update (an
+async trainer reads, another trainer's lookup evicts): the update then keeps only the gradient
+rows whose ids still own them, so no id ever takes another's gradient. All of it runs under the
+server's optimizer lock, which orders lookups and updates.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ps.hashed.rows import HashedRows
+from ps.sharding import Layout
+from ps.spec import ModelSpec
+
+log = logging.getLogger("ps.service")
+
+
+class Read(NamedTuple):
+    """What a step read of one hashed parameter: its rows, their ids then, and the table's
+    eviction round then (no eviction since: nothing can have changed hands)."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    round: int
+
+
+class HashedTables:
+    def __init__(self, spec: ModelSpec, layout: Layout, shard: int, params: dict[str, torch.nn.Parameter],
+                 clear_state: Any) -> None:
+        """``params``: this shard's table parameters by name; ``clear_state(param, rows)``: zero
+        the optimizer's state of those rows (``SharedOptimizer.clear_rows``)."""
+        self.spec, self.layout, self.params, self._clear_state = spec, layout, params, clear_state
+        self.tables = {t: HashedRows(layout.plans[t].rows(shard), spec.tables[t].hashed)
+                       for t in layout.hashed_tables()}
+        self.stale_rows = 0          # gradient rows dropped: their ids lost the row since the read
+
+    def __contains__(self, table: str) -> bool:
+        return table in self.tables
+
+    def lookup(self, table: str, param: str, ids: torch.Tensor, step: int, training: bool = True
+               ) -> tuple[torch.Tensor, Read]:
+        """Rows [n, *row shape] of ``param`` at raw ``ids`` [n] (distinct), zeros for ids without
+        a row, and what was read; ``training``: a step's read, which admits, evicts and counts
+        (else only existing rows are read). Under the optimizer lock."""
+        rows = self.tables[table]
+        # Trainers send each id once; a request that repeats one must not give it two rows.
+        distinct, where = ids.to(torch.int64).unique(return_inverse=True)
+        found = rows.resolve(distinct, step) if training else rows.peek(distinct)
+        if found.fresh_rows.numel():
+            self._fresh(table, found.fresh_rows, found.fresh_ids)
+        row_of = found.rows[where]
+        known = (row_of >= 0).nonzero().squeeze(1)
+        weight = self.params[param]
+        # sparse=True: a step's gradient touches only the rows it used; zeros elsewhere carry none.
+        read = F.embedding(row_of[known], weight, sparse=True)
+        out = torch.zeros(ids.numel(), *weight.shape[1:], dtype=weight.dtype).index_put((known,), read)
+        held = found.rows >= 0
+        return out, Read(found.rows[held], distinct[held], rows.evict_rounds)
+
+    def _fresh(self, table: str, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """New rows start as the table's ``init`` says for their ids, with no optimizer state."""
+        values = self.spec.tables[table].init(ids)
+        with torch.no_grad():
+            for name in self.layout.table_params[table]:
+                self.params[name][rows] = values[name].to(self.params[name].dtype)
+                self._clear_state(self.params[name], rows)
+
+    def current(self, grads: dict[torch.Tensor, torch.Tensor], reads: dict[str, Read]
+                ) -> dict[torch.Tensor, torch.Tensor]:
+        """``grads`` without the rows whose ids no longer own them. Under the optimizer lock."""
+        out = dict(grads)
+        for param, read in reads.items():
+            rows = self.tables[self.layout.table_of(param)]
+            grad = grads.get(self.params[param])
+            if grad is None or rows.evict_rounds == read.round:
+                continue
+            owned = read.rows[rows.index.live[read.rows] & (rows.index.keys[read.rows] == read.ids)]
+            grad = grad.coalesce()
+            keep = torch.isin(grad.indices()[0], owned)
+            self.stale_rows += int((~keep).sum())
+            out[self.params[param]] = torch.sparse_coo_tensor(grad.indices()[:, keep], grad.values()[keep],
+                                                               grad.shape).coalesce()
+        return out
+
+    def expire(self, step: int) -> dict[str, torch.Tensor]:
+        """Evict every table's rows unseen for its ``evict_after_steps`` (at a checkpoint); the
+        ids evicted, per table. Under the optimizer lock."""
+        return {t: rows.expire(step) for t, rows in self.tables.items()}
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per table, for a checkpoint: live ``rows``, their ``ids``, ``last_seen``, ``hits`` and
+        the ``counts`` so far. Under the optimizer lock."""
+        out = {}
+        for t, rows in self.tables.items():
+            ids, live = rows.index.rows()
+            out[t] = {"rows": live, "ids": ids, "last_seen": rows.last_seen[live].clone(),
+                      "hits": rows.hits[live].clone(), "counts": dict(vars(rows.counts))}
+        return out
+
+    def restore(self, saved: dict[str, dict[str, Any]]) -> None:
+        """Rows from a checkpoint (``ps/state.py``'s ``Gathered.hashed``): the ids, in rows 0, 1, ...,
+        where their values already are."""
+        for t, kept in saved.items():
+            rows = self.tables[t]
+            if kept.get("over_capacity"):
+                log.warning("hashed table %s: %d saved rows more than this server's %d: the least used of them "
+                            "were left out, as the table evicts at capacity", t, kept["over_capacity"], rows.capacity)
+            placed = rows.index.insert(kept["ids"])
+            if "last_seen" in kept:
+                rows.last_seen[placed] = kept["last_seen"]
+                rows.hits[placed] = kept["hits"]
+            for k, v in kept.get("counts", {}).items():
+                setattr(rows.counts, k, v)
+            rows.counts.evicted += kept.get("over_capacity", 0)
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """Per table: rows, capacity, occupancy, admitted, evicted, pending (about how many ids
+        were seen but not admitted), dropped lookups, unique ids per training request, bytes a row
+        (its values, optimizer state aside, and its bookkeeping)."""
+        out = {}
+        for t, rows in self.tables.items():
+            values = sum(self.params[n][0].numel() * self.params[n].element_size()
+                         for n in self.layout.table_params[t])
+            c = rows.counts
+            out[t] = {"rows": len(rows), "capacity": rows.capacity, "occupancy": len(rows) / rows.capacity,
+                      "admitted": c.admitted, "evicted": c.evicted, "pending": rows.pending(), "dropped": c.dropped,
+                      "unique_per_request": c.looked_up / c.requests if c.requests else 0.0,
+                      "bytes_per_row": values + rows.nbytes / rows.capacity}
+        return out

@@ -1,0 +1,50 @@
+"""Hashed tables as a user runs them: `rpcps up --workload ctr --tables hashed` keys every table
+by raw 64-bit ids within a capacity, admits ids seen twice, evicts what went cold; the servers
+show it on /status and in their metrics; the checkpoint restores on another server count."""
+import math
+
+import httpx
+
+from tests.integration.test_ctr_up import HASHED, SMALL
+from tests.support.upcli import UpProcess
+from tests.support.wait import wait_until
+
+
+
+def hashed_status(url: str) -> dict:
+    return httpx.get(f"{url}/status", timeout=5).json().get("hashed") or {}
+
+
+def test_hashed_tables_admit_evict_show_and_reshard(tmp_path, cleanup):
+    up = UpProcess(tmp_path, *SMALL, *HASHED, "--steps", "12", "--num-ps", "2", "--checkpoint-every-steps", "5")
+    cleanup(up)
+    urls = up.wait_event("started", 120)["sidecars"]
+    seen: dict[str, dict] = {}
+
+    def evicting() -> bool:
+        seen.update({n: hashed_status(urls[n]) for n in ("ps0", "ps1")})
+        return all(sum(t["evicted"] for t in s.values()) > 0 for s in seen.values())
+    wait_until(evicting, 180, "both servers evicting")
+    for name, tables in seen.items():
+        assert len(tables) == 26, tables.keys()
+        for table, t in tables.items():
+            assert t["rows"] <= t["capacity"] <= 150, (name, table, t)     # 300 rows over 2 servers
+        assert sum(t["admitted"] for t in tables.values()) > 0 and sum(t["dropped"] for t in tables.values()) > 0
+    metrics = httpx.get(f"{urls['ps0']}/metrics", timeout=5).text
+    assert 'rpcps_ps_hashed_rows{name="ps0",role="ps",table="C1"}' in metrics, metrics[-2000:]
+    assert "rpcps_ps_hashed_evicted_total" in metrics
+    done = up.wait_event("done", 300)
+    assert up.proc.wait(30) == 0, up.logs()
+    assert math.isfinite(done["auc"]) and 0.4 < done["auc"] < 1, done
+    saved = sorted((tmp_path / "ckpt").glob("step-*"))
+    assert saved, "the final checkpoint"
+
+    # Three servers: each takes the ids it owns of every old shard's saved rows.
+    again = UpProcess(tmp_path, *SMALL, *HASHED, "--steps", "2", "--num-ps", "3")
+    cleanup(again)
+    urls = again.wait_event("started", 120)["sidecars"]
+    restored = {n: hashed_status(urls[n]) for n in ("ps0", "ps1", "ps2")}
+    assert all(sum(t["rows"] for t in s.values()) > 0 for s in restored.values()), restored
+    assert f"resharding {saved[-1].name} from 2 to 3 servers" in again.full_logs(), again.logs()
+    again.wait_event("done", 300)
+    assert again.proc.wait(30) == 0, again.logs()
