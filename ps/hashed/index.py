@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 EMPTY, TOMBSTONE = -1, -2
+_NO_SEEN, _NO_HITS = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int16)   # ``find`` marks nothing
 
 
 @numba.njit(nogil=True)
@@ -31,7 +32,8 @@ def _home(key, num_slots):
 
 
 @numba.njit(nogil=True)
-def _find(slots, keys, wanted, out):
+def _find(slots, keys, wanted, out, last_seen, hits, step, hits_max, mark):
+    """Each wanted id's row (-1: none); with ``mark``, each found row seen at ``step``, once more."""
     n = slots.shape[0]
     for i in range(wanted.shape[0]):
         p = _home(wanted[i], n)
@@ -42,6 +44,10 @@ def _find(slots, keys, wanted, out):
                 break
             if row >= 0 and keys[row] == wanted[i]:
                 out[i] = row
+                if mark:
+                    last_seen[row] = step
+                    if hits[row] < hits_max:
+                        hits[row] += 1
                 break
             p = p + 1 if p + 1 < n else 0
 
@@ -101,7 +107,17 @@ class HashIndex:
         """The row of each id in ``keys`` [n] (int64), -1 where it has none."""
         keys = keys.contiguous()
         out = torch.empty_like(keys)
-        _find(self.slots.numpy(), self.keys.numpy(), keys.numpy(), out.numpy())
+        _find(self.slots.numpy(), self.keys.numpy(), keys.numpy(), out.numpy(), _NO_SEEN, _NO_HITS, 0, 0, False)
+        return out
+
+    def find_marking(self, keys: torch.Tensor, last_seen: torch.Tensor, hits: torch.Tensor, step: int,
+                     hits_max: int) -> torch.Tensor:
+        """``find``, and in the same pass, for each id found: ``last_seen[row] = step`` and one more
+        of ``hits[row]`` (up to ``hits_max``): a hashed table's bookkeeping of every lookup."""
+        keys = keys.contiguous()
+        out = torch.empty_like(keys)
+        _find(self.slots.numpy(), self.keys.numpy(), keys.numpy(), out.numpy(), last_seen.numpy(), hits.numpy(), step,
+              hits_max, True)
         return out
 
     def insert(self, keys: torch.Tensor) -> torch.Tensor:

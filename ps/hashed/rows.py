@@ -84,30 +84,32 @@ class HashedRows:
         return self.sketch.count(ids) if self.sketch is not None else torch.zeros_like(ids)
 
     def resolve(self, ids: torch.Tensor, step: int) -> Resolved:
-        """Rows for distinct ``ids`` [n] at server step ``step``, admitting and evicting as the
-        lifecycle says."""
-        rows = self.index.find(ids)
+        """Rows for ``ids`` [n] (int64) at server step ``step``, admitting and evicting as the
+        lifecycle says. An id named twice is counted and admitted once."""
+        # Known ids are found and marked seen in one compiled pass: the common case, kept cheap.
+        rows = self.index.find_marking(ids, self.last_seen, self.hits, step, HITS_MAX)
         missing = (rows < 0).nonzero().squeeze(1)
         fresh_rows = fresh_ids = evicted = torch.empty(0, dtype=torch.int64)
         if missing.numel():
-            unknown = ids[missing]
+            unknown, where = _in_order_asked(ids[missing])
+            admit = torch.ones(unknown.numel(), dtype=torch.bool)
             if self.sketch is not None:
-                ready = self.sketch.add(unknown, torch.ones_like(unknown)) >= self.life.admit_after
-                missing, unknown = missing[ready], unknown[ready]
-            evicted = self._make_room(unknown.numel(), step, rows[rows >= 0])
-            room = self.capacity - len(self.index)
-            missing, unknown = missing[:room], unknown[:room]     # more new ids than rows: the rest wait
-            if unknown.numel():
-                fresh_rows, fresh_ids = self.index.insert(unknown), unknown
-                rows[missing] = fresh_rows
-                self.hits[fresh_rows] = 0
+                admit = self.sketch.add(unknown, torch.ones_like(unknown)) >= self.life.admit_after
+            new = admit.nonzero().squeeze(1)
+            evicted = self._make_room(new.numel(), step, rows[rows >= 0])
+            new = new[:self.capacity - len(self.index)]       # more new ids than rows: the rest wait
+            if new.numel():
+                fresh_ids = unknown[new]
+                fresh_rows = self.index.insert(fresh_ids)
+                row_of = torch.full((unknown.numel(),), -1, dtype=torch.int64)
+                row_of[new] = fresh_rows
+                rows[missing] = row_of[where]
+                self.last_seen[fresh_rows] = step
+                self.hits[fresh_rows] = 1
                 if self.sketch is not None:
-                    self.sketch.forget(unknown)
-                self.counts.admitted += unknown.numel()
-        seen = rows[rows >= 0]
-        self.last_seen[seen] = step
-        self.hits[seen] = (self.hits[seen].to(torch.int32) + 1).clamp_(max=HITS_MAX).to(torch.int16)
-        self.counts.dropped += ids.numel() - seen.numel()
+                    self.sketch.forget(fresh_ids)
+                self.counts.admitted += new.numel()
+        self.counts.dropped += int((rows < 0).sum()) if missing.numel() else 0
         self.counts.looked_up += ids.numel()
         self.counts.requests += 1
         return Resolved(rows, fresh_rows, fresh_ids, evicted)
@@ -166,3 +168,26 @@ class HashedRows:
         if self.sketch is not None:
             self.sketch.halve()     # each eviction round ages what is half-admitted
         return gone
+
+
+def _in_order_asked(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the distinct ``ids`` in the order first asked, each id's place among them): new rows go to
+    new ids in the order a request names them."""
+    distinct, where = ids.unique(return_inverse=True)
+    first = torch.full((distinct.numel(),), ids.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, where, torch.arange(ids.numel()), reduce="amin")
+    order = first.argsort()
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.numel())
+    return distinct[order], place[where]
+
+
+def warm_up() -> None:
+    """Compile the index's loops now, for the types a table uses: a server does this before it
+    joins, so no trainer's first steps wait a second or more for the compiler."""
+    rows = HashedRows(4, Lifecycle(admit_after=2))
+    for step in range(3):
+        rows.resolve(torch.tensor([1, 2, 3, 4, 5], dtype=torch.int64), step)
+    rows.peek(torch.tensor([1], dtype=torch.int64))
+    rows.index.remove(rows.index.rows()[1][:1])
+    rows.index.rebuild()

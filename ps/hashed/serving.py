@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ps.hashed.rows import HashedRows
+from ps.hashed.rows import HashedRows, warm_up
 from ps.sharding import Layout
 from ps.spec import ModelSpec
 
@@ -39,6 +39,8 @@ class HashedTables:
         self.spec, self.layout, self.params, self._clear_state = spec, layout, params, clear_state
         self.tables = {t: HashedRows(layout.plans[t].rows(shard), spec.tables[t].hashed)
                        for t in layout.hashed_tables()}
+        if self.tables:
+            warm_up()
         self.stale_rows = 0          # gradient rows dropped: their ids lost the row since the read
 
     def __contains__(self, table: str) -> bool:
@@ -50,19 +52,19 @@ class HashedTables:
         a row, and what was read; ``training``: a step's read, which admits, evicts and counts
         (else only existing rows are read). Under the optimizer lock."""
         rows = self.tables[table]
-        # Trainers send each id once; a request that repeats one must not give it two rows.
-        distinct, where = ids.to(torch.int64).unique(return_inverse=True)
-        found = rows.resolve(distinct, step) if training else rows.peek(distinct)
+        ids = ids.to(torch.int64)
+        found = rows.resolve(ids, step) if training else rows.peek(ids)
         if found.fresh_rows.numel():
             self._fresh(table, found.fresh_rows, found.fresh_ids)
-        row_of = found.rows[where]
-        known = (row_of >= 0).nonzero().squeeze(1)
         weight = self.params[param]
-        # sparse=True: a step's gradient touches only the rows it used; zeros elsewhere carry none.
-        read = F.embedding(row_of[known], weight, sparse=True)
+        if bool((found.rows >= 0).all()):
+            # sparse=True: a step's gradient touches only the rows it used.
+            return F.embedding(found.rows, weight, sparse=True), Read(found.rows, ids, rows.evict_rounds)
+        known = (found.rows >= 0).nonzero().squeeze(1)
+        # Ids without a row read zeros, which carry no gradient anywhere.
+        read = F.embedding(found.rows[known], weight, sparse=True)
         out = torch.zeros(ids.numel(), *weight.shape[1:], dtype=weight.dtype).index_put((known,), read)
-        held = found.rows >= 0
-        return out, Read(found.rows[held], distinct[held], rows.evict_rounds)
+        return out, Read(found.rows[known], ids[known], rows.evict_rounds)
 
     def _fresh(self, table: str, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """New rows start as the table's ``init`` says for their ids, with no optimizer state."""

@@ -3,18 +3,23 @@ its servers' and `rpcps up`'s flags, so every such workload words them alike."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from ps.hashed.rows import Lifecycle
 from services.config import ConfigBase
+
+if TYPE_CHECKING:
+    from ps.hashed.rows import Lifecycle
 
 
 class HashedTableSettings(ConfigBase):
     table_capacity: int = Field(0, ge=0, description="a hashed table's rows over every server (0: its size at "
                                                      "--scale, which is also the most it gets)")
-    capacity_share: float = Field(1.0, gt=0, le=1, description="a hashed table's rows as a share of its size at "
-                                                               "--scale (with --table-capacity: the smaller)")
+    capacity_share: float = Field(1.0, gt=0, le=16, description="a hashed table's rows as a share of its size at "
+                                                                "--scale: below 1 bounds it, above 1 leaves room for "
+                                                                "ids spread unevenly over the servers (with "
+                                                                "--table-capacity: the smaller)")
     admit_after: int = Field(1, ge=1, le=255, description="a hashed table gives an id a row once this many "
                                                           "trainer steps looked it up (1: at once); until then "
                                                           "it reads zeros")
@@ -22,7 +27,8 @@ class HashedTableSettings(ConfigBase):
                                                         "at capacity and at each checkpoint (0: only the least "
                                                         "used go, at capacity)")
 
-    def lifecycle(self) -> Lifecycle:
+    def lifecycle(self) -> "Lifecycle":
+        from ps.hashed.rows import Lifecycle      # torch: not for a command that only parses flags
         return Lifecycle(admit_after=self.admit_after, evict_after_steps=self.evict_after_steps)
 
     def capacity(self, size: int) -> int:

@@ -102,6 +102,10 @@ def test_the_quick_commands_import_neither_torch_nor_pydantic():
     for argv in (["--help"], ["--version"], ["checkpoint", "--list", "--checkpoint-dir", "."]):
         r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert "LOADED False False" in r.stderr, (argv, r.stderr)
+    # A command's help reads its settings (pydantic), never the model behind them (torch).
+    for argv in (["up", "--workload", "ctr", "--help"], ["ps", "--workload", "ctr", "--help"]):
+        r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert "LOADED False True" in r.stderr, (argv, r.stderr)
 
 
 def _checkpoint(store: CheckpointStore, step: int) -> None:

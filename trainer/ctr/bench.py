@@ -6,9 +6,9 @@
 * ``async``, ``sync``, ``sync-allreduce``: ``rpcps up --workload ctr`` with 2 servers and 2 trainers,
   each ``--steps`` steps of ``--batch-size`` samples (the MLPs on the servers, or replicated on the
   trainers and all-reduced);
-* ``hashed``, ``hashed-10``: async, every table keyed by raw 64-bit ids (``--tables hashed``), as
-  many rows as ids, and a tenth of that (``--capacity-share 0.1``): what a bounded table costs
-  in AUC.
+* ``hashed``, ``hashed-10``: sync, the big tables keyed by raw 64-bit ids (``--tables C3,…``), with
+  room for twice their ids (``--capacity-share 2``: nothing evicted) and for a tenth of them
+  (``--capacity-share 0.1``): what a bounded table costs in AUC.
 
 Every variant trains on the same number of samples and is scored on the same held-out samples
 (AUC, logloss), beside the generator's ground truth (``oracle_auc``). Each variant runs in its own
@@ -179,10 +179,20 @@ def rows_bytes_per_sample(args: dict, batches: int = 5) -> float:
     return statistics.mean(unique) * 16 * 4 / args["batch_size"]
 
 
-EXTRA = {"async": (), "sync": ("--consistency", "sync"),
-         "sync-allreduce": ("--consistency", "sync", "--dense", "allreduce"),
-         # Hashed tables (async): unbounded (each as big as its ids), and with a tenth of the rows.
-         "hashed": ("--tables", "hashed"), "hashed-10": ("--tables", "hashed", "--capacity-share", "0.1")}
+BIG = 10_000        # rows at --scale from which a table is hashed in the hashed variants
+
+
+def extra(variant: str, scale: float) -> tuple[str, ...]:
+    """``rpcps up``'s flags of a cluster variant. The hashed ones hash the tables of at least
+    ``BIG`` rows (a capacity is for tables whose ids outnumber it: at a tenth, a feature of 30
+    values would keep 3 rows), in sync mode, so that the same updates every run leave the
+    capacity the only difference: room for twice their ids (nothing evicted), or for a tenth."""
+    if variant.startswith("hashed"):
+        from trainer.ctr.synthetic import SyntheticCtr
+        big = ",".join(f"C{t + 1}" for t, rows in enumerate(SyntheticCtr(scale=scale).cardinalities) if rows >= BIG)
+        return ("--consistency", "sync", "--tables", big, "--capacity-share", "0.1" if variant == "hashed-10" else "2")
+    return {"async": (), "sync": ("--consistency", "sync"),
+            "sync-allreduce": ("--consistency", "sync", "--dense", "allreduce")}[variant]
 
 
 def _run_variant(name: str, args: dict) -> dict:
@@ -250,4 +260,4 @@ def run(ns: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     variant, raw = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps(bench_local(raw) if variant == "local" else bench_cluster(raw, EXTRA[variant])))
+    print(json.dumps(bench_local(raw) if variant == "local" else bench_cluster(raw, extra(variant, raw["scale"]))))

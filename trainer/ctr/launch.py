@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.core.launch import TrainersLaunch
+from trainer.core.launch import SERVER_FLAGS, TrainersLaunch
+from trainer.ctr.config import CtrModelSettings
 
-MODEL_FLAGS = ("scale", "dim", "bottom", "top", "pooling", "table_rule", "optimizer", "lr", "placement", "tables",
-               "table_capacity", "admit_after", "evict_after_steps")
+# Every server is told the whole model: all of its settings, so none can be left behind.
+MODEL_FLAGS = tuple(f for f in CtrModelSettings.model_fields if f not in SERVER_FLAGS)
 
 
 class CtrLaunch(TrainersLaunch):
