@@ -83,6 +83,8 @@ class RowWiseAdagrad:
             rows, values = _rows(grad)
         else:
             rows, values = torch.arange(param.shape[0]), grad
+        if values.shape[0] == 0:         # a step that touched no row of it (a hashed table's ids unadmitted)
+            return
         flat = values.reshape(values.shape[0], -1)
         total.index_add_(0, rows, flat.pow(2).mean(dim=1))
         scale = total[rows].sqrt().add_(self.eps).reciprocal_()

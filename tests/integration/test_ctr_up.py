@@ -73,10 +73,13 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     cleanup(up)
     up.wait_event("started", 120)
     url = up.cluster()["sidecars"]["ctr0"]
+    ps0 = up.cluster()["sidecars"]["ps0"]
     import httpx
-    found = {}
+    found, work = {}, {}
 
     def evaluated():
+        # ps0's work as it goes: once ctr0 has evaluated, `up` may stop everyone at any moment.
+        work.update(httpx.get(f"{ps0}/status", timeout=5).json().get("work") or {})
         status = httpx.get(f"{url}/status", timeout=5).json()
         if status.get("eval"):
             found.update(status=status, metrics=httpx.get(f"{url}/metrics", timeout=5).text)
@@ -91,10 +94,13 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     assert 'rpcps_trainer_samples_total{name="ctr0",role="ctr"} 1024.0' in metrics, metrics
 
     # Where the steps' time went: the server's rows and seconds, the trainer's messages and phases.
-    ps0 = up.cluster()["sidecars"]["ps0"]
-    work = {}
-    wait_until(lambda: work.update(httpx.get(f"{ps0}/status", timeout=5).json().get("work") or {})
-               or work.get("update", {}).get("rows", 0) > 0, 30, "ps0's work on its status")
+    def ps0_updated() -> bool:
+        try:
+            work.update(httpx.get(f"{ps0}/status", timeout=5).json().get("work") or {})
+        except httpx.HTTPError:
+            return True                  # stopped: what it said last is what it did
+        return work.get("update", {}).get("rows", 0) > 0
+    wait_until(ps0_updated, 30, "ps0's updates on its status")
     assert work["lookup"]["rows"] > 0 and work["lookup"]["rows_per_s"] > 0, work
     assert work["update"]["seconds"] > 0, work
     done = up.wait_event("done", 120)

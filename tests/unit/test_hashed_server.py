@@ -132,3 +132,13 @@ def test_an_evaluation_reads_without_admitting():
     (server,) = servers(1, spec(10))
     out, read = server.hashed.lookup("t", "e.weight", torch.tensor([5]), 0, training=False)
     assert len(server.hashed.tables["t"]) == 0 and not out.any() and read.rows.numel() == 0
+
+
+def test_a_step_whose_ids_all_wait_for_admission_updates_nothing():
+    (server,) = servers(1, spec(10, Lifecycle(admit_after=2)))
+    weight = server.param("e.weight")
+    out, read = server.hashed.lookup("t", "e.weight", torch.tensor([5, 6]), 0)
+    assert not out.any() and read.rows.numel() == 0
+    out.sum().backward()                               # a gradient of no row at all
+    server.optimizer.apply({weight: weight.grad})
+    assert server.optimizer.steps == 1 and not weight.detach().any()
