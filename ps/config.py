@@ -2,14 +2,28 @@
 the workload's: its server role adds the model's settings to ``PsConfig``."""
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
 from ps.consistency import checked
-from services.config import CommonConfig, LeaderConfig, RestoringConfig
+from services.config import CommonConfig, ConfigBase, LeaderConfig, RestoringConfig
 from services.names import format_name, parse_name
 from services.workload import hosted
+
+
+Dtype = Literal["fp32", "fp16", "bf16"]       # ``ps/precision.py``'s
+
+
+class TablePrecisionSettings(ConfigBase):
+    """How a workload's tables are stored and sent, for its servers' and `rpcps up`'s flags: one
+    model, so every workload that offers them words them alike."""
+
+    table_dtype: Dtype = Field("fp32", description="how the tables' rows are stored on the servers: fp32, or fp16 "
+                                                    "or bf16 (half the bytes; updated in fp32 and rounded "
+                                                    "stochastically; optimizer state stays fp32)")
+    wire_dtype: Dtype = Field("fp32", description="how looked-up rows and their gradients cross the wire: fp32, "
+                                                   "or fp16 or bf16 (half the bytes)")
 
 
 def ps_names(num_ps: int) -> list[str]:

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
+from services.errors import BadRequest
+
 _SSP = re.compile(r"ssp:(\d+)")
 
 
@@ -34,6 +36,12 @@ class Consistency:
         if m is None:
             raise ValueError("consistency must be async, sync or ssp:K with K a whole number >= 0")
         return Ssp(int(m.group(1)))
+
+    def require(self, averaged: bool, what: str) -> None:
+        """Refuse a call of the other kind of update: a sync job's steps are averaged at the step
+        clock; an async or ssp job's are each trainer's own."""
+        if self.averaged != averaged:
+            raise BadRequest(f"cannot {what}: this job's consistency is {self}")
 
 
 @dataclass(frozen=True)

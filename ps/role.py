@@ -104,7 +104,7 @@ class PsRole(RoleBase, WithoutEpisodes):
     def _show_work(self) -> None:
         server = self.server
         hashed = server.hashed.describe() or None
-        self.board.update(steps=server.optimizer.steps, refused=server.refused, work=server.work.describe(),
+        self.board.update(steps=server.optimizer.steps, refused=server.refusals.count, work=server.work.describe(),
                           hashed=hashed)
         if hashed:
             self.metrics.hashed(hashed, server.hashed.stale_rows)

@@ -9,14 +9,18 @@ touches only the rows a batch used) and keeps its own state, made at the paramet
 * ``RowWiseAdagrad``: one running sum per *row*, of the row gradient's mean square, as FBGEMM's
   ``EXACT_ROWWISE_ADAGRAD``: a table's optimizer state is 4 bytes a row instead of a row's size.
 
-A workload may add its own: anything with ``name``, ``state_shapes`` and ``step``.
+A table stored in half precision (``ps/precision.py``) is stepped in fp32 and rounded back
+stochastically; its optimizer state stays fp32. A workload may add its own rule: anything with
+``name``, ``state_shapes`` and ``step``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
+
+from ps.precision import add_rows, is_half
 
 EPS = 1e-10      # torch.optim.Adagrad's
 
@@ -32,7 +36,9 @@ class UpdateRule(Protocol):
 
 
 def _rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row indices, row values) of a sparse gradient, duplicates summed."""
+    """(row indices, row values) of a gradient: a sparse one's, duplicates summed, or every row."""
+    if not grad.is_sparse:
+        return torch.arange(grad.shape[0]), grad
     grad = grad.coalesce()
     return grad.indices()[0], grad.values()
 
@@ -45,7 +51,10 @@ class Sgd:
         return {}
 
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
-        param.add_(grad, alpha=-lr)      # a sparse gradient adds into its rows only
+        if is_half(param):
+            add_rows(param, *_rows(grad), alpha=-lr)
+        else:
+            param.add_(grad, alpha=-lr)      # a sparse gradient adds into its rows only
 
 
 @dataclass(frozen=True)
@@ -60,10 +69,10 @@ class Adagrad:
         total = state["sum"]
         if "step" in state:
             state["step"] += 1
-        if grad.is_sparse:
+        if grad.is_sparse or is_half(param):
             rows, values = _rows(grad)
             total.index_add_(0, rows, values * values)
-            param.index_add_(0, rows, values / total[rows].sqrt().add_(self.eps), alpha=-lr)
+            add_rows(param, rows, values / total[rows].sqrt().add_(self.eps), alpha=-lr)
         else:
             total.addcmul_(grad, grad)
             param.addcdiv_(grad, total.sqrt().add_(self.eps), value=-lr)
@@ -79,16 +88,13 @@ class RowWiseAdagrad:
 
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
         total = state["sum"]
-        if grad.is_sparse:
-            rows, values = _rows(grad)
-        else:
-            rows, values = torch.arange(param.shape[0]), grad
+        rows, values = _rows(grad)
         if values.shape[0] == 0:         # a step that touched no row of it (a hashed table's ids unadmitted)
             return
         flat = values.reshape(values.shape[0], -1)
         total.index_add_(0, rows, flat.pow(2).mean(dim=1))
         scale = total[rows].sqrt().add_(self.eps).reciprocal_()
-        param.index_add_(0, rows, (flat * scale[:, None]).view_as(values), alpha=-lr)
+        add_rows(param, rows, (flat * scale[:, None]).view_as(values), alpha=-lr)
 
 
 RULES: dict[str, UpdateRule] = {r.name: r for r in (Sgd(), Adagrad(), RowWiseAdagrad())}
@@ -116,14 +122,18 @@ class RuleOptimizer:
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, grads: Optional[dict[torch.Tensor, torch.Tensor]] = None) -> None:
+        """Step every parameter with a gradient: ``grads[p]`` when given (a half-precision
+        parameter's is fp32, which its ``.grad`` could not hold), else ``p.grad``."""
         for p, r in self.params:
-            if p.grad is None:
+            grad = p.grad if grads is None else grads.get(p)
+            if grad is None:
                 continue
             if p not in self.state:
-                self.state[p] = {k: torch.zeros(shape, dtype=torch.float32 if k == "step" else p.dtype)
+                dtype = torch.float32 if is_half(p) else p.dtype
+                self.state[p] = {k: torch.zeros(shape, dtype=torch.float32 if k == "step" else dtype)
                                  for k, shape in r.state_shapes(p).items()}
-            r.step(p, p.grad, self.state[p], self.lr)
+            r.step(p, grad, self.state[p], self.lr)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, _ in self.params:

@@ -8,28 +8,29 @@ bad request raises ``BadRequest`` back to its caller and the server keeps servin
 """
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import threading
 import time
 from typing import Any, Optional
 
 import torch
 
+from ps.checks import RequestChecks
 from ps.consistency import Async, Consistency
+from ps.contexts import Contexts
 from ps.hashed.serving import HashedTables
 from ps.messages import ShardInfo
+from ps.metrics import PsMetrics
+from ps.refusals import Refusals
+from ps.replica_writes import ReplicaWrites
 from ps.sharding import Layout, placement_of
 from ps.spec import ModelSpec
-from ps.checks import RequestChecks
-from ps.contexts import Contexts, in_autograd_context
-from ps.replica_writes import ReplicaWrites
 from ps.state import export_shard, gather_shard, initial_shard
-from ps.tables import RowShard
-from ps.update import SharedOptimizer, SyncSteps, grad_sq_norm
+from ps.tables import ShardParams
+from ps.update import SharedOptimizer, SyncSteps
 from ps.work import Work
-from services.errors import BadRequest, UpdateRefused
-from ps.metrics import PsMetrics
+from services.errors import BadRequest
 from services.remote import Service, remote
 
 log = logging.getLogger(__name__)
@@ -50,31 +51,22 @@ class ParameterServer(Service):
             values, optim_state, steps, kept = initial_shard(spec, self.layout, shard), {}, 0, {}
         else:
             values, optim_state, steps, kept = gather_shard(restore, self.layout, shard)
-        self.rows = torch.nn.ModuleDict({n.replace(".", "/"): RowShard(values[n]) for n in self.layout.row_params()})
-        self.dense = torch.nn.ParameterDict({n.replace(".", "/"): torch.nn.Parameter(values[n])
-                                             for n in self.layout.dense_of(shard)})
-        self.param_names = [*self.layout.row_params(), *self.layout.dense_of(shard)]
-        self.optimizer = SharedOptimizer([self.param(n) for n in self.param_names],
-                                         [spec.rule_of(self.layout.table_of(n) if n in self.layout.row_params() else None)
-                                          for n in self.param_names], spec.lr, on_step=self._stepped)
-        self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.param_names])
+        self.params = ShardParams(spec, self.layout, shard, values)
+        self.optimizer = SharedOptimizer([self.param(n) for n in self.params.names], self.params.rules, spec.lr,
+                                         on_step=self._stepped)
+        self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.params.names])
         self.sync = SyncSteps(self.optimizer)
-        self.hashed = HashedTables(spec, self.layout, shard, {n: self.param(n) for t in self.layout.hashed_tables()
-                                                               for n in self.layout.table_params[t]},
+        self.hashed = HashedTables(spec, self.layout, shard, self.params.of_tables(self.layout.hashed_tables()),
                                    self.optimizer.clear_rows)
         self.hashed.restore(kept)
         self.contexts = Contexts()
         self.replica = ReplicaWrites({n: self.param(n) for n in self.layout.dense_of(shard)}, self.optimizer)
         self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
-        self._refused_lock = threading.Lock()
-        self.refused = 0                    # updates refused whole (under _refused_lock)
+        self.refusals = Refusals(metrics)
 
     def param(self, name: str) -> torch.nn.Parameter:
         """The live parameter ``name`` (a table's rows on this shard, or a dense tensor)."""
-        key = name.replace(".", "/")   # module and parameter dicts take no dots in keys
-        if key in self.rows:
-            return self.rows[key].weight
-        return self.dense[key]
+        return self.params[name]
 
     def export_state(self, into: Optional[tuple] = None) -> dict[str, Any]:
         """This shard for a checkpoint: parameters, optimizer state and step, copied at one instant
@@ -84,8 +76,8 @@ class ParameterServer(Service):
             self.hashed.expire(self.optimizer.steps)
             kept = self.hashed.snapshot()
         steps, params, state = self.optimizer.state_copy(into)
-        return export_shard(self.shard, self.layout, self.spec.meta, steps, dict(zip(self.param_names, params)),
-                            {n: s for n, s in zip(self.param_names, state) if s}, kept)
+        return export_shard(self.shard, self.layout, self.spec.meta, steps, dict(zip(self.params.names, params)),
+                            {n: s for n, s in zip(self.params.names, state) if s}, kept)
 
     def _stepped(self, rows: int, seconds: float) -> None:
         self.metrics.optimizer_steps.inc()
@@ -104,7 +96,7 @@ class ParameterServer(Service):
     def parameters(self) -> dict[str, torch.Tensor]:
         """A consistent copy of every parameter this shard holds (no autograd history). For tests:
         they compare a cluster's parameters with a one-process model's; trainers never call it."""
-        return dict(zip(self.param_names, self.optimizer.snapshot(self.optimizer.params)))
+        return dict(zip(self.params.names, self.optimizer.snapshot(self.optimizer.params)))
 
     @remote
     def lookup(self, param: str, ids: torch.Tensor) -> torch.Tensor:
@@ -125,35 +117,32 @@ class ParameterServer(Service):
         self.checks.count(total, "the lookups")
         with self.optimizer.lock:  # rows are read whole, never mid-update
             started = time.perf_counter()
-            rows = {param: self._rows_of(param, ids) for param, ids in lookups.items()}
+            rows = {param: self._rows_of(param, ids).to(self.params.wire[param]) for param, ids in lookups.items()}
             self.work.add("lookup", total, time.perf_counter() - started)
         self.metrics.rows_looked_up.inc(total)
         return rows
 
     def _rows_of(self, param: str, ids: torch.Tensor) -> torch.Tensor:
         table = self.checks.table_of(param)
-        if table not in self.hashed:
-            return self.rows[param.replace(".", "/")](self.layout.plans[table].to_local(ids))
-        # Only a training step's read admits, evicts and counts: an evaluation changes nothing.
-        training = in_autograd_context()
-        found, read = self.hashed.lookup(table, param, ids, self.optimizer.steps, training)
-        if training:
-            self.contexts.note_read(self._call.caller, param, read)
-        return found
+        if table in self.hashed:
+            return self.hashed.read(table, param, ids, self.optimizer.steps,
+                                    functools.partial(self.contexts.note_read, self._call.caller, param))
+        return self.params.row_shard(param)(self.layout.plans[table].to_local(ids))
 
     def _current(self, context_id: int) -> Any:
-        """``keep`` for ``SharedOptimizer.apply``: the caller's gradients in ``context_id``
-        without the hashed rows whose ids lost them since it read them."""
+        """``keep`` for ``SharedOptimizer.apply``: without the hashed rows whose ids lost them
+        since the caller read them in ``context_id``."""
         known = self.contexts.get(self._call.caller, context_id)
-        reads = known.reads if known is not None else {}
-        return lambda grads: self.hashed.current(grads, reads) if reads else grads
+        return self.hashed.keep_current(known.reads if known is not None else {})
+
+    def _grads(self, context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+        return self.params.by_param(self.contexts.grads(context_id))
 
     @remote
     def dense_params(self) -> dict[str, torch.Tensor]:
         """This shard's dense tensors; computing with them records the way back for gradients."""
-        names = self.layout.dense_of(self.shard)
         with self.optimizer.lock:
-            return {n: self.param(n).clone() for n in names}
+            return {n: self.param(n).clone() for n in self.layout.dense_of(self.shard)}
 
     @remote
     def dense_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -181,7 +170,7 @@ class ParameterServer(Service):
     def grad_sq_norm(self, context_id: int) -> float:
         """The squared norm of the caller's gradients here: the first half of an async or ssp
         update, where gradients that are not finite are refused before any server applies any."""
-        sq = self._finite_sq_norm(self.contexts.grads(context_id), f"update in context {context_id}")
+        sq = self.refusals.finite_sq_norm(self._grads(context_id), self._call.caller, f"update in context {context_id}")
         self.contexts.mark_checked(self._call.caller, context_id)
         return sq
 
@@ -189,17 +178,17 @@ class ParameterServer(Service):
     def scale_grads(self, context_id: int, coef: float) -> None:
         if not (0.0 <= coef <= 1.0):
             raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
-        for g in self.contexts.grads(context_id).values():
+        for g in self._grads(context_id).values():
             g.mul_(coef)  # the very tensors ``apply`` will apply
 
     @remote
     def apply(self, context_id: int) -> None:
         """async and ssp modes: apply the caller's gradients in ``context_id`` now, all or none."""
-        self._require(False, "apply one trainer's update")
-        grads = self.contexts.grads(context_id)
+        self.consistency.require(False, "apply one trainer's update")
+        grads = self._grads(context_id)
         known = self.contexts.get(self._call.caller, context_id)
         if known is None or not known.checked:     # a caller that skipped the norm round
-            self._finite_sq_norm(grads, f"update in context {context_id}")
+            self.refusals.finite_sq_norm(grads, self._call.caller, f"update in context {context_id}")
         before = self.optimizer.apply(grads, self._current(context_id))
         if known is not None:
             self.metrics.staleness.observe(before - known.read_at)
@@ -208,44 +197,27 @@ class ParameterServer(Service):
     @remote
     def contribute(self, context_id: int, step: int) -> None:
         """The caller's gradients in ``context_id``, for step ``step`` (the open one)."""
-        self._require(True, "hand over gradients")
-        grads = self.contexts.grads(context_id)
-        self._finite_sq_norm(grads, f"gradients for step {step}")
+        self.consistency.require(True, "hand over gradients")
+        grads = self._grads(context_id)
+        self.refusals.finite_sq_norm(grads, self._call.caller, f"gradients for step {step}")
         with self.optimizer.lock:
             grads = self._current(context_id)(grads)
         self.sync.contribute(step, self._call.caller, grads)
 
     @remote
     def sync_sq_norm(self, step: int, trainers: list[str]) -> float:
-        self._require(True, "average gradients")
+        self.consistency.require(True, "average gradients")
         return self.sync.sq_norm(step, tuple(trainers))
 
     @remote
     def sync_apply(self, step: int, trainers: list[str], coef: float) -> None:
         """Apply step ``step``: the average of ``trainers``' gradients, scaled by ``coef``."""
-        self._require(True, "apply a step")
+        self.consistency.require(True, "apply a step")
         if not (0.0 <= coef <= 1.0):
             raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
         self.sync.apply(step, tuple(trainers), coef)
         for _ in trainers:
             self.metrics.staleness.observe(0)    # each read the parameters this update changes
-
-    def _finite_sq_norm(self, grads: dict[torch.Tensor, torch.Tensor], what: str) -> float:
-        """The gradients' squared norm, or ``UpdateRefused``: one bad trainer must not poison the
-        shared model. A NaN or inf anywhere makes the sum so, which saves a pass of its own."""
-        sq = grad_sq_norm(list(grads.values()))
-        if math.isfinite(sq):
-            return sq
-        with self._refused_lock:
-            self.refused += 1
-        self.metrics.updates_refused.inc()
-        raise UpdateRefused(f"{self._call.caller}'s {what} is not finite; nothing of it was applied")
-
-    def _require(self, averaged: bool, what: str) -> None:
-        """Refuse a call of the other kind of update: a sync job's steps are averaged at the step
-        clock; an async or ssp job's are each trainer's own."""
-        if self.consistency.averaged != averaged:
-            raise BadRequest(f"cannot {what}: this job's consistency is {self.consistency}")
 
     # --- for operations ------------------------------------------------------------------------------
     def snapshot(self, names: list[str]) -> list[torch.Tensor]:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from ps.hashed.rows import Lifecycle
+from ps.precision import dtype_of
 from ps.rules import UpdateRule, resolve
 
 
@@ -39,6 +40,13 @@ class Table:
     # Keyed by raw 64-bit ids instead of 0 .. rows - 1: ``rows`` is then its capacity, and rows
     # come and go as this says (``ps/hashed/``); ``init`` is asked for raw ids.
     hashed: Optional[Lifecycle] = None
+    # How its rows are stored, and how they and their gradients cross the wire: fp32, fp16 or bf16
+    # (``ps/precision.py``). Half-precision rows are updated with stochastic rounding.
+    dtype: str = "fp32"
+    wire_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        dtype_of(self.dtype), dtype_of(self.wire_dtype)     # a ValueError naming the choices
 
 
 @dataclass(frozen=True)

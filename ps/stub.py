@@ -207,7 +207,9 @@ class PsClient:
         answered = {k: wait(f) for k, f in answers.items()}
         rows: dict[str, torch.Tensor] = {}
         for key, shape, inverse, parts in pending:
-            found = torch.cat([answered[k][key] for k, _ in parts])      # [unique, ...], shard order
+            # Rows sent in half precision (the table's wire_dtype) are computed with in fp32; their
+            # gradient goes back as they came.
+            found = torch.cat([answered[k][key].float() for k, _ in parts])      # [unique, ...], shard order
             order = torch.cat([pos for _, pos in parts])
             by_unique = found[torch.argsort(order)]                       # back to torch.unique's order
             rows[key] = by_unique[inverse].view(*shape, *found.shape[1:])

@@ -118,9 +118,7 @@ class SharedOptimizer:
             started = time.perf_counter()
             if keep is not None:
                 grads = keep(grads)
-            for p in self.params:
-                p.grad = grads.get(p)
-            rows = self._step()
+            rows = self._step(grads)
             seconds = time.perf_counter() - started
         if self._on_step is not None:
             self._on_step(rows, seconds)
@@ -132,13 +130,10 @@ class SharedOptimizer:
             self.steps = max(self.steps, steps)
             return self.steps
 
-    def _step(self) -> int:
-        rows = sum(p.grad._nnz() for p in self.params if p.grad is not None and p.grad.is_sparse)
-        self.optimizer.step()
+    def _step(self, grads: dict[torch.Tensor, torch.Tensor]) -> int:
+        rows = sum(g._nnz() for g in (grads.get(p) for p in self.params) if g is not None and g.is_sparse)
+        self.optimizer.step(grads)
         self.steps += 1
-        # A parameter this step did not touch must not see this step's gradient next time.
-        for p in self.params:
-            p.grad = None
         return rows
 
     def clear_rows(self, param: torch.Tensor, rows: torch.Tensor) -> None:

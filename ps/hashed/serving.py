@@ -10,14 +10,15 @@ server's optimizer lock, which orders lookups and updates.
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
+from ps.contexts import in_autograd_context
 from ps.hashed.rows import HashedRows, warm_up
 from ps.sharding import Layout
 from ps.spec import ModelSpec
+from ps.tables import RowShard
 
 log = logging.getLogger("ps.service")
 
@@ -32,11 +33,13 @@ class Read(NamedTuple):
 
 
 class HashedTables:
-    def __init__(self, spec: ModelSpec, layout: Layout, shard: int, params: dict[str, torch.nn.Parameter],
+    def __init__(self, spec: ModelSpec, layout: Layout, shard: int, shards: dict[str, RowShard],
                  clear_state: Any) -> None:
-        """``params``: this shard's table parameters by name; ``clear_state(param, rows)``: zero
-        the optimizer's state of those rows (``SharedOptimizer.clear_rows``)."""
-        self.spec, self.layout, self.params, self._clear_state = spec, layout, params, clear_state
+        """``shards``: this shard's rows of the hashed tables' parameters, by name;
+        ``clear_state(param, rows)``: zero the optimizer's state of those rows
+        (``SharedOptimizer.clear_rows``)."""
+        self.spec, self.layout, self.shards, self._clear_state = spec, layout, shards, clear_state
+        self.params = {n: s.weight for n, s in shards.items()}
         self.tables = {t: HashedRows(layout.plans[t].rows(shard), spec.tables[t].hashed)
                        for t in layout.hashed_tables()}
         if self.tables:
@@ -56,15 +59,29 @@ class HashedTables:
         found = rows.resolve(ids, step) if training else rows.peek(ids)
         if found.fresh_rows.numel():
             self._fresh(table, found.fresh_rows, found.fresh_ids)
-        weight = self.params[param]
+        shard = self.shards[param]
         if bool((found.rows >= 0).all()):
-            # sparse=True: a step's gradient touches only the rows it used.
-            return F.embedding(found.rows, weight, sparse=True), Read(found.rows, ids, rows.evict_rounds)
+            return shard(found.rows), Read(found.rows, ids, rows.evict_rounds)
         known = (found.rows >= 0).nonzero().squeeze(1)
         # Ids without a row read zeros, which carry no gradient anywhere.
-        read = F.embedding(found.rows[known], weight, sparse=True)
-        out = torch.zeros(ids.numel(), *weight.shape[1:], dtype=weight.dtype).index_put((known,), read)
+        read = shard(found.rows[known])
+        out = torch.zeros(ids.numel(), *read.shape[1:], dtype=read.dtype).index_put((known,), read)
         return out, Read(found.rows[known], ids[known], rows.evict_rounds)
+
+    def read(self, table: str, param: str, ids: torch.Tensor, step: int, note: Callable[[Read], None]
+             ) -> torch.Tensor:
+        """``lookup`` for a request: only a training step's read (in an autograd context) admits,
+        evicts and counts, and ``note(read)`` keeps what it read; an evaluation changes nothing."""
+        training = in_autograd_context()
+        found, read = self.lookup(table, param, ids, step, training)
+        if training:
+            note(read)
+        return found
+
+    def keep_current(self, reads: dict[str, Read]) -> Callable[[dict], dict]:
+        """``keep`` for ``SharedOptimizer.apply``: gradients without the rows whose ids lost them
+        since ``reads``."""
+        return lambda grads: self.current(grads, reads) if reads else grads
 
     def _fresh(self, table: str, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """New rows start as the table's ``init`` says for their ids, with no optimizer state."""
@@ -88,7 +105,7 @@ class HashedTables:
             keep = torch.isin(grad.indices()[0], owned)
             self.stale_rows += int((~keep).sum())
             out[self.params[param]] = torch.sparse_coo_tensor(grad.indices()[:, keep], grad.values()[keep],
-                                                               grad.shape).coalesce()
+                                                               grad.shape, check_invariants=False).coalesce()
         return out
 
     def expire(self, step: int) -> dict[str, torch.Tensor]:

@@ -1,9 +1,11 @@
 """Hashed tables as a user runs them: `rpcps up --workload ctr --tables hashed` keys every table
 by raw 64-bit ids within a capacity, admits ids seen twice, evicts what went cold; the servers
-show it on /status and in their metrics; the checkpoint restores on another server count."""
+show it on /status and in their metrics; the checkpoint restores on another server count. The
+rows are stored and sent in fp16, and the restore widens them to bf16 storage."""
 import math
 
 import httpx
+import torch
 
 from tests.integration.test_ctr_up import HASHED, SMALL
 from tests.support.upcli import UpProcess
@@ -16,7 +18,8 @@ def hashed_status(url: str) -> dict:
 
 
 def test_hashed_tables_admit_evict_show_and_reshard(tmp_path, cleanup):
-    up = UpProcess(tmp_path, *SMALL, *HASHED, "--steps", "8", "--num-ps", "2", "--checkpoint-every-steps", "4")
+    up = UpProcess(tmp_path, *SMALL, *HASHED, "--steps", "8", "--num-ps", "2", "--checkpoint-every-steps", "4",
+                   "--table-dtype", "fp16", "--wire-dtype", "fp16")
     cleanup(up)
     urls = up.wait_event("started", 120)["sidecars"]
     seen: dict[str, dict] = {}
@@ -38,9 +41,12 @@ def test_hashed_tables_admit_evict_show_and_reshard(tmp_path, cleanup):
     assert math.isfinite(done["auc"]) and 0.4 < done["auc"] < 1, done
     saved = sorted((tmp_path / "ckpt").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     assert saved, "the final checkpoint"
+    shard = torch.load(saved[-1] / "ps0.pt", weights_only=True)
+    assert {p.dtype for n, p in shard["params"].items() if n.startswith("C")} == {torch.float16}, "tables"
+    assert {s.dtype for st in shard["optim"].values() for s in st.values()} <= {torch.float32}
 
     # Three servers: each takes the ids it owns of every old shard's saved rows.
-    again = UpProcess(tmp_path, *SMALL, *HASHED, "--steps", "2", "--num-ps", "3")
+    again = UpProcess(tmp_path, *SMALL, *HASHED, "--steps", "2", "--num-ps", "3", "--table-dtype", "bf16")
     cleanup(again)
     urls = again.wait_event("started", 120)["sidecars"]
     restored = {n: hashed_status(urls[n]) for n in ("ps0", "ps1", "ps2")}

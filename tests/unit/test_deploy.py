@@ -100,7 +100,9 @@ def exported_metric_names() -> set[str]:
     from trainer.lm.metrics import TrainerMetrics
     from trainer.rl.metrics import RlMetrics
     registries = [CollectorRegistry() for _ in range(3)]     # one per kind of role, as in their processes
-    PsMetrics(registries[0], "ps", "ps0").init_ps(remote_methods(ParameterServer))
+    ps = PsMetrics(registries[0], "ps", "ps0")
+    ps.init_ps(remote_methods(ParameterServer))
+    ps.hashed({"C1": dict.fromkeys(("rows", "capacity", "admitted", "evicted", "dropped"), 1)}, 0)   # by table
     TrainerMetrics(registries[1], "trainer", "trainer0")
     RlMetrics(registries[2], "agent", "agent")
     return {sample.name for registry in registries for family in registry.collect() for sample in family.samples}

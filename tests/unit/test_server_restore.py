@@ -27,7 +27,7 @@ def full_view(group):
     out = {}
     for s in group:
         rows = s.layout.plans["vocabulary"].global_ids(s.shard)
-        for name, p in zip(s.param_names, s.optimizer.params):
+        for name, p in zip(s.params.names, s.optimizer.params):
             state = s.optimizer.optimizer.state.get(p, {})
             if name in ("embedding.weight", "decoder.weight", "decoder.bias"):
                 out.setdefault(name, {})[tuple(rows.tolist())] = (p.detach().clone(), state["sum"].clone())

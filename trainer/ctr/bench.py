@@ -1,4 +1,4 @@
-"""``rpcps bench ctr``: the DLRM on the same generated data four ways, side by side in one run.
+"""``rpcps bench ctr``: the DLRM on the same generated data in several ways, side by side in one run.
 
 * ``local``: one process, every table in memory as an ``EmbeddingBag`` with sparse gradients and
   the same update rules, every core, on batches of trainers x ``--batch-size`` samples (so its
@@ -8,7 +8,9 @@
   trainers and all-reduced);
 * ``hashed``, ``hashed-10``: sync, the big tables keyed by raw 64-bit ids (``--tables C3,…``), with
   room for twice their ids (``--capacity-share 2``: nothing evicted) and for a tenth of them
-  (``--capacity-share 0.1``): what a bounded table costs in AUC.
+  (``--capacity-share 0.1``): what a bounded table costs in AUC;
+* ``fp16``, ``bf16``, ``wire-fp16``: sync, the tables stored in half precision (``--table-dtype``),
+  or sent in it (``--wire-dtype fp16``): what each costs in AUC beside ``sync``.
 
 Every variant trains on the same number of samples and is scored on the same held-out samples
 (AUC, logloss), beside the generator's ground truth (``oracle_auc``). Each variant runs in its own
@@ -34,7 +36,8 @@ from pathlib import Path
 
 from services.client import SidecarClient
 
-VARIANTS = ("local", "async", "sync", "sync-allreduce", "hashed", "hashed-10")
+VARIANTS = ("local", "async", "sync", "sync-allreduce", "hashed", "hashed-10", "fp16", "bf16", "wire-fp16")
+HALF = {"fp16": ("--table-dtype", "fp16"), "bf16": ("--table-dtype", "bf16"), "wire-fp16": ("--wire-dtype", "fp16")}
 TRAINERS = 2
 TARGETS = {"async_vs_local": 0.8, "sync_auc_minus_local": 0.002, "rows_bytes_ratio": 2.0,
            "hashed_10_auc_minus_hashed": 0.005}
@@ -191,6 +194,8 @@ def extra(variant: str, scale: float) -> tuple[str, ...]:
         from trainer.ctr.synthetic import SyntheticCtr
         big = ",".join(f"C{t + 1}" for t, rows in enumerate(SyntheticCtr(scale=scale).cardinalities) if rows >= BIG)
         return ("--consistency", "sync", "--tables", big, "--capacity-share", "0.1" if variant == "hashed-10" else "2")
+    if variant in HALF:
+        return ("--consistency", "sync", *HALF[variant])
     return {"async": (), "sync": ("--consistency", "sync"),
             "sync-allreduce": ("--consistency", "sync", "--dense", "allreduce")}[variant]
 
@@ -236,7 +241,7 @@ def run(ns: argparse.Namespace) -> int:
                                                      for r in rounds)
     if "sync" in results and "local" in results:
         ratios["sync_auc_minus_local"] = results["sync"]["auc"] - results["local"]["auc"]
-    for name in ("async", "sync", "sync-allreduce"):
+    for name in ("async", "sync", "sync-allreduce", "wire-fp16"):
         if name in results:
             ratios[f"{name}_bytes_vs_rows"] = results[name]["bytes_per_sample"] / rows
     met = {}
@@ -250,6 +255,9 @@ def run(ns: argparse.Namespace) -> int:
         key = "hashed_10_auc_minus_hashed"
         ratios[key] = results["hashed-10"]["auc"] - results["hashed"]["auc"]
         met[key] = abs(ratios[key]) <= TARGETS[key]
+    for name in HALF:
+        if name in results and "sync" in results:      # each beside full precision, at equal samples
+            ratios[f"{name}_auc_minus_sync"] = results[name]["auc"] - results["sync"]["auc"]
     oracle = next((r[n]["oracle_auc"] for r in rounds for n in names if r[n].get("oracle_auc") is not None), None)
     print(json.dumps({"bench": "ctr", "oracle_auc": oracle, "results": results, "rows_bytes_per_sample": rows,
                       "ratios": ratios, "targets": TARGETS, "met": met,

@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from ps.config import PsConfig
+from ps.config import Dtype, PsConfig, TablePrecisionSettings
 from ps.hashed.settings import HashedTableSettings
 from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings
@@ -63,11 +63,14 @@ class CtrModelConfig(ConfigBase):
     capacities: tuple[int, ...] = ()      # the hashed tables' rows, in the same order
     admit_after: int = Field(1, ge=1)
     evict_after_steps: int = Field(0, ge=0)
+    table_dtype: Dtype = "fp32"           # how the servers store the tables' rows
+    wire_dtype: Dtype = "fp32"            # how rows and their gradients are sent
 
 
-class CtrModelSettings(HashedTableSettings):
+class CtrModelSettings(HashedTableSettings, TablePrecisionSettings):
     """What the servers and `rpcps up` say of the model's shape and rules (with the hashed
-    tables' capacity, admission and eviction, as ``ps/hashed/settings.py`` words them)."""
+    tables' capacity, admission and eviction, as ``ps/hashed/settings.py`` words them, and the
+    tables' precision, as ``ps/config.py`` does)."""
 
     scale: float = Field(1.0, gt=0, le=1.0, description=SCALE_HELP)
     dim: int = Field(16, ge=1, le=1024, description="embedding dimension (every table)")
@@ -97,7 +100,8 @@ class CtrModelSettings(HashedTableSettings):
                               table_rule=self.table_rule, optimizer=self.optimizer, lr=self.lr,
                               placement=self.placement, hashed=hashed,
                               capacities=tuple(self.capacity(sizes[t]) for t in hashed),
-                              admit_after=self.admit_after, evict_after_steps=self.evict_after_steps)
+                              admit_after=self.admit_after, evict_after_steps=self.evict_after_steps,
+                              table_dtype=self.table_dtype, wire_dtype=self.wire_dtype)
 
 
 def _hashed(tables: str) -> tuple[int, ...]:

@@ -108,7 +108,8 @@ def model_spec(cfg: CtrModelConfig) -> ModelSpec:
     tables = {table_name(t): Table(capacity.get(t, rows), {f"{table_name(t)}.weight": (cfg.dim,)},
                                    lambda ids, t=t: {f"{table_name(t)}.weight": table_rows(cfg, t, ids)},
                                    rule=cfg.table_rule, placement=placement,
-                                   hashed=life if t in cfg.hashed else None)
+                                   hashed=life if t in cfg.hashed else None, dtype=cfg.table_dtype,
+                                   wire_dtype=cfg.wire_dtype)
               for t, rows in enumerate(cfg.cardinalities)}
     dense = DlrmDense(cfg)
 
