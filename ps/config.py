@@ -13,6 +13,8 @@ from services.workload import hosted
 
 
 Dtype = Literal["fp32", "fp16", "bf16"]       # ``ps/precision.py``'s
+FULL_EVERY_HELP = ("every Nth checkpoint is whole; the ones between are deltas, holding only the rows changed "
+                   "since the checkpoint before (1: every one whole)")
 
 
 class TablePrecisionSettings(ConfigBase):
@@ -43,13 +45,14 @@ class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
 
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "cluster": ("workload",),
-        "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds"),
+        "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds", "full_checkpoint_every"),
         "failures": ("max_ids_per_request",), "consistency": ("consistency",)}
     name: str = Field("ps0", description="RPC name: ps<index>, index < num_ps")
     workload: Optional[str] = Field(None, description="the workload whose model this server hosts (default: the first "
                                                       "registered one the servers host); every server the same")
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="take a checkpoint every N cluster steps (ps0)")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="take a checkpoint every M seconds (ps0)")
+    full_checkpoint_every: int = Field(1, ge=1, description=FULL_EVERY_HELP)
     max_ids_per_request: int = Field(65_536, ge=1, description="ids one lookup or operation may name; a request "
                                                                   "past it is refused (a bound on what one caller "
                                                                   "can make a server allocate)")

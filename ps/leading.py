@@ -77,7 +77,8 @@ class Leading:
         plan = CheckpointPlan(holders=tuple(ps_names(self.cfg.num_ps)), paused_role=self.client_role,
                               meta={"model": self.spec.meta, "num_ps": self.cfg.num_ps, LEADER_LIFE: self._life.life})
         self.coordinator = Coordinator(self.ctx.store, plan, self.cfg.keep_checkpoints, local=self.ctx.checkpoints,
-                                       metrics=self.ctx.metrics, resumed=resumed, on_commit=publish)
+                                       metrics=self.ctx.metrics, resumed=resumed, on_commit=publish,
+                                       full_every=self.cfg.full_checkpoint_every)
         serve(self.coordinator)
         self._periodic = Periodic(take, lambda: self.server.optimizer.steps,
                                   self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_seconds).start()

@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ps.delta import is_delta
 from ps.service import ParameterServer
 from ps.spec import ModelSpec
 from services.checkpoint.parts import SnapshotPart
@@ -30,9 +31,19 @@ class ServerPart(SnapshotPart):
             self._buffers = buffers
 
     def state_dict(self) -> dict[str, Any]:
+        return self.snapshot(None)
+
+    def snapshot(self, base: Optional[int]) -> dict[str, Any]:
         with self._lock:
             buffers, self._buffers = self._buffers, None
-        return self.server.export_state(into=buffers)
+        return self.server.export_state(into=buffers, since=base)
+
+    def base_of(self, state: dict[str, Any]) -> Optional[int]:
+        return state["delta"]["base"] if is_delta(state) else None
+
+    def settle(self, committed: bool, step: int) -> None:
+        with self.server.optimizer.lock:
+            self.server.params.touched.settle(committed, step)
 
     def step(self, state: dict[str, Any]) -> int:
         return int(state["steps"])

@@ -65,4 +65,5 @@ def add_rows(param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, alph
     if not is_half(param):
         param.index_add_(0, rows, values, alpha=alpha)
         return
-    param[rows] = stochastic_round(param[rows].float().add_(values, alpha=alpha), param.dtype)
+    stepped = param.index_select(0, rows).float().add_(values, alpha=alpha)
+    param.index_copy_(0, rows, stochastic_round(stepped, param.dtype))

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 
 from ps.config import PsConfig
 from ps.consistency import Consistency
+from ps.delta import apply_delta
 from ps.leading import Leading
 from ps.participant import ServerPart, shard_files
 from ps.service import ParameterServer
@@ -125,7 +126,7 @@ class PsRole(RoleBase, WithoutEpisodes):
         try:
             resumed, server = restore_newest(
                 self.store, resume, resume_from, lambda info: shard_files(info, self.spec, shard, self.cfg.num_ps),
-                functools.partial(self._server, shard))
+                functools.partial(self._server, shard), merge=apply_delta)
         except CheckpointError as exc:
             if self.endpoint.leader == self.cfg.name or resume_from is None:
                 raise
@@ -133,6 +134,8 @@ class PsRole(RoleBase, WithoutEpisodes):
                                   f"cannot restore from {self.store.root}: {exc}") from None
         if resumed is not None:
             self.board.update(resumed_from={"id": resumed.id, "step": resumed.step, "path": str(resumed.path)})
+            if int(resumed.meta.get("num_ps", 0)) == self.cfg.num_ps and not server.hashed.cut:
+                server.params.touched.since = resumed.step     # its own shard, as saved: deltas may follow
         return resumed, server
 
     def _server(self, shard: int, states: Optional[list[dict[str, Any]]]) -> ParameterServer:

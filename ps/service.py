@@ -19,6 +19,7 @@ import torch
 from ps.checks import RequestChecks
 from ps.consistency import Async, Consistency
 from ps.contexts import Contexts
+from ps.delta import export_delta
 from ps.hashed.serving import HashedTables
 from ps.messages import ShardInfo
 from ps.metrics import PsMetrics
@@ -53,28 +54,30 @@ class ParameterServer(Service):
             values, optim_state, steps, kept = gather_shard(restore, self.layout, shard)
         self.params = ShardParams(spec, self.layout, shard, values)
         self.optimizer = SharedOptimizer([self.param(n) for n in self.params.names], self.params.rules, spec.lr,
-                                         on_step=self._stepped)
+                                         on_step=self._stepped, touched=self.params.touched.updated)
         self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.params.names])
         self.sync = SyncSteps(self.optimizer)
         self.hashed = HashedTables(spec, self.layout, shard, self.params.of_tables(self.layout.hashed_tables()),
-                                   self.optimizer.clear_rows)
+                                   self.optimizer.clear_rows, self.params.touched)
         self.hashed.restore(kept)
         self.contexts = Contexts()
         self.replica = ReplicaWrites({n: self.param(n) for n in self.layout.dense_of(shard)}, self.optimizer)
         self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
         self.refusals = Refusals(metrics)
 
-    def param(self, name: str) -> torch.nn.Parameter:
-        """The live parameter ``name`` (a table's rows on this shard, or a dense tensor)."""
+    def param(self, name: str) -> torch.nn.Parameter:     # ``ShardParams``'s, for operations
         return self.params[name]
 
-    def export_state(self, into: Optional[tuple] = None) -> dict[str, Any]:
-        """This shard for a checkpoint: parameters, optimizer state and step, copied at one instant
-        (into buffers from ``self.optimizer.copy_buffers()`` when given)."""
+    def export_state(self, into: Optional[tuple] = None, since: Optional[int] = None) -> dict[str, Any]:
+        """This shard for a checkpoint, copied at one instant (into ``optimizer.copy_buffers()``'s when
+        given); a delta (``ps/delta.py``) if ``since`` is the step of the checkpoint it last saved in."""
         with self.optimizer.lock:
             # A checkpoint is when hashed tables' rows unseen for long are evicted (trainers are held).
             self.hashed.expire(self.optimizer.steps)
             kept = self.hashed.snapshot()
+            changed = self.params.touched.take()
+            if since is not None and since == self.params.touched.since:
+                return export_delta(self, since, changed, kept)
         steps, params, state = self.optimizer.state_copy(into)
         return export_shard(self.shard, self.layout, self.spec.meta, steps, dict(zip(self.params.names, params)),
                             {n: s for n, s in zip(self.params.names, state) if s}, kept)

@@ -100,13 +100,15 @@ class SharedOptimizer:
     """The server's optimizer and the lock that orders its steps against parameter reads."""
 
     def __init__(self, params: list[torch.nn.Parameter], rules: list[UpdateRule], lr: float,
-                 on_step: Optional[Callable[[int, float], None]] = None) -> None:
+                 on_step: Optional[Callable[[int, float], None]] = None,
+                 touched: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
         """``rules``: each parameter's update rule (a table's may differ from the dense ones');
-        ``on_step(rows, seconds)`` after each step: table rows it changed, seconds it took."""
+        ``on_step(rows, seconds)`` after each step: table rows it changed, seconds it took;
+        ``touched(param, grad)`` for each parameter a step changes, under the lock."""
         self.lock = threading.Lock()
         self.params = params
         self.optimizer = RuleOptimizer(list(zip(params, rules)), lr)
-        self._on_step = on_step
+        self._on_step, self._touched = on_step, touched
         self.steps = 0  # updates applied: the cluster's step, the same on every server at a pause
 
     def apply(self, grads: dict[torch.Tensor, torch.Tensor],
@@ -132,6 +134,10 @@ class SharedOptimizer:
 
     def _step(self, grads: dict[torch.Tensor, torch.Tensor]) -> int:
         rows = sum(g._nnz() for g in (grads.get(p) for p in self.params) if g is not None and g.is_sparse)
+        if self._touched is not None:
+            for p in self.params:
+                if p in grads:
+                    self._touched(p, grads[p])
         self.optimizer.step(grads)
         self.steps += 1
         return rows
@@ -146,6 +152,10 @@ class SharedOptimizer:
     def state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of ``param``'s optimizer state (empty before its first step, and for SGD). Under ``lock``."""
         return {k: v.clone() for k, v in self.optimizer.state.get(param, {}).items()}
+
+    def live_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``param``'s optimizer state itself, not a copy (to copy a part of). Under ``lock``."""
+        return self.optimizer.state.get(param, {})
 
     def set_state(self, param: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         """``param``'s optimizer state from elsewhere (checked by the caller). Under ``lock``."""

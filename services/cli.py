@@ -332,8 +332,9 @@ def _list_checkpoints(args: argparse.Namespace) -> int:
             continue
         when = datetime.datetime.fromtimestamp(r["created"]).strftime("%Y-%m-%d %H:%M:%S")
         state = f"corrupt: {r['why']}" if r["state"] == "corrupt" else r["state"]
+        kind = f"delta on {', '.join(r['bases'])}" if r.get("kind") == "delta" else "full"
         print(f"  {r['id']:<12} step {r['step']:<8} {when}  {_size(r['size_bytes']):>9}  "
-              f"{len(r['files'])} files  {state}")
+              f"{len(r['files'])} files  {kind}  {state}")
     return 1 if bad else 0
 
 

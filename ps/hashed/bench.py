@@ -10,12 +10,15 @@ two tables of ``--capacity`` rows and dimension D, both stepped by row-wise Adag
 Each batch is looked up and updated in both, alternately, and timed as the server times its own
 work (inside its lock): the rows/s of each, side by side. The hashed table looks each batch up
 twice: first as it comes (``admit_rows_per_s``: new ids get rows, at capacity some are evicted),
-then again, every id known (``gather_rows_per_s``, against the plain table's gather). Also: the hashed table's bytes a row
-(values, row-wise state, index and bookkeeping) against the bound D·4 + 4 + 24, its highest
-occupancy, and its slowest batch among those that evicted. With ``--half fp16`` (the default),
+then again, every id known (``gather_rows_per_s``, against the plain table's gather). Also: the
+hashed table's bytes a row (values, row-wise state, index, bookkeeping and the delta checkpoints'
+mark) against the bound D·4 + 4 + 24, its highest occupancy, and its slowest batch among those
+that evicted. With ``--half fp16`` (the default),
 each dimension runs again with both tables stored in half precision, updated with stochastic
-rounding (``fp16`` in the summary, against the bound D·2 + 4 + 24). Prints JSON lines, the last
-one the summary.
+rounding (``fp16`` in the summary, against the bound D·2 + 4 + 24). After the first dimension's
+run, ``delta_vs_full``: the server's full checkpoint file, then, once 1 % of each table's rows
+are looked up and updated, its delta, each copied and written to disk (``--checkpoint-dir``):
+bytes and seconds. Prints JSON lines, the last one the summary.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id-space", type=float, default=1e9, help="distinct raw ids the stream draws from")
     p.add_argument("--zipf", type=float, default=1.05, help="the stream's Zipf exponent")
     p.add_argument("--warmup", type=int, default=5, help="first batches left out of rows/s")
+    p.add_argument("--checkpoint-dir", default=None, help="where delta_vs_full writes (default: a temporary "
+                                                           "folder, removed after)")
     p.add_argument("--half", choices=("fp16", "bf16", ""), default="fp16",
                    help="also run each dimension with the rows in this half precision ('': not)")
 
@@ -117,7 +122,8 @@ def run_dim(args: argparse.Namespace, dim: int, dtype: str = "fp32") -> dict:
         del out
     state_bytes = sum(v.element_size() * v[0].numel() for v in server.optimizer.state_of(hashed).values()
                       if v.dim() > 0)
-    bytes_per_row = hashed.element_size() * dim + state_bytes + table.nbytes / table.capacity
+    marks = server.params.touched.marks["hashed"].element_size()      # what changed, for delta checkpoints
+    bytes_per_row = hashed.element_size() * dim + state_bytes + table.nbytes / table.capacity + marks
     result = {"dim": dim, "dtype": dtype, "capacity": table.capacity, "rows": len(table), "occupancy_max": occupancy_max,
               "admitted": table.counts.admitted, "evicted": table.counts.evicted,
               "bytes_per_row": bytes_per_row, "bytes_per_row_bound": dim * hashed.element_size() + 4 + 24,
@@ -129,14 +135,53 @@ def run_dim(args: argparse.Namespace, dim: int, dtype: str = "fp32") -> dict:
               "evict_step_max_s": evict_max, "evicting_batches": evicting_batches}
     result["gather_vs_plain"] = result["gather_rows_per_s"] / result["plain_gather_rows_per_s"]
     result["update_vs_plain"] = result["update_rows_per_s"] / result["plain_update_rows_per_s"]
+    if args.delta:
+        result["delta_vs_full"] = delta_vs_full(server, args, dim)
     return result
+
+
+def delta_vs_full(server: Any, args: argparse.Namespace, dim: int) -> dict:
+    """A full checkpoint file of ``server``, then a delta after 1 % of each table's rows changed:
+    the time to copy and write each, and their bytes."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from services.checkpoint.store import CheckpointStore
+    with tempfile.TemporaryDirectory(dir=args.checkpoint_dir) as folder:
+        store = CheckpointStore(Path(folder))
+
+        def save(step: int, since: Any) -> tuple[int, float]:
+            started = time.perf_counter()
+            state = server.export_state(since=since)
+            store.prepare(step)
+            entry = store.write_file(step, "ps0.pt", state)
+            seconds = time.perf_counter() - started
+            with server.optimizer.lock:
+                server.params.touched.settle(True, step)
+            assert ("delta" in state) == (since is not None)
+            return entry.size, seconds
+        full_bytes, full_s = save(server.optimizer.steps, None)
+        hashed_ids, _ = server.hashed.tables["hashed"].index.rows()
+        some = hashed_ids[torch.randperm(hashed_ids.numel())[:args.capacity // 100]]
+        _, read = server.hashed.lookup("hashed", "hashed.weight", some, server.optimizer.steps)
+        plain_rows = torch.randperm(args.capacity)[:args.capacity // 100]
+        hashed, plain = server.param("hashed.weight"), server.param("plain.weight")
+        server.optimizer.apply({
+            hashed: torch.sparse_coo_tensor(read.rows[None], torch.ones(read.rows.numel(), dim), hashed.shape),
+            plain: torch.sparse_coo_tensor(plain_rows[None], torch.ones(plain_rows.numel(), dim), plain.shape)})
+        delta_bytes, delta_s = save(server.optimizer.steps, server.params.touched.since)
+    return {"bytes": delta_bytes / full_bytes, "seconds": delta_s / full_s, "full_bytes": full_bytes,
+            "delta_bytes": delta_bytes, "full_s": full_s, "delta_s": delta_s, "changed": 0.01}
 
 
 def run(args: argparse.Namespace) -> int:
     results, halves = [], []
-    for dim in [int(d) for d in args.dims.split(",") if d]:
+    for k, dim in enumerate(int(d) for d in args.dims.split(",") if d):
         for dtype, into in (("fp32", results), (args.half, halves)):
             if dtype:
+                args.delta = k == 0 and dtype == "fp32"
                 into.append(run_dim(args, dim, dtype))
                 print(json.dumps({"bench": "embeddings", **into[-1]}), flush=True)
     first = results[0]
@@ -153,14 +198,15 @@ def run(args: argparse.Namespace) -> int:
         "plain_gather_rows_per_s": {r["dim"]: r["plain_gather_rows_per_s"] for r in results},
         "plain_update_rows_per_s": {r["dim"]: r["plain_update_rows_per_s"] for r in results},
         "evict_step_max_s": max(r["evict_step_max_s"] for r in results),
-        "delta_vs_full": None, "fp16": half,      # delta checkpoints: not built yet
+        "delta_vs_full": first["delta_vs_full"], "fp16": half,
         "target": TARGET,
         "met": {"bytes_per_row": all(r["bytes_per_row"] <= r["bytes_per_row_bound"] for r in results),
                 "occupancy": all(r["occupancy_max"] <= 1.0 for r in results),
                 "gather": all(r["gather_vs_plain"] >= TARGET for r in results),
                 "update": all(r["update_vs_plain"] >= TARGET for r in results),
                 "fp16_bytes_per_row": all(r["bytes_per_row"] <= r["bytes_per_row_bound"] for r in halves)
-                if halves else None},
+                if halves else None,
+                "delta_vs_full": max(first["delta_vs_full"]["bytes"], first["delta_vs_full"]["seconds"]) <= 0.1},
         "config": {"batches": args.batches, "batch_size": args.batch_size, "features": FEATURES, "id_space": args.id_space,
                    "zipf": args.zipf, "cpus": os.cpu_count(), "load_avg": os.getloadavg()}}), flush=True)
     return 0

@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ps.contexts import in_autograd_context
+from ps.delta import Touched
 from ps.hashed.rows import HashedRows, warm_up
 from ps.sharding import Layout
 from ps.spec import ModelSpec
@@ -34,11 +35,14 @@ class Read(NamedTuple):
 
 class HashedTables:
     def __init__(self, spec: ModelSpec, layout: Layout, shard: int, shards: dict[str, RowShard],
-                 clear_state: Any) -> None:
+                 clear_state: Any, touched: Touched) -> None:
         """``shards``: this shard's rows of the hashed tables' parameters, by name;
         ``clear_state(param, rows)``: zero the optimizer's state of those rows
-        (``SharedOptimizer.clear_rows``)."""
+        (``SharedOptimizer.clear_rows``); ``touched``: told the rows a training read changed
+        (when each was seen) and the ids evicted, for delta checkpoints."""
         self.spec, self.layout, self.shards, self._clear_state = spec, layout, shards, clear_state
+        self.touched = touched
+        self.cut = False             # a restore left saved rows out (over capacity)
         self.params = {n: s.weight for n, s in shards.items()}
         self.tables = {t: HashedRows(layout.plans[t].rows(shard), spec.tables[t].hashed)
                        for t in layout.hashed_tables()}
@@ -59,6 +63,9 @@ class HashedTables:
         found = rows.resolve(ids, step) if training else rows.peek(ids)
         if found.fresh_rows.numel():
             self._fresh(table, found.fresh_rows, found.fresh_ids)
+        if training:
+            self.touched.read(table, found.rows[found.rows >= 0])
+            self.touched.evicted(table, found.evicted_ids)
         shard = self.shards[param]
         if bool((found.rows >= 0).all()):
             return shard(found.rows), Read(found.rows, ids, rows.evict_rounds)
@@ -111,7 +118,10 @@ class HashedTables:
     def expire(self, step: int) -> dict[str, torch.Tensor]:
         """Evict every table's rows unseen for its ``evict_after_steps`` (at a checkpoint); the
         ids evicted, per table. Under the optimizer lock."""
-        return {t: rows.expire(step) for t, rows in self.tables.items()}
+        gone = {t: rows.expire(step) for t, rows in self.tables.items()}
+        for t, ids in gone.items():
+            self.touched.evicted(t, ids)
+        return gone
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Per table, for a checkpoint: live ``rows``, their ``ids``, ``last_seen``, ``hits`` and
@@ -129,6 +139,7 @@ class HashedTables:
         for t, kept in saved.items():
             rows = self.tables[t]
             if kept.get("over_capacity"):
+                self.cut = True
                 log.warning("hashed table %s: %d saved rows more than this server's %d: the least used of them "
                             "were left out, as the table evicts at capacity", t, kept["over_capacity"], rows.capacity)
             placed = rows.index.insert(kept["ids"])
@@ -142,7 +153,7 @@ class HashedTables:
     def describe(self) -> dict[str, dict[str, Any]]:
         """Per table: rows, capacity, occupancy, admitted, evicted, pending (about how many ids
         were seen but not admitted), dropped lookups, unique ids per training request, bytes a row
-        (its values, optimizer state aside, and its bookkeeping)."""
+        (its values, optimizer state aside, and its bookkeeping, the delta checkpoints' mark too)."""
         out = {}
         for t, rows in self.tables.items():
             values = sum(self.params[n][0].numel() * self.params[n].element_size()
@@ -151,5 +162,5 @@ class HashedTables:
             out[t] = {"rows": len(rows), "capacity": rows.capacity, "occupancy": len(rows) / rows.capacity,
                       "admitted": c.admitted, "evicted": c.evicted, "pending": rows.pending(), "dropped": c.dropped,
                       "unique_per_request": c.looked_up / c.requests if c.requests else 0.0,
-                      "bytes_per_row": values + rows.nbytes / rows.capacity}
+                      "bytes_per_row": values + rows.nbytes / rows.capacity + self.touched.marks[t].element_size()}
         return out

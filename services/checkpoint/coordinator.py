@@ -11,6 +11,11 @@ its ``CheckpointPlan`` names (their ``CheckpointMember`` services, ``member.py``
 4. every holder writes its copies, the coordinator writes the positions, and the manifest is written
    last (``store.py``), so a crash at any moment leaves the previous checkpoint the newest valid one.
 
+With ``--full-checkpoint-every N``, N - 1 of every N checkpoints are deltas: a part that saved in
+the newest checkpoint writes only what changed since (a server's changed rows, ``ps/delta.py``),
+and the manifest names, under ``meta.delta``, the checkpoint each such file applies to. A restore
+applies them in order to the whole file they chain back to; pruning keeps what a kept one needs.
+
 Any sidecar's ``POST /checkpoint`` ends up in ``Coordinator.take`` on the leader.
 
 Where the files go: each holder writes into its own checkpoint folder. When that is one folder
@@ -92,10 +97,12 @@ class Coordinator(Service):
                  metrics: Any, resumed: Optional[CheckpointInfo] = None,
                  on_commit: Callable[[CheckpointInfo], None] = lambda info: None,
                  members: Callable[[], list[str]] = current_members,
-                 transport: Callable[..., Any] = call) -> None:
+                 transport: Callable[..., Any] = call, full_every: int = 1) -> None:
         """``local``: the leader's own member, called directly. ``members`` lists the group and
-        ``transport`` calls the others (``services.remote.call``; a unit test passes in-process ones)."""
-        self.store, self.plan, self.keep = store, plan, keep
+        ``transport`` calls the others (``services.remote.call``; a unit test passes in-process ones).
+        ``full_every``: every so many checkpoints one is whole; the others are deltas, each part
+        saving only what changed since the checkpoint before (where it can)."""
+        self.store, self.plan, self.keep, self.full_every = store, plan, keep, full_every
         self._local, self._metrics, self._on_commit = local, metrics, on_commit
         self._members, self._transport = members, transport
         self._lock = threading.Lock()       # one checkpoint at a time
@@ -176,7 +183,7 @@ class Coordinator(Service):
         committed = False
         try:
             result = self._take_with(checkpoint_id, holders, paused)
-            committed = True
+            committed = result["new"]      # not new: the newest already held this step, and stays it
             return result
         finally:
             self._on_all(holders, CheckpointMember.discard, checkpoint_id, committed, self.keep)
@@ -193,7 +200,7 @@ class Coordinator(Service):
                 else:
                     held.append(name)
                     positions.update(result)
-            snapshots = self._on_all(holders, CheckpointMember.snapshot, checkpoint_id)
+            snapshots = self._on_all(holders, CheckpointMember.snapshot, checkpoint_id, self._base())
         finally:
             if held:
                 self._resume(held, checkpoint_id)
@@ -209,6 +216,9 @@ class Coordinator(Service):
         meta = dict(self.plan.meta)
         for s in snapshots.values():
             meta.update(s["meta"])
+        bases = {name: f"step-{base}" for s in snapshots.values() for name, base in s.get("bases", {}).items()}
+        chain = int(self.latest.meta.get("chain", 0)) + 1 if bases else 0
+        meta.update(kind="delta" if bases else "full", chain=chain, **({"delta": bases} if bases else {}))
         entries, elsewhere = self._write(checkpoint_id, step, holders, meta)
         with self._departed_lock:
             positions = {**{n: s for n, s in self._departed.items() if n not in positions}, **positions}
@@ -224,6 +234,14 @@ class Coordinator(Service):
         log.info("checkpoint %s: %d files, %.1f MB, training paused %.3fs%s", info.id, len(info.files),
                  info.size / 1e6, pause_seconds, f"; removed {[p.name for p in removed]}" if removed else "")
         return {**info.describe(), "pause_seconds": pause_seconds, "new": True}
+
+    def _base(self) -> Optional[int]:
+        """The step of the checkpoint the next may be a delta against: the newest, unless it ends
+        a run of ``full_every`` - 1 deltas since a whole one."""
+        latest = self.latest
+        if latest is None or int(latest.meta.get("chain", 0)) + 1 >= self.full_every or not latest.path.exists():
+            return None
+        return latest.step
 
     def _write(self, checkpoint_id: str, step: int, holders: list[str],
                meta: dict[str, Any]) -> tuple[list[FileEntry], dict[str, dict]]:

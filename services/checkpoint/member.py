@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from services.checkpoint.parts import Part, PausedPart, SnapshotPart
 from services.checkpoint.store import CheckpointStore, FileEntry
@@ -31,6 +31,7 @@ class CheckpointMember(Service):
         self._lock = threading.Lock()
         self._copies: dict[str, dict[str, dict[str, Any]]] = {}   # checkpoint id -> part name -> state
         self._written: dict[str, int] = {}                         # checkpoint id -> step, under an own manifest
+        self._steps: dict[str, int] = {}                           # checkpoint id -> its step, once written
 
     def add(self, part: Part) -> None:
         with self._lock:
@@ -65,22 +66,27 @@ class CheckpointMember(Service):
             part.resume()
 
     @remote
-    def snapshot(self, checkpoint_id: str) -> dict[str, Any]:
-        """Copy every snapshot part now; ``{"step": the furthest of theirs, "meta": what they say}``."""
-        copies, step, meta = {}, 0, {}
+    def snapshot(self, checkpoint_id: str, base: Optional[int] = None) -> dict[str, Any]:
+        """Copy every snapshot part now (only what changed since the checkpoint at step ``base``,
+        where a part can); ``{"step": the furthest of theirs, "meta": what they say, "bases": the
+        step each file that is a delta is one against}``."""
+        copies, step, meta, bases = {}, 0, {}, {}
         for part in self._of(SnapshotPart):
-            state = copies[part.name] = part.state_dict()
+            state = copies[part.name] = part.snapshot(base)
             step = max(step, part.step(state))
             meta.update(part.describe(state))
+            if part.base_of(state) is not None:
+                bases[f"{part.name}.pt"] = part.base_of(state)
         with self._lock:
             self._copies[checkpoint_id] = copies
-        return {"step": step, "meta": meta}
+        return {"step": step, "meta": meta, "bases": bases}
 
     @remote
     def write(self, checkpoint_id: str, step: int, meta: dict) -> list[tuple[FileEntry, bool]]:
         """Write the copies; with each file, True when it went into the leader's folder."""
         with self._lock:
             copies = self._copies.get(checkpoint_id, {})
+            self._steps[checkpoint_id] = step
         for part in self._of(SnapshotPart):
             if part.name in copies:
                 part.check(copies[part.name])
@@ -99,8 +105,12 @@ class CheckpointMember(Service):
         """Drop the copies. What was written under an own manifest is kept (and older ones pruned
         to ``keep``) if the leader ``committed`` the checkpoint, and removed if it did not."""
         with self._lock:
-            self._copies.pop(checkpoint_id, None)
+            taken = self._copies.pop(checkpoint_id, None)
             step = self._written.pop(checkpoint_id, None)
+            at = self._steps.pop(checkpoint_id, None)
+        for part in self._of(SnapshotPart):
+            if taken is not None and part.name in taken:   # what its snapshot took is saved, or is not
+                part.settle(committed and at is not None, at if at is not None else -1)
         if step is None:
             return
         if committed:

@@ -43,6 +43,18 @@ class SnapshotPart(Part):
     def prepare(self) -> None:
         """Before the trainers are held: allocate (and touch) what ``state_dict`` copies into."""
 
+    def snapshot(self, base: Optional[int]) -> dict[str, Any]:
+        """This part's state for a checkpoint: whole, or (a part that can) only what changed since
+        the checkpoint at step ``base``, when it saved in that one (``base_of`` says which it gave)."""
+        return self.state_dict()
+
+    def base_of(self, state: dict[str, Any]) -> Optional[int]:
+        """The step of the checkpoint ``state`` is a delta against; None for a whole state."""
+        return None
+
+    def settle(self, committed: bool, step: int) -> None:
+        """The checkpoint of its last snapshot, at ``step``, was committed, or not."""
+
     @abc.abstractmethod
     def step(self, state: dict[str, Any]) -> int:
         """The step ``state`` is at: the checkpoint's step is the furthest of its snapshots'."""
@@ -68,7 +80,9 @@ class PausedPart(Part):
 
 def restore_newest(store: CheckpointStore, resume: bool, resume_from: Optional[str],
                    files: Callable[[CheckpointInfo], list[str]],
-                   build: Callable[[Optional[list[dict[str, Any]]]], T]) -> tuple[Optional[CheckpointInfo], T]:
+                   build: Callable[[Optional[list[dict[str, Any]]]], T],
+                   merge: Optional[Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = None
+                   ) -> tuple[Optional[CheckpointInfo], T]:
     """``build`` from the newest valid checkpoint in ``store`` (or fresh: ``build(None)``).
 
     ``files(info)`` names the files to build from (or raises ``CheckpointError``: that checkpoint
@@ -76,7 +90,8 @@ def restore_newest(store: CheckpointStore, resume: bool, resume_from: Optional[s
     verified (chunks on every core) while ``build`` runs: hashing releases the GIL, and the
     mmap-loaded files are read only as they are touched. A checkpoint that fails verification is
     skipped, with a log line, for the next older one. One named by ``resume_from`` that fails is an
-    error: the user asked for that one.
+    error: the user asked for that one. A file that is a delta is rebuilt from the checkpoints it
+    chains back to (``CheckpointStore.chain``), each applied with ``merge(older, delta)``.
     """
     if resume_from:
         candidates = [store.resolve(resume_from, verify=False)]   # verified below, with the build
@@ -86,11 +101,18 @@ def restore_newest(store: CheckpointStore, resume: bool, resume_from: Optional[s
         return None, build(None)
     for info in candidates:
         names = files(info)
+        try:
+            chains = {n: store.chain(info, n) for n in names}
+        except CheckpointError as exc:
+            if resume_from:
+                raise
+            log.warning("skipping %s: %s", info.id, exc)
+            continue
         with ThreadPoolExecutor(max_workers=1) as check:
-            verified = check.submit(store.verify, info, names)
+            verified = check.submit(lambda: [store.verify(c, [n]) for n in names for c in chains[n]])
             built, failure = None, None
             try:
-                built = build([store.load_file(info, n) for n in names])
+                built = build([_rebuilt(store, chains[n], n, merge) for n in names])
             except Exception as exc:  # noqa: BLE001 - a corrupt file may fail to load; verification decides
                 failure = exc
             try:
@@ -106,3 +128,14 @@ def restore_newest(store: CheckpointStore, resume: bool, resume_from: Optional[s
         return info, built
     log.info("no valid checkpoint in %s; starting fresh", store.root)
     return None, build(None)
+
+
+def _rebuilt(store: CheckpointStore, chain: list[CheckpointInfo], name: str,
+             merge: Optional[Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]]) -> Any:
+    """File ``name`` as of the last of ``chain``: the whole one, each delta applied in order."""
+    state = store.load_file(chain[0], name)
+    if len(chain) > 1 and merge is None:
+        raise CheckpointError(f"{chain[-1].id}: {name} is a delta, and this part cannot apply one")
+    for info in chain[1:]:
+        state = merge(state, store.load_file(info, name))
+    return state

@@ -60,9 +60,20 @@ class CheckpointInfo:
     def size(self) -> int:
         return sum(f.size for f in self.files.values())
 
+    @property
+    def kind(self) -> str:
+        """"full", or "delta": some of its files hold only what changed since another checkpoint."""
+        return "delta" if self.bases else "full"
+
+    @property
+    def bases(self) -> dict[str, str]:
+        """Each file that is a delta -> the id of the checkpoint it applies to."""
+        return dict(self.meta.get("delta") or {})
+
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "step": self.step, "path": str(self.path), "created": self.created,
-                "size_bytes": self.size, "files": sorted(self.files)}
+                "size_bytes": self.size, "files": sorted(self.files), "kind": self.kind,
+                **({"bases": sorted(set(self.bases.values()))} if self.bases else {})}
 
 
 class _HashingWriter:
@@ -245,6 +256,23 @@ class CheckpointStore:
             self.verify(info)
         return info
 
+    def chain(self, info: CheckpointInfo, name: str) -> list[CheckpointInfo]:
+        """The checkpoints file ``name`` of ``info`` is rebuilt from, oldest first: the one holding
+        it whole, then each delta on it up to ``info``. ``CheckpointError`` if one is missing."""
+        out = [info]
+        while name in out[-1].bases:
+            base = out[-1].bases[name]
+            if any(c.id == base for c in out):
+                raise CheckpointError(f"{info.id}: the deltas of {name} go round in a circle through {base}")
+            try:
+                found = self.resolve(base, verify=False)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{info.id}: {name} is a delta on {base}, which is not usable ({exc})") from None
+            if name not in found.files:
+                raise CheckpointError(f"{info.id}: {name} is a delta on {base}, which has no {name}")
+            out.append(found)
+        return out[::-1]
+
     def load_file(self, info: CheckpointInfo, name: str) -> Any:
         entry = info.files.get(name)
         if entry is None:
@@ -255,13 +283,21 @@ class CheckpointStore:
         return torch.load(info.path / name, weights_only=True, map_location="cpu", mmap=True)
 
     def prune(self, keep: int) -> list[Path]:
-        """Remove all but the newest ``keep`` valid checkpoints, and leftovers older than the newest."""
+        """Remove all but the newest ``keep`` valid checkpoints (and those their deltas apply to),
+        and leftovers older than the newest."""
         if keep < 1:
             raise CheckpointError(f"keep must be >= 1, got {keep}")
         valid = self.list()
         if not valid:
             return []
         keep_paths = {c.path for c in valid[:keep]}
+        by_id = {c.id: c for c in valid}
+        needed = [b for c in valid[:keep] for b in c.bases.values()]
+        while needed:            # what a kept delta applies to, and what that one does
+            base = by_id.get(needed.pop())
+            if base is not None and base.path not in keep_paths:
+                keep_paths.add(base.path)
+                needed += base.bases.values()
         newest = valid[0].step
         removed = []
         for path in self._folders():

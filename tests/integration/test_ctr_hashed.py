@@ -1,8 +1,11 @@
 """Hashed tables as a user runs them: `rpcps up --workload ctr --tables hashed` keys every table
 by raw 64-bit ids within a capacity, admits ids seen twice, evicts what went cold; the servers
-show it on /status and in their metrics; the checkpoint restores on another server count. The
-rows are stored and sent in fp16, and the restore widens them to bf16 storage."""
+show it on /status and in their metrics; the checkpoint, a delta on a full one, restores on another
+server count. The rows are stored and sent in fp16, and the restore widens them to bf16 storage."""
+import json
 import math
+import subprocess
+import sys
 
 import httpx
 import torch
@@ -19,7 +22,7 @@ def hashed_status(url: str) -> dict:
 
 def test_hashed_tables_admit_evict_show_and_reshard(tmp_path, cleanup):
     up = UpProcess(tmp_path, *SMALL, *HASHED, "--steps", "8", "--num-ps", "2", "--checkpoint-every-steps", "4",
-                   "--table-dtype", "fp16", "--wire-dtype", "fp16")
+                   "--full-checkpoint-every", "2", "--table-dtype", "fp16", "--wire-dtype", "fp16")
     cleanup(up)
     urls = up.wait_event("started", 120)["sidecars"]
     seen: dict[str, dict] = {}
@@ -41,6 +44,12 @@ def test_hashed_tables_admit_evict_show_and_reshard(tmp_path, cleanup):
     assert math.isfinite(done["auc"]) and 0.4 < done["auc"] < 1, done
     saved = sorted((tmp_path / "ckpt").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     assert saved, "the final checkpoint"
+    listed = json.loads(subprocess.run([sys.executable, "-m", "services.cli", "checkpoint", "--list", "--json",
+                                        "--verify", "--checkpoint-dir", str(tmp_path / "ckpt")],
+                                       capture_output=True, text=True, timeout=60, check=True).stdout)["checkpoints"]
+    kinds = {c["id"]: (c["kind"], c.get("bases")) for c in listed}
+    assert kinds[saved[-1].name][0] == "delta" and all(c["state"] == "verified" for c in listed), listed
+    assert kinds[kinds[saved[-1].name][1][0]][0] == "full", kinds
     shard = torch.load(saved[-1] / "ps0.pt", weights_only=True)
     assert {p.dtype for n, p in shard["params"].items() if n.startswith("C")} == {torch.float16}, "tables"
     assert {s.dtype for st in shard["optim"].values() for s in st.values()} <= {torch.float32}

@@ -116,8 +116,9 @@ def test_ctr_members_killed_at_random_and_the_leader_come_back(tmp_path, cleanup
     # `rpcps chaos` kills members (trainers and servers), then the leader; each comes back by
     # itself, a server with no less than the checkpoint it had (its hashed rows restored from it),
     # the other server keeps its shard across the leader's loss, and training goes on to a clean stop.
-    up = UpProcess(tmp_path, *SMALL, *HASHED, "--checkpoint-every-steps", "20", "--restart-backoff", "0.25",
-                   "--restart-backoff-max", "1")
+    # Every other checkpoint is a delta: servers come back from chains of them.
+    up = UpProcess(tmp_path, *SMALL, *HASHED, "--checkpoint-every-steps", "20", "--full-checkpoint-every", "2",
+                   "--restart-backoff", "0.25", "--restart-backoff-max", "1")
     cleanup(up)
     urls = up.wait_event("started", 120)["sidecars"]
 

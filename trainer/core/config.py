@@ -6,7 +6,7 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from ps.config import ServersConfig
+from ps.config import FULL_EVERY_HELP, ServersConfig
 from ps.consistency import checked
 from services.config import ConfigBase
 
@@ -58,7 +58,7 @@ class TrainersUpSettings(ConfigBase):
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "cluster": ("num_ps", "num_trainers"),
         "consistency": ("consistency", "dense", "straggler", "jitter", "jitter_fraction"),
-        "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds")}
+        "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds", "full_checkpoint_every")}
 
     # The roles' names for the same counts; the old spellings still work.
     num_ps: int = Field(2, ge=1, le=16, description="parameter servers to start",
@@ -71,6 +71,7 @@ class TrainersUpSettings(ConfigBase):
     warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of the throughput")
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N cluster steps")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="checkpoint every M seconds")
+    full_checkpoint_every: int = Field(1, ge=1, description=FULL_EVERY_HELP)
     consistency: str = Field("async", description="how the servers apply updates: async, sync or ssp:K")
     dense: Dense = Field("ps", description=DENSE_HELP)
     straggler: float = Field(1.0, ge=1.0, le=100.0, description="run trainer 0 at 1/N speed (its --slow-down), "
