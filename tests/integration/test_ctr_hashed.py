@@ -1,7 +1,8 @@
 """Hashed tables as a user runs them: `rpcps up --workload ctr --tables hashed` keys every table
 by raw 64-bit ids within a capacity, admits ids seen twice, evicts what went cold; the servers
 show it on /status and in their metrics; the checkpoint, a delta on a full one, restores on another
-server count. The rows are stored and sent in fp16, and the restore widens them to bf16 storage."""
+server count. The rows are stored and sent in fp16, and the restore widens them to bf16 storage; the
+trainers run in ssp mode (the chaos test runs hashed tables in async mode, the benchmark in sync)."""
 import json
 import math
 import subprocess
@@ -22,7 +23,8 @@ def hashed_status(url: str) -> dict:
 
 def test_hashed_tables_admit_evict_show_and_reshard(tmp_path, cleanup):
     up = UpProcess(tmp_path, *SMALL, *HASHED, "--steps", "8", "--num-ps", "2", "--checkpoint-every-steps", "4",
-                   "--full-checkpoint-every", "2", "--table-dtype", "fp16", "--wire-dtype", "fp16")
+                   "--full-checkpoint-every", "2", "--table-dtype", "fp16", "--wire-dtype", "fp16",
+                   "--consistency", "ssp:2")
     cleanup(up)
     urls = up.wait_event("started", 120)["sidecars"]
     seen: dict[str, dict] = {}
