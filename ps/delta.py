@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from ps.state import FORMAT
+
 CLEAN, TAKEN, MARKED = 0, 1, 2     # as bits: taking and settling are each one pass
 
 
@@ -89,19 +91,20 @@ def export_delta(server: Any, base: int, changed: tuple[dict[str, torch.Tensor],
         else:
             tables[t] = plan.global_ids(shard)[changed]
         for name in layout.table_params[t]:
-            out_params[name] = params[name].detach()[changed].clone()
+            # index_select copies, and at 5x the rows/s of indexing with a tensor
+            out_params[name] = params[name].detach().index_select(0, changed)
             state = optim(params[name])
             if state:
-                out_optim[name] = {k: v[changed].clone() if v.dim() > 0 and v.shape[0] == params[name].shape[0]
+                out_optim[name] = {k: v.index_select(0, changed) if v.dim() > 0 and v.shape[0] == params[name].shape[0]
                                    else v.clone() for k, v in state.items()}
     for name in layout.dense_of(shard):
         out_params[name] = params[name].detach().clone()
         state = optim(params[name])
         if state:
             out_optim[name] = {k: v.clone() for k, v in state.items()}
-    return {"format": 1, "delta": {"base": base}, "shard": shard, "num_shards": layout.num_shards,
-            "model": dict(server.spec.meta), "steps": server.optimizer.steps, "tables": tables, "params": out_params, "optim": out_optim,
-            "hashed": kept, "dense": list(layout.dense_of(shard)),
+    return {"format": FORMAT, "delta": {"base": base}, "shard": shard, "num_shards": layout.num_shards,
+            "model": dict(server.spec.meta), "steps": server.optimizer.steps, "tables": tables,
+            "params": out_params, "optim": out_optim, "hashed": kept, "dense": list(layout.dense_of(shard)),
             "table_params": {t: list(layout.table_params[t]) for t in layout.plans}}
 
 

@@ -124,7 +124,8 @@ def run_dim(args: argparse.Namespace, dim: int, dtype: str = "fp32") -> dict:
                       if v.dim() > 0)
     marks = server.params.touched.marks["hashed"].element_size()      # what changed, for delta checkpoints
     bytes_per_row = hashed.element_size() * dim + state_bytes + table.nbytes / table.capacity + marks
-    result = {"dim": dim, "dtype": dtype, "capacity": table.capacity, "rows": len(table), "occupancy_max": occupancy_max,
+    result = {"dim": dim, "dtype": dtype, "capacity": table.capacity, "rows": len(table),
+              "occupancy_max": occupancy_max,
               "admitted": table.counts.admitted, "evicted": table.counts.evicted,
               "bytes_per_row": bytes_per_row, "bytes_per_row_bound": dim * hashed.element_size() + 4 + 24,
               "admit_rows_per_s": rows["hashed"] / times["hashed_admit"],

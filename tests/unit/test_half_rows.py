@@ -19,7 +19,8 @@ def test_stochastic_rounding_is_unbiased_and_nearest_is_not(dtype):
     torch.manual_seed(0)
     base = torch.tensor([1.0, -3.0, 0.01, 250.0, 3e-6, -2e-7]).to(dtype)     # the last two: fp16's subnormals
     ulp = (torch.nextafter(base, torch.full_like(base, float("inf"))) - base).float()
-    x = base.float() + ulp * torch.tensor([0.1, 0.3, 0.45, 0.2, 0.25, 0.15])   # between two neighbours, nearer the lower
+    # Between two neighbours, nearer the lower.
+    x = base.float() + ulp * torch.tensor([0.1, 0.3, 0.45, 0.2, 0.25, 0.15])
     draws = 20_000
     rounded = stochastic_round(x.expand(draws, -1).contiguous(), dtype).float()
     assert set(rounded[:, 0].unique().tolist()) <= {float(base[0]), float(base[0]) + float(ulp[0])}
