@@ -1,7 +1,8 @@
 """One trainer sending gradients that are not finite, in every consistency mode: the servers refuse
 each such update whole, count it, and the shared model ends exactly as if that trainer's steps had
 never been sent (the hammer steps' gradients do not depend on the parameters, so that state is
-known to the bit)."""
+known to the bit). The same for a hashed table of the CTR model: a refused step leaves every row
+as it was."""
 import json
 
 import pytest
@@ -46,3 +47,12 @@ def test_non_finite_updates_are_refused_whole_and_the_model_stays_as_without_the
     # The model is sound, so a checkpoint of it is taken.
     with servers[0].client() as c:
         assert c.checkpoint()["step"] == HONEST_STEPS
+
+
+def test_non_finite_updates_to_a_hashed_table_are_refused_whole(procs):
+    # The CTR model with its table C3 keyed by raw 64-bit ids, on two servers (async mode).
+    procs.start_servers(2, workload="ctr", scale=0.0005, dim=4, bottom="8", top="8", tables="C3")
+    result = procs.run_driver("poison_hashed", "ctr0", 2)
+    assert result["refused"][0] is None and result["refused"][3] is None, result
+    assert all(r and "not finite" in r for r in result["refused"][1:3]), result
+    assert result["refused_left_all"] and result["honest_moved"], result

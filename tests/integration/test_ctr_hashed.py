@@ -2,7 +2,8 @@
 by raw 64-bit ids within a capacity, admits ids seen twice, evicts what went cold; the servers
 show it on /status and in their metrics; the checkpoint, a delta on a full one, restores on another
 server count. The rows are stored and sent in fp16, and the restore widens them to bf16 storage; the
-trainers run in ssp mode (the chaos test runs hashed tables in async mode, the benchmark in sync)."""
+trainers run in ssp mode, and after the restore in sync mode (the chaos test runs hashed tables in
+async mode)."""
 import json
 import math
 import subprocess
@@ -57,7 +58,8 @@ def test_hashed_tables_admit_evict_show_and_reshard(tmp_path, cleanup):
     assert {s.dtype for st in shard["optim"].values() for s in st.values()} <= {torch.float32}
 
     # Three servers: each takes the ids it owns of every old shard's saved rows.
-    again = UpProcess(tmp_path, *SMALL, *HASHED, "--steps", "2", "--num-ps", "3", "--table-dtype", "bf16")
+    again = UpProcess(tmp_path, *SMALL, *HASHED, "--steps", "2", "--num-ps", "3", "--table-dtype", "bf16",
+                      "--consistency", "sync")
     cleanup(again)
     urls = again.wait_event("started", 120)["sidecars"]
     restored = {n: hashed_status(urls[n]) for n in ("ps0", "ps1", "ps2")}

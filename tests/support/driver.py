@@ -164,6 +164,32 @@ def hammer(client: PsClient, args: argparse.Namespace) -> dict:
     return {"steps": args.steps, "refused": refused}
 
 
+def poison_hashed(client: PsClient, args: argparse.Namespace) -> dict:
+    """One trainer's steps on a hashed table (the CTR model's ``C3``, keyed by raw ids): honest,
+    then scaled by nan and by inf (each to be refused whole), then honest again; whether each
+    refused step left every server's parameters, hashed rows included, exactly as they were, and
+    whether the honest steps moved them."""
+    ids = torch.tensor([5, -2**40, 2**62 + 7, 123_456_789])
+    refused, params = [], []
+    for scale in (1.0, float("nan"), float("inf"), 1.0):
+        client.begin()
+        with client.step() as step:
+            rows, weights = step.fetch({"C3.weight": ids})
+            loss = (rows["C3.weight"].sum() + sum(w.sum() for w in weights.values())) * scale
+            try:
+                step.finish(loss, clip=0.0)
+                refused.append(None)
+            except UpdateRefused as exc:
+                refused.append(str(exc).splitlines()[0])
+        params.append([client.call(n, ParameterServer.parameters) for n in client.ps_names])
+    client.end()
+
+    def same(a: list[dict], b: list[dict]) -> bool:
+        return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+    return {"refused": refused, "refused_left_all": same(params[0], params[1]) and same(params[1], params[2]),
+            "honest_moved": not same(params[2], params[3])}
+
+
 def hammer_batch(ntoken: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.tensor([[0, 1, 1], [2, 3, 5]]) % ntoken           # repeated id: gradient 2 on row 1
     targets = torch.tensor([1, 2, 2, 3, 7, 7, 7]) % ntoken
@@ -306,7 +332,8 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad", "tiny", "ctr"))
+    p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad", "tiny", "ctr",
+                                    "poison_hashed"))
     p.add_argument("--name", required=True)
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
@@ -330,7 +357,7 @@ def main() -> None:
         wait_until(lambda: set(servers) <= set(current_members()), 60, "servers in the group")
         client = PsClient(args.name, servers)
         modes = {"equivalence": equivalence, "sync": sync, "clocked": clocked, "hammer": hammer, "inspect": inspect,
-                 "bad": bad, "tiny": tiny, "ctr": ctr}
+                 "bad": bad, "tiny": tiny, "ctr": ctr, "poison_hashed": poison_hashed}
         result = modes[args.mode](client, args)
         del client
     finally:
