@@ -305,12 +305,13 @@ def test_rl_profile_as_separate_hosts(network, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_ctr_profile_as_separate_hosts(network, tmp_path):
-    # `RPCPS_CTR_SCALE=0.01 docker compose --profile ctr up ctr-ps0 ctr-ps1 ctr0 ctr1 prometheus`
+    # `RPCPS_CTR_SCALE=0.01 RPCPS_CTR_TABLES=C3,C4 docker compose --profile ctr up ctr-ps0 ctr-ps1 ctr0 ctr1
+    # prometheus`: two of the tables hashed.
     everything = compose()["services"]
     services = {n: everything[n] for n in ("ctr-ps0", "ctr-ps1", "ctr0", "ctr1", "prometheus")}
     assert all(everything[n].get("profiles") == ["ctr"] for n in services if n != "prometheus")
     net = network(services)
-    hosts = Hosts(net, services, tmp_path, {"RPCPS_CTR_SCALE": "0.01"})
+    hosts = Hosts(net, services, tmp_path, {"RPCPS_CTR_SCALE": "0.01", "RPCPS_CTR_TABLES": "C3,C4"})
     roles = [n for n in hosts.order if n != "prometheus"]
     try:
         hosts.up()
@@ -326,6 +327,7 @@ def test_ctr_profile_as_separate_hosts(network, tmp_path):
         assert set(manifest["files"]) == {"ps0.pt", "ps1.pt", "ctr0.pt", "ctr1.pt"}
         model = manifest["meta"]["model"]
         assert len(model["cardinalities"]) == 26 and sum(model["cardinalities"]) < 400_000, model   # at RPCPS_CTR_SCALE
+        assert model["hashed"] == [2, 3], model                                                   # C3 and C4
 
         wait_scraped(hosts, f"http://{net.addresses['prometheus']}:9090", roles, {
             "rpcps_trainer_samples_total > 0": {"ctr0", "ctr1"},
