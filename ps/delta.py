@@ -13,6 +13,7 @@ commits, leaves them for the next delta, which then still holds everything since
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -44,12 +45,14 @@ class Touched:
         if ids.numel():
             self._gone[table].append(ids)
 
-    def take(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def take(self, listed: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(each table's rows changed since ``since``, each hashed table's ids evicted since), for
-        a snapshot: they stay taken until ``settle``."""
+        a snapshot: they stay taken until ``settle``. ``listed``: the rows are wanted (a delta; a
+        whole snapshot only takes them)."""
         rows = {}
         for t, marks in self.marks.items():
-            rows[t] = marks.nonzero().squeeze(1)
+            if listed:
+                rows[t] = marks.nonzero().squeeze(1)
             marks.clamp_(max=TAKEN)           # MARKED -> TAKEN, in one pass
             self._gone_taken[t] = torch.cat([self._gone_taken[t], *self._gone[t]]).unique()
             self._gone[t] = []
@@ -122,19 +125,20 @@ def apply_delta(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
            "optim": {n: dict(s) for n, s in base["optim"].items()}, "tables": dict(base["tables"]),
            "hashed": {t: dict(h) for t, h in base.get("hashed", {}).items()}}
     for t, ids in delta["tables"].items():
+        old_ids = out["tables"][t]
         if t in delta["hashed"]:
-            _upsert(out, t, ids, delta)
-            continue
-        old_ids = base["tables"][t]
-        at = torch.searchsorted(old_ids, ids)      # a plain shard's ids are sorted
+            place = _hashed_place(out, t, ids, delta["hashed"][t])
+        else:
+            at = torch.searchsorted(old_ids, ids)      # a plain shard's ids are sorted
+            place = functools.partial(_put, at=at)
         for n in delta["table_params"][t]:
-            out["params"][n] = _put(base["params"][n], at, delta["params"][n])
+            out["params"][n] = place(out["params"][n], delta["params"][n])
             for key, value in delta["optim"].get(n, {}).items():
-                old = base["optim"].get(n, {}).get(key)
                 if value.dim() > 0 and value.shape[0] == ids.numel():
                     # State that appeared since the base (a first step) is zeros on rows no step touched.
-                    old = old if old is not None else value.new_zeros(old_ids.numel(), *value.shape[1:])
-                    value = _put(old, at, value)
+                    old = out["optim"].get(n, {}).get(key)
+                    value = place(old if old is not None else value.new_zeros(old_ids.numel(), *value.shape[1:]),
+                                  value)
                 out["optim"].setdefault(n, {})[key] = value
     for n in delta["dense"]:
         out["params"][n] = delta["params"][n]
@@ -143,28 +147,22 @@ def apply_delta(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _put(values: torch.Tensor, at: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+def _put(values: torch.Tensor, new: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """A plain table's rows: ``new`` over ``values`` at ``at``."""
     out = values.to(new.dtype, copy=True)      # the newer precision, if the table's changed between them
     out[at] = new
     return out
 
 
-def _upsert(out: dict[str, Any], table: str, ids: torch.Tensor, delta: dict[str, Any]) -> None:
-    """A hashed table: its evicted ids out, its changed ids' rows in place of theirs or added."""
-    change, old_ids = delta["hashed"][table], out["tables"][table]
+def _hashed_place(out: dict[str, Any], table: str, ids: torch.Tensor, change: dict[str, Any]) -> Any:
+    """A hashed table: its evicted ids out, its changed ids' rows in place of theirs or added (the
+    ids and bookkeeping in ``out`` now; rows of each parameter and its state by the function back)."""
+    old_ids = out["tables"][table]
     keep = ~torch.isin(old_ids, change["gone"]) & ~torch.isin(old_ids, ids)
     out["tables"][table] = torch.cat([old_ids[keep], ids])
-    for n in delta["table_params"][table]:
-        new = delta["params"][n]
-        out["params"][n] = torch.cat([out["params"][n][keep].to(new.dtype), new])
-        for key, value in delta["optim"].get(n, {}).items():
-            old = out["optim"].get(n, {}).get(key)
-            if value.dim() > 0 and value.shape[0] == ids.numel():
-                old = old if old is not None else value.new_zeros(keep.numel(), *value.shape[1:])
-                value = torch.cat([old[keep], value])
-            out["optim"].setdefault(n, {})[key] = value
     book = out["hashed"].setdefault(table, {})
     for k in ("last_seen", "hits"):
         if k in book:
             book[k] = torch.cat([book[k][keep], change[k]])
     book["counts"] = change["counts"]
+    return lambda values, new: torch.cat([values[keep].to(new.dtype), new])

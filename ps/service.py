@@ -75,9 +75,9 @@ class ParameterServer(Service):
             # A checkpoint is when hashed tables' rows unseen for long are evicted (trainers are held).
             self.hashed.expire(self.optimizer.steps)
             kept = self.hashed.snapshot()
-            changed = self.params.touched.take()
             if since is not None and since == self.params.touched.since:
-                return export_delta(self, since, changed, kept)
+                return export_delta(self, since, self.params.touched.take(), kept)
+            self.params.touched.take(listed=False)     # a whole snapshot: the marks' base once committed
         steps, params, state = self.optimizer.state_copy(into)
         return export_shard(self.shard, self.layout, self.spec.meta, steps, dict(zip(self.params.names, params)),
                             {n: s for n, s in zip(self.params.names, state) if s}, kept)

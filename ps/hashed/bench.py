@@ -79,7 +79,7 @@ def _server(capacity: int, dim: int, dtype: str) -> Any:
     return ParameterServer("ps0", 0, 1, spec, PsMetrics(CollectorRegistry(), "ps", "ps0"))
 
 
-def run_dim(args: argparse.Namespace, dim: int, dtype: str = "fp32") -> dict:
+def run_dim(args: argparse.Namespace, dim: int, dtype: str = "fp32", delta: bool = False) -> dict:
     import torch
     torch.set_num_threads(1)
     server = _server(args.capacity, dim, dtype)
@@ -136,7 +136,7 @@ def run_dim(args: argparse.Namespace, dim: int, dtype: str = "fp32") -> dict:
               "evict_step_max_s": evict_max, "evicting_batches": evicting_batches}
     result["gather_vs_plain"] = result["gather_rows_per_s"] / result["plain_gather_rows_per_s"]
     result["update_vs_plain"] = result["update_rows_per_s"] / result["plain_update_rows_per_s"]
-    if args.delta:
+    if delta:
         result["delta_vs_full"] = delta_vs_full(server, args, dim)
     return result
 
@@ -182,8 +182,7 @@ def run(args: argparse.Namespace) -> int:
     for k, dim in enumerate(int(d) for d in args.dims.split(",") if d):
         for dtype, into in (("fp32", results), (args.half, halves)):
             if dtype:
-                args.delta = k == 0 and dtype == "fp32"
-                into.append(run_dim(args, dim, dtype))
+                into.append(run_dim(args, dim, dtype, delta=k == 0 and dtype == "fp32"))
                 print(json.dumps({"bench": "embeddings", **into[-1]}), flush=True)
     first = results[0]
     half = {"dtype": args.half, **{k: {r["dim"]: r[k] for r in halves} for k in (

@@ -109,7 +109,12 @@ def restore_newest(store: CheckpointStore, resume: bool, resume_from: Optional[s
             log.warning("skipping %s: %s", info.id, exc)
             continue
         with ThreadPoolExecutor(max_workers=1) as check:
-            verified = check.submit(lambda: [store.verify(c, [n]) for n in names for c in chains[n]])
+            files_of: dict[str, tuple[CheckpointInfo, list[str]]] = {}
+            for n in names:
+                for c in chains[n]:
+                    files_of.setdefault(c.id, (c, []))[1].append(n)
+            # Each checkpoint once, all its files at a time: their chunks are hashed on every core.
+            verified = check.submit(lambda: [store.verify(c, files) for c, files in files_of.values()])
             built, failure = None, None
             try:
                 built = build([_rebuilt(store, chains[n], n, merge) for n in names])
