@@ -161,7 +161,7 @@ class PsRole(RoleBase, WithoutEpisodes):
             return None
         since = info.step if info is not None else 0
         server = self._server(shard, [state])
-        log.info("kept this shard as handed over when the leader was lost: step %d, %d updates since %s",
+        log.info("kept this shard as handed over when it left the group: step %d, %d updates since %s",
                  meta["steps"], meta["steps"] - since, self._standing.checkpoint or "the start")
         self.board.update(resumed_from={"id": self._standing.checkpoint, "step": meta["steps"], "handover": True,
                                         "updates_kept": meta["steps"] - since})

@@ -13,7 +13,10 @@ its distributed autograd context everything fetched carries the way back for gra
   step's averaged (and clipped) update is applied everywhere. A server refuses gradients that
   are not finite; the trainer then arrives as refused, and the step goes on without it.
 
-A refused step raises ``UpdateRefused`` once the clock is told: the caller skips that batch.
+A refused step raises ``UpdateRefused`` once the clock is told: the caller skips that batch. A
+step that fails because a server other than the leader went away (died, restarted, or stopped
+answering) raises ``ServerLost`` once the clock is told (``PsClient.failed``); the caller waits
+for the server's return (``PsClient.returned``) and goes on.
 
 In sync and ssp modes ``begin`` at each step boundary waits until the clock lets this trainer
 begin its next step, and ``ClockPause`` holds the trainer there for a checkpoint.
@@ -35,10 +38,13 @@ from ps.consistency import Consistency
 from ps.messages import ShardInfo
 from ps.service import ParameterServer
 from ps.sharding import from_placement
-from services.errors import PeerUnavailable, StepLost, UpdateRefused
+from services.errors import PeerUnavailable, ServerLost, StepLost, UpdateRefused
+from services.membership import member_ranks, probe
 from services.remote import call_async, wait
 
 log = logging.getLogger(__name__)
+
+PROBE_SECONDS = 2.0    # a server that does not answer a no-op within this is counted lost
 
 
 def tensor_bytes(value: Any) -> tuple[int, int]:
@@ -107,15 +113,9 @@ class PsClient:
         self.me, self.ps_names, self.timeout = me, ps_names, timeout
         self.traffic = Traffic()
         infos: list[ShardInfo] = [wait(f) for f in [self._async(n, ParameterServer.info) for n in ps_names]]
+        self._first = infos[0]        # what every server, and one back from a restart, must agree with
         for k, info in enumerate(infos):
-            if info.shard != k or info.num_shards != len(ps_names):
-                raise PeerUnavailable(f"{ps_names[k]} serves shard {info.shard} of {info.num_shards}, "
-                                      f"expected shard {k} of {len(ps_names)}: check --num-ps everywhere")
-            if info.model != infos[0].model:
-                raise PeerUnavailable(f"{ps_names[k]} hosts a different model than {ps_names[0]}")
-            if info.consistency != infos[0].consistency:
-                raise PeerUnavailable(f"{ps_names[k]} runs consistency {info.consistency}, {ps_names[0]} "
-                                      f"{infos[0].consistency}: start every server with the same --consistency")
+            self._check(k, info)
         self.consistency = Consistency.parse(infos[0].consistency)
         self.leader = ps_names[0]                             # keeps the step clock
         self.granted: Optional[Granted] = None                # the step under way, as the clock granted it
@@ -129,6 +129,20 @@ class PsClient:
                       for table in infos[0].tables}
         self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
         self._dense_shards = [k for k, info in enumerate(infos) if info.dense]
+        ranks = member_ranks()
+        self._ranks = {n: ranks.get(n) for n in ps_names}    # a server's rank changes when it restarts
+
+    def _check(self, k: int, info: ShardInfo) -> None:
+        """``info``, the answer of server ``k``, against the first server's."""
+        name, first = self.ps_names[k], self._first
+        if info.shard != k or info.num_shards != len(self.ps_names):
+            raise PeerUnavailable(f"{name} serves shard {info.shard} of {info.num_shards}, "
+                                  f"expected shard {k} of {len(self.ps_names)}: check --num-ps everywhere")
+        if info.model != first.model:
+            raise PeerUnavailable(f"{name} hosts a different model than {self.ps_names[0]}")
+        if info.consistency != first.consistency:
+            raise PeerUnavailable(f"{name} runs consistency {info.consistency}, {self.ps_names[0]} "
+                                  f"{first.consistency}: start every server with the same --consistency")
 
     def _async(self, ps: str, method: Callable[..., Any], *args: Any) -> torch.futures.Future:
         future = call_async(ps, method, *args, timeout=self.timeout)
@@ -158,25 +172,64 @@ class PsClient:
         """Report the step begun to the step clock; its answer (sync: once the step is applied
         everywhere) and when it was reported (``time.monotonic()``)."""
         arrived_at = time.monotonic()
-        applied: Applied = wait(self._async(self.leader, StepClockService.arrive, float(clip), refused,
-                                            float(replica_sq), broken))
-        self.granted = None
+        try:
+            applied: Applied = wait(self._async(self.leader, StepClockService.arrive, float(clip), refused,
+                                                float(replica_sq), broken))
+        finally:
+            self.granted = None      # reported, even if its step then failed: the clock knows
         return applied, arrived_at
 
     def lose_step(self, why: BaseException, replica: Optional[Replica] = None) -> StepLost:
-        """The step begun failed before it could hand its gradients over. In sync mode the clock
-        is told, so nobody waits for this trainer's part of it. With a ``replica``, the failure
-        was in (or may have left) the trainers' group: this trainer leaves it at once, so no peer
-        waits on it there, and the clock forms a new one. The error for the caller to raise."""
+        """The step begun failed before it could hand its gradients over. In sync and ssp modes
+        the clock is told, so nobody waits for this trainer's part of it. With a ``replica``, the
+        failure was in (or may have left) the trainers' group: this trainer leaves it at once, so
+        no peer waits on it there, and the clock forms a new one. The error for the caller to raise."""
         if replica is not None:
             replica.leave_group()
-        if self.consistency.averaged and self.granted is not None:
+        if self.consistency.clocked and self.granted is not None:
             try:
                 self.arrive(0.0, refused=True, broken=replica is not None)
             except Exception as exc:  # noqa: BLE001 - the leader is gone too: the next begin says so
                 log.warning("could not tell the step clock this step is lost: %s", str(exc).splitlines()[0])
         self.granted = None
         return StepLost(f"this step was lost, nothing of it applied: {str(why).splitlines()[0]}")
+
+    def failed(self, why: BaseException, replica: Optional[Replica] = None) -> Optional[ServerLost]:
+        """What a step's failure ``why`` means. ``ServerLost``, the step ended as ``lose_step``
+        ends it, when servers other than the leader went away; None when it is not this client's
+        to explain (a refusal, a step already lost, the leader gone, a bug): the caller raises it."""
+        if isinstance(why, (UpdateRefused, StepLost)):
+            return None
+        lost = self.lost_servers()
+        if not lost or self.leader in lost:
+            return None
+        self.lose_step(why, replica)
+        return ServerLost(f"{', '.join(lost)} went away, and this step was lost ({str(why).splitlines()[0]})",
+                          tuple(lost))
+
+    def lost_servers(self) -> list[str]:
+        """The servers this client can no longer count on: gone from the group, back under a new
+        rank (restarted, so what a step had begun with it is gone), or silent to a probe."""
+        ranks = member_ranks()
+        present = [n for n in self.ps_names if ranks.get(n) == self._ranks[n]]
+        answered = probe(present, timeout=PROBE_SECONDS)
+        return [n for n in self.ps_names if not answered.get(n, False)]
+
+    def returned(self, names: list[str]) -> list[str]:
+        """Of ``names``, the servers serving again: in the group and answering as the same shard
+        of the same model (``PeerUnavailable`` if one came back as another). Each one's new rank
+        is remembered."""
+        ranks = member_ranks()
+        back = []
+        for name in [n for n in names if n in ranks]:
+            try:
+                info: ShardInfo = wait(call_async(name, ParameterServer.info, timeout=PROBE_SECONDS))
+            except Exception:  # noqa: BLE001 - joining, restoring its shard, or gone again: not yet
+                continue
+            self._check(self.ps_names.index(name), info)
+            self._ranks[name] = ranks[name]
+            back.append(name)
+        return back
 
     def end(self) -> None:
         """This trainer takes no more steps for now (its episode ended): nobody waits for it."""
@@ -322,7 +375,7 @@ class StepSession:
             # other trainer would wait for it (with a replica: a peer in its all-reduce died).
             if not averaged:
                 raise
-            raise client.lose_step(exc, replica) from exc
+            raise (client.failed(exc, replica) or client.lose_step(exc, replica)) from exc
         backward = time.perf_counter() - t0
         return self._hand_over(backward, clip, replica) if averaged else self._apply_own(backward, clip)
 

@@ -27,6 +27,16 @@ class StepLost(RpcpsError):
     was applied, and the next step goes on."""
 
 
+class ServerLost(StepLost):
+    """A training step failed because a parameter server other than the leader went away (it
+    died, was restarted, or stopped answering): nothing of the step counts, and the trainer waits
+    for the server to come back. ``servers``: the servers lost."""
+
+    def __init__(self, message: str, servers: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.servers = tuple(servers)
+
+
 class InternalError(RpcpsError):
     """A method failed on a well-formed request: a bug on the serving side, logged there."""
 

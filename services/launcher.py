@@ -48,7 +48,7 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
     if kind == "started":
         return "started " + ", ".join(f"{n} {u}" for n, u in e["sidecars"].items())
     if kind == "restart" and e["exit_code"] == LEADER_LOST:
-        return f"{e['name']} lost its leader; restarting it to rejoin"
+        return f"{e['name']} left to rejoin the group (its leader was lost, or evicted it); restarting it"
     if kind == "restart":
         return (f"{e['name']} exited with code {e['exit_code']}; restarting in {e['in']:.0f}s "
                 f"({e['restarts']} in a row)")

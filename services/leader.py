@@ -13,6 +13,10 @@ The watch probes the leader's store, not its RPC: the store is served by a threa
 a leader busy in Python (a checkpoint, a long step) still answers, and only a dead, hung or
 unreachable host misses. Each leader writes an id of its own into the store when it joins, so a
 member whose store client reconnected to a *new* leader's store also knows its group is gone.
+
+The same watch notices that the leader has *evicted* this member (it was stopped or cut off past
+the leader's liveness probes, ``services/membership.py``): the group has gone on without it, and
+it leaves and rejoins the same way, keeping what it holds.
 """
 from __future__ import annotations
 
@@ -35,8 +39,10 @@ class LeaderWatch:
     leader that answered, or raises."""
 
     def __init__(self, probe: Callable[[], str], on_lost: Callable[[str], None],
-                 interval: float = PROBE_INTERVAL, misses: int = PROBE_MISSES) -> None:
-        self._probe, self._on_lost = probe, on_lost
+                 interval: float = PROBE_INTERVAL, misses: int = PROBE_MISSES,
+                 evicted: Optional[Callable[[], bool]] = None) -> None:
+        """``evicted()``: whether the leader has removed this member from its group."""
+        self._probe, self._on_lost, self._evicted = probe, on_lost, evicted
         self.interval, self.misses = interval, misses
         self.leader: Optional[str] = None      # the id of the leader whose group this member joined
         self.lost = threading.Event()
@@ -54,17 +60,23 @@ class LeaderWatch:
         self._stop.set()
 
     def check(self) -> Optional[str]:
-        """One probe now: why the leader is gone, or None while it answers."""
+        """One probe now: why this member is no longer in its leader's group, or None while it is."""
         if self.lost.is_set():
             return "the leader was lost"
         try:
             answered = self._probe()
+            evicted = self._evicted is not None and self._evicted()
         except Exception as exc:  # noqa: BLE001 - any failure to reach the store is a miss
             self._missed += 1
-            return f"its store did not answer {self._missed} probe(s) in a row ({str(exc).splitlines()[0]})"
+            return f"the leader is gone: its store did not answer {self._missed} probe(s) in a row " \
+                   f"({str(exc).splitlines()[0]})"
         if self.leader is not None and answered != self.leader:
             self._missed = self.misses
-            return f"another leader ({answered}) answers in its place"
+            return f"the leader is gone: another leader ({answered}) answers in its place"
+        if evicted:
+            self._missed = self.misses
+            return "the leader removed this member from the group: it missed the leader's liveness probes " \
+                   "(stopped, or cut off)"
         self._missed = 0
         return None
 
@@ -73,6 +85,6 @@ class LeaderWatch:
             why = self.check()
             if why is not None and self._missed >= self.misses:
                 self.lost.set()
-                log.error("the leader is gone: %s; leaving, to rejoin its successor", why)
+                log.warning("%s; leaving, to rejoin the group", why)
                 self._on_lost(why)
                 return

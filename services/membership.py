@@ -11,7 +11,9 @@ rendezvous store, therefore leads membership (the agent does in the RL workload)
 * every ``probe_interval`` it probes members and evicts one after ``probe_failures`` misses;
 * a leaving member asks the leader to remove it (one code path with eviction), then shuts down
   locally, so a leave never blocks on another member;
-* a membership token held too long by a non-member (a joiner that died mid-join) is forced free.
+* a membership token held too long by a non-member (a joiner that died mid-join) is forced free;
+* an evicted member is told so in the store (``evicted_key``): one that was only stopped or cut off
+  for a while (SIGSTOP, a partition) finds out once it runs again, and leaves to rejoin.
 
 This module is the only user of torch's private membership internals (``agent.store``, the
 ``names/_ALL_WORKER_INFOS`` key, ``_update_group_membership``); they are pinned to torch 2.13.
@@ -46,12 +48,23 @@ def approval_key(rank: int) -> str:
     return f"rpcps/join_answer/{rank}"
 
 
+def evicted_key(rank: int) -> str:
+    """Set in the store when the leader evicts the member of ``rank`` (ranks are never reused)."""
+    return f"rpcps/evicted/{rank}"
+
+
 def noop() -> None:
     """Liveness probe target."""
 
 
 def current_members() -> list[str]:
     return sorted(w.name for w in rpc._get_current_rpc_agent().get_worker_infos())
+
+
+def member_ranks() -> dict[str, int]:
+    """Each member's rank by name, as this process sees the group: a member that left and joined
+    again under its name has a new rank."""
+    return {w.name: w.id for w in rpc._get_current_rpc_agent().get_worker_infos()}
 
 
 def reachable(name: str, timeout: float = 5.0) -> bool:
@@ -298,6 +311,9 @@ class GroupLeader:
             finally:
                 store.set(_TOKEN, "")
                 store.set(mine, "Done")
+            if reason != "left" and self._store is not None:
+                for info in gone:       # for a member that still runs, to find out and rejoin
+                    self._store.set(evicted_key(info.id), reason)
             for info in gone:
                 self._ledger.forget(info.name)
                 log.info("removed %s from the group (%s)", info.name, reason)

@@ -77,7 +77,8 @@ class RoleBase:
         if self.membership.is_leader:
             self.membership.start_leader(self.endpoint.store)
         else:
-            self._watch = LeaderWatch(self.endpoint.reader(), lambda why: self.ctx.leader_lost.set()).start()
+            self._watch = LeaderWatch(self.endpoint.reader(), lambda why: self.ctx.leader_lost.set(),
+                                      evicted=self.endpoint.evicted()).start()
         return reply
 
     def leader_gone(self) -> bool:

@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 import uuid
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from services.names import leader_of
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _SCHEME = "rpcps"
 _lent: dict[str, dist.Store] = {}    # name -> the store its init_rpc is to use
 _lent_lock = threading.Lock()
@@ -128,9 +129,18 @@ class RpcEndpoint:
         a short timeout (a fresh client after any failure), so a hung leader cannot block its
         caller. The default key reads the id of the leader whose store answers
         (``services.leader.LeaderWatch``'s probe)."""
+        return self._probing(lambda client: client.get(key).decode())
+
+    def evicted(self) -> Callable[[], bool]:
+        """A function telling, on a client of its own as ``reader``'s, whether the leader has
+        evicted this member (after it missed its liveness probes)."""
+        return self._probing(lambda client: self.rank is not None
+                             and client.check([membership.evicted_key(self.rank)]))
+
+    def _probing(self, ask: Callable[[dist.TCPStore], T]) -> Callable[[], T]:
         client: Optional[dist.TCPStore] = None
 
-        def read() -> str:
+        def probe() -> T:
             nonlocal client
             try:
                 if client is None:
@@ -138,11 +148,11 @@ class RpcEndpoint:
                     # connect tells at once that nothing listens (a dead leader on a live host).
                     socket.create_connection((self._addr, self._port), timeout=PROBE_TIMEOUT).close()
                     client = self._client(PROBE_TIMEOUT)
-                return client.get(key).decode()
+                return ask(client)
             except Exception:
                 client = None
                 raise
-        return read
+        return probe
 
     def _serve_store(self) -> dist.TCPStore:
         host = self._store_host or store_address(self._addr)

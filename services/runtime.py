@@ -79,7 +79,7 @@ class _RoleThread(threading.Thread):
         exc = self.failure
         if self._leader_lost.is_set() or (exc is not None and not self._signalled.is_set() and self.role.leader_gone()):
             # What failed is the leader, not this member: its supervisor starts it again at once.
-            log.warning("%s lost its leader; exiting with code %d to rejoin the next one", name, LEADER_LOST)
+            log.warning("%s is out of its leader's group; exiting with code %d to rejoin", name, LEADER_LOST)
             return LEADER_LOST
         if exc is not None and self._signalled.is_set():
             # Asked to stop; what broke on the way out (e.g. a peer already gone) is not a failure.

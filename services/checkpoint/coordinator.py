@@ -153,6 +153,14 @@ class Coordinator(Service):
         with self._departed_lock:
             self._departed[name] = state
 
+    def _last_saved(self) -> dict[str, dict]:
+        """Every position the newest checkpoint saved: a member down now (crashed, not yet back)
+        keeps its last known position, so its restart does not read its share again."""
+        info = self.latest
+        if info is None or not info.path.exists():
+            return {}
+        return {n[:-3]: self.store.load_file(info, n) for n in sorted(info.files) if self._is_position(n)}
+
     def _is_position(self, file_name: str) -> bool:
         stem = file_name[:-3] if file_name.endswith(".pt") else ""
         try:
@@ -221,7 +229,9 @@ class Coordinator(Service):
         meta.update(kind="delta" if bases else "full", chain=chain, **({"delta": bases} if bases else {}))
         entries, elsewhere = self._write(checkpoint_id, step, holders, meta)
         with self._departed_lock:
-            positions = {**{n: s for n, s in self._departed.items() if n not in positions}, **positions}
+            departed = dict(self._departed)
+        # Newest first: held now, then left, then (a member down) as the checkpoint before saved it.
+        positions = {**self._last_saved(), **departed, **positions}
         for name, state in positions.items():
             entries.append(self.store.write_file(step, f"{name}.pt", state))
         meta = {**meta, "positions": sorted(positions), "pause_seconds": pause_seconds}

@@ -12,7 +12,8 @@ checkpoint, if and only if the new leader stands where the old one stood:
   every checkpoint's manifest names the leader life that committed it.
 
 A handover matching both (or standing on a checkpoint its own leader committed last, unheard of)
-is the same cluster one leader later: the server keeps its newer state.
+is the same cluster one leader later: the server keeps its newer state. So is one written under
+the leader that leads now: the leader evicted this server, which left to rejoin.
 Any other (a deliberate restart, another checkpoint chosen, a handover older than the last leader)
 is discarded with a log line. A handover is used once. No RPC here.
 """
@@ -117,7 +118,9 @@ class Handover:
             return None
         except (OSError, ValueError) as exc:
             return self._discard(f"its metadata is unreadable ({exc})")
-        if standing.succeeds is None or meta.get("leader") != standing.succeeds:
+        # Under the same leader life, the server was evicted (stopped or cut off a while) and
+        # rejoins the group it left, which could checkpoint nothing without it.
+        if meta.get("leader") not in (standing.succeeds, standing.leader):
             return self._discard(f"it was written under leader life {meta.get('leader')}, and the leader now "
                                  f"succeeds {standing.succeeds or 'none (a deliberate start)'}")
         if meta.get("checkpoint") != standing.checkpoint and taken_under != meta.get("leader"):

@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from services.errors import CheckpointInProgress
+from services.errors import CheckpointInProgress, RpcpsError
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,11 @@ class Periodic:
                 last_time, last_steps = time.monotonic(), result["step"]
             except CheckpointInProgress:
                 pass
+            except (RpcpsError, RuntimeError) as exc:
+                # A member down or going away (RPC's errors are RuntimeErrors): an operational
+                # event, said in one line; the next period tries again.
+                log.warning("periodic checkpoint not taken: %s", str(exc).splitlines()[0])
+                last_time = time.monotonic()
             except Exception:  # keep the schedule alive; the next period tries again
                 log.exception("periodic checkpoint failed")
                 last_time = time.monotonic()

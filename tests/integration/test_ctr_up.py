@@ -1,8 +1,9 @@
 """The CTR workload as a user runs it: `rpcps data ctr` writes Criteo files, `rpcps up --workload
 ctr --data` trains on them (a malformed line skipped and counted, a malformed file refused at the
 start), reports held-out AUC and logloss in its done event, status and metrics, and a restart on
-another server count resumes from its checkpoint, resharded; members killed at random, the
-leader among them, come back and training goes on (with hashed tables)."""
+another server count resumes from its checkpoint, resharded; a server killed twice costs the
+trainers a step each time, not their processes; members killed at random, the leader among them,
+come back and training goes on (with hashed tables)."""
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 from services.client import SidecarClient
+from tests.support.serverloss import lose_server
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
 
@@ -126,6 +128,10 @@ def test_ctr_members_killed_at_random_and_the_leader_come_back(tmp_path, cleanup
         with SidecarClient(urls[name], timeout=2.0) as c:
             return c.status().get("step", 0)
     wait_until(lambda: min(step_of("ctr0"), step_of("ctr1")) >= 25, 120, "both trainers past a checkpoint")
+
+    # ps1 lost twice: the trainers lose a step each time, wait for it and go on, in the same processes.
+    gaps = lose_server(up, "ps1", ["ctr0", "ctr1"])
+    print("ps1 back -> the trainers' next step: " + ", ".join(f"{g:.2f}s" for g in gaps))
 
     def chaos(*flags: str) -> list[dict]:
         done = subprocess.run([sys.executable, "-m", "services.cli", "chaos", "--json", "--state-dir",

@@ -1,5 +1,5 @@
 """`rpcps up` supervises: a trainer killed with SIGKILL is restarted, servers stay up and training
-goes on; `rpcps chaos` kills members at random, the leader among them, and each comes back with no
+goes on; a server killed, or stopped past its eviction, costs the trainers a step, not their processes; `rpcps chaos` kills members at random, the leader among them, and each comes back with no
 more lost than the rules allow; SIGTERM then stops everything within 10 s with exit code 0 and no
 process left."""
 import json
@@ -12,6 +12,7 @@ import time
 import pytest
 
 from services.client import SidecarClient
+from tests.support.serverloss import lose_server
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
 
@@ -101,6 +102,11 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     wait_until(lambda: (trainer_status(urls["trainer1"]).get("state") == "running"
                         and trainer_status(urls["trainer0"])["step"] > steps_before), 90, "trainer1 back, trainer0 on")
 
+    # ps1 killed, then stopped past its eviction: the trainers lose a step each time, wait for it
+    # and go on, in the same processes; the stopped server rejoins with the shard it held.
+    gaps = lose_server(up, "ps1", ["trainer0", "trainer1"], ways=("kill", "stop"))
+    print("ps1 back -> the trainers' next step: " + ", ".join(f"{g:.2f}s" for g in gaps))
+
     # `rpcps chaos`: 10 random kills of members other than the leader, then the leader. Each
     # recovers by itself; a server loses at most its updates since the newest checkpoint, and when
     # the leader dies the other server keeps everything (its handover).
@@ -110,6 +116,7 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
         assert done.returncode == 0, done.stdout + done.stderr
         return [json.loads(line) for line in done.stdout.splitlines()]
 
+    before_chaos = len(up.drain())
     events = chaos("--kills", "10", "--seed", "7") + chaos("--kills", "1", "--members", "ps0")
     kills = [e for e in events if e["event"] == "kill"]
     assert len(kills) == 11 and all(k["back_at"] for k in kills), kills
@@ -122,7 +129,7 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
             assert k["kept_by"] == ["ps1"], k
     summaries = [e for e in events if e["event"] == "summary"]
     print("chaos summaries:", summaries)
-    leader_lost = [e for e in up.drain() if e["event"] == "restart" and e["exit_code"] == 75]
+    leader_lost = [e for e in up.drain()[before_chaos:] if e["event"] == "restart" and e["exit_code"] == 75]
     assert sorted(e["name"] for e in leader_lost) == ["ps1", "trainer0", "trainer1"], leader_lost
     wait_until(lambda: trainer_status(urls["trainer0"]).get("state") == "running", 60, "training after the chaos")
 

@@ -186,6 +186,22 @@ def test_a_departed_trainer_keeps_its_position_in_later_checkpoints(tmp_path):
         cluster.coordinator.left("ps1", {})
 
 
+def test_a_trainer_down_keeps_its_last_known_position(tmp_path):
+    cluster = Cluster(tmp_path, shared=True)
+    cluster.train(4)
+    cluster.coordinator.take()
+    cluster.gone = {"trainer1"}          # crashed: it never said where it stopped
+    cluster.train(3)
+    cluster.coordinator.take()
+    states = {s["name"]: s for s in cluster.coordinator.positions()["states"]}
+    assert states == {"trainer0": {"name": "trainer0", "position": 7}, "trainer1": {"name": "trainer1", "position": 4}}
+    cluster.gone = set()                 # back, and held again: its own position wins
+    cluster.train(1)
+    cluster.coordinator.take()
+    assert {s["name"]: s["position"] for s in cluster.coordinator.positions()["states"]} == {"trainer0": 8,
+                                                                                            "trainer1": 8}
+
+
 def test_overlapping_requests_get_409_not_a_second_checkpoint(tmp_path):
     cluster = Cluster(tmp_path, shared=True)
     cluster.train(1)

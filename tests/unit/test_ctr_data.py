@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gzip
 import itertools
+import re
 
 import numpy as np
 import pytest
 
-from trainer.ctr.criteo import CriteoError, CriteoStream, check, write
+from trainer.ctr.criteo import MAX_LINE, CriteoError, CriteoStream, check, write
 from trainer.ctr.quality import auc, expected_auc, logloss
 from trainer.ctr.synthetic import CALIBRATED_FROM, KAGGLE_CARDINALITIES, TEST_OFFSET, SyntheticCtr
 
@@ -82,7 +83,8 @@ GOOD = "1\t5\t\t3\t0\t1\t2\t3\t4\t5\t6\t7\t8\t9\t" + "\t".join(["68fd1e64"] * 25
 @pytest.mark.parametrize("content, says", [
     (GOOD + "\n0\t1\t2\n", ":2: expected 40 tab-separated fields (label, 13 counts, 26 categorical values), found 3"),
     (GOOD.replace("\t5\t", "\tfive\t", 1) + "\n", ":1: count I1 (field 2) is not an integer: 'five'"),
-    (GOOD.replace("68fd1e64", "68fd1e6z", 1) + "\n", ":1: categorical C1 (field 15) is not hexadecimal: '68fd1e6z'"),
+    (GOOD.replace("68fd1e64", "68fd1e6z", 1) + "\n",
+     ":1: categorical C1 (field 15) is not 1 to 8 hexadecimal digits: '68fd1e6z'"),
     ("2" + GOOD[1:] + "\n", ":1: the label (field 1) must be 0 or 1, got '2'"),
     (GOOD.encode() + b"\n" + GOOD.encode()[:20] + b"\xe9" + GOOD.encode()[21:] + b"\n",
      ":2: not UTF-8 text (byte 0xe9 at column 21)"),
@@ -94,6 +96,79 @@ def test_every_way_a_file_can_be_wrong_is_a_sentence(tmp_path, content, says):
     with pytest.raises(CriteoError) as e:
         check([path])
     assert str(e.value) == f"{path}{says}" or str(e.value).startswith(f"{path}") and says in str(e.value)
+
+
+HUGE = "7" * 10_000_000       # a 10 MB field
+
+
+def _with(field: int, value: str) -> str:
+    """GOOD with its field ``field`` (0: the label) set to ``value``."""
+    fields = GOOD.split("\t")
+    fields[field] = value
+    return "\t".join(fields)
+
+
+# Every value a field can hold is read or refused in a sentence; none crashes the reader.
+MALFORMED = [
+    (_with(1, "1" * 22), "count I1 (field 2) does not fit in 64 bits: '1111111111111111111111'"),
+    (_with(3, "-" + "9" * 19), "count I3 (field 4) does not fit in 64 bits"),
+    (_with(2, "1_000"), "count I2 (field 3) is not an integer: '1_000'"),
+    (_with(2, "+7"), "count I2 (field 3) is not an integer: '+7'"),
+    (_with(2, "\u0663"), "count I2 (field 3) is not an integer: '\u0663'"),
+    (_with(5, "1e5"), "count I5 (field 6) is not an integer: '1e5'"),
+    (_with(2, "\ufeff5"), "count I2 (field 3) is not an integer: '\\ufeff5'"),     # a byte-order mark mid-file
+    (_with(14, "0x1f"), "categorical C1 (field 15) is not 1 to 8 hexadecimal digits: '0x1f'"),
+    (_with(14, "1" + "0" * 8), "categorical C1 (field 15) is not 1 to 8 hexadecimal digits: '100000000'"),
+    (_with(0, "1" + "\x00" * 3), "the label (field 1) must be 0 or 1, got '1\\x00\\x00\\x00'"),
+    (_with(2, "9" * 3000), "count I2 (field 3) does not fit in 64 bits: "
+     "'9999999999999999999999999999999999999999'… (3,000 characters)"),
+    (_with(2, HUGE), f"the line is {len(_with(2, HUGE)):,} bytes long; a line may have at most {MAX_LINE:,}"),
+]
+
+
+@pytest.mark.parametrize("line, says", MALFORMED, ids=range(len(MALFORMED)))
+def test_every_value_a_line_can_hold_is_a_bounded_sentence_at_start(tmp_path, line, says):
+    path = tmp_path / "day_0"
+    path.write_text(line + "\n", encoding="utf-8")
+    with pytest.raises(CriteoError) as e:
+        check([path])
+    assert says in str(e.value) and str(e.value).startswith(f"{path}:1: ")
+    assert len(str(e.value)) < len(str(path)) + 200, "a message quotes a bounded part of the value"
+
+
+def test_every_value_a_line_can_hold_is_skipped_and_counted_while_training(tmp_path, caplog):
+    path = tmp_path / "day_0"
+    bad = [line for line, _ in MALFORMED]
+    with open(path, "w", encoding="utf-8") as f:
+        for line in bad:            # a good line before each bad one, and the last line a good one without "\n"
+            f.write(GOOD + "\n" + line + "\n")
+        f.write(GOOD)
+    stream = CriteoStream([path], SMALL.cardinalities)
+    batches = list(stream.batches(4))
+    assert sum(len(b.labels) for b in batches) == len(bad) + 1
+    assert stream.skipped == len(bad) and len(stream.last_skip) < len(str(path)) + 200
+    assert all(np.isfinite(b.dense).all() for b in batches)
+    assert max(len(r.getMessage()) for r in caplog.records) < len(str(path)) + 300
+
+
+def test_a_byte_order_mark_and_negative_counts_are_read(tmp_path):
+    plain, packed = tmp_path / "day_0", tmp_path / "day_1.gz"
+    line = _with(2, "-3") + "\n"
+    plain.write_bytes(b"\xef\xbb\xbf" + line.encode() * 2)
+    with gzip.open(packed, "wb") as f:
+        f.write(b"\xef\xbb\xbf" + line.encode())
+    check([plain, packed])
+    batch = next(CriteoStream([plain, packed], SMALL.cardinalities).batches(3))
+    assert len(batch.labels) == 3 and (batch.counts[:, 1] == -3).all() and (batch.dense[:, 1] == 0).all()
+
+
+def test_a_file_of_malformed_lines_logs_a_bounded_number_of_lines(tmp_path, caplog):
+    path = tmp_path / "day_0"
+    path.write_text((_with(2, "x") + "\n") * 5000 + GOOD + "\n")
+    stream = CriteoStream([path], SMALL.cardinalities)
+    assert sum(len(b.labels) for b in stream.batches(10)) == 1 and stream.skipped == 5000
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert 10 <= len(said) <= 12 and "(10 skipped so far)" in said[9]
 
 
 def test_a_truncated_gzip_stream_is_a_sentence_and_skipped_while_training(tmp_path):
@@ -127,3 +202,16 @@ def test_written_data_reads_back_in_disjoint_shares(tmp_path):
         assert all((b.ids < np.array(SMALL.cardinalities)).all() for b in got)
     assert skipped == 1 and sum(len(x) for x in labels) == 1002
     assert np.array_equal(np.concatenate([labels[0][:334], ]), SMALL.batch(np.arange(0, 1000, 3)).labels[:334])
+
+
+def test_a_data_path_that_cannot_be_opened_says_why(tmp_path):
+    from pydantic import ValidationError
+    from trainer.ctr.config import CtrDataSettings
+    loop, dangling = tmp_path / "loop", tmp_path / "dangling"
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "nowhere")
+    for path, says in [(loop, f"{loop} is a loop of symbolic links"),
+                       (dangling, f"{dangling} is a symbolic link to {tmp_path / 'nowhere'}, which does not exist"),
+                       (tmp_path / "absent", f"{tmp_path / 'absent'} does not exist")]:
+        with pytest.raises(ValidationError, match=re.escape(says)):
+            CtrDataSettings(data=path)

@@ -44,6 +44,17 @@ def test_another_leader_answering_is_a_loss_at_once():
     assert watch._missed >= watch.misses
 
 
+def test_an_evicted_member_leaves_at_once():
+    leader = FakeLeader("a")
+    evicted = False
+    watch = LeaderWatch(leader, lambda why: None, misses=5, evicted=lambda: evicted)
+    watch.leader = "a"
+    assert watch.check() is None
+    evicted = True          # stopped past the leader's probes: the group went on without it
+    assert "removed this member from the group" in watch.check()
+    assert watch._missed >= watch.misses
+
+
 def test_the_watch_thread_reports_a_loss_once():
     leader = FakeLeader()
     told = []
@@ -77,6 +88,8 @@ STATE = {"shard": 1, "steps": 7, "params": {"w": torch.arange(4.0)}}
     (Standing("step-3", "new", succeeds="older"), False),       # a leader after another one
     (Standing("step-5", "new", succeeds="old"), False),         # the new leader stands elsewhere
     (Standing(None, "new", succeeds="old"), False),
+    (Standing("step-3", "old"), True),                          # the same leader evicted it: it rejoins
+    (Standing("step-5", "old"), False),
 ])
 def test_a_handover_is_kept_only_by_the_next_leader_on_the_same_checkpoint(tmp_path, now, kept):
     handover = Handover(tmp_path, "ps1")

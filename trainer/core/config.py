@@ -25,7 +25,7 @@ class TrainerSettings(ServersConfig):
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "cluster": ("num_trainers",),
         "consistency": ("dense", "group_timeout", "slow_down", "slow_fraction"),
-        "failures": ("max_refused_steps",), "output": ("log_interval",)}
+        "failures": ("max_refused_steps", "server_wait"), "output": ("log_interval",)}
     num_trainers: int = Field(2, ge=1, description="how many disjoint shares the training data is cut into")
     clip: float = Field(0.25, ge=0, description="global gradient-norm clip (0: off)")
     start: bool = Field(False, description="start an episode at launch instead of waiting for one")
@@ -40,6 +40,8 @@ class TrainerSettings(ServersConfig):
     warmup_steps: int = Field(1, ge=0, description="first steps of an episode left out of its throughput")
     max_refused_steps: int = Field(5, ge=1, description="stop with an error after this many steps in a row whose "
                                                          "update the servers refused (gradients not finite)")
+    server_wait: float = Field(600.0, gt=0, description="seconds a trainer waits for a parameter server that went "
+                                                         "away under a step to serve again, then stops with an error")
     slow_down: float = Field(1.0, ge=1.0, le=100.0, description="run at 1/N speed: idle N-1 times each step's "
                                                                    "work after it (a straggler, for benchmarks and tests)")
     slow_fraction: float = Field(1.0, gt=0.0, le=1.0, description="slow down only this fraction of steps, drawn "

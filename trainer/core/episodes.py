@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from services.control import EpisodeGate, EpisodeStart, StepPause
-from services.errors import StepLost, UpdateRefused
+from services.errors import PeerUnavailable, ServerLost, StepLost, UpdateRefused
 from services.lifecycle import RoleState, StatusBoard
 from services.progress import Progress
 from trainer.core.loop import StepResult, TrainLoop
@@ -60,6 +60,7 @@ class EpisodeRunner:
         self.episodes = 0
         self.refused = 0            # steps skipped because their update was refused
         self.lost = 0               # steps skipped because they failed on their way (StepLost)
+        self.server_losses = 0      # times a server went away under this trainer's step
         self._refused_in_a_row = 0
         self._traffic: dict[str, Any] = {"steps": 0, "rpc_bytes": 0, "rpcs": 0, "allreduce_bytes": 0,
                                          "timed_steps": 0, "phase_seconds": {}}
@@ -105,6 +106,10 @@ class EpisodeRunner:
             started = time.time()
             try:
                 result = self.loop.step()
+            except ServerLost as exc:
+                if not self._await_servers(exc):
+                    return
+                continue
             except (UpdateRefused, StepLost) as exc:
                 self._skip(exc)
                 continue
@@ -145,6 +150,41 @@ class EpisodeRunner:
             raise type(exc)(f"{self._refused_in_a_row} steps in a row were refused or lost (the last: {exc}); "
                             f"stopping rather than spinning: check the data, --lr and --clip, and the trainers' "
                             f"connections to each other")
+
+    def _await_servers(self, lost: ServerLost) -> bool:
+        """A server went away under a step: that step is lost (its batch skipped), and this trainer
+        waits, quiet (a checkpoint may hold it at once), until every lost server serves again, up
+        to ``--server-wait`` seconds, then ``PeerUnavailable``. False if asked to stop meanwhile.
+        A loss is an operational event, not the trainer's failure: it counts toward no limit."""
+        client = self.loop.model.client
+        self.lost += 1
+        self.server_losses += 1
+        waiting = list(lost.servers)
+        log.warning("step lost, waiting up to %.0fs for %s: %s", self.cfg.server_wait, ", ".join(waiting), lost)
+        self.metrics.server_losses.inc()
+        self.metrics.waiting_for_servers.set(len(waiting))
+        started = time.monotonic()
+        with self.pause.quiet():
+            while waiting:
+                self.board.update(lost_steps=self.lost, server_losses=self.server_losses, waiting_for=waiting,
+                                  waiting_s=round(time.monotonic() - started, 1))
+                self.board.set_state(RoleState.RUNNING, f"waiting for {', '.join(waiting)}")
+                back = client.returned(waiting)
+                waiting = [n for n in waiting if n not in back]
+                if not waiting:
+                    break
+                if time.monotonic() - started > self.cfg.server_wait:
+                    raise PeerUnavailable(f"{', '.join(waiting)} did not come back within "
+                                          f"{self.cfg.server_wait:.0f}s (--server-wait); stopping")
+                with self._wake:
+                    if self.gate.stop_requested:
+                        return False
+                    self._wake.wait(0.2)
+        log.info("%s back after %.1fs; training goes on", ", ".join(lost.servers), time.monotonic() - started)
+        self.metrics.waiting_for_servers.set(0)
+        self.board.update(waiting_for=[], waiting_s=None)
+        self.board.set_state(RoleState.RUNNING, f"episode {self.episodes}")
+        return True
 
     def _count_traffic(self, result: StepResult, timed: bool) -> dict[str, Any]:
         """``timed``: past the warm-up steps, whose set-up costs would blur where a step's time goes."""

@@ -80,7 +80,8 @@ class TrainersLaunch:
                  "loss": sum(losses) / len(losses) if losses else None,
                  f"{self.unit}_per_s": sum(self.rate(s) for s in rating),
                  "trainers": {n: s.episode.step if s.episode else 0 for n, s in statuses.items()},
-                 "evaluating": evaluating, "phase": phase, **combine(shown, phase)}]
+                 "evaluating": evaluating, "phase": phase,
+                 "waiting_for": sorted({n for s in st for n in s.waiting_for}), **combine(shown, phase)}]
 
     def held_out(self, statuses: list[Any]) -> dict[str, Any]:
         """The `done` event's fields from the trainers' evaluations."""
@@ -109,8 +110,10 @@ class TrainersLaunch:
         if e["event"] == "progress":
             per = " ".join(f"{n} {s}" for n, s in e["trainers"].items())
             loss = "-" if e["loss"] is None else f"{e['loss']:.3f}"
+            waiting = f"waiting for {', '.join(e['waiting_for'])}" if e.get("waiting_for") else ""
             return " | ".join(p for p in (f"step {e['step']}{'/' + str(e['steps']) if e.get('steps') else ''}",
-                                          describe(e), f"loss {loss}", f"{e[f'{unit}_per_s']:.0f} {unit}/s", per) if p)
+                                          describe(e), f"loss {loss}", f"{e[f'{unit}_per_s']:.0f} {unit}/s", per,
+                                          waiting) if p)
         if e["event"] == "done":
             first = "-" if e["loss_first"] is None else f"{e['loss_first']:.3f}"
             last = "-" if e["loss_last"] is None else f"{e['loss_last']:.3f}"

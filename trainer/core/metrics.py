@@ -21,6 +21,11 @@ class TrainerMetrics(Metrics):
         self.units = self.counter(f"rpcps_trainer_{unit}_total", f"{unit} trained on").labels(**self.labels)
         self.steps_refused = self.counter("rpcps_trainer_steps_refused_total", "steps whose update the servers "
                                           "refused (gradients not finite), skipped").labels(**self.labels)
+        self.server_losses = self.counter("rpcps_trainer_server_losses_total", "times a parameter server went "
+                                          "away under a step (the step lost, the trainer waiting for "
+                                          "it)").labels(**self.labels)
+        self.waiting_for_servers = self.gauge("rpcps_trainer_waiting_for_servers", "parameter servers this trainer "
+                                              "waits to come back (0: none)")
         self.loss = self.gauge("rpcps_trainer_loss", "training loss of the last step")
         self.per_second = self.gauge(f"rpcps_trainer_{unit}_per_second", "training throughput of the current episode")
         self._step_seconds = self.histogram("rpcps_trainer_step_seconds", "time of a training step by phase", ("phase",))

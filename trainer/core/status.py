@@ -44,6 +44,9 @@ class TrainerStatusBase(RoleStatus):
     step: int = 0                      # this trainer's steps, across episodes and restarts
     refused_steps: int = 0             # steps skipped because the servers refused their update
     lost_steps: int = 0                # steps skipped because they failed on their way (a peer died)
+    server_losses: int = 0             # times a server went away under a step
+    waiting_for: list[str] = []        # the servers this trainer waits to come back (lost under a step)
+    waiting_s: Optional[float] = None  # how long it has waited for them
     dense_replica: Optional[ReplicaState] = None
     moved: Traffic = Traffic()
     episode: Optional[EpisodeProgress] = None
@@ -67,4 +70,5 @@ class TrainerStatusBase(RoleStatus):
 
     def failures_line(self) -> list[str]:
         return ([f"{self.refused_steps} steps refused"] if self.refused_steps else []) \
-            + ([f"{self.lost_steps} steps lost"] if self.lost_steps else [])
+            + ([f"{self.lost_steps} steps lost"] if self.lost_steps else []) \
+            + ([f"waiting for {', '.join(self.waiting_for)}"] if self.waiting_for else [])

@@ -2,6 +2,8 @@
 what `rpcps up --workload ctr` takes."""
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -31,14 +33,26 @@ def data_files(data: Optional[Path]) -> list[Path]:
     return [data]
 
 
+def _unreadable(data: Path, exc: OSError) -> str:
+    """Why ``--data`` cannot be opened, in words."""
+    if exc.errno == errno.ELOOP:
+        return f"{data} is a loop of symbolic links"
+    if isinstance(exc, FileNotFoundError):
+        return f"{data} is a symbolic link to {os.readlink(data)}, which does not exist" if data.is_symlink() \
+            else f"{data} does not exist"
+    return f"{data} cannot be read: {exc.strerror or exc}"
+
+
 def _checked_data(cls: type, data: Optional[Path]) -> Optional[Path]:
     """A ``--data`` whose first lines are not Criteo's is refused before anything starts, with the
     file and line (a ``CriteoError``'s sentence)."""
     if data is None:
         return None
     from trainer.ctr.criteo import CriteoError, check
-    if not data.exists():
-        raise ValueError(f"{data} does not exist")
+    try:
+        data.stat()
+    except OSError as exc:
+        raise ValueError(_unreadable(data, exc)) from None
     try:
         check(data_files(data))
     except CriteoError as exc:

@@ -9,15 +9,22 @@ that together are the whole data. Counts become ``log1p(max(count, 0))`` as DLRM
 categorical value is hashed to 64 bits with its feature's index (equal values of two features are
 different rows) and reduced modulo its table's size; an empty one is a value of its own.
 
-A malformed line is a ``CriteoError`` naming the file and line. ``check`` reads the first lines of
-every file before anything starts; while training, ``CriteoStream`` skips and counts what it
-cannot read, and says why in its log.
+What a line may hold, so that no value in a file can crash a trainer: a label ``0`` or ``1``;
+counts of ASCII digits with an optional ``-`` that fit in 64 bits (a negative one counts as 0); a
+categorical value of at most 8 hexadecimal digits; at most ``MAX_LINE`` bytes in all, UTF-8. A
+byte-order mark at a file's start is skipped. Anything else makes the line malformed: a
+``CriteoError`` naming the file and line, and quoting at most ``QUOTED`` characters of the value
+(with its length). ``check`` reads the first lines of every file before anything starts; while
+training, ``CriteoStream`` skips and counts what it cannot read, and says why in its log (each of
+the first skips, then at most one line every ``SKIP_LOG_SECONDS``).
 """
 from __future__ import annotations
 
 import gzip
 import io
 import logging
+import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterator, Optional, Sequence
@@ -33,6 +40,14 @@ FIELDS = 1 + DENSE + CATEGORICAL
 CHECKED_LINES = 1000           # lines of each file read by ``check`` before anything starts
 _EMPTY = 1 << 32               # the value of an empty categorical field (real values are 32-bit)
 _SALT = 0x43524954             # the hash stream of categorical values
+MAX_LINE = 4096                # bytes a line may have (a real one has under 800)
+QUOTED = 40                    # characters of a value an error message quotes
+SKIP_LOG_SECONDS = 10.0        # after the first few, one log line at most this often about skipped lines
+_LOGGED_SKIPS = 10             # skipped lines each logged on their own
+_BOM = b"\xef\xbb\xbf"
+_COUNT = re.compile(r"-?[0-9]+")
+_HEX = re.compile(r"[0-9a-fA-F]{1,8}")
+_INT64 = (1 << 63) - 1
 
 
 class CriteoError(ValueError):
@@ -47,14 +62,45 @@ class Parsed:
 
 
 def open_lines(path: Path) -> IO[bytes]:
-    """The file's lines as bytes: gunzipped when it starts with gzip's magic number."""
+    """The file's lines as bytes: gunzipped when it starts with gzip's magic number; a UTF-8
+    byte-order mark at its start skipped."""
     raw = open(path, "rb")
-    if raw.peek(2)[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=raw)      # closing it leaves raw open: close both
-    return raw
+    f = gzip.GzipFile(fileobj=raw) if raw.peek(2)[:2] == b"\x1f\x8b" else raw   # closing it leaves raw open: close both
+    if f.peek(len(_BOM))[:len(_BOM)] == _BOM:
+        f.read(len(_BOM))
+    return f
 
 
-def parse(line: bytes, where: str) -> Parsed:
+def bounded_lines(f: IO[bytes], limit: int = MAX_LINE) -> Iterator[bytes | int]:
+    """Each line of ``f``; for a line longer than ``limit`` bytes, its length instead: it is read
+    past a piece at a time, never held whole."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        length = len(line)
+        while not line.endswith(b"\n"):
+            line = f.readline(1 << 16)
+            if not line:
+                break
+            length += len(line)
+        yield length - line.endswith(b"\n")
+
+
+def quoted(value: str, limit: int = QUOTED) -> str:
+    """``value`` as an error message quotes it: at most ``limit`` characters, and its length if longer."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}… ({len(value):,} characters)"
+
+
+def parse(line: bytes | int, where: str) -> Parsed:
+    """A line (or the length of one too long to read, from ``bounded_lines``), or ``CriteoError``."""
+    if isinstance(line, int):
+        raise CriteoError(f"{where}: the line is {line:,} bytes long; a line may have at most {MAX_LINE:,}")
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -64,23 +110,26 @@ def parse(line: bytes, where: str) -> Parsed:
         raise CriteoError(f"{where}: expected {FIELDS} tab-separated fields (label, {DENSE} counts, "
                           f"{CATEGORICAL} categorical values), found {len(fields)}")
     if fields[0] not in ("0", "1"):
-        raise CriteoError(f"{where}: the label (field 1) must be 0 or 1, got {fields[0]!r}")
-    counts = []
-    for j, value in enumerate(fields[1:1 + DENSE]):
-        try:
-            counts.append(int(value) if value else -1)
-        except ValueError:
-            raise CriteoError(f"{where}: count I{j + 1} (field {j + 2}) is not an integer: {value!r}") from None
+        raise CriteoError(f"{where}: the label (field 1) must be 0 or 1, got {quoted(fields[0])}")
+    counts = [_count(value, j, where) for j, value in enumerate(fields[1:1 + DENSE])]
     values = []
     for j, value in enumerate(fields[1 + DENSE:]):
-        try:
-            number = int(value, 16) if value else _EMPTY
-        except ValueError:
-            number = -1
-        if not 0 <= number <= _EMPTY or (value and len(value) > 16):
-            raise CriteoError(f"{where}: categorical C{j + 1} (field {j + 2 + DENSE}) is not hexadecimal: {value!r}")
-        values.append(number)
+        if value and not _HEX.fullmatch(value):
+            raise CriteoError(f"{where}: categorical C{j + 1} (field {j + 2 + DENSE}) is not 1 to 8 hexadecimal "
+                              f"digits: {quoted(value)}")
+        values.append(int(value, 16) if value else _EMPTY)
     return Parsed(float(fields[0]), counts, values)
+
+
+def _count(value: str, j: int, where: str) -> int:
+    """Count I{j+1}: -1 when empty (a value of its own); else an integer of 64 bits."""
+    if not value:
+        return -1
+    if not _COUNT.fullmatch(value):        # int() would also take "1_000", " 7", "+7" and other scripts' digits
+        raise CriteoError(f"{where}: count I{j + 1} (field {j + 2}) is not an integer: {quoted(value)}")
+    if len(value) > 20 or abs(int(value)) > _INT64:
+        raise CriteoError(f"{where}: count I{j + 1} (field {j + 2}) does not fit in 64 bits: {quoted(value)}")
+    return int(value)
 
 
 def check(paths: Sequence[Path], lines: int = CHECKED_LINES) -> None:
@@ -92,7 +141,7 @@ def check(paths: Sequence[Path], lines: int = CHECKED_LINES) -> None:
         seen = 0
         try:
             with open_lines(path) as f:
-                for seen, line in enumerate(f, start=1):
+                for seen, line in enumerate(bounded_lines(f), start=1):
                     parse(line, f"{path}:{seen}")
                     if seen >= lines:
                         break
@@ -132,6 +181,7 @@ class CriteoStream:
     start: int = 0                  # lines passed over unread first (held out, or read before a restart)
     stop: Optional[int] = None      # no line past this one is read
     lines: int = field(default=0, init=False)     # lines of the files passed so far, every share's
+    _logged: tuple[float, int] = field(default=(float("-inf"), 0), init=False, repr=False)   # (when, skipped) last said
 
     def batches(self, size: int) -> Iterator[Batch]:
         labels, counts, values = [], [], []
@@ -150,7 +200,7 @@ class CriteoStream:
             number = 0
             try:
                 with open_lines(path) as f:
-                    for number, line in enumerate(f, start=1):
+                    for number, line in enumerate(bounded_lines(f), start=1):
                         if self.stop is not None and self.lines >= self.stop:
                             return
                         self.lines += 1
@@ -166,7 +216,12 @@ class CriteoStream:
     def _skip(self, why: str) -> None:
         self.skipped += 1
         self.last_skip = why
-        log.warning("skipped: %s (%d skipped so far)", why, self.skipped)
+        now = time.monotonic()
+        if self.skipped <= _LOGGED_SKIPS or now - self._logged[0] >= SKIP_LOG_SECONDS:
+            unsaid = self.skipped - self._logged[1] - 1
+            log.warning("skipped: %s (%d skipped so far%s)", why, self.skipped,
+                        f"; {unsaid} more since the last such line" if unsaid else "")
+            self._logged = (now, self.skipped)
 
     def _batch(self, labels: list[float], counts: list[list[int]], values: list[list[int]]) -> Batch:
         raw = np.array(counts, dtype=np.int64)
