@@ -34,6 +34,7 @@ from services.names import leader_of
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+SHUTDOWN_SECONDS = 3.0   # torch RPC's local shutdown takes milliseconds; a stop must stay bounded
 _SCHEME = "rpcps"
 _lent: dict[str, dist.Store] = {}    # name -> the store its init_rpc is to use
 _lent_lock = threading.Lock()
@@ -214,8 +215,21 @@ class RpcEndpoint:
         self.joined = False
         if self.name != self.leader:
             membership.request_leave(self.name)
-        try:
-            rpc.shutdown(graceful=False)
-        except Exception as exc:
-            log.warning("rpc shutdown: %s", exc)
-        log.info("left the RPC group")
+        done = threading.Event()
+
+        def shut_down() -> None:
+            try:
+                rpc.shutdown(graceful=False)
+            except Exception as exc:  # noqa: BLE001 - leaving goes on
+                log.warning("rpc shutdown: %s", exc)
+            finally:
+                done.set()
+        # torch 2.13's agent can hang in its shutdown once it failed to release a distributed
+        # autograd context on a member that died (seen after a server was lost twice, with
+        # "Could not release Dist Autograd Context ... std::bad_alloc"): leaving stays bounded.
+        threading.Thread(target=shut_down, name="rpc-shutdown", daemon=True).start()
+        if done.wait(SHUTDOWN_SECONDS):
+            log.info("left the RPC group")
+        else:
+            log.warning("left the RPC group without torch RPC's local shutdown, still running after %.0fs",
+                        SHUTDOWN_SECONDS)
