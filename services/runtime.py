@@ -18,6 +18,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.config import CommonConfig
+from services.errors import RpcpsError
 from services.http_server import SidecarServer
 from services.leader import LEADER_LOST
 from services.lifecycle import RoleState
@@ -85,7 +86,9 @@ class _RoleThread(threading.Thread):
             # Asked to stop; what broke on the way out (e.g. a peer already gone) is not a failure.
             log.warning("while stopping: %s: %s", type(exc).__name__, str(exc).splitlines()[0])
         elif exc is not None:
-            log.error("%s failed: %s: %s", name, type(exc).__name__, exc, exc_info=exc)
+            # rpcps's own errors say what went wrong; anything else is a bug, and its traceback tells where.
+            log.error("%s failed: %s: %s", name, type(exc).__name__, exc,
+                      exc_info=None if isinstance(exc, RpcpsError) else exc)
             self.role.board.set_state(RoleState.FAILED, f"{type(exc).__name__}: {exc}")
             return 1
         return 0

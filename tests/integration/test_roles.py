@@ -91,10 +91,10 @@ def test_control_token_required_when_set(procs):
     del servers
 
 
-def training_cluster(procs):
+def training_cluster(procs, **trainer_flags):
     """Two servers and one trainer that has taken a few steps."""
     ps0, ps1 = procs.start_servers(2, **MODEL)
-    trainer = procs.start("trainer", "trainer0", 2, start=True, **TRAINER)
+    trainer = procs.start("trainer", "trainer0", 2, start=True, **TRAINER, **trainer_flags)
     procs.wait_ready(trainer)
     wait_until(lambda: episode(trainer)[1].get("step", 0) >= 2, 60, "training")
     return ps0, ps1, trainer
@@ -112,12 +112,15 @@ def test_servers_stop_cleanly_on_sigterm_right_after_a_trainer_died(procs):
         assert code == 0, role.log_text()[-2000:]
 
 
-def test_trainer_that_loses_a_server_exits_for_its_supervisor(procs):
-    ps0, ps1, trainer = training_cluster(procs)
+def test_a_trainer_waits_for_a_lost_server_as_long_as_it_may(procs):
+    # Nobody restarts ps1 here: the trainer says it waits, then gives up after --server-wait.
+    ps0, ps1, trainer = training_cluster(procs, server_wait=6)
     ps1.proc.send_signal(signal.SIGKILL)
-    code = trainer.proc.wait(15)
-    assert code == 1
-    assert "failed" in trainer.log_text() and "ps1" in trainer.log_text()
+    wait_until(lambda: trainer.client(timeout=2.0).status().get("waiting_for") == ["ps1"], 15, "waiting for ps1")
+    code = trainer.proc.wait(30)
+    log = trainer.log_text()
+    assert code == 1 and "PeerUnavailable: ps1 did not come back within 6s (--server-wait)" in log, log[-2000:]
+    assert "Traceback" not in log, log[-3000:]
     t0 = time.monotonic()
     ps0.proc.send_signal(signal.SIGTERM)
     assert ps0.proc.wait(15) == 0 and time.monotonic() - t0 < 10

@@ -160,29 +160,31 @@ class EpisodeRunner:
         self.lost += 1
         self.server_losses += 1
         waiting = list(lost.servers)
-        log.warning("step lost, waiting up to %.0fs for %s: %s", self.cfg.server_wait, ", ".join(waiting), lost)
+        log.warning("step lost, waiting up to %gs for %s: %s", self.cfg.server_wait, ", ".join(waiting), lost)
         self.metrics.server_losses.inc()
         self.metrics.waiting_for_servers.set(len(waiting))
         started = time.monotonic()
-        with self.pause.quiet():
-            while waiting:
-                self.board.update(lost_steps=self.lost, server_losses=self.server_losses, waiting_for=waiting,
-                                  waiting_s=round(time.monotonic() - started, 1))
-                self.board.set_state(RoleState.RUNNING, f"waiting for {', '.join(waiting)}")
-                back = client.returned(waiting)
-                waiting = [n for n in waiting if n not in back]
-                if not waiting:
-                    break
-                if time.monotonic() - started > self.cfg.server_wait:
-                    raise PeerUnavailable(f"{', '.join(waiting)} did not come back within "
-                                          f"{self.cfg.server_wait:.0f}s (--server-wait); stopping")
-                with self._wake:
-                    if self.gate.stop_requested:
-                        return False
-                    self._wake.wait(0.2)
+        try:
+            with self.pause.quiet():
+                while waiting:
+                    self.board.update(lost_steps=self.lost, server_losses=self.server_losses, waiting_for=waiting,
+                                      waiting_s=round(time.monotonic() - started, 1))
+                    self.board.set_state(RoleState.RUNNING, f"waiting for {', '.join(waiting)}")
+                    back = client.returned(waiting)
+                    waiting = [n for n in waiting if n not in back]
+                    if not waiting:
+                        break
+                    if time.monotonic() - started > self.cfg.server_wait:
+                        raise PeerUnavailable(f"{', '.join(waiting)} did not come back within "
+                                              f"{self.cfg.server_wait:g}s (--server-wait); stopping")
+                    with self._wake:
+                        if self.gate.stop_requested:
+                            return False
+                        self._wake.wait(0.2)
+        finally:
+            self.metrics.waiting_for_servers.set(0)
+            self.board.update(waiting_for=[], waiting_s=None)
         log.info("%s back after %.1fs; training goes on", ", ".join(lost.servers), time.monotonic() - started)
-        self.metrics.waiting_for_servers.set(0)
-        self.board.update(waiting_for=[], waiting_s=None)
         self.board.set_state(RoleState.RUNNING, f"episode {self.episodes}")
         return True
 

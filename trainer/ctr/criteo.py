@@ -23,7 +23,6 @@ from __future__ import annotations
 import gzip
 import io
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +44,6 @@ QUOTED = 40                    # characters of a value an error message quotes
 SKIP_LOG_SECONDS = 10.0        # after the first few, one log line at most this often about skipped lines
 _LOGGED_SKIPS = 10             # skipped lines each logged on their own
 _BOM = b"\xef\xbb\xbf"
-_COUNT = re.compile(r"-?[0-9]+")
-_HEX = re.compile(r"[0-9a-fA-F]{1,8}")
 _INT64 = (1 << 63) - 1
 
 
@@ -111,25 +108,52 @@ def parse(line: bytes | int, where: str) -> Parsed:
                           f"{CATEGORICAL} categorical values), found {len(fields)}")
     if fields[0] not in ("0", "1"):
         raise CriteoError(f"{where}: the label (field 1) must be 0 or 1, got {quoted(fields[0])}")
-    counts = [_count(value, j, where) for j, value in enumerate(fields[1:1 + DENSE])]
-    values = []
-    for j, value in enumerate(fields[1 + DENSE:]):
-        if value and not _HEX.fullmatch(value):
-            raise CriteoError(f"{where}: categorical C{j + 1} (field {j + 2 + DENSE}) is not 1 to 8 hexadecimal "
-                              f"digits: {quoted(value)}")
-        values.append(int(value, 16) if value else _EMPTY)
-    return Parsed(float(fields[0]), counts, values)
+    return Parsed(float(fields[0]), _counts(fields[1:1 + DENSE], where), _categoricals(fields[1 + DENSE:], where))
 
 
+def _counts(fields: list[str], where: str) -> list[int]:
+    """The counts (-1 where empty). Checked for the whole line at once while every one is
+    plainly well-formed (the common case), else one by one for the sentence."""
+    body = "".join(fields)
+    if body.isascii() and body.replace("-", "").isdigit() and max(map(len, fields)) <= 18:
+        try:
+            return [int(value) if value else -1 for value in fields]
+        except ValueError:       # a "-" out of place
+            pass
+    return [_count(value, j, where) if value else -1 for j, value in enumerate(fields)]
+
+
+def _categoricals(fields: list[str], where: str) -> list[int]:
+    """The categorical values (_EMPTY where empty), checked as ``_counts`` checks counts."""
+    body = "".join(fields)
+    if body.isascii() and body.isalnum() and "x" not in body and "X" not in body and max(map(len, fields)) <= 8:
+        try:
+            return [int(value, 16) if value else _EMPTY for value in fields]
+        except ValueError:
+            pass
+    return [_categorical(value, j, where) if value else _EMPTY for j, value in enumerate(fields)]
+
+
+# str methods before int(), which also takes "1_000", " 7", "+7", other scripts' digits and "0x1f".
 def _count(value: str, j: int, where: str) -> int:
-    """Count I{j+1}: -1 when empty (a value of its own); else an integer of 64 bits."""
-    if not value:
-        return -1
-    if not _COUNT.fullmatch(value):        # int() would also take "1_000", " 7", "+7" and other scripts' digits
+    """Count I{j+1}, not empty: an integer of 64 bits."""
+    digits = value[1:] if value[0] == "-" else value
+    if not (digits.isascii() and digits.isdigit()):
         raise CriteoError(f"{where}: count I{j + 1} (field {j + 2}) is not an integer: {quoted(value)}")
-    if len(value) > 20 or abs(int(value)) > _INT64:
+    if len(digits) > 18 and (len(digits) > 19 or abs(int(value)) > _INT64):    # 18 digits always fit
         raise CriteoError(f"{where}: count I{j + 1} (field {j + 2}) does not fit in 64 bits: {quoted(value)}")
     return int(value)
+
+
+def _categorical(value: str, j: int, where: str) -> int:
+    """Categorical C{j+1}, not empty: 1 to 8 hexadecimal digits."""
+    if len(value) <= 8 and value.isascii() and value.isalnum() and "x" not in value and "X" not in value:
+        try:
+            return int(value, 16)
+        except ValueError:
+            pass
+    raise CriteoError(f"{where}: categorical C{j + 1} (field {j + 2 + DENSE}) is not 1 to 8 hexadecimal "
+                      f"digits: {quoted(value)}")
 
 
 def check(paths: Sequence[Path], lines: int = CHECKED_LINES) -> None:

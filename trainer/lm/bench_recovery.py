@@ -7,6 +7,10 @@ dies, two ways against the same two sync servers:
 (b) ``torchrun``: the same three trainers as torchrun's workers (``--max-restarts``); one is
     killed. torchrun stops every worker and starts them all again; measured: seconds from the kill
     to the first step after the restart.
+(c) ``server``: two trainers; the server ps1 is killed with SIGKILL and started again at once (as
+    ``rpcps up`` restarts it). The trainers lose a step and wait for it in the same processes;
+    measured: seconds from the kill, and from ps1 serving again (its sidecar ready), to their
+    next step.
 
 A step is seen in the trainers' /status (the step clock's step their replicas are at), polled
 every 20 ms. Prints JSON lines, the last one the summary: the median of each figure, and its worst.
@@ -26,7 +30,7 @@ from typing import Callable, Optional
 
 from trainer.lm.bench import poll_until, sidecar_ready
 
-TARGETS = {"survivors_next_step_s": 5.0}
+TARGETS = {"survivors_next_step_s": 5.0, "return_to_step_s": 5.0}
 TRAINERS = ["trainer0", "trainer1", "trainer2"]
 VICTIM = 1
 POLL = 0.02   # seconds between reads of the trainers' steps while a recovery is timed
@@ -34,8 +38,8 @@ POLL = 0.02   # seconds between reads of the trainers' steps while a recovery is
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="JSON lines only (the output is JSON either way)")
-    p.add_argument("--kills", type=int, default=3, help="trainers killed, one after another, in each way")
-    p.add_argument("--ways", default="rpcps,torchrun", help="comma-separated subset of rpcps, torchrun")
+    p.add_argument("--kills", type=int, default=3, help="trainers (or ps1) killed, one after another, in each way")
+    p.add_argument("--ways", default="rpcps,torchrun,server", help="comma-separated subset of rpcps, torchrun, server")
 
 
 def _status(url: str) -> dict:
@@ -85,45 +89,51 @@ def run(ns: argparse.Namespace) -> int:
         root, port = Path(tmp), free_port()
         common = ["--master-port", str(port), "--checkpoint-dir", str(root / "ckpt"), "--num-ps", "2"]
         trainer_flags = ["--num-ps", "2", "--dense", "allreduce", "--synthetic-tokens", "50000", "--log-interval", "5"]
-        servers = []
-        for name in ("ps0", "ps1"):
+        servers: dict[str, tuple[subprocess.Popen, str]] = {}
+
+        def start_server(name: str) -> str:
             sidecar = free_port()
-            servers.append((name, spawn_role("services.cli", ["ps", "--name", name, "--sidecar-port", str(sidecar),
-                                                              *common, "--consistency", "sync", "--no-resume"],
-                                             root / f"{name}.log"), f"http://127.0.0.1:{sidecar}"))
+            servers[name] = (spawn_role("services.cli", ["ps", "--name", name, "--sidecar-port", str(sidecar),
+                                                         *common, "--consistency", "sync", "--no-resume"],
+                                        root / f"{name}.log"), f"http://127.0.0.1:{sidecar}")
+            return servers[name][1]
+        for name in ("ps0", "ps1"):
+            start_server(name)
         results = {}
         try:
-            for _, _, url in servers:
+            for _, url in servers.values():
                 poll_until(lambda: sidecar_ready(url), 120, "the servers")
             if "rpcps" in ways:
                 results["rpcps"] = _rpcps_way(ns.kills, root, port, trainer_flags)
             if "torchrun" in ways:
                 results["torchrun"] = _torchrun_way(ns.kills, root, port, trainer_flags)
+            if "server" in ways:
+                results["server"] = _server_way(ns.kills, root, port, trainer_flags,
+                                                lambda: servers["ps1"][0], lambda: start_server("ps1"))
         finally:
-            stop_in_waves([[(n, p) for n, p, _ in servers[1:]], [(n, p) for n, p, _ in servers[:1]]], 15.0)
+            stop_in_waves([[("ps1", servers["ps1"][0])], [("ps0", servers["ps0"][0])]], 15.0)
     summary: dict = {"bench": "recovery", "kills": ns.kills, "targets": TARGETS, "results": {}, "worst": {}}
     for way, runs in results.items():
         summary["results"][way] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         summary["worst"][way] = {k: max(r[k] for r in runs) for k in runs[0]}
+    met = {}
     if "rpcps" in summary["results"]:
-        summary["met"] = {"survivors_next_step_s": summary["results"]["rpcps"]["survivors_next_step_s"]
-                          <= TARGETS["survivors_next_step_s"]}
+        met["survivors_next_step_s"] = summary["results"]["rpcps"]["survivors_next_step_s"] \
+            <= TARGETS["survivors_next_step_s"]
+    if "server" in summary["results"]:
+        met["return_to_step_s"] = summary["worst"]["server"]["return_to_step_s"] <= TARGETS["return_to_step_s"]
+    if met:
+        summary["met"] = met
     print(json.dumps(summary), flush=True)
     return 0
 
 
 def _rpcps_way(kills: int, root: Path, port: int, flags: list[str]) -> list[dict]:
-    from services.processes import free_port, spawn_role, stop_in_waves
+    from services.processes import stop_in_waves
 
     procs: dict[str, subprocess.Popen] = {}
     urls: dict[str, str] = {}
-
-    def start(name: str) -> None:
-        sidecar = free_port()
-        urls[name] = f"http://127.0.0.1:{sidecar}"
-        procs[name] = spawn_role("services.cli", ["trainer", "--name", name, "--sidecar-port", str(sidecar),
-                                                  "--master-port", str(port), "--checkpoint-dir", str(root / "ckpt"),
-                                                  "--num-trainers", "3", "--start", *flags], root / f"{name}.log")
+    start = _trainers(procs, urls, root, port, flags, len(TRAINERS))
     runs = []
     try:
         for name in TRAINERS:
@@ -147,6 +157,54 @@ def _rpcps_way(kills: int, root: Path, port: int, flags: list[str]) -> list[dict
             runs.append({"survivors_next_step_s": round(resumed, 3),
                          "replacement_in_step_s": round(time.monotonic() - killed, 3)})
             print(json.dumps({"bench": "recovery", "way": "rpcps", **runs[-1]}), flush=True)
+    finally:
+        stop_in_waves([list(procs.items())], 30.0)
+    return runs
+
+
+def _trainers(procs: dict[str, subprocess.Popen], urls: dict[str, str], root: Path, port: int, flags: list[str],
+              count: int) -> Callable[[str], None]:
+    """What starts trainer ``name`` of ``count``, recording its process and sidecar."""
+    from services.processes import free_port, spawn_role
+
+    def start(name: str) -> None:
+        sidecar = free_port()
+        urls[name] = f"http://127.0.0.1:{sidecar}"
+        procs[name] = spawn_role("services.cli", ["trainer", "--name", name, "--sidecar-port", str(sidecar),
+                                                  "--master-port", str(port), "--checkpoint-dir", str(root / "ckpt"),
+                                                  "--num-trainers", str(count), "--start", *flags],
+                                 root / f"{name}.log")
+    return start
+
+
+def _server_way(kills: int, root: Path, port: int, flags: list[str], ps1: Callable[[], subprocess.Popen],
+                restart_ps1: Callable[[], str]) -> list[dict]:
+    from services.processes import stop_in_waves
+
+    procs: dict[str, subprocess.Popen] = {}
+    urls: dict[str, str] = {}
+    start = _trainers(procs, urls, root, port, flags, 2)
+    runs = []
+    try:
+        for name in TRAINERS[:2]:
+            start(name)
+        trainers = [urls[n] for n in TRAINERS[:2]]
+        poll_until(_stepping(trainers, 2), 300, "two trainers stepping")
+        for _ in range(kills):
+            at = _furthest(trainers)
+            ps1().kill()
+            killed = time.monotonic()
+            ps1().wait(30)
+            url = restart_ps1()
+            poll_until(lambda: sidecar_ready(url), 120, "ps1 serving again", POLL)
+            ready = time.monotonic()
+            poll_until(_stepping(trainers, 2, at), 120, "the trainers' next step", POLL)
+            stepped = time.monotonic()
+            if any(p.poll() is not None for p in procs.values()):
+                raise SystemExit("rpcps bench recovery: a trainer died when ps1 was killed (see its log in the "
+                                 "bench's folder)")
+            runs.append({"next_step_s": round(stepped - killed, 3), "return_to_step_s": round(stepped - ready, 3)})
+            print(json.dumps({"bench": "recovery", "way": "server", **runs[-1]}), flush=True)
     finally:
         stop_in_waves([list(procs.items())], 30.0)
     return runs

@@ -25,7 +25,7 @@ SPEC = WorkloadSpec(
              BenchSpec("checkpoint", "checkpoint save/restore of a 2M x 64 shard vs dd", "ps.bench"),
              BenchSpec("joins", "server memory, fds and threads per trainer join and leave (kills included)",
                        "trainer.lm.bench_joins"),
-             BenchSpec("recovery", "--dense allreduce: seconds from a trainer's SIGKILL to the next step, "
+             BenchSpec("recovery", "--dense allreduce: seconds from a trainer's (or ps1's) SIGKILL to the next step, "
                                    "rpcps's regroup vs torchrun's restart", "trainer.lm.bench_recovery")),
     examples=(("--steps 40 --data DIR", "40 steps per trainer on a WikiText-style folder, evaluate, exit 0"),
               ("--num-ps 3 --num-trainers 4 --consistency sync", "synchronous updates: every step averaged"),
