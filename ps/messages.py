@@ -16,3 +16,4 @@ class ShardInfo:
     steps: int = 0              # updates applied so far (continues across restores)
     consistency: str = "async"  # how the job applies updates (``ps/consistency.py``)
     placement: dict[str, tuple[str, int]] = field(default_factory=dict)   # table -> (kind, home): ps/sharding.py
+    max_ids: int = 65_536       # the most ids one request may name (--max-ids-per-request)

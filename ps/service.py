@@ -93,7 +93,7 @@ class ParameterServer(Service):
         return ShardInfo(self.name, self.shard, self.layout.num_shards, self.spec.meta,
                          {t: p.rows(self.shard) for t, p in self.layout.plans.items()}, dict(self.layout.table_params),
                          tuple(self.layout.dense_of(self.shard)), self.optimizer.steps, str(self.consistency),
-                         {t: placement_of(p) for t, p in self.layout.plans.items()})
+                         {t: placement_of(p) for t, p in self.layout.plans.items()}, self.checks.max_ids)
 
     @remote
     def parameters(self) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """The trainer-side client of the parameter servers: the only place trainers touch RPC.
 
-It hides the fan-out: a lookup deduplicates ids, asks every owning shard in parallel and reassembles
-the batch; an operation asks every shard in parallel. A training step is a ``StepSession``: inside
+It hides the fan-out: a lookup deduplicates ids, asks every owning shard in parallel, in requests
+within the servers' ``--max-ids-per-request`` (``ps/lookups.py`` plans them), and reassembles the
+batch; an operation asks every shard in parallel. A training step is a ``StepSession``: inside
 its distributed autograd context everything fetched carries the way back for gradients, and
 ``finish`` runs backward and ends the step as the job's consistency says (``ps/update.py``):
 
@@ -35,6 +36,7 @@ import torch.distributed.autograd as dist_autograd
 
 from ps.clock import FREEZE_SECONDS, Applied, Granted, StepClockService
 from ps.consistency import Consistency
+from ps.lookups import plan_lookups
 from ps.messages import ShardInfo
 from ps.service import ParameterServer
 from ps.sharding import from_placement
@@ -102,12 +104,6 @@ class Traffic:
             return self.messages
 
 
-def on_the_wire(ids: torch.Tensor, id_max: int) -> torch.Tensor:
-    """Ids as a request carries them: int32 when no id of the table can pass 2**31 - 1, which
-    halves the bytes that name the rows (a hashed table's raw ids stay int64)."""
-    return ids.to(torch.int32) if id_max <= torch.iinfo(torch.int32).max else ids
-
-
 class PsClient:
     def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:
         self.me, self.ps_names, self.timeout = me, ps_names, timeout
@@ -129,6 +125,7 @@ class PsClient:
                       for table in infos[0].tables}
         self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
         self._dense_shards = [k for k, info in enumerate(infos) if info.dense]
+        self.max_ids = min(info.max_ids for info in infos)     # the most ids one request may name
         ranks = member_ranks()
         self._ranks = {n: ranks.get(n) for n in ps_names}    # a server's rank changes when it restarts
 
@@ -240,32 +237,14 @@ class PsClient:
     def fetch(self, lookups: dict[str, torch.Tensor], dense: bool = True
               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Rows of table parameters (``lookups``: parameter -> ids [...] of its table; each result
-        [..., *row shape]) and, with ``dense``, every dense tensor, in one parallel round."""
-        # Each server's share of every parameter's deduplicated ids, asked in one request per server.
-        asks: list[dict[str, torch.Tensor]] = [{} for _ in self.ps_names]
-        pending = []
-        for param, ids in lookups.items():
-            unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-            plan = self.plans[self.table_of[param]]
-            parts = []
-            for k, (pos, shard_ids) in enumerate(plan.partition(unique)):
-                if pos.numel():
-                    asks[k][param] = on_the_wire(shard_ids, plan.id_max)
-                    parts.append((k, pos))
-            pending.append((param, ids.shape, inverse, parts))
-        answers = {k: self._async(self.ps_names[k], ParameterServer.lookup_many, ask)
-                   for k, ask in enumerate(asks) if ask}
+        [..., *row shape]) and, with ``dense``, every dense tensor, in one parallel round: each
+        server's share of the deduplicated ids in as few requests as ``--max-ids-per-request``
+        allows (``ps/lookups.py``)."""
+        plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids)
+        answers = [self._async(self.ps_names[k], ParameterServer.lookup_many, ask) for k, ask in plan.requests]
         dense_futures = [self._async(self.ps_names[k], ParameterServer.dense_params) for k in self._dense_shards] \
             if dense else []
-        answered = {k: wait(f) for k, f in answers.items()}
-        rows: dict[str, torch.Tensor] = {}
-        for key, shape, inverse, parts in pending:
-            # Rows sent in half precision (the table's wire_dtype) are computed with in fp32; their
-            # gradient goes back as they came.
-            found = torch.cat([answered[k][key].float() for k, _ in parts])      # [unique, ...], shard order
-            order = torch.cat([pos for _, pos in parts])
-            by_unique = found[torch.argsort(order)]                       # back to torch.unique's order
-            rows[key] = by_unique[inverse].view(*shape, *found.shape[1:])
+        rows = plan.collect([wait(f) for f in answers])
         weights: dict[str, torch.Tensor] = {}
         for f in dense_futures:
             weights.update(wait(f))

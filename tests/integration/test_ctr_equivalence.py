@@ -1,6 +1,7 @@
 """The CTR workload's tables sharded over 1, 2 or 3 real servers in sync mode train exactly the
 one-process DLRM on the trainers' concatenated batches: every table and MLP parameter, with SGD
-and row-wise Adagrad, tables placed row-wise and whole (table-wise)."""
+and row-wise Adagrad, tables placed row-wise and whole (table-wise), and with each step's lookups
+cut into many requests by a small --max-ids-per-request."""
 import json
 
 import pytest
@@ -13,13 +14,15 @@ MODEL = {"workload": "ctr", "scale": 0.0005, "dim": 4, "bottom": "8", "top": "8"
 # each row's root mean square, which magnifies that for rows with tiny gradients.
 TOLERANCE = {"sgd": 1e-6, "rowwise_adagrad": 1e-5}
 
-CASES = [(1, "rowwise_adagrad", "auto"), (2, "sgd", "auto"), (2, "rowwise_adagrad", "table_wise"),
-         (3, "rowwise_adagrad", "auto")]
+# The last field: --max-ids-per-request, so small that every step's lookups are cut into requests.
+CASES = [(1, "rowwise_adagrad", "auto", None), (2, "sgd", "auto", 50), (2, "rowwise_adagrad", "table_wise", None),
+         (3, "rowwise_adagrad", "auto", None)]
 
 
-@pytest.mark.parametrize("num_ps,table_rule,placement", CASES)
-def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement):
-    procs.start_servers(num_ps, **MODEL, table_rule=table_rule, placement=placement)
+@pytest.mark.parametrize("num_ps,table_rule,placement,cap", CASES)
+def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement, cap):
+    servers = procs.start_servers(num_ps, **MODEL, table_rule=table_rule, placement=placement,
+                                  max_ids_per_request=cap)
     drivers = [procs.spawn_driver("ctr", f"ctr{k}", num_ps, steps=STEPS, trainers=TRAINERS) for k in range(TRAINERS)]
     results = []
     for proc in drivers:
@@ -39,5 +42,10 @@ def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement):
     print(f"{num_ps} servers, {table_rule}, {placement}: largest difference {largest:.3g} "
           f"(tables moved up to {lead['tables_moved']:.3g})")
     assert lead["tables_moved"] > 1e-3, "the steps changed the tables"
+    if cap is not None:
+        with servers[0].client() as c:
+            asked = next(line for line in c.metrics().splitlines()
+                         if line.startswith("rpcps_ps_requests_total") and 'method="lookup_many"' in line)
+        assert float(asked.split()[-1]) > 2 * STEPS * TRAINERS, f"lookups cut into several requests: {asked}"
     for name, diff in lead["param_diff"].items():
         assert diff < TOLERANCE[table_rule], f"{name} differs by {diff} after {STEPS} steps"

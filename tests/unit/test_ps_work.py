@@ -3,7 +3,8 @@ import threading
 
 import torch
 
-from ps.stub import Traffic, on_the_wire
+from ps.lookups import on_the_wire
+from ps.stub import Traffic
 from ps.work import Work
 
 

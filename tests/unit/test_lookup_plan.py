@@ -1,0 +1,52 @@
+"""A step's lookups as the trainers' client plans them (``ps/lookups.py``): every request within
+the servers' cap, each id asked of the server that owns it, once, and the rows put back in each
+parameter's batch shape exactly as one uncut request would; a share larger than the cap is cut."""
+import pytest
+import torch
+
+from ps.lookups import plan_lookups
+from ps.sharding import HashedPlan, ShardPlan, WholePlan
+
+PLANS = {"a": ShardPlan(3, 50), "b": WholePlan(3, 7, 2), "h": HashedPlan(3, 90)}
+TABLE_OF = {"a.weight": "a", "a.bias": "a", "b.weight": "b", "h.weight": "h"}
+
+
+def row_of(param: str, ids: torch.Tensor) -> torch.Tensor:
+    """What a server answers for ``ids`` of ``param``: rows that tell param and id apart."""
+    salt = float(sorted(TABLE_OF).index(param))
+    return torch.stack([ids.double(), ids.double() * 0.5 + salt], dim=1).to(torch.float16 if param == "b.weight"
+                                                                                else torch.float32)
+
+
+def lookups() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"a.weight": torch.randint(0, 50, (8, 5), generator=g), "a.bias": torch.randint(0, 50, (40,), generator=g),
+            "b.weight": torch.randint(0, 7, (6, 2, 3), generator=g),
+            "h.weight": torch.randint(-2**62, 2**62, (30,), generator=g)}
+
+
+@pytest.mark.parametrize("max_ids", [1, 4, 7, 1000])
+def test_requests_stay_within_the_cap_and_put_every_row_back(max_ids):
+    asked = lookups()
+    plan = plan_lookups(asked, PLANS, TABLE_OF, max_ids)
+    answers = []
+    for server, request in plan.requests:
+        assert 0 < sum(ids.numel() for ids in request.values()) <= max_ids
+        for param, ids in request.items():
+            assert (PLANS[TABLE_OF[param]].owner(ids.long()) == server).all(), "asked of its owner"
+            assert ids.dtype == (torch.int64 if param == "h.weight" else torch.int32)
+        answers.append({param: row_of(param, ids.long()) for param, ids in request.items()})
+    for param in asked:
+        unique = asked[param].unique().numel()
+        assert sum(r[param].numel() for _, r in plan.requests if param in r) == unique, "each id asked once"
+    rows = plan.collect(answers)
+    for param, ids in asked.items():
+        want = row_of(param, ids.reshape(-1)).float().view(*ids.shape, 2)
+        assert rows[param].dtype == torch.float32 and torch.equal(rows[param], want), param
+
+
+def test_one_request_per_server_while_the_cap_allows():
+    plan = plan_lookups(lookups(), PLANS, TABLE_OF, 1000)
+    assert sorted(server for server, _ in plan.requests) == [0, 1, 2]
+    cut = plan_lookups(lookups(), PLANS, TABLE_OF, 4)
+    assert len(cut.requests) > 3
