@@ -1,8 +1,8 @@
-"""The parameter server's RPC surface.
+"""The parameter server: what its RPC surface (``ps/surface.py``) does.
 
 ``ParameterServer`` hosts one shard of what a workload's ``ModelSpec`` declares: its rows of every
-table, its dense groups, and the spec's named operations. Its ``@remote`` methods are the whole
-remote interface; trainers reach them only through ``ps/stub.py``. Every input is validated (types
+table, its dense groups, and the spec's named operations. Its ``@remote`` methods are those
+``PsSurface`` declares, the whole remote interface; trainers reach them only through ``ps/stub.py``. Every input is validated (types
 by ``services/remote.py``, ids and names here, an operation's own arguments by the operation): a
 bad request raises ``BadRequest`` back to its caller and the server keeps serving.
 """
@@ -28,16 +28,17 @@ from ps.replica_writes import ReplicaWrites
 from ps.sharding import Layout, placement_of
 from ps.spec import ModelSpec
 from ps.state import export_shard, gather_shard, initial_shard
+from ps.surface import PsSurface
 from ps.tables import ShardParams
 from ps.update import SharedOptimizer, SyncSteps
 from ps.work import Work
 from services.errors import BadRequest
-from services.remote import Service, remote
+from services.remote import remote
 
 log = logging.getLogger(__name__)
 
 
-class ParameterServer(Service):
+class ParameterServer(PsSurface):
     def __init__(self, name: str, shard: int, num_shards: int, spec: ModelSpec, metrics: PsMetrics,
                  restore: Optional[list[dict[str, Any]]] = None, consistency: Consistency = Async(),
                  max_ids: int = 65_536) -> None:
@@ -87,7 +88,7 @@ class ParameterServer(Service):
         self.metrics.rows_updated.inc(rows)
         self.work.add("update", rows, seconds)
 
-    # --- the RPC surface ---------------------------------------------------------------------------
+    # --- the RPC surface (what each does: ps/surface.py) ----------------------------------------------
     @remote
     def info(self) -> ShardInfo:
         return ShardInfo(self.name, self.shard, self.layout.num_shards, self.spec.meta,
@@ -97,20 +98,14 @@ class ParameterServer(Service):
 
     @remote
     def parameters(self) -> dict[str, torch.Tensor]:
-        """A consistent copy of every parameter this shard holds (no autograd history). For tests:
-        they compare a cluster's parameters with a one-process model's; trainers never call it."""
         return dict(zip(self.params.names, self.optimizer.snapshot(self.optimizer.params)))
 
     @remote
     def lookup(self, param: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows [n, *row shape] of table parameter ``param`` at global ``ids`` [n] this shard owns."""
         return self.lookup_many({param: ids})[param]
 
     @remote
     def lookup_many(self, lookups: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rows of several table parameters at once (parameter -> global ``ids`` [n] this shard
-        owns; each answer [n, *row shape]): a step's every table in one request. At most
-        ``--max-ids-per-request`` ids in all."""
         if not lookups:
             raise BadRequest("lookup_many names no parameter")
         total = 0
@@ -143,13 +138,11 @@ class ParameterServer(Service):
 
     @remote
     def dense_params(self) -> dict[str, torch.Tensor]:
-        """This shard's dense tensors; computing with them records the way back for gradients."""
         with self.optimizer.lock:
             return {n: self.param(n).clone() for n in self.layout.dense_of(self.shard)}
 
     @remote
     def dense_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer's state of this shard's dense tensors (name -> its state; none for SGD)."""
         with self.optimizer.lock:
             states = {n: self.optimizer.state_of(self.param(n)) for n in self.layout.dense_of(self.shard)}
         return {n: state for n, state in states.items() if state}
@@ -157,12 +150,10 @@ class ParameterServer(Service):
     @remote
     def set_dense(self, weights: dict[str, torch.Tensor], step: int,
                   state: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> bool:
-        """The trainers' replica of the dense weights as of ``step`` (``ps/replica_writes.py``)."""
         return self.replica.write(weights, step, state)
 
     @remote
     def op(self, name: str, *args: Any) -> Any:
-        """The model's server-side operation ``name`` on this shard."""
         operation = self.spec.ops.get(name)
         if operation is None:
             raise BadRequest(f"no operation {name!r}; this model has {', '.join(self.spec.ops) or 'none'}")
@@ -171,8 +162,6 @@ class ParameterServer(Service):
 
     @remote
     def grad_sq_norm(self, context_id: int) -> float:
-        """The squared norm of the caller's gradients here: the first half of an async or ssp
-        update, where gradients that are not finite are refused before any server applies any."""
         sq = self.refusals.finite_sq_norm(self._grads(context_id), self._call.caller, f"update in context {context_id}")
         self.contexts.mark_checked(self._call.caller, context_id)
         return sq
@@ -186,7 +175,6 @@ class ParameterServer(Service):
 
     @remote
     def apply(self, context_id: int) -> None:
-        """async and ssp modes: apply the caller's gradients in ``context_id`` now, all or none."""
         self.consistency.require(False, "apply one trainer's update")
         grads = self._grads(context_id)
         known = self.contexts.get(self._call.caller, context_id)
@@ -199,7 +187,6 @@ class ParameterServer(Service):
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote
     def contribute(self, context_id: int, step: int) -> None:
-        """The caller's gradients in ``context_id``, for step ``step`` (the open one)."""
         self.consistency.require(True, "hand over gradients")
         grads = self._grads(context_id)
         self.refusals.finite_sq_norm(grads, self._call.caller, f"gradients for step {step}")
@@ -214,7 +201,6 @@ class ParameterServer(Service):
 
     @remote
     def sync_apply(self, step: int, trainers: list[str], coef: float) -> None:
-        """Apply step ``step``: the average of ``trainers``' gradients, scaled by ``coef``."""
         self.consistency.require(True, "apply a step")
         if not (0.0 <= coef <= 1.0):
             raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")

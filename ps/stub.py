@@ -38,7 +38,7 @@ from ps.clock import FREEZE_SECONDS, Applied, Granted, StepClockService
 from ps.consistency import Consistency
 from ps.lookups import plan_lookups
 from ps.messages import ShardInfo
-from ps.service import ParameterServer
+from ps.surface import PsSurface
 from ps.sharding import from_placement
 from services.errors import PeerUnavailable, ServerLost, StepLost, UpdateRefused
 from services.membership import member_ranks, probe
@@ -108,7 +108,7 @@ class PsClient:
     def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:
         self.me, self.ps_names, self.timeout = me, ps_names, timeout
         self.traffic = Traffic()
-        infos: list[ShardInfo] = [wait(f) for f in [self._async(n, ParameterServer.info) for n in ps_names]]
+        infos: list[ShardInfo] = [wait(f) for f in [self._async(n, PsSurface.info) for n in ps_names]]
         self._first = infos[0]        # what every server, and one back from a restart, must agree with
         for k, info in enumerate(infos):
             self._check(k, info)
@@ -220,7 +220,7 @@ class PsClient:
         back = []
         for name in [n for n in names if n in ranks]:
             try:
-                info: ShardInfo = wait(call_async(name, ParameterServer.info, timeout=PROBE_SECONDS))
+                info: ShardInfo = wait(call_async(name, PsSurface.info, timeout=PROBE_SECONDS))
             except Exception:  # noqa: BLE001 - joining, restoring its shard, or gone again: not yet
                 continue
             self._check(self.ps_names.index(name), info)
@@ -241,8 +241,8 @@ class PsClient:
         server's share of the deduplicated ids in as few requests as ``--max-ids-per-request``
         allows (``ps/lookups.py``)."""
         plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids)
-        answers = [self._async(self.ps_names[k], ParameterServer.lookup_many, ask) for k, ask in plan.requests]
-        dense_futures = [self._async(self.ps_names[k], ParameterServer.dense_params) for k in self._dense_shards] \
+        answers = [self._async(self.ps_names[k], PsSurface.lookup_many, ask) for k, ask in plan.requests]
+        dense_futures = [self._async(self.ps_names[k], PsSurface.dense_params) for k in self._dense_shards] \
             if dense else []
         rows = plan.collect([wait(f) for f in answers])
         weights: dict[str, torch.Tensor] = {}
@@ -256,12 +256,12 @@ class PsClient:
 
     def op(self, name: str, *args: Any) -> list[Any]:
         """The model's server-side operation ``name`` on every shard at once; their answers in shard order."""
-        return [wait(f) for f in [self._async(n, ParameterServer.op, name, *args) for n in self.ps_names]]
+        return [wait(f) for f in [self._async(n, PsSurface.op, name, *args) for n in self.ps_names]]
 
     def grad_norm(self, context_id: int) -> float:
         """The global norm of every shard's gradients in ``context_id``; ``UpdateRefused`` if a
         server found them not finite."""
-        parts, refused = wait_all([self._async(n, ParameterServer.grad_sq_norm, context_id) for n in self.ps_names])
+        parts, refused = wait_all([self._async(n, PsSurface.grad_sq_norm, context_id) for n in self.ps_names])
         if refused is not None:
             raise refused
         norm = sum(parts) ** 0.5
@@ -273,7 +273,7 @@ class PsClient:
         """Scale the gradients in ``context_id``, of global norm ``norm``, to at most ``max_norm``."""
         coef = clip_coef(max_norm, norm)
         if coef < 1.0:
-            for f in [self._async(n, ParameterServer.scale_grads, context_id, float(coef)) for n in self.ps_names]:
+            for f in [self._async(n, PsSurface.scale_grads, context_id, float(coef)) for n in self.ps_names]:
                 wait(f)
 
 
@@ -364,7 +364,7 @@ class StepSession:
         client = self.client
         t1 = time.perf_counter()
         replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None
-        _, refused = wait_all([client._async(n, ParameterServer.contribute, self.context_id,
+        _, refused = wait_all([client._async(n, PsSurface.contribute, self.context_id,
                                              client.granted.step) for n in client.ps_names])
         t3 = time.perf_counter()
         applied, arrived_at = client.arrive(clip, refused is not None,
@@ -391,7 +391,7 @@ class StepSession:
         if clip > 0:
             client.clip_(self.context_id, norm, clip)
         t2 = time.perf_counter()
-        for f in [client._async(n, ParameterServer.apply, self.context_id) for n in client.ps_names]:
+        for f in [client._async(n, PsSurface.apply, self.context_id) for n in client.ps_names]:
             wait(f)
         t3, arrived_at = time.perf_counter(), 0.0
         if client.consistency.clocked:
@@ -428,12 +428,12 @@ def apply_sync_step(servers: list[str], timeout: float, step: int, trainers: lis
     (and the trainers' replicated weights, ``replica_sq``), then every server applies the average,
     clipped to ``clip`` (0: off). The norm before clipping."""
     if clip > 0:
-        sq = replica_sq + sum(wait(f) for f in [call_async(n, ParameterServer.sync_sq_norm, step, trainers,
+        sq = replica_sq + sum(wait(f) for f in [call_async(n, PsSurface.sync_sq_norm, step, trainers,
                                                            timeout=timeout) for n in servers])
         norm = float(sq) ** 0.5
     else:
         norm = float("nan")
     coef = clip_coef(clip, norm)
-    for f in [call_async(n, ParameterServer.sync_apply, step, trainers, coef, timeout=timeout) for n in servers]:
+    for f in [call_async(n, PsSurface.sync_apply, step, trainers, coef, timeout=timeout) for n in servers]:
         wait(f)
     return norm

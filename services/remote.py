@@ -3,11 +3,11 @@
 A service is a class whose methods marked ``@remote`` other members may call. The process that
 hosts one ``serve``s an instance; a caller names the method object itself::
 
-    class ParameterServer(Service):
+    class PsSurface(Service):
         @remote
-        def lookup(self, ids: torch.Tensor) -> torch.Tensor: ...
+        def lookup(self, param: str, ids: torch.Tensor) -> torch.Tensor: ...
 
-    rows = call("ps1", ParameterServer.lookup, ids)      # on a trainer
+    rows = call("ps1", PsSurface.lookup, param, ids)      # on a trainer
 
 torch RPC pickles the method by its qualified name (as the seed's ``_remote_method`` did), so grep
 and an IDE lead from every call to the code that serves it. On the callee, ``_invoke``:

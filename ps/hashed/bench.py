@@ -64,7 +64,7 @@ def _server(capacity: int, dim: int, dtype: str) -> Any:
     import torch
     from prometheus_client import CollectorRegistry
 
-    from ps.hashed.rows import Lifecycle
+    from ps.spec import Lifecycle
     from ps.metrics import PsMetrics
     from ps.service import ParameterServer
     from ps.spec import ModelSpec, Table

@@ -25,22 +25,9 @@ import torch
 
 from ps.hashed.index import HashIndex
 from ps.hashed.sketch import CountMinSketch
+from ps.spec import Lifecycle
 
 HITS_MAX = 32_767
-
-
-@dataclass(frozen=True)
-class Lifecycle:
-    """How a hashed table's rows come and go (a table's, declared in its ``Table``)."""
-
-    admit_after: int = 1             # requests an id must appear in before it gets a row
-    evict_after_steps: int = 0       # rows unseen this many steps go first (0: age alone evicts nothing)
-    low_water: float = 0.9           # an eviction at capacity goes down to this share of it
-
-    def __post_init__(self) -> None:
-        if self.admit_after < 1 or self.evict_after_steps < 0 or not 0 < self.low_water <= 1:
-            raise ValueError(f"a hashed table needs admit_after >= 1, evict_after_steps >= 0 and "
-                             f"0 < low_water <= 1, got {self}")
 
 
 class Resolved(NamedTuple):

@@ -10,7 +10,7 @@ from pydantic import Field
 from services.config import ConfigBase
 
 if TYPE_CHECKING:
-    from ps.hashed.rows import Lifecycle
+    from ps.spec import Lifecycle
 
 
 class HashedTableSettings(ConfigBase):
@@ -28,7 +28,7 @@ class HashedTableSettings(ConfigBase):
                                                         "used go, at capacity)")
 
     def lifecycle(self) -> "Lifecycle":
-        from ps.hashed.rows import Lifecycle      # torch: not for a command that only parses flags
+        from ps.spec import Lifecycle      # torch: not for a command that only parses flags
         return Lifecycle(admit_after=self.admit_after, evict_after_steps=self.evict_after_steps)
 
     def capacity(self, size: int) -> int:

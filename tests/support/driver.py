@@ -17,6 +17,7 @@ import torch
 from ps.clock import StepClockService
 from ps.config import ps_names
 from ps.service import ParameterServer
+from ps.surface import PsSurface
 from ps.stub import PsClient
 from services.errors import UpdateRefused
 from services.log import init_logging
@@ -37,7 +38,7 @@ def full_parameters(client: PsClient) -> dict[str, torch.Tensor]:
     full = {"embedding.weight": torch.empty(m.ntoken, m.emsize), "decoder.weight": torch.empty(m.ntoken, m.nhid),
             "decoder.bias": torch.empty(m.ntoken)}
     for k, name in enumerate(client.ps_names):
-        part = client.call(name, ParameterServer.parameters)
+        part = client.call(name, PsSurface.parameters)
         rows = plan.global_ids(k)
         for key in ("embedding.weight", "decoder.weight", "decoder.bias"):
             full[key][rows] = part.pop(key)
@@ -181,7 +182,7 @@ def poison_hashed(client: PsClient, args: argparse.Namespace) -> dict:
                 refused.append(None)
             except UpdateRefused as exc:
                 refused.append(str(exc).splitlines()[0])
-        params.append([client.call(n, ParameterServer.parameters) for n in client.ps_names])
+        params.append([client.call(n, PsSurface.parameters) for n in client.ps_names])
     client.end()
 
     def same(a: list[dict], b: list[dict]) -> bool:
@@ -203,7 +204,7 @@ def inspect(client: PsClient, args: argparse.Namespace) -> dict:
 
 def bad(client: PsClient, args: argparse.Namespace) -> dict:
     ps, m = client.ps_names[0], LmModelConfig.model_validate(client.model)
-    lookup, decode, emb = ParameterServer.lookup, ParameterServer.op, "embedding.weight"
+    lookup, decode, emb = PsSurface.lookup, PsSurface.op, "embedding.weight"
     cases = {
         "float ids": (lookup, emb, torch.tensor([0.0, 1.0])),
         "int16 ids": (lookup, emb, torch.tensor([0, 1], dtype=torch.int16)),
@@ -220,12 +221,12 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
         "targets length": (decode, "decode", torch.zeros(3, m.nhid), torch.tensor([0, 1])),
         "target out of range": (decode, "decode", torch.zeros(2, m.nhid), torch.tensor([0, m.ntoken])),
         "no such operation": (decode, "encode", torch.zeros(2, m.nhid)),
-        "unknown context": (ParameterServer.grad_sq_norm, 123456789),
+        "unknown context": (PsSurface.grad_sq_norm, 123456789),
         "not a remote method": (ParameterServer.export_state,),
         "missing argument": (lookup, emb),
-        "no lookups": (ParameterServer.lookup_many, {}),
-        "lookups not a dict": (ParameterServer.lookup_many, [emb]),
-        "too many ids in all": (ParameterServer.lookup_many, {emb: torch.zeros(40_000, dtype=torch.long),
+        "no lookups": (PsSurface.lookup_many, {}),
+        "lookups not a dict": (PsSurface.lookup_many, [emb]),
+        "too many ids in all": (PsSurface.lookup_many, {emb: torch.zeros(40_000, dtype=torch.long),
                                                               "decoder.weight": torch.zeros(40_000, dtype=torch.long)}),
     }
     results = {}
@@ -236,7 +237,7 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
         except Exception as exc:
             results[case] = {"error": type(exc).__name__, "message": str(exc).splitlines()[0]}
     # ...and the server still answers a good request.
-    rows = client.call(ps, ParameterServer.lookup, emb, torch.tensor([0, 2 * len(client.ps_names)]))
+    rows = client.call(ps, PsSurface.lookup, emb, torch.tensor([0, 2 * len(client.ps_names)]))
     return {"cases": results, "good_rows": list(rows.shape)}
 
 
@@ -272,7 +273,7 @@ def tiny(client: PsClient, args: argparse.Namespace) -> dict:
     client.end()
     served: dict[str, dict[str, torch.Tensor]] = {}
     for k, name in enumerate(client.ps_names):
-        served[name] = client.call(name, ParameterServer.parameters)
+        served[name] = client.call(name, PsSurface.parameters)
     big = torch.empty_like(local["big.weight"])
     for k, name in enumerate(client.ps_names):
         big[client.plans["big"].global_ids(k)] = served[name]["big.weight"]
@@ -308,7 +309,7 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
     result: dict = {"losses": losses, "consistency": str(client.consistency)}
     if index != 0:
         return result
-    served = [client.call(name, ParameterServer.parameters) for name in client.ps_names]
+    served = [client.call(name, PsSurface.parameters) for name in client.ps_names]
     local = LocalDlrm(model.config)
     initial = {t: bag.weight.detach().clone() for t, bag in enumerate(local.tables)}
     local_losses = [local.step(generator.batch(np.arange(step * batch * args.trainers,

@@ -222,3 +222,15 @@ def test_only_the_checkpoint_package_writes_checkpoints():
         offenders += [f"{rel}:{n.lineno} {n.func.attr}" for n in ast.walk(ast.parse(path.read_text()))
                       if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in writes]
     assert not offenders, offenders
+
+
+def test_the_trainers_client_imports_no_server():
+    # What calls a server names its surface (ps/surface.py): importing the trainers' side of a
+    # model must not load the server, nor the compiled loops its hashed tables run on.
+    import subprocess
+    import sys
+    code = ("import sys, ps.stub, trainer.core.served, trainer.core.loop; "
+            "print(sorted(m for m in ('numba', 'ps.service', 'ps.hashed.index', 'ps.tables') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "[]", f"the client loads {loaded.stdout.strip()}"

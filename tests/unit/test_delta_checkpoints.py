@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ps.delta import apply_delta
-from ps.hashed.rows import Lifecycle
+from ps.spec import Lifecycle
 from ps.spec import DenseGroup, ModelSpec, Table
 from tests.unit.test_hashed_server import by_id, servers, spec, step
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from ps.hashed.rows import Lifecycle
+from ps.spec import Lifecycle
 from ps.metrics import PsMetrics
 from ps.precision import add_rows, stochastic_round
 from ps.service import ParameterServer

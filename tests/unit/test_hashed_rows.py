@@ -6,7 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from ps.hashed.rows import HITS_MAX, HashedRows, Lifecycle
+from ps.hashed.rows import HITS_MAX, HashedRows
+from ps.spec import Lifecycle
 from ps.hashed.sketch import CountMinSketch
 
 

@@ -4,7 +4,7 @@ trip bit for bit by id, resharded to other server counts."""
 import torch
 from prometheus_client import CollectorRegistry
 
-from ps.hashed.rows import Lifecycle
+from ps.spec import Lifecycle
 from ps.metrics import PsMetrics
 from ps.service import ParameterServer
 from ps.spec import DenseGroup, ModelSpec, Table

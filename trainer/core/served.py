@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed import Store
 from torch.func import functional_call
 
-from ps.service import ParameterServer
+from ps.surface import PsSurface
 from ps.stub import PsClient
 from services.errors import ConfigError
 from trainer.core.replica import DenseReplica
@@ -45,7 +45,7 @@ class ServedModel(nn.Module):
         rule, lr = model["optimizer"], float(model["lr"])
         self.replica = DenseReplica(self.client.me, self.forward_module, rule, lr, weights, store_for, timeout,
                                     named=self.dense)
-        for state in self.client.each_dense_shard(ParameterServer.dense_state):
+        for state in self.client.each_dense_shard(PsSurface.dense_state):
             self.replica.load_optimizer_state(state)
         self.client.lockstep = start_with
 
@@ -70,7 +70,7 @@ class ServedModel(nn.Module):
         """The replica's weights and optimizer state into the servers' dense tensors (for a
         checkpoint), unless it has taken no step: then it holds the servers' own."""
         if self.replica.step >= 0:
-            self.client.each_dense_shard(ParameterServer.set_dense, self.replica.weights(), self.replica.step,
+            self.client.each_dense_shard(PsSurface.set_dense, self.replica.weights(), self.replica.step,
                                          self.replica.optimizer_state())
 
     def fetch_rows(self, lookups: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ps.hashed.rows import Lifecycle
+from ps.spec import Lifecycle
 from ps.rules import RuleOptimizer, UpdateRule, rule
 from ps.spec import DenseGroup, ModelSpec, Table
 from ps.stub import PsClient

@@ -7,16 +7,18 @@ decoder's work, most of a step, splits over the servers.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
 
 from ps.contexts import in_autograd_context
-from ps.service import ParameterServer
-from services.remote import describe
 from ps.tables import BufferPool
 from services.errors import BadRequest
+from services.remote import describe
+
+if TYPE_CHECKING:     # it runs on a server; the trainers' side of the model never imports one
+    from ps.service import ParameterServer
 
 VOCABULARY = "vocabulary"     # the table of the embedding's and the decoder's rows
 DECODER = ("decoder.weight", "decoder.bias")
