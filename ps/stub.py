@@ -47,6 +47,7 @@ from services.remote import call_async, wait
 log = logging.getLogger(__name__)
 
 PROBE_SECONDS = 2.0    # a server that does not answer a no-op within this is counted lost
+FORGET_SECONDS = 15.0  # the leader evicts a dead member within about 3 s (two missed probes)
 
 
 def tensor_bytes(value: Any) -> tuple[int, int]:
@@ -201,8 +202,23 @@ class PsClient:
         if not lost or self.leader in lost:
             return None
         self.lose_step(why, replica)
+        self._until_forgotten(lost)
         return ServerLost(f"{', '.join(lost)} went away, and this step was lost ({str(why).splitlines()[0]})",
                           tuple(lost))
+
+    def _until_forgotten(self, lost: list[str]) -> None:
+        """Wait, at most ``FORGET_SECONDS``, until this process no longer knows ``lost`` under
+        the ranks it had (the leader evicts a dead member within seconds). Called inside the
+        failed step's autograd context, so that its release, which tells every server of the
+        context, finds the dead one unknown: torch 2.13 releasing it while the eviction removes
+        that member reads freed memory (``std::bad_alloc`` in the log, then aborts)."""
+        deadline = time.monotonic() + FORGET_SECONDS
+        while time.monotonic() < deadline:
+            ranks = member_ranks()
+            if all(ranks.get(n) != self._ranks[n] for n in lost):
+                return
+            time.sleep(0.05)  # noqa: sleep-ok (polling this process's member list, bounded)
+        log.warning("%s still known to this process after %.0fs", ", ".join(lost), FORGET_SECONDS)
 
     def lost_servers(self) -> list[str]:
         """The servers this client can no longer count on: gone from the group, back under a new

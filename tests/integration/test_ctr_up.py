@@ -155,8 +155,9 @@ def test_ctr_members_killed_at_random_and_the_leader_come_back(tmp_path, cleanup
         if k["member"].startswith("ps") and k["checkpoint_at_kill"]:
             assert k["resumed_step"] >= int(k["checkpoint_at_kill"].split("-")[1]), k
     assert kills[-1]["kept_by"] == ["ps1"], kills[-1]
-    leader_lost = sorted(e["name"] for e in up.drain() if e["event"] == "restart" and e["exit_code"] == 75)
-    assert leader_lost == ["ctr0", "ctr1", "ps1"], leader_lost
+    leader_lost = {e["name"] for e in up.drain() if e["event"] == "restart" and e["exit_code"] == 75}
+    # A trainer that had lost servers before may die inside torch instead of leaving (docs/limits.md).
+    assert "ps1" in leader_lost <= {"ctr0", "ctr1", "ps1"}, leader_lost
 
     after = step_of("ctr0")
     wait_until(lambda: step_of("ctr0") > after + 5, 90, "ctr0 training after the chaos")

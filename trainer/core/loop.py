@@ -87,18 +87,20 @@ class TrainLoop:
         batch = self.task.next_batch()
         self.model.train()
         t0 = time.perf_counter()
-        try:
-            with client.step() as step:
+        with client.step() as step:
+            try:
                 fetched = self.task.fetch(batch)
                 t_fetch = time.perf_counter()
                 loss = self.task.loss(batch, fetched)
                 t_forward = time.perf_counter()
                 done = step.finish(loss, self.clip, self.model.replica)
-        except Exception as exc:
-            lost = client.failed(exc, self.model.replica)    # a server went away: ServerLost
-            if lost is None:
-                raise
-            raise lost from exc
+            except Exception as exc:
+                # Inside the step's context: ``failed`` holds its release until a lost server
+                # has left this process's view of the group (``PsClient.failed``).
+                lost = client.failed(exc, self.model.replica)
+                if lost is None:
+                    raise
+                raise lost from exc
         total = time.perf_counter() - t0
         self.task.stepped()
         if self.slow_down > 1.0 and self._slow.random() < self.slow_fraction:
