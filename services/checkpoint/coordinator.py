@@ -141,8 +141,7 @@ class Coordinator(Service):
         info = self.latest
         if info is None:
             return None
-        names = [n for n in sorted(info.files) if self._is_position(n)]
-        return {"checkpoint": info.id, "states": [self.store.load_file(info, n) for n in names]}
+        return {"checkpoint": info.id, "states": list(self._saved_positions(info).values())}
 
     @remote
     def left(self, name: str, state: dict) -> None:
@@ -153,12 +152,8 @@ class Coordinator(Service):
         with self._departed_lock:
             self._departed[name] = state
 
-    def _last_saved(self) -> dict[str, dict]:
-        """Every position the newest checkpoint saved: a member down now (crashed, not yet back)
-        keeps its last known position, so its restart does not read its share again."""
-        info = self.latest
-        if info is None or not info.path.exists():
-            return {}
+    def _saved_positions(self, info: CheckpointInfo) -> dict[str, dict]:
+        """The paused members' positions ``info`` saved, by member."""
         return {n[:-3]: self.store.load_file(info, n) for n in sorted(info.files) if self._is_position(n)}
 
     def _is_position(self, file_name: str) -> bool:
@@ -230,8 +225,11 @@ class Coordinator(Service):
         entries, elsewhere = self._write(checkpoint_id, step, holders, meta)
         with self._departed_lock:
             departed = dict(self._departed)
-        # Newest first: held now, then left, then (a member down) as the checkpoint before saved it.
-        positions = {**self._last_saved(), **departed, **positions}
+        # Newest first: held now, then left, then a member down now (crashed, not yet back) at its
+        # last known position, so that its restart does not read its share again.
+        latest = self.latest
+        last_known = self._saved_positions(latest) if latest is not None and latest.path.exists() else {}
+        positions = {**last_known, **departed, **positions}
         for name, state in positions.items():
             entries.append(self.store.write_file(step, f"{name}.pt", state))
         meta = {**meta, "positions": sorted(positions), "pause_seconds": pause_seconds}

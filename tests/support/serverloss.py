@@ -59,12 +59,12 @@ def lose_server(up: UpProcess, server: str, trainers: list[str], ways: tuple[str
         waited: set[str] = set()
 
         def seen_going() -> bool:
-            for n in trainers:
-                s = _status(urls[n])
+            statuses = [_status(urls[n]) for n in trainers]
+            for n, s in zip(trainers, statuses):
                 if s.get("waiting_for") == [server]:
                     waited.add(n)
                 assert s.get("server_losses", 0) <= k, s
-            return all(_status(urls[n]).get("server_losses", 0) == k for n in trainers)
+            return all(s.get("server_losses", 0) == k for s in statuses)
         wait_until(seen_going, 30, f"every trainer to lose its step to {server}'s loss {k}")
         steps = {n: _status(urls[n])["step"] for n in trainers}
 
