@@ -331,10 +331,77 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
     return result
 
 
+def bagged(client: PsClient, args: argparse.Namespace) -> dict:
+    """One of ``--trainers`` sync trainers of the public API's test model (``tests/support/bagged.py``)
+    on its share of each step's samples, through the real loop; trainer0 also trains the same module
+    in one process on every trainer's samples and compares every table row and weight after."""
+    import torch.nn.functional as F
+
+    import rpcps
+    from tests.support.bagged import TABLES, batch, build, LR, OPTIMIZER
+    from trainer.core.hosted import HostedModel
+    index, size = int(args.name.removeprefix("trainer")), 8
+    hosted = HostedModel(client, build())
+
+    class Task:
+        model, unit = hosted, "samples"
+
+        def __init__(self) -> None:
+            self.step = 0
+
+        def next_batch(self) -> rpcps.Batch:
+            self.step += 1
+            return batch(self.step, size * args.trainers).rows(index * size, (index + 1) * size)
+
+        def fetch(self, b: rpcps.Batch):
+            return hosted.fetch(b.sparse)
+
+        def loss(self, b: rpcps.Batch, fetched) -> torch.Tensor:
+            return F.binary_cross_entropy_with_logits(hosted.run(fetched, b), b.labels)
+
+        def units(self, b: rpcps.Batch) -> int:
+            return len(b)
+
+        def stepped(self) -> None:
+            pass
+    loop = TrainLoop(Task(), clip=0.0)
+    client.begin()
+    wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
+               "every trainer on the step clock")
+    losses = [loop.step().loss for _ in range(args.steps)]
+    client.end()
+    result: dict = {"losses": losses}
+    if index != 0:
+        return result
+    local = build()
+    optimizer = rpcps.local_optimizer(local, OPTIMIZER, LR)
+    local_losses = []
+    seen: dict[str, set] = {t.name: set() for t in TABLES}
+    for step in range(1, args.steps + 1):
+        b = batch(step, size * args.trainers)
+        for table, ids in local.tables.lookups(b.sparse).items():
+            seen[table].update(ids.tolist())
+        optimizer.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(local(b), b.labels)
+        loss.backward()
+        optimizer.step()
+        local_losses.append(float(loss))
+    ids = {t.name: torch.tensor(sorted(seen[t.name]) if t.hashed else range(t.rows)) for t in TABLES}
+    with torch.no_grad():
+        rows, weights = client.fetch({f"tables.weights.{t}": i for t, i in ids.items()})
+    diffs = {t: float((rows[f"tables.weights.{t}"] - local.tables.rows_of(t, i)).abs().max()) for t, i in ids.items()}
+    diffs.update({n: float((weights[n] - p.detach()).abs().max()) for n, p in local.named_parameters()
+                  if not n.startswith("tables.")})
+    moved = max(float((local.tables.rows_of(t, i) - local.tables.initial_rows(t, i)).abs().max()) for t, i in ids.items())
+    result.update(local_losses=local_losses, param_diff=diffs, tables_moved=moved,
+                  placements={t: type(plan).__name__ for t, plan in client.plans.items()})
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad", "tiny", "ctr",
-                                    "poison_hashed"))
+                                    "poison_hashed", "bagged"))
     p.add_argument("--name", required=True)
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
@@ -358,7 +425,8 @@ def main() -> None:
         wait_until(lambda: set(servers) <= set(current_members()), 60, "servers in the group")
         client = PsClient(args.name, servers)
         modes = {"equivalence": equivalence, "sync": sync, "clocked": clocked, "hammer": hammer, "inspect": inspect,
-                 "bad": bad, "tiny": tiny, "ctr": ctr, "poison_hashed": poison_hashed}
+                 "bad": bad, "tiny": tiny, "ctr": ctr, "poison_hashed": poison_hashed,
+                 "bagged": bagged}
         result = modes[args.mode](client, args)
         del client
     finally:

@@ -3,7 +3,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("services", "ps", "trainer")
+PACKAGES = ("services", "ps", "trainer", "rpcps")
 
 # The seams: only these may touch torch RPC / distributed autograd directly.
 RPC_SEAMS = {

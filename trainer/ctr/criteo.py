@@ -30,7 +30,8 @@ from typing import IO, Iterator, Optional, Sequence
 
 import numpy as np
 
-from trainer.ctr.synthetic import DENSE, Batch, SyntheticCtr, hashed
+from ps.hashing import hashed
+from trainer.ctr.synthetic import DENSE, Batch, SyntheticCtr
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from ps.spec import DenseGroup, ModelSpec, Table
 from ps.stub import PsClient
 from trainer.core.served import ServedModel
 from trainer.ctr.config import CtrModelConfig
-from trainer.ctr.synthetic import DENSE, Batch, hashed, normal, uniform
+from ps.hashing import hashed, normal, uniform
+from trainer.ctr.synthetic import DENSE, Batch
 
 _TABLE_SALT, _LAYER_SALT = 0x7AB1E, 0x1A7E2
 COMPATIBLE = ("cardinalities", "dim", "bottom", "top", "table_rule", "optimizer", "hashed")   # a checkpoint must match these

@@ -21,6 +21,7 @@ from functools import cached_property
 
 import numpy as np
 
+from ps.hashing import hashed, normal, uniform
 from trainer.ctr.quality import expected_auc
 
 # Criteo Kaggle: distinct values of C1..C26 (no frequency threshold); 33,762,577 rows in all.
@@ -38,28 +39,6 @@ TEST_OFFSET = 1 << 40       # held-out samples are indices from here on: disjoin
 # Salts of the hash streams: one per use, so no two draws share a random number.
 _ID, _DENSE, _MISSING, _LABEL, _W, _V, _U, _MU, _PERM, _PAIRS, _RAW = range(1, 12)
 
-_G = np.uint64(0x9E3779B97F4A7C15)
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
-    x = np.asarray(x, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
-
-
-def hashed(*parts: "np.ndarray | int") -> np.ndarray:
-    """One 64-bit hash of several keys, broadcast elementwise."""
-    h = np.uint64(0)
-    for part in parts:
-        with np.errstate(over="ignore"):
-            h = mix(h * _G + np.asarray(part, dtype=np.int64).astype(np.uint64))
-    return np.asarray(h, dtype=np.uint64)
-
-
 def raw_ids(ids: np.ndarray, tables: "tuple[int, ...] | list[int]") -> np.ndarray:
     """Generated ids [B, 26, ...] with the columns of ``tables`` as the raw 64-bit values a hashed
     table is keyed by: a hash of (table, row), as a Criteo value's is of (feature, value)."""
@@ -67,18 +46,6 @@ def raw_ids(ids: np.ndarray, tables: "tuple[int, ...] | list[int]") -> np.ndarra
     for t in tables:
         out[:, t] = hashed(_RAW, t, ids[:, t]).view(np.int64)
     return out
-
-
-def uniform(h: np.ndarray) -> np.ndarray:
-    """[0, 1) from the top 53 bits."""
-    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
-def normal(h: np.ndarray) -> np.ndarray:
-    """N(0, 1) by Box-Muller from one hash (two 32-bit halves)."""
-    u1 = ((h >> np.uint64(32)).astype(np.float64) + 1.0) / 4294967297.0
-    u2 = (h & np.uint64(0xFFFFFFFF)).astype(np.float64) / 4294967296.0
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
 
 
 def head_share(exponent: float, rows: int, head: float = HEAD_ROWS) -> float:

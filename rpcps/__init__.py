@@ -1,0 +1,21 @@
+"""rpcps's model API: write a model once, as plain PyTorch, and train it in one process or with
+its tables on the parameter servers.
+
+    import rpcps
+
+    class MyModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tables = rpcps.EmbeddingBags([rpcps.TableConfig(name="item", rows=1000, dim=8)])
+            self.top = torch.nn.Linear(8, 1)
+
+        def forward(self, batch: rpcps.Batch) -> torch.Tensor:
+            return self.top(self.tables(batch.sparse)["item"]).squeeze(1)
+
+Everything a user's code needs is here; the rest of the repository is the system's own.
+"""
+from rpcps.batch import Batch, Jagged
+from rpcps.local import local_optimizer
+from rpcps.tables import EmbeddingBags, TableConfig
+
+__all__ = ["Batch", "EmbeddingBags", "Jagged", "TableConfig", "local_optimizer"]

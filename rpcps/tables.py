@@ -1,0 +1,222 @@
+"""Embedding tables as one module: declared from ``TableConfig``s, fed a batch's jagged features,
+giving each feature's pooled vector.
+
+The same module runs whole in one process, where each table is a parameter of its own, and,
+unchanged, with its tables on the parameter servers, where it holds no rows: each step the
+trainer fetches the rows the batch names and hands them to it (``trainer/core/hosted.py``).
+Either way a table's initial row ``i`` is a function of (seed, table, ``i``), so both start equal.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Iterator, Literal, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ps.hashing import hashed, name_key, uniform
+from rpcps.batch import Jagged
+
+INIT_SLICE = 1 << 20      # rows of a table built at a time in one process
+
+
+class TableConfig(BaseModel):
+    """One embedding table: its rows, their width, how a feature's bag of rows is pooled, and
+    how the servers store and update it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the table's name, an identifier")
+    rows: int = Field(ge=1, description="its rows; a hashed table's capacity")
+    dim: int = Field(ge=1, description="the width of a row")
+    features: tuple[str, ...] = Field((), description="the features that look it up (none: the one named as "
+                                                      "the table); features sharing a table share its rows")
+    pooling: Literal["sum", "mean"] = Field("sum", description="how a bag of rows becomes one vector")
+    rule: Optional[Literal["sgd", "adagrad", "rowwise_adagrad"]] = Field(
+        None, description="its update rule (none: the model's optimizer)")
+    hashed: bool = Field(False, description="keyed by raw 64-bit ids, which get rows as they come, within "
+                                            "its capacity, instead of by ids 0 .. rows - 1")
+    admit_after: int = Field(1, ge=1, description="hashed: requests an id must appear in before it gets a row")
+    evict_after_steps: int = Field(0, ge=0, description="hashed: rows unseen this many steps are evicted first "
+                                                        "(0: age alone evicts nothing)")
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="how the servers store its rows")
+    wire_dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="how its rows and their "
+                                                                            "gradients cross the wire")
+    placement: Literal["auto", "row_wise", "table_wise"] = Field(
+        "auto", description="row by row over every server, or whole on one (auto: by size)")
+    init_scale: Optional[float] = Field(None, gt=0, description="initial rows are uniform in ± this "
+                                                                "(none: 1 / sqrt(rows))")
+
+    @model_validator(mode="after")
+    def _features_distinct(self) -> "TableConfig":
+        if len(set(self.features)) != len(self.features):
+            raise ValueError(f"table {self.name} names a feature twice: {list(self.features)}")
+        return self
+
+    @property
+    def looked_up_by(self) -> tuple[str, ...]:
+        return self.features or (self.name,)
+
+    @property
+    def scale(self) -> float:
+        return self.init_scale if self.init_scale is not None else 1.0 / math.sqrt(self.rows)
+
+
+class EmbeddingBags(nn.Module):
+    """Tables, each looked up by one or more features; ``forward(features)`` takes a batch's
+    ``{feature: Jagged}`` and gives ``{feature: [B, dim]}``: the pooled rows of each sample's ids
+    (zeros for a sample without any). ``seed`` chooses the initial rows.
+
+    In one process a plain table is the parameter ``weights.<table>`` [rows, dim] with sparse
+    gradients; a hashed one gives raw ids rows in arrival order up to its capacity (one process
+    admits every id at once and evicts none). Its rows are built at the first forward, or by
+    ``materialize()``, so a model whose tables the servers hold never builds them."""
+
+    def __init__(self, tables: Sequence[TableConfig], seed: int = 0) -> None:
+        super().__init__()
+        self.configs: dict[str, TableConfig] = {}
+        self.table_of: dict[str, str] = {}           # feature -> its table
+        for cfg in tables:
+            if cfg.name in self.configs:
+                raise ValueError(f"two tables are named {cfg.name}")
+            self.configs[cfg.name] = cfg
+            for feature in cfg.looked_up_by:
+                if feature in self.table_of:
+                    raise ValueError(f"feature {feature} is looked up in tables {self.table_of[feature]} and "
+                                     f"{cfg.name}: a feature has one table")
+                self.table_of[feature] = cfg.name
+        if not self.configs:
+            raise ValueError("EmbeddingBags needs one table at least")
+        self.seed = seed
+        self.weights = nn.ParameterDict()
+        self._slots: dict[str, dict[int, int]] = {}            # a hashed table's raw id -> row, in one process
+        self._served: Optional[Mapping[str, torch.Tensor]] = None
+
+    def initial_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``table`` as initialised (raw ids, for a hashed table): uniform in
+        ± its ``scale``, each a function of (seed, table, id)."""
+        cfg = self.configs[table]
+        dims = np.arange(cfg.dim, dtype=np.int64)[None, :]
+        u = uniform(hashed(self.seed, name_key(table), ids.numpy().astype(np.int64)[:, None], dims))
+        return torch.from_numpy((2.0 * u - 1.0) * cfg.scale).to(torch.float32)
+
+    def materialize(self) -> "EmbeddingBags":
+        """Build every table's rows here, to train in one process."""
+        if self._served is not None:
+            raise RuntimeError("this module's tables are on the parameter servers")
+        for name, cfg in self.configs.items():
+            if name in self.weights:
+                continue
+            weight = torch.zeros(cfg.rows, cfg.dim)
+            if cfg.hashed:
+                self._slots[name] = {}
+            else:
+                for start in range(0, cfg.rows, INIT_SLICE):
+                    ids = torch.arange(start, min(cfg.rows, start + INIT_SLICE))
+                    weight[start:start + len(ids)] = self.initial_rows(name, ids)
+            self.weights[name] = nn.Parameter(weight)
+        return self
+
+    def lookups(self, features: Mapping[str, Jagged]) -> dict[str, torch.Tensor]:
+        """Per table, the ids its features name, one feature after another in its order."""
+        missing = sorted(set(self.table_of) - set(features))
+        if missing:
+            raise KeyError(f"the batch has no feature {', '.join(missing)} (it has {', '.join(sorted(features))})")
+        out = {}
+        for name, cfg in self.configs.items():
+            ids = torch.cat([features[f].values for f in cfg.looked_up_by])
+            if not cfg.hashed and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= cfg.rows):
+                bad = ids[(ids < 0) | (ids >= cfg.rows)][0]
+                raise ValueError(f"table {name} has rows 0 .. {cfg.rows - 1}, but its features "
+                                 f"{', '.join(cfg.looked_up_by)} name id {int(bad)}")
+            out[name] = ids
+        return out
+
+    def forward(self, features: Mapping[str, Jagged]) -> dict[str, torch.Tensor]:
+        lookups = self.lookups(features)
+        if self._served is not None:
+            return self._pool_served(features, lookups)
+        if len(self.weights) < len(self.configs):
+            self.materialize()
+        pooled = {}
+        for name, cfg in self.configs.items():
+            for feature in cfg.looked_up_by:
+                f = features[feature]
+                ids = self._slots_of(name, f.values) if cfg.hashed else f.values
+                pooled[feature] = F.embedding_bag(ids, self.weights[name], f.offsets, mode=cfg.pooling,
+                                                  sparse=True, include_last_offset=True)
+        return pooled
+
+    def _pool_served(self, features: Mapping[str, Jagged], lookups: dict[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
+        pooled = {}
+        for name, cfg in self.configs.items():
+            rows = self._served[name]
+            if rows.shape[0] != len(lookups[name]):
+                raise RuntimeError(f"table {name}: {rows.shape[0]} rows served for {len(lookups[name])} ids")
+            start = 0
+            for feature in cfg.looked_up_by:
+                f = features[feature]
+                pooled[feature] = pool(rows[start:start + len(f.values)], f, cfg.pooling)
+                start += len(f.values)
+        return pooled
+
+    def _slots_of(self, table: str, raw: torch.Tensor) -> torch.Tensor:
+        """A hashed table's rows for raw ids in one process: new ids take the next free row."""
+        slots, cfg = self._slots[table], self.configs[table]
+        unique, inverse = torch.unique(raw, return_inverse=True)
+        new = [i for i in unique.tolist() if i not in slots]
+        if len(slots) + len(new) > cfg.rows:
+            raise RuntimeError(f"hashed table {table} is full: {cfg.rows} rows (in one process no row is evicted)")
+        if new:
+            first = len(slots)
+            slots.update((raw_id, first + k) for k, raw_id in enumerate(new))
+            with torch.no_grad():
+                self.weights[table][first:first + len(new)] = self.initial_rows(table, torch.tensor(new))
+        return torch.tensor([slots[i] for i in unique.tolist()], dtype=torch.int64)[inverse]
+
+    def rows_of(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """In one process: the current rows of ``ids`` (raw ids, for a hashed table; an id it has
+        not seen gets its initial row), without changing anything."""
+        if table not in self.weights:
+            return self.initial_rows(table, ids)
+        if not self.configs[table].hashed:
+            return self.weights[table].detach()[ids]
+        slots = self._slots[table]
+        out = self.initial_rows(table, ids)
+        seen = [k for k, i in enumerate(ids.tolist()) if i in slots]
+        if seen:
+            out[seen] = self.weights[table].detach()[[slots[ids[k].item()] for k in seen]]
+        return out
+
+
+def pool(rows: torch.Tensor, feature: Jagged, pooling: str) -> torch.Tensor:
+    """[N, D] the rows of a feature's ids -> [B, D], each sample's summed or averaged."""
+    lengths = feature.lengths
+    owner = torch.repeat_interleave(torch.arange(feature.batch_size), lengths)
+    out = rows.new_zeros(feature.batch_size, rows.shape[1]).index_add(0, owner, rows)
+    return out / lengths.clamp(min=1).unsqueeze(1).to(out.dtype) if pooling == "mean" else out
+
+
+def bags_of(model: nn.Module) -> Iterator[tuple[str, EmbeddingBags]]:
+    """(the parameter-name prefix, the module) of every ``EmbeddingBags`` in ``model``."""
+    for path, module in model.named_modules():
+        if isinstance(module, EmbeddingBags):
+            yield (f"{path}." if path else ""), module
+
+
+@contextmanager
+def serving(bags: Sequence[tuple[EmbeddingBags, Mapping[str, torch.Tensor]]]) -> Iterator[None]:
+    """Within: each module pools the rows it is given (table -> the rows of its ``lookups``, in
+    their order), fetched from the servers, instead of rows of its own."""
+    for bag, rows in bags:
+        bag._served = rows
+    try:
+        yield
+    finally:
+        for bag, _ in bags:
+            bag._served = None
