@@ -33,6 +33,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY services ./services
 COPY ps ./ps
 COPY trainer ./trainer
+COPY rpcps ./rpcps
 RUN pip install --no-cache-dir --no-deps . \
     && useradd --uid 10001 --create-home --shell /usr/sbin/nologin rpcps \
     && mkdir -p /checkpoints \

@@ -16,6 +16,8 @@ Everything a user's code needs is here; the rest of the repository is the system
 """
 from rpcps.batch import Batch, Jagged
 from rpcps.local import local_optimizer
+from rpcps.schema import Schema, SchemaError, load_schema
 from rpcps.tables import EmbeddingBags, TableConfig
 
-__all__ = ["Batch", "EmbeddingBags", "Jagged", "TableConfig", "local_optimizer"]
+__all__ = ["Batch", "EmbeddingBags", "Jagged", "Schema", "SchemaError", "TableConfig", "load_schema",
+           "local_optimizer"]

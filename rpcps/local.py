@@ -2,20 +2,24 @@
 cluster is compared with, and the way to debug a model before it goes to one."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn as nn
 
 from ps.rules import RuleOptimizer, rule
 from rpcps.tables import bags_of
 
 
-def local_optimizer(model: nn.Module, optimizer: str = "sgd", lr: float = 0.1) -> RuleOptimizer:
+def local_optimizer(model: nn.Module, optimizer: str = "sgd", lr: float = 0.1,
+                    table_rule: Optional[str] = None) -> RuleOptimizer:
     """An optimizer over ``model``'s parameters (its tables built here first) that steps each
-    table by its ``rule`` and everything else by ``optimizer`` (sgd, adagrad or rowwise_adagrad),
-    as the servers would: ``zero_grad()``, ``loss.backward()``, ``step()``."""
+    table by its ``rule`` (else by ``table_rule``, else by ``optimizer``) and everything else by
+    ``optimizer`` (sgd, adagrad; tables also rowwise_adagrad), as the servers would:
+    ``zero_grad()``, ``loss.backward()``, ``step()``."""
     tables = {}
     for _, bag in bags_of(model):
         bag.materialize()
         for name, cfg in bag.configs.items():
-            tables[id(bag.weights[name])] = rule(cfg.rule or optimizer)
+            tables[id(bag.weights[name])] = rule(cfg.rule or table_rule or optimizer)
     dense = rule(optimizer)
     return RuleOptimizer([(p, tables.get(id(p), dense)) for p in model.parameters()], lr)

@@ -131,8 +131,9 @@ def _parser(argv: Sequence[str]) -> tuple[_Parser, dict[str, argparse.ArgumentPa
         if chosen == "bench" and len(words) > 1 and words[1] == spec.name:
             spec.load().add_arguments(sp)      # imports the benchmark (and torch) only when it runs
             made[f"bench {spec.name}"] = sp
-    data = command("data", "write a workload's data as files: its format, to read or to test a pipeline with")
-    data_sub = data.add_subparsers(dest="data", required=True, metavar="workload", parser_class=_Parser)
+    data = command("data", "data as files: write a workload's (its format, to read or to test a pipeline with), "
+                           "or check yours against a feature schema")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="command", parser_class=_Parser)
     for spec in data_writers().values():
         sp = data_sub.add_parser(spec.name, help=spec.help, description=spec.help, formatter_class=_Help)
         if chosen == "data" and len(words) > 1 and words[1] == spec.name:
@@ -393,7 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if cmd == "bench":
             sys.exit(benches()[args.bench].load().run(args))
         if cmd == "data":
-            sys.exit(data_writers()[args.data].load().run(args))
+            sys.exit(data_writers()[args.data_command].load().run(args))
     except ConfigError as exc:
         print(f"rpcps {cmd}: {exc}", file=sys.stderr)
         sys.exit(2)

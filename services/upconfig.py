@@ -136,5 +136,5 @@ def flags(settings: ConfigBase, fields: tuple[str, ...]) -> list[str]:
     for f in fields:
         v: Any = getattr(settings, f)
         if v is not None:
-            out += [flag_name(f), str(v)]
+            out += [flag_name(f, type(settings).model_fields[f]), str(v)]
     return out

@@ -130,7 +130,7 @@ class WorkloadSpec:
     benches: tuple[BenchSpec, ...] = ()
     examples: tuple[tuple[str, str], ...] = ()   # (`rpcps up …` arguments, what they do), for `rpcps up --help`
     server: Optional[HostedSpec] = None          # its model, when the parameter servers host it
-    data: Optional[BenchSpec] = None             # `rpcps data <name>`: writes its data as files
+    data: tuple[BenchSpec, ...] = ()             # `rpcps data <name>`: writes its data as files, or checks files
     rank: int = 50             # its place in listings (then by name): the first is `rpcps up`'s and `rpcps ps`'s default
 
     @property
@@ -212,7 +212,7 @@ SHARED_BENCHES = (BenchSpec("cli", "seconds the quick commands take to answer (-
 
 
 def data_writers() -> dict[str, BenchSpec]:
-    return {spec.data.name: spec.data for spec in workloads().values() if spec.data is not None}
+    return {data.name: data for spec in workloads().values() for data in spec.data}
 
 
 def benches() -> dict[str, BenchSpec]:

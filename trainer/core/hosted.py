@@ -26,9 +26,10 @@ def table_param(prefix: str, table: str) -> str:
     return f"{prefix}weights.{table}"
 
 
-def _table(bag: EmbeddingBags, cfg: TableConfig, param: str) -> Table:
+def _table(bag: EmbeddingBags, cfg: TableConfig, param: str, rule: Optional[str]) -> Table:
     life = Lifecycle(admit_after=cfg.admit_after, evict_after_steps=cfg.evict_after_steps) if cfg.hashed else None
-    return Table(cfg.rows, {param: (cfg.dim,)}, lambda ids: {param: bag.initial_rows(cfg.name, ids)}, rule=cfg.rule,
+    return Table(cfg.rows, {param: (cfg.dim,)}, lambda ids: {param: bag.initial_rows(cfg.name, ids)},
+                 rule=cfg.rule or rule,
                  placement="" if cfg.placement == "auto" else cfg.placement, hashed=life, dtype=cfg.dtype,
                  wire_dtype=cfg.wire_dtype)
 
@@ -50,17 +51,18 @@ def describe(model: nn.Module) -> dict[str, Any]:
             "dense": {name: list(p.shape) for group in dense_parameters(model).values() for name, p in group}}
 
 
-def hosted_spec(model: nn.Module, *, optimizer: str = "sgd", lr: float = 0.1,
+def hosted_spec(model: nn.Module, *, optimizer: str = "sgd", lr: float = 0.1, table_rule: Optional[str] = None,
                 meta: Optional[dict[str, Any]] = None) -> ModelSpec:
     """What the servers host for ``model``: its tables and its dense parameters as they are now,
-    stepped by ``optimizer`` at ``lr`` (and each table by its own rule, when it names one).
+    stepped by ``optimizer`` at ``lr``, each table by its own rule when it names one, else by
+    ``table_rule``, else by ``optimizer``.
     ``meta``: what else the model says of itself (the servers report it; trainers read it back)."""
     tables: dict[str, Table] = {}
     for prefix, bag in bags_of(model):
         for name, cfg in bag.configs.items():
             if name in tables:
                 raise ConfigError(f"two tables of the model are named {name}: a table's name is the model's to give once")
-            tables[name] = _table(bag, cfg, table_param(prefix, name))
+            tables[name] = _table(bag, cfg, table_param(prefix, name), table_rule)
     if not tables:
         raise ConfigError(f"{type(model).__name__} holds no rpcps.EmbeddingBags: nothing for the servers to host")
     groups = tuple(DenseGroup({n: tuple(p.shape) for n, p in params},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -14,14 +14,21 @@ from ps.hashed.settings import HashedTableSettings
 from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings
 
+if TYPE_CHECKING:
+    from rpcps.schema import Schema
+
 TableRule = Literal["sgd", "adagrad", "rowwise_adagrad"]
 DenseRule = Literal["sgd", "adagrad"]
 Pooling = Literal["sum", "mean"]
 Placement = Literal["auto", "row_wise", "table_wise"]
 
 SCALE_HELP = "the tables' rows: Criteo Kaggle's 26 cardinalities (33.8 M rows in all) times this"
-DATA_HELP = ("Criteo-format file, or a folder of them (plain or gzip; read in name order); default: generated "
-             "Criteo-shaped data")
+DATA_HELP = ("Criteo-format file, or a folder of them (plain or gzip; read in name order), or with --schema "
+             "the schema's CSV or TSV files; default: generated Criteo-shaped data")
+SCHEMA_HELP = "a feature schema (YAML or TOML): the columns of --data and the tables of --model"
+MODEL_HELP = ("your model, as module:Class, built as Class(schema) (needs --schema); default: the built-in DLRM, "
+              "shaped by the model settings below")
+CHECKED_LINES = 1000          # lines of each file checked before anything starts
 
 
 def data_files(data: Optional[Path]) -> list[Path]:
@@ -43,21 +50,46 @@ def _unreadable(data: Path, exc: OSError) -> str:
     return f"{data} cannot be read: {exc.strerror or exc}"
 
 
-def _checked_data(cls: type, data: Optional[Path]) -> Optional[Path]:
-    """A ``--data`` whose first lines are not Criteo's is refused before anything starts, with the
-    file and line (a ``CriteoError``'s sentence)."""
+def checked_data(data: Optional[Path], schema: "Optional[Schema]" = None) -> None:
+    """A ``--data`` whose first lines are not in its format (Criteo's, or ``schema``'s) is refused
+    before anything starts, with the file and line (a ``LineError``'s sentence)."""
     if data is None:
-        return None
-    from trainer.ctr.criteo import CriteoError, check
+        return
+    from trainer.core.lines import LineError
     try:
         data.stat()
     except OSError as exc:
         raise ValueError(_unreadable(data, exc)) from None
     try:
-        check(data_files(data))
-    except CriteoError as exc:
+        if schema is None:
+            from trainer.ctr.criteo import check
+            check(data_files(data))
+        else:
+            from trainer.ctr.tabular import check
+            check(schema, data_files(data), CHECKED_LINES)
+    except LineError as exc:
         raise ValueError(str(exc) if data_files(data) else f"{data} holds no data files") from None
-    return data
+
+
+def _loaded(cls: type, path: Optional[Path]) -> Optional[Path]:
+    """``--schema`` is read and checked where it is given: a wrong one is a sentence naming the key."""
+    if path is not None:
+        from rpcps.schema import load_schema
+        load_schema(path)           # a SchemaError, a ValueError: pydantic words it as the flag's
+    return path
+
+
+class SchemaSettings(ConfigBase):
+    """The schema of the data (``rpcps/schema.py``): the servers derive the tables from it, the
+    trainers read the files by it."""
+
+    schema_file: Optional[Path] = Field(None, description=SCHEMA_HELP,
+                                        json_schema_extra={"flag": "--schema", "env": "RPCPS_SCHEMA"})
+    _schema = field_validator("schema_file")(classmethod(_loaded))
+
+    def loaded_schema(self) -> "Optional[Schema]":
+        from rpcps.schema import load_schema
+        return load_schema(self.schema_file) if self.schema_file is not None else None
 
 
 class CtrModelConfig(ConfigBase):
@@ -81,10 +113,13 @@ class CtrModelConfig(ConfigBase):
     wire_dtype: Dtype = "fp32"            # how rows and their gradients are sent
 
 
-class CtrModelSettings(HashedTableSettings, TablePrecisionSettings):
+class CtrModelSettings(HashedTableSettings, TablePrecisionSettings, SchemaSettings):
     """What the servers and `rpcps up` say of the model's shape and rules (with the hashed
     tables' capacity, admission and eviction, as ``ps/hashed/settings.py`` words them, and the
-    tables' precision, as ``ps/config.py`` does)."""
+    tables' precision, as ``ps/config.py`` does). With ``--model``, the model and its schema say
+    its shape instead: only the rules, the learning rate and the seed apply."""
+
+    user_model: str = Field("", description=MODEL_HELP, json_schema_extra={"flag": "--model", "env": "RPCPS_MODEL"})
 
     scale: float = Field(1.0, gt=0, le=1.0, description=SCALE_HELP)
     dim: int = Field(16, ge=1, le=1024, description="embedding dimension (every table)")
@@ -105,6 +140,14 @@ class CtrModelSettings(HashedTableSettings, TablePrecisionSettings):
 
     _sizes = field_validator("bottom", "top")(classmethod(lambda cls, v: _sizes(v) and v))
     _tables = field_validator("tables")(classmethod(lambda cls, v: _hashed(v) is not None and v))
+
+    @model_validator(mode="after")
+    def _model_with_schema(self) -> "CtrModelSettings":
+        if self.user_model and self.schema_file is None:
+            raise ValueError("--model builds your model from a feature schema: give --schema too")
+        if self.user_model and ":" not in self.user_model:
+            raise ValueError(f"--model {self.user_model!r}: name your model's class as module:Class")
+        return self
 
     def model(self) -> CtrModelConfig:
         from trainer.ctr.synthetic import SyntheticCtr
@@ -145,11 +188,10 @@ class CtrServerConfig(PsConfig, CtrModelSettings):
     """`rpcps ps --workload ctr`: a parameter server hosting the CTR model's tables and MLPs."""
 
 
-class CtrDataSettings(ConfigBase):
+class CtrDataSettings(SchemaSettings):
     """What a CTR trainer reads and how much at a time: `rpcps ctr`'s and `rpcps up`'s alike."""
 
     data: Optional[Path] = Field(None, description=DATA_HELP)
-    _data = field_validator("data")(classmethod(_checked_data))
     batch_size: int = Field(2048, ge=1, le=65536, description="samples per trainer step")
     hot: int = Field(1, ge=1, le=64, description="generated data: ids per categorical feature (a bag; 1: one-hot)")
     data_seed: int = Field(1, description="generated data: which data set (its hidden ground truth and samples)")
@@ -162,6 +204,9 @@ class CtrDataSettings(ConfigBase):
     def _one_source(self) -> "CtrDataSettings":
         if self.data is not None and self.hot > 1:
             raise ValueError("--hot shapes generated data; Criteo files have one value per feature")
+        if self.schema_file is not None and self.data is None:
+            raise ValueError("--schema describes data files: give --data too")
+        checked_data(self.data, self.loaded_schema())
         return self
 
 

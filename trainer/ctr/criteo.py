@@ -14,16 +14,12 @@ counts of ASCII digits with an optional ``-`` that fit in 64 bits (a negative on
 categorical value of at most 8 hexadecimal digits; at most ``MAX_LINE`` bytes in all, UTF-8. A
 byte-order mark at a file's start is skipped. Anything else makes the line malformed: a
 ``CriteoError`` naming the file and line, and quoting at most ``QUOTED`` characters of the value
-(with its length). ``check`` reads the first lines of every file before anything starts; while
-training, ``CriteoStream`` skips and counts what it cannot read, and says why in its log (each of
-the first skips, then at most one line every ``SKIP_LOG_SECONDS``).
+(with its length), which ``trainer/core/lines.py`` handles as it does any format's: found before
+anything starts in a file's first lines, skipped and counted while training.
 """
 from __future__ import annotations
 
-import gzip
 import io
-import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterator, Optional, Sequence
@@ -31,24 +27,17 @@ from typing import IO, Iterator, Optional, Sequence
 import numpy as np
 
 from ps.hashing import hashed
+from trainer.core.lines import CHECKED_LINES, MAX_LINE, LineError, Lines, check_files, quoted, text_of
 from trainer.ctr.synthetic import DENSE, Batch, SyntheticCtr
-
-log = logging.getLogger(__name__)
 
 CATEGORICAL = 26
 FIELDS = 1 + DENSE + CATEGORICAL
-CHECKED_LINES = 1000           # lines of each file read by ``check`` before anything starts
 _EMPTY = 1 << 32               # the value of an empty categorical field (real values are 32-bit)
 _SALT = 0x43524954             # the hash stream of categorical values
-MAX_LINE = 4096                # bytes a line may have (a real one has under 800)
-QUOTED = 40                    # characters of a value an error message quotes
-SKIP_LOG_SECONDS = 10.0        # after the first few, one log line at most this often about skipped lines
-_LOGGED_SKIPS = 10             # skipped lines each logged on their own
-_BOM = b"\xef\xbb\xbf"
 _INT64 = (1 << 63) - 1
 
 
-class CriteoError(ValueError):
+class CriteoError(LineError):
     """A line or file that is not in the Criteo format; the message names the file and line."""
 
 
@@ -59,51 +48,10 @@ class Parsed:
     values: list[int]            # 32-bit values, _EMPTY where empty
 
 
-def open_lines(path: Path) -> IO[bytes]:
-    """The file's lines as bytes: gunzipped when it starts with gzip's magic number; a UTF-8
-    byte-order mark at its start skipped."""
-    raw = open(path, "rb")
-    f = gzip.GzipFile(fileobj=raw) if raw.peek(2)[:2] == b"\x1f\x8b" else raw   # closing it leaves raw open: close both
-    if f.peek(len(_BOM))[:len(_BOM)] == _BOM:
-        f.read(len(_BOM))
-    return f
-
-
-def bounded_lines(f: IO[bytes], limit: int = MAX_LINE) -> Iterator[bytes | int]:
-    """Each line of ``f``; for a line longer than ``limit`` bytes, its length instead: it is read
-    past a piece at a time, never held whole."""
-    while True:
-        line = f.readline(limit + 1)
-        if not line:
-            return
-        if len(line) <= limit or line.endswith(b"\n"):
-            yield line
-            continue
-        length = len(line)
-        while not line.endswith(b"\n"):
-            line = f.readline(1 << 16)
-            if not line:
-                break
-            length += len(line)
-        yield length - line.endswith(b"\n")
-
-
-def quoted(value: str, limit: int = QUOTED) -> str:
-    """``value`` as an error message quotes it: at most ``limit`` characters, and its length if longer."""
-    if len(value) <= limit:
-        return repr(value)
-    return f"{value[:limit]!r}… ({len(value):,} characters)"
-
-
 def parse(line: bytes | int, where: str) -> Parsed:
     """A line (or the length of one too long to read, from ``bounded_lines``), or ``CriteoError``."""
-    if isinstance(line, int):
-        raise CriteoError(f"{where}: the line is {line:,} bytes long; a line may have at most {MAX_LINE:,}")
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CriteoError(f"{where}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})") from None
-    fields = text.rstrip("\r\n").split("\t")
+    text = text_of(line, where, CriteoError)
+    fields = text.split("\t")
     if len(fields) != FIELDS:
         raise CriteoError(f"{where}: expected {FIELDS} tab-separated fields (label, {DENSE} counts, "
                           f"{CATEGORICAL} categorical values), found {len(fields)}")
@@ -160,28 +108,7 @@ def _categorical(value: str, j: int, where: str) -> int:
 def check(paths: Sequence[Path], lines: int = CHECKED_LINES) -> None:
     """Raise ``CriteoError`` naming the first problem in the first ``lines`` lines of each file:
     an empty or unreadable file, a truncated gzip stream, a malformed line."""
-    if not paths:
-        raise CriteoError("no data files")
-    for path in paths:
-        seen = 0
-        try:
-            with open_lines(path) as f:
-                for seen, line in enumerate(bounded_lines(f), start=1):
-                    parse(line, f"{path}:{seen}")
-                    if seen >= lines:
-                        break
-        except (OSError, EOFError) as exc:
-            raise CriteoError(f"{path}: cannot be read past line {seen}: {_why(exc)}") from None
-        if seen == 0:
-            raise CriteoError(f"{path} is empty")
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, EOFError):
-        return "the gzip stream is truncated"
-    if isinstance(exc, gzip.BadGzipFile):
-        return f"not a valid gzip file ({exc})"
-    return getattr(exc, "strerror", None) or str(exc)
+    check_files(paths, parse, lines, error=CriteoError)
 
 
 def row_ids(values: np.ndarray, cardinalities: Sequence[int]) -> np.ndarray:
@@ -201,16 +128,29 @@ class CriteoStream:
     cardinalities: Sequence[int]
     share: int = 0
     shares: int = 1
-    skipped: int = 0
-    last_skip: Optional[str] = None
     start: int = 0                  # lines passed over unread first (held out, or read before a restart)
     stop: Optional[int] = None      # no line past this one is read
-    lines: int = field(default=0, init=False)     # lines of the files passed so far, every share's
-    _logged: tuple[float, int] = field(default=(float("-inf"), 0), init=False, repr=False)   # (when, skipped) last said
+    _lines: Lines = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._lines = Lines(self.paths, parse, self.share, self.shares, self.start, self.stop)
+
+    @property
+    def skipped(self) -> int:
+        return self._lines.skipped
+
+    @property
+    def last_skip(self) -> Optional[str]:
+        return self._lines.last_skip
+
+    @property
+    def lines(self) -> int:
+        """Lines of the files passed so far, every share's."""
+        return self._lines.lines
 
     def batches(self, size: int) -> Iterator[Batch]:
         labels, counts, values = [], [], []
-        for parsed in self._mine():
+        for parsed in self._lines:
             labels.append(parsed.label)
             counts.append(parsed.counts)
             values.append(parsed.values)
@@ -219,34 +159,6 @@ class CriteoStream:
                 labels, counts, values = [], [], []
         if labels:
             yield self._batch(labels, counts, values)
-
-    def _mine(self) -> Iterator[Parsed]:
-        for path in self.paths:
-            number = 0
-            try:
-                with open_lines(path) as f:
-                    for number, line in enumerate(bounded_lines(f), start=1):
-                        if self.stop is not None and self.lines >= self.stop:
-                            return
-                        self.lines += 1
-                        if self.lines <= self.start or (self.lines - 1) % self.shares != self.share:
-                            continue
-                        try:
-                            yield parse(line, f"{path}:{number}")
-                        except CriteoError as exc:
-                            self._skip(str(exc))
-            except (OSError, EOFError) as exc:
-                self._skip(f"{path}: the rest after line {number} cannot be read: {_why(exc)}")
-
-    def _skip(self, why: str) -> None:
-        self.skipped += 1
-        self.last_skip = why
-        now = time.monotonic()
-        if self.skipped <= _LOGGED_SKIPS or now - self._logged[0] >= SKIP_LOG_SECONDS:
-            unsaid = self.skipped - self._logged[1] - 1
-            log.warning("skipped: %s (%d skipped so far%s)", why, self.skipped,
-                        f"; {unsaid} more since the last such line" if unsaid else "")
-            self._logged = (now, self.skipped)
 
     def _batch(self, labels: list[float], counts: list[list[int]], values: list[list[int]]) -> Batch:
         raw = np.array(counts, dtype=np.int64)

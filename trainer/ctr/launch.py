@@ -14,7 +14,7 @@ MODEL_FLAGS = tuple(f for f in CtrModelSettings.model_fields if f not in SERVER_
 class CtrLaunch(TrainersLaunch):
     workload, trainer, unit = "ctr", "ctr", "samples"
     server_flags = MODEL_FLAGS
-    trainer_flags = ("batch_size", "hot", "data_seed", "eval_samples", "data")
+    trainer_flags = ("batch_size", "hot", "data_seed", "eval_samples", "data", "schema_file")
 
     def held_out(self, statuses: list[Any]) -> dict[str, Any]:
         """Every trainer evaluates the same held-out samples: their mean, and how far apart they are

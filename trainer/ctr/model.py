@@ -147,6 +147,13 @@ class DistributedDlrm(ServedModel):
     def logits(self, dense: torch.Tensor, pooled: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.run_dense(weights, dense, pooled)
 
+    def fetch_for(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.fetch(bags(batch))
+
+    def loss(self, batch: Batch, fetched: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> torch.Tensor:
+        pooled, weights = fetched
+        return loss_of(self.logits(torch.from_numpy(batch.dense), pooled, weights), torch.from_numpy(batch.labels))
+
     def predict(self, batch: Batch) -> np.ndarray:
         with torch.no_grad():
             pooled, weights = self.fetch(bags(batch))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -52,14 +52,32 @@ class GeneratedSource:
         return replace(batch, ids=raw_ids(batch.ids, self.hashed)) if self.hashed else batch
 
 
+class Stream(Protocol):
+    """One pass over one share of data files: ``CriteoStream``, or ``SchemaStream`` for a schema's."""
+
+    skipped: int
+    last_skip: Optional[str]
+    lines: int           # data lines of the files passed so far, every share's
+
+    def batches(self, size: int) -> Iterator[Any]: ...
+
+
+# (share, shares, start, stop) -> the stream of that share from data line start to stop
+OpenStream = Callable[[int, int, int, Optional[int]], Stream]
+
+
+def criteo_files(paths: Sequence[Path], cardinalities: Sequence[int]) -> OpenStream:
+    return lambda share, shares, start, stop: CriteoStream(paths, cardinalities, share, shares, start, stop)
+
+
 @dataclass
 class FileSource:
     """Trainer ``share`` of ``shares`` takes lines ``k`` with ``k % shares == share`` of the
     files after the first ``held`` (the held-out lines); ``cursor``: the lines passed, every
-    share's, in this pass (``epoch``) over the files."""
+    share's, in this pass (``epoch``) over the files. ``what``: the files, in words."""
 
-    paths: Sequence[Path]
-    cardinalities: Sequence[int]
+    what: str
+    open: OpenStream
     batch_size: int
     held: int = 0
     share: int = 0
@@ -68,19 +86,18 @@ class FileSource:
     epoch: int = 0
     skipped: int = 0
     last_skip: Optional[str] = None
-    _stream: Optional[CriteoStream] = field(default=None, init=False, repr=False)
-    _batches: Optional[Iterator[Batch]] = field(default=None, init=False, repr=False)
+    _stream: Optional[Stream] = field(default=None, init=False, repr=False)
+    _batches: Optional[Iterator[Any]] = field(default=None, init=False, repr=False)
 
     @property
     def description(self) -> str:
-        return f"Criteo files {', '.join(str(p) for p in self.paths)} (the first {self.held} lines held out)"
+        return f"{self.what} (the first {self.held} lines held out)"
 
     def _open(self) -> None:
-        self._stream = CriteoStream(self.paths, self.cardinalities, self.share, self.shares,
-                                    start=max(self.cursor, self.held))
+        self._stream = self.open(self.share, self.shares, max(self.cursor, self.held), None)
         self._batches = self._stream.batches(self.batch_size)
 
-    def next(self) -> Batch:
+    def next(self) -> Any:
         for _ in range(2):      # at the files' end, once more from their top
             if self._batches is None:
                 self._open()
@@ -96,5 +113,5 @@ class FileSource:
             log.info("the data files read through: pass %d over them begins", self.epoch + 1)
         raise ValueError(f"{self.description}: no training lines for share {self.share} of {self.shares}")
 
-    def held_out(self, count: int, batch_size: int) -> Iterator[Batch]:
-        return CriteoStream(self.paths, self.cardinalities, stop=min(count, self.held)).batches(batch_size)
+    def held_out(self, count: int, batch_size: int) -> Iterator[Any]:
+        return self.open(0, 1, 0, min(count, self.held)).batches(batch_size)

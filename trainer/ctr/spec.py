@@ -18,7 +18,11 @@ SPEC = WorkloadSpec(
     up_settings="trainer.ctr.config:CtrUpSettings",
     launch="trainer.ctr.launch:CtrLaunch",
     checkpoint_dir="checkpoints/ctr",
-    data=BenchSpec("ctr", "generated Criteo-shaped samples as Criteo TSV files", "trainer.ctr.datagen"),
+    data=(BenchSpec("ctr", "generated Criteo-shaped samples as Criteo TSV files", "trainer.ctr.datagen"),
+          BenchSpec("ratings", "generated movie-rating samples (user, movie, genre list, numeric columns) as CSV",
+                    "trainer.ctr.datagen_ratings"),
+          BenchSpec("check", "read data files as a feature schema says: each column's cardinality, missing rate "
+                             "and list lengths", "trainer.ctr.datacheck")),
     benches=(BenchSpec("ctr", "samples/s, AUC and memory: one process vs async, sync and sync-allreduce servers",
                        "trainer.ctr.bench"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
@@ -28,5 +32,7 @@ SPEC = WorkloadSpec(
               ("--workload ctr --data day_0.gz --steps 1000", "Criteo-format files, streamed"),
               ("--workload ctr --consistency sync --dense allreduce", "the MLPs on the trainers, all-reduced"),
               ("--workload ctr --tables hashed --table-capacity 20000 --admit-after 2",
-               "tables keyed by raw 64-bit ids, within a capacity")),
+               "tables keyed by raw 64-bit ids, within a capacity"),
+              ("--workload ctr --model mypkg.models:MyModel --schema features.yaml --data dir/",
+               "your model and your columns")),
 )

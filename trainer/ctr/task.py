@@ -4,27 +4,37 @@ held-out samples (on generated data, with the best AUC any model could reach on 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import numpy as np
 import torch
 
 from services.lifecycle import StatusBoard
 from trainer.ctr.metrics import CtrMetrics
-from trainer.ctr.model import DistributedDlrm, bags, loss_of
 from trainer.ctr.quality import auc, logloss
 from trainer.ctr.source import FileSource, GeneratedSource
-from trainer.ctr.synthetic import Batch
 
 log = logging.getLogger(__name__)
 
-Source = Union[GeneratedSource, FileSource]
+Source = Union[GeneratedSource, FileSource]      # what a trainer's batches come from
+
+
+class CtrModel(Protocol):
+    """What the task asks of its model (the built-in DLRM, or a user's model over a schema)."""
+
+    def fetch_for(self, batch: Any) -> Any:
+        """Inside the step's autograd context: the rows and weights ``batch`` needs from the servers."""
+
+    def loss(self, batch: Any, fetched: Any) -> torch.Tensor: ...
+
+    def predict(self, batch: Any) -> np.ndarray:
+        """Click probabilities of ``batch``'s samples, changing nothing."""
 
 
 class CtrTask:
     unit = "samples"
 
-    def __init__(self, model: DistributedDlrm, source: Source, *, name: str, num_trainers: int,
+    def __init__(self, model: CtrModel, source: Source, *, name: str, num_trainers: int,
                  eval_samples: int = 0, eval_batch_size: int = 4096, metrics: Optional[CtrMetrics] = None,
                  board: Optional[StatusBoard] = None) -> None:
         self.model, self.source = model, source
@@ -34,7 +44,7 @@ class CtrTask:
         self.data = source.description
         self._skipped = source.skipped
 
-    def next_batch(self) -> Batch:
+    def next_batch(self) -> Any:
         batch = self.source.next()
         if self.source.skipped != self._skipped:
             # A malformed line met in training is skipped and counted, never a crash.
@@ -45,14 +55,13 @@ class CtrTask:
             self._skipped = self.source.skipped
         return batch
 
-    def fetch(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.model.fetch(bags(batch))
+    def fetch(self, batch: Any) -> Any:
+        return self.model.fetch_for(batch)
 
-    def loss(self, batch: Batch, fetched: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> torch.Tensor:
-        pooled, weights = fetched
-        return loss_of(self.model.logits(torch.from_numpy(batch.dense), pooled, weights), torch.from_numpy(batch.labels))
+    def loss(self, batch: Any, fetched: Any) -> torch.Tensor:
+        return self.model.loss(batch, fetched)
 
-    def units(self, batch: Batch) -> int:
+    def units(self, batch: Any) -> int:
         return len(batch.labels)
 
     def stepped(self) -> None:
@@ -97,8 +106,8 @@ class CtrTask:
             if should_stop():
                 break
             scores.append(self.model.predict(batch))
-            labels.append(batch.labels)
-            truth.append(batch.p)
+            labels.append(np.asarray(batch.labels))
+            truth.append(getattr(batch, "p", np.full(len(batch.labels), np.nan)))
             progress(sum(len(x) for x in labels), self.eval_samples)
         if not scores:
             return np.zeros(0), np.zeros(0), np.zeros(0)

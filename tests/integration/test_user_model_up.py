@@ -1,0 +1,71 @@
+"""A user's model and schema, defined only under tests/, as a user runs them: `rpcps data ratings`
+writes CSV files, `rpcps data check` shows them as the schema reads them, a wrong schema is refused
+with its file and key, `rpcps up --model … --schema … --data …` trains the model on real servers (a
+malformed line skipped and counted, held-out AUC reported), and a restart on another server count
+resumes from its checkpoint, resharded."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+from tests.support.cluster import REPO
+from tests.support.upcli import UpProcess
+
+SCHEMA = REPO / "tests" / "support" / "ratings_schema.yaml"
+MODEL = ["--workload", "ctr", "--model", "tests.support.ratings_model:RatingsModel", "--schema", str(SCHEMA),
+         "--batch-size", "128", "--eval-samples", "500", "--progress-interval", "1"]
+ENV = {"PYTHONPATH": str(REPO)}
+
+
+def cli(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**os.environ, **ENV})
+
+
+def test_a_users_model_and_schema_train_check_and_resume_resharded(tmp_path, cleanup):
+    data = tmp_path / "data"
+    made = cli(tmp_path, "data", "ratings", "--rows", "3000", "--out", str(data))
+    assert made.returncode == 0, made.stderr
+    with open(data / "part_0.csv", "a") as f:      # past the 500 held-out lines: read in training
+        f.write("1,7,12,Comedy|Drama|War|Horror,M,3,not-a-number,1990\n")
+
+    checked = cli(tmp_path, "data", "check", "--schema", str(SCHEMA), "--data", str(data), "--json")
+    assert checked.returncode == 1, checked.stderr
+    seen = json.loads(checked.stdout)
+    assert seen["lines"] == 3001 and seen["malformed"] == 1, seen
+    assert seen["reasons"] == [f"{data / 'part_0.csv'}:3002: column age is not a number: 'not-a-number'"], seen
+    genres = next(c for c in seen["categorical"] if c["feature"] == "genres")
+    assert genres["max_length"] == 3 and 0 < genres["truncated_rate"] < 1 and genres["distinct"] == 18, genres
+    age = next(n for n in seen["numeric"] if n["column"] == "age")
+    assert age["standardized_by"]["measured"] and 1 <= age["min"] <= age["mean"] <= age["max"] <= 56, age
+
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(SCHEMA.read_text().replace("table: genre,", "table: genres,"))
+    refused = cli(tmp_path, "up", *MODEL[:4], "--schema", str(wrong), "--data", str(data), "--steps", "2")
+    assert refused.returncode == 2, refused.stderr
+    assert f"{wrong}: categorical: feature genres uses table genres, which `tables` does not declare" \
+        in refused.stderr, refused.stderr
+
+    up = UpProcess(tmp_path / "first", *MODEL, "--data", str(data), "--steps", "12", "--num-ps", "2", env=ENV)
+    cleanup(up)
+    up.wait_event("started", 120)
+    done = up.wait_event("done", 300)
+    assert up.proc.wait(30) == 0, up.logs()
+    assert done["steps"] == 12 and done["samples_per_s"] > 0, done
+    assert 0.5 < done["auc"] < 1 and 0 < done["logloss"] < 1 and done["eval_samples"] == 500, done
+    assert done["skipped_lines"] == 1, done
+    assert "column age standardized by the mean" in up.full_logs(), up.logs()
+    checkpoints = sorted((tmp_path / "first" / "ckpt").glob("step-*"))
+    assert checkpoints, "the final checkpoint"
+
+    again = UpProcess(tmp_path / "first", *MODEL, "--data", str(data), "--steps", "2", "--num-ps", "3", env=ENV)
+    cleanup(again)
+    again.wait_event("started", 120)
+    done = again.wait_event("done", 300)
+    assert done["total_steps"] == 2 * (12 + 2), done
+    logs = again.full_logs()
+    assert f"resharding {checkpoints[-1].name} from 2 to 3 servers" in logs, again.logs()
+    assert "same trainers, same data" in logs, again.logs()
+    assert again.proc.wait(30) == 0, again.logs()
+    assert math.isfinite(done["auc"]), done

@@ -1,0 +1,64 @@
+"""A user's model over a feature schema (``rpcps up --model pkg.mod:Class --schema s.yaml``): built
+the same way by every process, hosted by the servers as ``trainer/core/hosted.py`` derives it, and
+trained by the CTR trainer's task on the schema's files."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ps.spec import ModelSpec
+from rpcps.batch import Batch
+from rpcps.schema import Schema
+from rpcps.tables import bags_of
+from services.errors import ConfigError
+from trainer.core.hosted import HostedModel, hosted_spec
+
+
+def build_model(ref: str, schema: Schema, seed: int) -> nn.Module:
+    """``Class(schema)`` for ``ref`` = ``module:Class``, its dense layers drawn from ``seed`` (so every
+    process builds the same), or a ``ConfigError`` saying what is wrong."""
+    module_name, _, attribute = ref.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attribute)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"--model {ref}: no module {exc.name} (is it installed, or on PYTHONPATH?)") from None
+    except AttributeError:
+        raise ConfigError(f"--model {ref}: {module_name} has no {attribute}") from None
+    torch.manual_seed(seed)
+    model = cls(schema)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {ref}: {attribute}(schema) gave a {type(model).__name__}, not a torch.nn.Module")
+    features = set(schema.features)
+    for _, bag in bags_of(model):
+        unknown = sorted(set(bag.table_of) - features)
+        if unknown:
+            raise ConfigError(f"--model {ref} looks up feature {', '.join(unknown)}, which the schema does not declare "
+                              f"(it declares {', '.join(schema.features)})")
+    return model
+
+
+def user_model_spec(ref: str, schema: Schema, *, seed: int, optimizer: str, lr: float, table_rule: str) -> ModelSpec:
+    """What the servers host for the user's model: derived from it, with what it was built from
+    (which trainers read back)."""
+    return hosted_spec(build_model(ref, schema, seed), optimizer=optimizer, lr=lr, table_rule=table_rule,
+                       meta={"model": ref, "schema": schema.model_dump(mode="json"), "seed": seed})
+
+
+class SchemaModel(HostedModel):
+    """A user's model in a CTR trainer: its logits over a batch of the schema's files, and their
+    binary cross-entropy with the labels."""
+
+    def fetch_for(self, batch: Batch) -> Any:
+        return self.fetch(batch.sparse)
+
+    def loss(self, batch: Batch, fetched: Any) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(self.run(fetched, batch), batch.labels)
+
+    def predict(self, batch: Batch) -> np.ndarray:
+        with torch.no_grad():
+            return torch.sigmoid(self.run(self.fetch(batch.sparse), batch)).numpy()

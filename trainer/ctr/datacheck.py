@@ -1,0 +1,109 @@
+"""``rpcps data check --schema S --data D``: read the first lines of data files as a schema says, and
+show each column as the model will see it (cardinality, missing rate, list lengths, value range),
+so a user sees their data before training on it. Exit 0: every line read; 1: some lines are
+malformed (each reason is printed; training would skip and count them); 2: the schema or the files
+cannot be used."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SAMPLE = 10_000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schema", type=Path, required=True, help="the feature schema (YAML or TOML)")
+    p.add_argument("--data", type=Path, required=True, help="a CSV or TSV file, or a folder of them")
+    p.add_argument("--lines", type=int, default=SAMPLE, help="data lines to read from the start")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def summary(schema, paths: list[Path], count: int) -> dict:
+    import numpy as np
+
+    from trainer.ctr.tabular import Encoder, measure, rows_of, transformed
+
+    stream = rows_of(schema, paths, stop=count, logged=False)
+    rows = list(stream)
+    out: dict = {"lines": len(rows) + stream.skipped, "malformed": stream.skipped, "reasons": stream.reasons,
+                 "label": {"column": schema.label,
+                           "positive_rate": float(np.mean([r.label for r in rows])) if rows else None},
+                 "numeric": [], "categorical": []}
+    stats = measure(schema, paths, count)
+    for j, n in enumerate(schema.numeric):
+        raw = [r.numeric[j] for r in rows]
+        x = transformed(np.array([n.fill if v is None else v for v in raw], dtype=np.float64), n)
+        entry = {"column": n.column, "missing_rate": _share(sum(v is None for v in raw), len(raw))}
+        if len(x):
+            entry.update(min=float(x.min()), max=float(x.max()), mean=float(x.mean()), std=float(x.std()))
+        if n.standardize:
+            mean, std = (n.mean, n.std) if n.mean is not None else stats[n.column]
+            entry["standardized_by"] = {"mean": mean, "std": std, "measured": n.mean is None}
+        out["numeric"].append(entry)
+    tables = {t.name: t for t in schema.tables}
+    for j, c in enumerate(schema.categorical):
+        lists = [r.categorical[j] for r in rows]
+        lengths = np.array([len(v) for v in lists])
+        table = tables[c.table_name]
+        entry = {"feature": c.name, "column": c.column, "table": table.name,
+                 "rows": table.rows, "hashed": table.hashed,
+                 "distinct": len({v for values in lists for v in values}),
+                 "missing_rate": _share(int((lengths == 0).sum()), len(lists))}
+        if c.separator is not None and len(lengths):
+            entry.update(mean_length=float(lengths.mean()), max_length=int(lengths.max()),
+                         truncated_rate=_share(int((lengths > c.max_length).sum()), len(lists)))
+        out["categorical"].append(entry)
+    if rows:
+        Encoder(schema, stats).batch(rows[:8])        # what a trainer makes of them
+    return out
+
+
+def _share(part: int, whole: int) -> float:
+    return round(part / whole, 4) if whole else 0.0
+
+
+def _table(s: dict) -> str:
+    lines = [f"{s['lines']} lines read, {s['malformed']} malformed"]
+    lines += [f"  {why}" for why in s["reasons"]]
+    if s["label"]["positive_rate"] is not None:
+        lines.append(f"label {s['label']['column']}: {s['label']['positive_rate']:.1%} positive")
+    if s["numeric"]:
+        lines.append(f"{'numeric':<20}{'missing':>9}{'min':>12}{'max':>12}{'mean':>12}{'std':>12}")
+        for n in s["numeric"]:
+            values = "".join(f"{n[k]:>12.4g}" for k in ("min", "max", "mean", "std")) if "min" in n else ""
+            lines.append(f"{n['column']:<20}{n['missing_rate']:>9.1%}{values}"
+                         + (" (standardized)" if "standardized_by" in n else ""))
+    lines.append(f"{'feature':<20}{'table':<14}{'rows':>10}{'distinct':>10}{'missing':>9}{'lengths':>16}")
+    for c in s["categorical"]:
+        size = "hashed" if c["hashed"] else str(c["rows"])
+        lengths = f"{c['mean_length']:.2f} (max {c['max_length']})" if "mean_length" in c else "one"
+        note = f", {c['truncated_rate']:.1%} cut" if c.get("truncated_rate") else ""
+        crowded = " (more values than rows: they share rows)" if not c["hashed"] and c["distinct"] > c["rows"] else ""
+        lines.append(f"{c['feature']:<20}{c['table']:<14}{size:>10}{c['distinct']:>10}{c['missing_rate']:>9.1%}"
+                     f"{lengths:>16}{note}{crowded}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rpcps.schema import SchemaError, load_schema
+    from trainer.core.lines import LineError
+    from trainer.ctr.config import data_files
+    from trainer.ctr.tabular import check
+
+    try:
+        schema = load_schema(args.schema)
+        if not args.data.exists():
+            raise LineError(f"{args.data} does not exist")
+        paths = data_files(args.data)
+        if not paths:
+            raise LineError(f"{args.data} holds no data files")
+        if schema.header:
+            check(schema, paths, 1)          # every file's header: a malformed line is counted, not fatal
+    except (SchemaError, LineError) as exc:
+        print(f"rpcps data check: {exc}", file=sys.stderr)
+        return 2
+    s = summary(schema, paths, args.lines)
+    print(json.dumps(s) if args.json else _table(s), flush=True)
+    return 1 if s["malformed"] else 0
