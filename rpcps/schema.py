@@ -46,8 +46,8 @@ class Numeric(BaseModel):
 
     column: str = Field(description="the column's name")
     fill: float = Field(0.0, description="the value of an empty field")
-    clip: Optional[tuple[float, float]] = Field(None, description="[low, high]: values outside are moved to the "
-                                                                  "nearer bound")
+    clip: Optional[tuple[Optional[float], Optional[float]]] = Field(
+        None, description="[low, high]: values outside are moved to the nearer bound (null: no bound on that side)")
     log1p: bool = Field(False, description="take log(1 + value) (after clip; the value must be above -1)")
     standardize: bool = Field(False, description="subtract mean and divide by std (after log1p)")
     mean: Optional[float] = Field(None, description="standardize: the mean to subtract (none: measured on the "
@@ -56,15 +56,16 @@ class Numeric(BaseModel):
 
     @model_validator(mode="after")
     def _coherent(self) -> "Numeric":
-        if self.clip is not None and not self.clip[0] <= self.clip[1]:
+        low, high = self.clip or (None, None)
+        if low is not None and high is not None and not low <= high:
             raise ValueError(f"clip needs [low, high] with low <= high, got {list(self.clip)}")
         if not self.standardize and (self.mean is not None or self.std is not None):
             raise ValueError("mean and std are for standardize: true")
         if (self.mean is None) != (self.std is None):
             raise ValueError("standardize: give both mean and std, or neither (then they are measured)")
-        if self.log1p and self.clip is not None and self.clip[0] <= -1:
-            raise ValueError(f"log1p needs values above -1, but clip lets {self.clip[0]} through")
-        if not all(math.isfinite(v) for v in (self.fill, *(self.clip or ()), self.mean or 0.0, self.std or 1.0)):
+        if self.log1p and low is not None and low <= -1:
+            raise ValueError(f"log1p needs values above -1, but clip lets {low} through")
+        if not all(math.isfinite(v) for v in (self.fill, low or 0.0, high or 0.0, self.mean or 0.0, self.std or 1.0)):
             raise ValueError("fill, clip, mean and std must be finite numbers")
         return self
 
@@ -111,6 +112,20 @@ class Schema(BaseModel):
     numeric: tuple[Numeric, ...] = Field((), description="numeric columns, in Batch.dense's order")
     categorical: tuple[Categorical, ...] = Field(description="categorical columns, one feature each")
     tables: tuple[TableConfig, ...] = Field(description="the tables the categorical features use")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_entry_a_column(cls, raw: Any) -> Any:
+        """``column: [a, b, c]`` says the same of several columns: one entry each."""
+        if not isinstance(raw, dict):
+            return raw
+        out = dict(raw)
+        for key in ("numeric", "categorical"):
+            entries = raw.get(key)
+            if isinstance(entries, list):
+                out[key] = [dict(e, column=c) if isinstance(e, dict) and isinstance(e.get("column"), list) else e
+                            for e in entries for c in _columns(e)]
+        return out
 
     @model_validator(mode="after")
     def _consistent(self) -> "Schema":
@@ -167,6 +182,11 @@ class Schema(BaseModel):
         """The tables, each with the features that use it: what ``EmbeddingBags`` is built from."""
         return [t.model_copy(update={"features": tuple(c.name for c in self.categorical if c.table_name == t.name)})
                 for t in self.tables]
+
+
+def _columns(entry: Any) -> list[Any]:
+    many = isinstance(entry, dict) and isinstance(entry.get("column"), list)
+    return entry["column"] if many else [None]
 
 
 def _where(loc: tuple[Any, ...]) -> str:

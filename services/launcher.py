@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from services.client import SidecarClient
 from services.config import writable_folder
+from services.errors import ConfigError
 from services.leader import LEADER_LOST
 from services.lifecycle import RoleStatus
 from services.names import parse_name
@@ -84,6 +85,17 @@ class Launcher:
     # --- building the cluster ----------------------------------------------------------------------
     # --- running -------------------------------------------------------------------------------------
     def run(self) -> int:
+        if self.cfg.local:
+            # A workload that can train in one process says so with ``run_local(emit, should_stop)``.
+            local = getattr(self.workload, "run_local", None)
+            if local is None:
+                self._fail(f"--local: the {self.cfg.workload} workload has no one-process mode")
+                return 2
+            try:
+                return local(self.emit, self._stop.is_set)
+            except ConfigError as exc:
+                self._fail(str(exc))
+                return 2
         try:
             writable_folder(self.checkpoint_dir)
         except ValueError as exc:    # refused before anything starts, as a role would refuse it

@@ -40,6 +40,8 @@ class LauncherConfig(ConfigBase):
     resume_from: Optional[str] = Field(None, description="resume from this checkpoint (step-N or its path)")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
     final_checkpoint: bool = Field(True, description="take a checkpoint when stopping")
+    local: bool = Field(False, description="train the same model on the same data in this one process instead of "
+                                           "a cluster, for comparison (nothing is checkpointed; the ctr workload)")
     checkpoint_dir: Optional[Path] = Field(None, description="folder of the checkpoints (default: the workload's own)")
     control_token: Optional[SecretStr] = Field(None, description="bearer token for the sidecars' POST routes")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of every role")
@@ -47,7 +49,7 @@ class LauncherConfig(ConfigBase):
     # Set on the composed ``UpConfig``: each workload's own settings, by name.
     workload_settings: ClassVar[dict[str, type[ConfigBase]]] = {}
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "cluster": ("workload", "threads", "rpc_transport", "master_addr", "master_port", "sidecar_host",
+        "cluster": ("workload", "local", "threads", "rpc_transport", "master_addr", "master_port", "sidecar_host",
                     "sidecar_port", "control_token"),
         "checkpoints": ("checkpoint_dir", "resume", "resume_from", "keep_checkpoints", "final_checkpoint"),
         "failures": ("restart_backoff", "restart_backoff_max", "restart_window", "max_restarts", "ready_timeout"),

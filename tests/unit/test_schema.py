@@ -125,3 +125,24 @@ def test_measured_statistics_are_the_same_for_every_trainer(tmp_path):
     assert measure(schema, paths) == {"age": (25.0, pytest.approx(5 * 5 ** 0.5))}
     with pytest.raises(ValueError, match="standardized column age has no mean and std"):
         Encoder(schema)
+
+
+def test_one_entry_may_say_the_same_of_several_columns(tmp_path):
+    schema = rpcps.load_schema(schema_file(tmp_path, """\
+label: y
+numeric: [{column: [a, b], clip: [0, null], log1p: true}, {column: c}]
+categorical: [{column: [x, z]}, {column: w, table: x}]
+tables: [{name: x, rows: 5, dim: 2}, {name: z, rows: 5, dim: 2}]
+"""))
+    assert schema.numeric_names == ["a", "b", "c"] and schema.numeric[1].clip == (0.0, None)
+    assert [(c.name, c.table_name) for c in schema.categorical] == [("x", "x"), ("z", "z"), ("w", "x")]
+    paths = write(tmp_path, "1,-3,4,5,p,q,r", header="y,a,b,c,x,z,w")
+    batch = next(SchemaStream(Encoder(schema), paths).batches(4))
+    assert torch.allclose(batch.dense, torch.tensor([[0.0, float(torch.log1p(torch.tensor(4.0))), 5.0]]))
+
+
+def test_a_value_log1p_cannot_take_is_a_malformed_line(tmp_path):
+    schema = rpcps.load_schema(schema_file(tmp_path, SCHEMA.replace("clip: [0, 100], ", "")))
+    stream = rows_of(schema, write(tmp_path, "1,-1,30,a,b,u", "1,-0.5,30,a,b,u"), logged=False)
+    assert [r.numeric[0] for r in stream] == [-0.5]
+    assert stream.reasons == [f"{tmp_path / 'd.csv'}:2: column price takes log1p, which needs a value above -1, got -1"]

@@ -117,7 +117,8 @@ class TrainersLaunch:
         if e["event"] == "done":
             first = "-" if e["loss_first"] is None else f"{e['loss_first']:.3f}"
             last = "-" if e["loss_last"] is None else f"{e['loss_last']:.3f}"
-            return (f"done: {e['steps']} steps | loss {first} -> {last} | {e[f'{unit}_per_s']:.0f} {unit}/s"
+            where = " (one process)" if e.get("local") else ""
+            return (f"done{where}: {e['steps']} steps | loss {first} -> {last} | {e[f'{unit}_per_s']:.0f} {unit}/s"
                     f"{self.held_out_line(e)}")
         return None
 

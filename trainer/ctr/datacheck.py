@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def summary(schema, paths: list[Path], count: int) -> dict:
     import numpy as np
 
-    from trainer.ctr.tabular import Encoder, measure, rows_of, transformed
+    from trainer.ctr.tabular import Encoder, measure, rows_of, transformed, values_of
 
     stream = rows_of(schema, paths, stop=count, logged=False)
     rows = list(stream)
@@ -44,7 +44,7 @@ def summary(schema, paths: list[Path], count: int) -> dict:
         out["numeric"].append(entry)
     tables = {t.name: t for t in schema.tables}
     for j, c in enumerate(schema.categorical):
-        lists = [r.categorical[j] for r in rows]
+        lists = [values_of(r.categorical[j], c.separator) for r in rows]
         lengths = np.array([len(v) for v in lists])
         table = tables[c.table_name]
         entry = {"feature": c.name, "column": c.column, "table": table.name,

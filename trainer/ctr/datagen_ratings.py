@@ -4,8 +4,9 @@ and age, a movie's year), written as CSV with a header, to try a model over a sc
 
 A sample is (user, movie) with ``label`` 1 when the user liked it (rated 4 or more: about 57 % of
 MovieLens-1M's ratings). The label is drawn from a hidden logistic model: a bias per user and per
-movie, a user's taste for each genre, and mild effects of age and year. Every draw comes from
-``--seed``, so the same arguments write the same files.
+movie, a user's taste for each genre, and mild effects of age and year; the summary printed gives
+that model's own AUC on the samples (``oracle_auc``), the best any model could reach. Every draw
+comes from ``--seed``, so the same arguments write the same files.
 
 Columns: ``label,user_id,movie_id,genres,gender,occupation,age,year`` (genres joined by ``|``).
 """
@@ -36,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def generate(rows: int, users: int, movies: int, seed: int):
-    """The samples, as columns (numpy arrays; genres as strings)."""
+    """The samples, as columns (numpy arrays; genres as strings), and ``p``: each one's probability
+    of a like under the hidden model."""
     import numpy as np
 
     g = np.random.default_rng(seed)
@@ -57,14 +59,17 @@ def generate(rows: int, users: int, movies: int, seed: int):
     affinity = np.array([taste[u, movie_genres[m]].mean() for u, m in zip(user, movie)])
     z = user_bias[user] + movie_bias[movie] + 0.9 * affinity + 0.01 * (age[user] - 30) - 0.01 * (movie_year[movie] - 1990)
     z += np.log(LIKED / (1 - LIKED)) - z.mean()
-    label = (g.random(rows) < 1.0 / (1.0 + np.exp(-z))).astype(np.int64)
+    p = 1.0 / (1.0 + np.exp(-z))
+    label = (g.random(rows) < p).astype(np.int64)
     genres = np.array(["|".join(GENRES[k] for k in movie_genres[m]) for m in range(movies)])[movie]
     return {"label": label, "user_id": user + 1, "movie_id": movie + 1, "genres": genres, "gender": gender[user],
-            "occupation": occupation[user], "age": age[user], "year": movie_year[movie]}
+            "occupation": occupation[user], "age": age[user], "year": movie_year[movie], "p": p}
 
 
 def run(args: argparse.Namespace) -> int:
     import numpy as np
+
+    from trainer.ctr.quality import auc
 
     if args.rows < 1 or args.files < 1 or args.files > args.rows or args.users < 1 or args.movies < 1:
         print("rpcps data ratings: --rows, --users and --movies must be at least 1, --rows at least --files",
@@ -88,5 +93,6 @@ def run(args: argparse.Namespace) -> int:
         files.append({"path": str(path), "lines": int(bounds[k + 1] - bounds[k]), "bytes": path.stat().st_size})
     print(json.dumps({"data": "ratings", "rows": args.rows, "files": files, "seed": args.seed,
                       "positives": round(float(columns["label"].mean()), 4),
+                      "oracle_auc": round(auc(columns["p"], columns["label"]), 4),
                       "seconds": round(time.monotonic() - started, 2)}), flush=True)
     return 0

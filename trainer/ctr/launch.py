@@ -2,7 +2,7 @@
 (``trainer/core/launch.py``), and what their evaluation says: held-out AUC and logloss."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from trainer.core.launch import SERVER_FLAGS, TrainersLaunch
 from trainer.ctr.config import CtrModelSettings
@@ -28,6 +28,11 @@ class CtrLaunch(TrainersLaunch):
                 "logloss": sum(e.logloss for e in evals) / len(evals),
                 "oracle_auc": oracle[0] if oracle else None, "eval_samples": evals[0].samples,
                 "skipped_lines": sum(s.skipped_lines for s in statuses)}
+
+    def run_local(self, emit: Callable[[dict], None], should_stop: Callable[[], bool]) -> int:
+        """``--local``: the same model and data in this one process (``trainer/ctr/local.py``)."""
+        from trainer.ctr.local import run_local
+        return run_local(self.cfg, emit, should_stop, self.common.progress_interval)
 
     def held_out_line(self, e: dict[str, Any]) -> str:
         if e.get("auc") is None:

@@ -194,6 +194,9 @@ class LocalDlrm:
         self.optimizer.step()
         return float(loss.detach())
 
+    def eval(self) -> None:
+        self.dense.eval()
+
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
         return torch.sigmoid(self.logits(batch)).numpy()

@@ -7,12 +7,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
+from services.errors import ConfigError
+from trainer.ctr.config import data_files
 from trainer.ctr.criteo import CriteoStream
 from trainer.ctr.synthetic import Batch, SyntheticCtr, raw_ids
+
+if TYPE_CHECKING:
+    from rpcps.schema import Schema
 
 log = logging.getLogger(__name__)
 
@@ -115,3 +120,35 @@ class FileSource:
 
     def held_out(self, count: int, batch_size: int) -> Iterator[Any]:
         return self.open(0, 1, 0, min(count, self.held)).batches(batch_size)
+
+
+def criteo_source(data: Optional[Path], cardinalities: Sequence[int], hashed: Sequence[int], batch_size: int,
+                  held: int, share: int = 0, shares: int = 1, hot: int = 1, data_seed: int = 1
+                  ) -> "GeneratedSource | FileSource":
+    """The built-in DLRM's data: generated (no ``data``) or Criteo files; the tables in ``hashed``
+    take raw 64-bit ids."""
+    if data is None:
+        try:
+            generator = SyntheticCtr.fitting(cardinalities, data_seed)
+        except ValueError as exc:
+            raise ConfigError(f"the servers' {exc}: generated data cannot fill them; use --data") from None
+        return GeneratedSource(generator, batch_size, share, shares, hot, hashed=tuple(hashed))
+    # A hashed table takes a value's 64-bit hash itself: modulo 0.
+    sizes = [0 if t in hashed else c for t, c in enumerate(cardinalities)]
+    paths = data_files(data)
+    return FileSource(f"Criteo files {', '.join(map(str, paths))}", criteo_files(paths, sizes), batch_size, held,
+                      share, shares)
+
+
+def schema_source(schema: "Schema", data: Path, batch_size: int, held: int, share: int = 0, shares: int = 1
+                  ) -> FileSource:
+    """A schema's files; its standardized columns without statistics measured on their first lines."""
+    from trainer.ctr.tabular import Encoder, SchemaStream, measure
+    paths = data_files(data)
+    stats = measure(schema, paths)
+    for column, (mean, std) in stats.items():
+        log.info("column %s standardized by the mean %.6g and std %.6g of the data's first lines", column, mean, std)
+    encoder = Encoder(schema, stats)
+    return FileSource(f"{schema.format.upper()} files {', '.join(map(str, paths))}",
+                      lambda s, n, start, stop: SchemaStream(encoder, paths, s, n, start, stop),
+                      batch_size, held, share, shares)

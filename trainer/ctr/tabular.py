@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rpcps.batch import Batch, Jagged
-from rpcps.schema import Schema
+from rpcps.schema import Numeric, Schema
 from trainer.core.lines import LineError, Lines, check_files, quoted, text_of
 
 MEASURED_LINES = 10_000       # lines of the data's start that measure a standardized column's mean and std
@@ -31,7 +31,7 @@ MEASURED_LINES = 10_000       # lines of the data's start that measure a standar
 class Row:
     label: float
     numeric: list[Optional[float]]          # None where empty
-    categorical: list[list[str]]            # each column's values ([] where empty), untruncated
+    categorical: list[str]                  # each categorical column's field, as written (``values_of`` reads it)
 
 
 class SchemaLines:
@@ -40,9 +40,18 @@ class SchemaLines:
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
-        self._index: Optional[dict[str, int]] = None if schema.header else \
-            {name: i for i, name in enumerate(schema.columns or ())}
-        self._width = len(schema.columns) if schema.columns is not None else 0
+        self._width = 0
+        if schema.columns is not None:
+            self._place(list(schema.columns))
+        self._log1p = [j for j, n in enumerate(schema.numeric) if n.log1p]
+
+    def _place(self, names: list[str]) -> None:
+        """Where each column the schema uses is, in a line of columns ``names``."""
+        at = {name: i for i, name in enumerate(names)}
+        s = self.schema
+        self._width, self._label = len(names), at[s.label]
+        self._numeric = [at[n.column] for n in s.numeric]
+        self._categorical = [at[c.column] for c in s.categorical]
 
     def split(self, text: str) -> list[str]:
         d = self.schema.delimiter
@@ -57,32 +66,46 @@ class SchemaLines:
         if missing:
             raise LineError(f"{where}: the header has no column {', '.join(missing)} "
                             f"(it has {quoted(', '.join(names), 200)})")
-        self._index, self._width = {name: i for i, name in enumerate(names)}, len(names)
+        self._place(names)
 
     def __call__(self, line: bytes | int, where: str) -> Row:
         fields = self.split(text_of(line, where))
         if len(fields) != self._width:
             raise LineError(f"{where}: expected {self._width} {self.schema.format.upper()} fields, found {len(fields)}")
-        at, s = self._index, self.schema
+        label = fields[self._label]
         try:
-            label = _number(fields[at[s.label]], s.label, where)
-        except LineError:
-            label = None
-        if label is None or not 0.0 <= label <= 1.0:
-            raise LineError(f"{where}: the label {s.label} must be a number in [0, 1], got "
-                            f"{quoted(fields[at[s.label]])}")
-        numeric = []
-        for n in s.numeric:
-            value = _number(fields[at[n.column]], n.column, where)
-            if value is not None and n.log1p and (min(max(value, n.clip[0]), n.clip[1]) if n.clip else value) <= -1:
-                raise LineError(f"{where}: column {n.column} takes log1p, which needs a value above -1, got {value:g}")
-            numeric.append(value)
-        lists = []
-        for c in s.categorical:
-            value = fields[at[c.column]].strip()
-            lists.append([] if not value else [value] if c.separator is None
-                         else [v for v in (item.strip() for item in value.split(c.separator)) if v])
-        return Row(label, numeric, lists)
+            value = float(label)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value <= 1.0:
+            raise LineError(f"{where}: the label {self.schema.label} must be a number in [0, 1], got {quoted(label)}")
+        return Row(value, self._numbers([fields[i] for i in self._numeric], where),
+                   [fields[i] for i in self._categorical])
+
+    def _numbers(self, texts: list[str], where: str) -> list[Optional[float]]:
+        """The numeric columns' values (None where empty): a whole line's at once while every one is
+        a plain finite number (the common case), else one by one for the sentence."""
+        try:
+            values = [float(t) if t and not t.isspace() else None for t in texts]
+            if math.isfinite(sum(v for v in values if v is not None)):
+                if not any(values[j] is not None and values[j] <= -1 for j in self._log1p):
+                    return values
+        except ValueError:
+            pass
+        values = [_number(t, n.column, where) for t, n in zip(texts, self.schema.numeric)]
+        for j in self._log1p:
+            n = self.schema.numeric[j]
+            if values[j] is not None and _clipped(values[j], n.clip) <= -1:
+                raise LineError(f"{where}: column {n.column} takes log1p, which needs a value above -1, "
+                                f"got {values[j]:g}")
+        return values
+
+
+def values_of(field: str, separator: Optional[str]) -> list[str]:
+    """A categorical field's values: none where empty, a list's items without the empty ones."""
+    if separator is None:
+        return [v] if (v := field.strip()) else []
+    return [item for item in (x.strip() for x in field.split(separator)) if item]
 
 
 def _number(text: str, column: str, where: str) -> Optional[float]:
@@ -139,25 +162,35 @@ class Encoder:
         sparse = {}
         for j, c in enumerate(self.schema.categorical):
             table, size = self._tables[j]
-            lists = [r.categorical[j] for r in rows]
-            over = sum(len(values) > c.max_length for values in lists)
-            if over:
-                self.truncated += over
-                lists = [values[:c.max_length] for values in lists]
-            ids = [value_id(table, v) for values in lists for v in values]
+            if c.separator is None:     # one value a sample: no list made per sample
+                texts = [r.categorical[j].strip() for r in rows]
+                ids, counts = [value_id(table, t) for t in texts if t], [1 if t else 0 for t in texts]
+            else:
+                lists = [values_of(r.categorical[j], c.separator) for r in rows]
+                over = sum(len(values) > c.max_length for values in lists)
+                if over:
+                    self.truncated += over
+                    lists = [values[:c.max_length] for values in lists]
+                ids, counts = [value_id(table, v) for values in lists for v in values], [len(v) for v in lists]
             if size:
                 ids = [i % size for i in ids]
-            lengths = torch.tensor([len(values) for values in lists], dtype=torch.int64)
+            lengths = torch.tensor(counts, dtype=torch.int64)
             sparse[c.name] = Jagged(torch.tensor(ids, dtype=torch.int64),
                                     torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
         return Batch(sparse, self.numeric(rows), torch.tensor([r.label for r in rows], dtype=torch.float32))
 
 
-def transformed(x: np.ndarray, n) -> np.ndarray:
+def transformed(x: np.ndarray, n: Numeric) -> np.ndarray:
     """``x`` clipped and log1p'd as column ``n`` says (standardizing comes after)."""
-    if n.clip is not None:
+    if n.clip is not None and n.clip != (None, None):
         x = np.clip(x, n.clip[0], n.clip[1])
     return np.log1p(x) if n.log1p else x
+
+
+def _clipped(value: float, clip: Optional[tuple[Optional[float], Optional[float]]]) -> float:
+    low, high = clip or (None, None)
+    value = value if low is None else max(value, low)
+    return value if high is None else min(value, high)
 
 
 def check(schema: Schema, paths: Sequence[Path], lines: int) -> None:

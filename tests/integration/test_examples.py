@@ -1,0 +1,50 @@
+"""The examples as their READMEs run them, briefly: each model on real servers, one also in one
+process; and the user-code line counts their READMEs state are the files' own."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.cluster import REPO
+
+EXAMPLES = REPO / "examples"
+# (folder, model, schema, the data writer's arguments)
+CASES = [("criteo_dlrm", "criteo_dlrm.model:DLRM", "criteo.yaml", ["ctr", "--rows", "1500", "--scale", "0.01"]),
+         ("movies_deepfm", "movies_deepfm.model:DeepFM", "movies.yaml", ["ratings", "--rows", "1500"])]
+
+
+def cli(cwd, *args):
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(REPO)])})
+
+
+@pytest.mark.parametrize("folder,model,schema,data", CASES)
+def test_an_example_trains_on_servers_as_its_readme_says(tmp_path, folder, model, schema, data):
+    lines = {name: len((EXAMPLES / folder / name).read_text().splitlines()) for name in ("model.py", schema)}
+    readme = (EXAMPLES / folder / "README.md").read_text()
+    for name, count in lines.items():
+        assert f"`{name}` ({count} lines)" in readme, f"{folder}/README.md: {name} has {count} lines"
+    total = sum(lines.values())
+    assert f"{total} lines of user code" in readme and total <= 80, total
+    assert re.search(rf"\[{folder}\]\({folder}/\) \| .* \| {total} lines \|", (EXAMPLES / "README.md").read_text())
+
+    made = cli(tmp_path, "data", *data, "--out", str(tmp_path / "data"))
+    assert made.returncode == 0, made.stderr
+    checked = cli(tmp_path, "data", "check", "--schema", str(EXAMPLES / folder / schema), "--data",
+                  str(tmp_path / "data"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    flags = ["--workload", "ctr", "--model", model, "--schema", str(EXAMPLES / folder / schema), "--data",
+             str(tmp_path / "data"), "--steps", "3", "--batch-size", "64", "--eval-samples", "300", "--json"]
+    up = cli(tmp_path, "up", *flags, "--num-ps", "2", "--num-trainers", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+             "--state-dir", str(tmp_path / "state"))
+    assert up.returncode == 0, up.stderr[-3000:]
+    done = [json.loads(line) for line in up.stdout.splitlines() if '"done"' in line][-1]
+    assert done["steps"] == 3 and 0 < done["auc"] < 1 and done["eval_samples"] == 300, done
+    if folder == "movies_deepfm":
+        local = cli(tmp_path, "up", *flags, "--local")
+        assert local.returncode == 0, local.stderr[-3000:]
+        done = [json.loads(line) for line in local.stdout.splitlines() if '"done"' in line][-1]
+        assert done["local"] and done["steps"] == 3 and 0 < done["auc"] < 1, done

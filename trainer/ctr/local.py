@@ -1,0 +1,78 @@
+"""``rpcps up --workload ctr --local``: the same model trained in this one process on the same data,
+each step on the samples every trainer of the cluster would take together, with the servers'
+update rules; its progress and ``done`` events are the cluster's, for a comparison side by side.
+Nothing is checkpointed."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from services.errors import ConfigError
+from trainer.ctr.config import CtrUpSettings
+from trainer.ctr.source import criteo_source, schema_source
+from trainer.ctr.task import CtrTask
+
+
+class LocalModel:
+    """A user's model in one process, stepped by ``rpcps.local_optimizer``."""
+
+    def __init__(self, cfg: CtrUpSettings) -> None:
+        from rpcps.local import local_optimizer
+        from trainer.ctr.custom import build_model
+        self.module = build_model(cfg.user_model, cfg.loaded_schema(), cfg.seed)
+        self.optimizer = local_optimizer(self.module, cfg.optimizer, cfg.lr, cfg.table_rule)
+
+    def step(self, batch: Any) -> float:
+        self.module.train()
+        self.optimizer.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(self.module(batch), batch.labels)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    @torch.no_grad()
+    def predict(self, batch: Any) -> np.ndarray:
+        return torch.sigmoid(self.module(batch)).numpy()
+
+
+def run_local(cfg: CtrUpSettings, emit: Callable[[dict], None], should_stop: Callable[[], bool],
+              interval: float) -> int:
+    samples = cfg.batch_size * cfg.num_trainers          # a cluster step's samples, every trainer's
+    if cfg.user_model:
+        model: Any = LocalModel(cfg)
+        source = schema_source(cfg.loaded_schema(), cfg.data, samples, cfg.eval_samples)
+    else:
+        from trainer.ctr.model import LocalDlrm
+        config = cfg.model()
+        if config.hashed:
+            raise ConfigError("--local trains the built-in DLRM with plain tables only: leave out --tables")
+        model = LocalDlrm(config)
+        source = criteo_source(cfg.data, config.cardinalities, (), samples, cfg.eval_samples, hot=cfg.hot,
+                               data_seed=cfg.data_seed)
+    task = CtrTask(model, source, name="local", num_trainers=1, eval_samples=cfg.eval_samples)
+    losses, step, trained, started = [], 0, 0, time.monotonic()
+    said = started
+    while (cfg.steps is None or step < cfg.steps) and not should_stop():
+        batch = task.next_batch()
+        losses.append(model.step(batch))
+        step, trained = step + 1, trained + task.units(batch)
+        if time.monotonic() - said >= interval:
+            said = time.monotonic()
+            emit({"event": "progress", "step": step, "steps": cfg.steps, "loss": losses[-1], "phase": "train",
+                  "samples_per_s": trained / (said - started), "trainers": {"local": step}, "evaluating": [],
+                  "waiting_for": []})
+    rate = trained / max(time.monotonic() - started, 1e-9)
+    found = task.evaluate(should_stop, lambda done, total: None).get("eval") or {}
+    emit({"event": "done", "local": True, "steps": step, "total_steps": step,
+          "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+          "samples_per_s": rate, "auc": found.get("auc"), "logloss": found.get("logloss"),
+          "oracle_auc": found.get("oracle_auc"), "eval_samples": found.get("samples", 0),
+          "skipped_lines": source.skipped, "restarts": 0})
+    return 0
