@@ -15,9 +15,10 @@ its tables on the parameter servers.
 Everything a user's code needs is here; the rest of the repository is the system's own.
 """
 from rpcps.batch import Batch, Jagged
+from rpcps.data import batches
 from rpcps.local import local_optimizer
 from rpcps.schema import Schema, SchemaError, load_schema
 from rpcps.tables import EmbeddingBags, TableConfig
 
-__all__ = ["Batch", "EmbeddingBags", "Jagged", "Schema", "SchemaError", "TableConfig", "load_schema",
+__all__ = ["Batch", "EmbeddingBags", "Jagged", "Schema", "SchemaError", "TableConfig", "batches", "load_schema",
            "local_optimizer"]

@@ -38,10 +38,12 @@ class Jagged:
 
     @property
     def batch_size(self) -> int:
+        """Its samples."""
         return len(self.offsets) - 1
 
     @property
     def lengths(self) -> torch.Tensor:
+        """[B] each sample's count of ids."""
         return self.offsets[1:] - self.offsets[:-1]
 
     def rows(self, start: int, stop: int) -> "Jagged":
@@ -66,6 +68,7 @@ class Batch:
             raise ValueError(f"a batch's parts disagree on its size: {sizes}")
 
     def __len__(self) -> int:
+        """Its samples."""
         return int(self.labels.shape[0])
 
     def rows(self, start: int, stop: int) -> "Batch":

@@ -37,7 +37,8 @@ class TableConfig(BaseModel):
                                                       "the table); features sharing a table share its rows")
     pooling: Literal["sum", "mean"] = Field("sum", description="how a bag of rows becomes one vector")
     rule: Optional[Literal["sgd", "adagrad", "rowwise_adagrad"]] = Field(
-        None, description="its update rule (none: the model's optimizer)")
+        None, description="its update rule (none: the tables' default, `rpcps up --table-rule`; in one process "
+                          "`local_optimizer`'s `table_rule`, else the model's optimizer)")
     hashed: bool = Field(False, description="keyed by raw 64-bit ids, which get rows as they come, within "
                                             "its capacity, instead of by ids 0 .. rows - 1")
     admit_after: int = Field(1, ge=1, description="hashed: requests an id must appear in before it gets a row")

@@ -1,6 +1,7 @@
 """The docs' reference pages, generated from the code: the CLI from its parsers, the HTTP API from
 the sidecar's OpenAPI document, the metrics from every role's registry, the environment variables
-from the settings models.
+from the settings models, the feature schema from its pydantic models, the Python API from the
+docstrings of what ``rpcps`` exports.
 
     python -m tools.reference            # write docs/reference/*.md
     python -m tools.reference --check    # exit 1 if any page differs from what the code says
@@ -14,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -49,9 +51,9 @@ def _help(argv: list[str]) -> str:
 
 
 def cli_page() -> str:
-    from services.workload import benches, roles
+    from services.workload import benches, data_writers, roles
     commands = [[], ["up"], ["status"], ["checkpoint"], ["episode"], ["chaos"], *[[r] for r in roles()],
-                ["bench"], *[["bench", b] for b in benches()]]
+                ["bench"], *[["bench", b] for b in benches()], ["data"], *[["data", d] for d in data_writers()]]
     text = [HEADER, "# Command line\n\n",
             "Every setting of a role or of `rpcps up` is also an environment variable (`[env …]` below; "
             "see [Environment variables](environment.md)); a flag wins over its variable.\n"]
@@ -171,8 +173,84 @@ def environment_page() -> str:
     return "".join(text)
 
 
+def _kind(annotation: Any) -> str:
+    """A field's type as a schema file's author reads it."""
+    import typing
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " or ".join(f"`{a}`" for a in typing.get_args(annotation))
+    if origin is tuple:
+        return f"list of {_kind(args[0])}" if args[-1] is Ellipsis else "[" + ", ".join(_kind(a) for a in args) + "]"
+    if args and origin is not None:       # Optional[X]
+        return " or ".join(_kind(a) for a in args) + (" or null" if type(None) in typing.get_args(annotation) else "")
+    names = {str: "text", int: "integer", float: "number", bool: "true or false"}
+    if isinstance(annotation, type) and annotation not in names:
+        return "entries (below)"
+    return names.get(annotation, str(annotation))
+
+
+def schema_page() -> str:
+    from rpcps.schema import Categorical, Numeric, Schema
+    from rpcps.tables import TableConfig
+    text = [HEADER, "# Feature schema\n\n",
+            "A schema file (YAML or TOML) describes the columns of a model's data files and the tables its "
+            "categorical features use; `rpcps.load_schema` reads it, `--schema` gives it to `rpcps up`, the "
+            "roles and `rpcps data check`. A key not listed here is an error naming it. How to write one: "
+            "[Bring your own model](../guides/your-model.md).\n"]
+    for title, model in (("The file", Schema), ("`numeric` entries", Numeric), ("`categorical` entries", Categorical),
+                         ("`tables` entries", TableConfig)):
+        doc = " ".join((model.__doc__ or "").split())
+        text.append(f"\n## {title}\n\n{doc}\n\n| key | type | default | what |\n| --- | --- | --- | --- |\n")
+        for field, info in model.model_fields.items():
+            if model is TableConfig and field == "features":
+                continue                  # a schema says a table's features on its categorical entries
+            default = "required" if info.is_required() else f"`{json.dumps(info.default)}`"
+            about = (info.description or "").replace("|", "\\|")
+            text.append(f"| `{field}` | {_kind(info.annotation)} | {default} | {about} |\n")
+    return "".join(text)
+
+
+def _signature(fn: Any) -> str:
+    """``fn``'s signature as its reader writes a call: no quotes of postponed annotations, no ``self``."""
+    import inspect
+    try:
+        text = str(inspect.signature(fn, eval_str=True))
+    except NameError:               # an annotation named only for type checkers
+        text = str(inspect.signature(fn)).replace("'", "").replace('"', "")
+    for module in ("torch.nn.modules.module.", "rpcps.batch.", "rpcps.tables.", "rpcps.schema.", "ps.rules.",
+                   "collections.abc.", "typing.", "pathlib."):
+        text = text.replace(module, "")
+    text = re.sub(r"(: |-> )'([^']*)'", r"\1\2", text)          # a forward reference's quotes
+    return text.replace("(self, ", "(").replace("(self)", "()").removesuffix(" -> None")
+
+
+def api_page() -> str:
+    import inspect
+
+    import rpcps
+    text = [HEADER, "# Python API\n\n", " ".join((rpcps.__doc__ or "").split("\n\n")[0].split()) + "\n\n",
+            "Everything below is `import rpcps`; the rest of the repository is the system's own and may change. "
+            "A guide: [Bring your own model](../guides/your-model.md).\n"]
+    for name in rpcps.__all__:
+        obj = getattr(rpcps, name)
+        # A pydantic model's fields are the schema page's; an exception's signature says nothing.
+        unsigned = inspect.isclass(obj) and (hasattr(obj, "model_fields") or issubclass(obj, Exception))
+        signature = "" if unsigned else _signature(obj)
+        text.append(f"\n## `rpcps.{name}{signature}`\n\n{inspect.cleandoc(obj.__doc__ or '')}\n")
+        if inspect.isclass(obj) and hasattr(obj, "model_fields"):
+            text.append("\nIts keys and what each means: [Feature schema](schema.md).\n")
+        if inspect.isclass(obj):
+            for member, fn in vars(obj).items():
+                if member.startswith("_") or not (inspect.isfunction(fn) or isinstance(fn, property)) or not fn.__doc__:
+                    continue
+                shown = member if isinstance(fn, property) else f"{member}{_signature(fn)}"
+                text.append(f"\n### `{name}.{shown}`\n\n{inspect.cleandoc(fn.__doc__)}\n")
+    return "".join(text)
+
+
 PAGES = {"cli.md": cli_page, "http-api.md": http_page, "metrics.md": metrics_page,
-         "environment.md": environment_page}
+         "environment.md": environment_page, "schema.md": schema_page, "python-api.md": api_page}
 
 
 def pages() -> dict[str, str]:

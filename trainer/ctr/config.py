@@ -147,6 +147,13 @@ class CtrModelSettings(HashedTableSettings, TablePrecisionSettings, SchemaSettin
             raise ValueError("--model builds your model from a feature schema: give --schema too")
         if self.user_model and ":" not in self.user_model:
             raise ValueError(f"--model {self.user_model!r}: name your model's class as module:Class")
+        if self.user_model:
+            shaping = [f for f in DLRM_ONLY if getattr(self, f) != type(self).model_fields[f].default]
+            if shaping:
+                flags = ", ".join("--" + f.replace("_", "-") for f in shaping)
+                raise ValueError(f"{flags} {'shape' if len(shaping) > 1 else 'shapes'} the built-in DLRM; with "
+                                 f"--model, the schema says each table's (rows, dim, pooling, hashed, admit_after, "
+                                 f"dtype, placement) and your model the rest")
         return self
 
     def model(self) -> CtrModelConfig:
@@ -159,6 +166,11 @@ class CtrModelSettings(HashedTableSettings, TablePrecisionSettings, SchemaSettin
                               capacities=tuple(self.capacity(sizes[t]) for t in hashed),
                               admit_after=self.admit_after, evict_after_steps=self.evict_after_steps,
                               table_dtype=self.table_dtype, wire_dtype=self.wire_dtype)
+
+
+# The built-in DLRM's shape, which a user's schema says for its own model instead.
+DLRM_ONLY = ("scale", "dim", "bottom", "top", "pooling", "placement", "tables", "table_capacity", "capacity_share",
+             "admit_after", "evict_after_steps", "table_dtype", "wire_dtype")
 
 
 def _hashed(tables: str) -> tuple[int, ...]:

@@ -1,0 +1,23 @@
+"""A schema's files as batches, in one process: to look at what a model is fed, or to train and
+test it before it goes to a cluster (whose trainers read the same files the same way)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Optional
+
+from rpcps.batch import Batch
+from rpcps.schema import Schema
+
+
+def batches(schema: Schema, data: "str | Path", batch_size: int = 1024, *, skip: int = 0,
+            limit: Optional[int] = None) -> Iterator[Batch]:
+    """The data lines of ``data`` (a file, or a folder of them read in name order) as ``schema``
+    reads them, ``batch_size`` at a time, from line ``skip`` up to line ``limit``. A malformed
+    line is skipped and counted in the log, as a trainer skips it; standardized columns without a
+    mean and std are measured on the data's first lines, as a trainer measures them."""
+    from trainer.ctr.config import data_files
+    from trainer.ctr.tabular import Encoder, SchemaStream, measure
+    paths = data_files(Path(data))
+    if not paths:
+        raise FileNotFoundError(f"{data}: no data files")
+    yield from SchemaStream(Encoder(schema, measure(schema, paths)), paths, start=skip, stop=limit).batches(batch_size)
