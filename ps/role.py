@@ -69,8 +69,10 @@ class PsRole(RoleBase, WithoutEpisodes):
         # Build before joining: once trainers can see this server, it must be able to answer.
         resumed, self.server = self._build(shard)
         info = self.server.info()
+        # The model's own words, short: a derived model's tables and shapes are listed already.
+        said = {k: v for k, v in info.model.items() if not isinstance(v, (dict, list))}
         log.info("shard %d of %d: rows %s, dense %s, model %s", shard, self.cfg.num_ps, info.tables,
-                 list(info.dense), info.model)
+                 list(info.dense), said)
         self.board.update(shard=shard, num_shards=self.cfg.num_ps, rows=sum(info.tables.values()),
                           tables=info.tables, dense=list(info.dense), model=info.model, consistency=info.consistency)
         if self.membership.is_leader:

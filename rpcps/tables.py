@@ -124,41 +124,56 @@ class EmbeddingBags(nn.Module):
 
     def lookups(self, features: Mapping[str, Jagged]) -> dict[str, torch.Tensor]:
         """Per table, the ids its features name, one feature after another in its order."""
-        missing = sorted(set(self.table_of) - set(features))
-        if missing:
-            raise KeyError(f"the batch has no feature {', '.join(missing)} (it has {', '.join(sorted(features))})")
+        self._check(features)
         out = {}
         for name, cfg in self.configs.items():
             ids = torch.cat([features[f].values for f in cfg.looked_up_by])
-            if not cfg.hashed and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= cfg.rows):
-                bad = ids[(ids < 0) | (ids >= cfg.rows)][0]
-                raise ValueError(f"table {name} has rows 0 .. {cfg.rows - 1}, but its features "
-                                 f"{', '.join(cfg.looked_up_by)} name id {int(bad)}")
+            self._in_range(name, ids)
             out[name] = ids
         return out
 
     def forward(self, features: Mapping[str, Jagged]) -> dict[str, torch.Tensor]:
-        lookups = self.lookups(features)
+        self._check(features)
         if self._served is not None:
-            return self._pool_served(features, lookups)
+            return self._pool_served(features)
         if len(self.weights) < len(self.configs):
             self.materialize()
         pooled = {}
         for name, cfg in self.configs.items():
             for feature in cfg.looked_up_by:
                 f = features[feature]
-                ids = self._slots_of(name, f.values) if cfg.hashed else f.values
+                if cfg.hashed:
+                    ids = self._slots_of(name, f.values)
+                else:
+                    ids = f.values
+                    self._in_range(name, ids)
                 pooled[feature] = F.embedding_bag(ids, self.weights[name], f.offsets, mode=cfg.pooling,
                                                   sparse=True, include_last_offset=True)
         return pooled
 
-    def _pool_served(self, features: Mapping[str, Jagged], lookups: dict[str, torch.Tensor]
-                     ) -> dict[str, torch.Tensor]:
+    def _check(self, features: Mapping[str, Jagged]) -> None:
+        if not self.table_of.keys() <= features.keys():
+            missing = sorted(set(self.table_of) - set(features))
+            raise KeyError(f"the batch has no feature {', '.join(missing)} (it has {', '.join(sorted(features))})")
+
+    def _in_range(self, table: str, ids: torch.Tensor) -> None:
+        """A plain table's ids are its rows' (a hashed table takes any)."""
+        cfg = self.configs[table]
+        if cfg.hashed or not len(ids):
+            return
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= cfg.rows:
+            bad = ids[(ids < 0) | (ids >= cfg.rows)][0]
+            raise ValueError(f"table {table} has rows 0 .. {cfg.rows - 1}, but its features "
+                             f"{', '.join(cfg.looked_up_by)} name id {int(bad)}")
+
+    def _pool_served(self, features: Mapping[str, Jagged]) -> dict[str, torch.Tensor]:
         pooled = {}
         for name, cfg in self.configs.items():
             rows = self._served[name]
-            if rows.shape[0] != len(lookups[name]):
-                raise RuntimeError(f"table {name}: {rows.shape[0]} rows served for {len(lookups[name])} ids")
+            wanted = sum(len(features[f].values) for f in cfg.looked_up_by)
+            if rows.shape[0] != wanted:
+                raise RuntimeError(f"table {name}: {rows.shape[0]} rows served for {wanted} ids")
             start = 0
             for feature in cfg.looked_up_by:
                 f = features[feature]

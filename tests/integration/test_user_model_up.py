@@ -56,6 +56,7 @@ def test_a_users_model_and_schema_train_check_and_resume_resharded(tmp_path, cle
     assert 0.5 < done["auc"] < 1 and 0 < done["logloss"] < 1 and done["eval_samples"] == 500, done
     assert done["skipped_lines"] == 1, done
     assert "column age standardized by the mean" in up.full_logs(), up.logs()
+    assert done["truncated_lists"] > 0, "genre lists of 3 cut to the schema's 2"
     checkpoints = sorted((tmp_path / "first" / "ckpt").glob("step-*"))
     assert checkpoints, "the final checkpoint"
 

@@ -234,3 +234,27 @@ def test_the_trainers_client_imports_no_server():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "[]", f"the client loads {loaded.stdout.strip()}"
+
+
+def test_the_public_api_knows_only_the_servers_declarations():
+    # What a user imports (rpcps/) stands on what a workload declares (ps.spec, ps.rules,
+    # ps.hashing), never on the client, the server or a workload; the internals it serves from
+    # (rpcps.batches' reader) are imported inside the function that uses them.
+    allowed = {"ps.spec", "ps.rules", "ps.hashing", "ps.precision"}
+    offenders = {}
+    for rel, path in sources():
+        if not rel.startswith("rpcps/"):
+            continue
+        top_level = {m for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))
+                     for m in ([n.module] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names])}
+        bad = sorted(m for m in top_level if m and m.split(".")[0] in ("ps", "trainer", "services")
+                     and not any(m == a or m.startswith(a + ".") for a in allowed))
+        if bad:
+            offenders[rel] = bad
+    assert not offenders, offenders
+
+
+def test_the_examples_are_user_code():
+    for path in (REPO / "examples").rglob("*.py"):
+        roots = {m.split(".")[0] for m in imported_modules(path)}
+        assert roots <= {"torch", "rpcps", "__future__", "typing"}, f"{path.relative_to(REPO)} imports {roots}"

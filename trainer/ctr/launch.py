@@ -27,7 +27,8 @@ class CtrLaunch(TrainersLaunch):
         return {"auc": sum(aucs) / len(aucs), "auc_spread": max(aucs) - min(aucs),
                 "logloss": sum(e.logloss for e in evals) / len(evals),
                 "oracle_auc": oracle[0] if oracle else None, "eval_samples": evals[0].samples,
-                "skipped_lines": sum(s.skipped_lines for s in statuses)}
+                "skipped_lines": sum(s.skipped_lines for s in statuses),
+                "truncated_lists": sum(s.truncated_lists for s in statuses)}
 
     def run_local(self, emit: Callable[[dict], None], should_stop: Callable[[], bool]) -> int:
         """``--local``: the same model and data in this one process (``trainer/ctr/local.py``)."""
@@ -39,6 +40,7 @@ class CtrLaunch(TrainersLaunch):
             return ""
         best = "" if e.get("oracle_auc") is None else f" (best possible {e['oracle_auc']:.4f})"
         skipped = f" | {e['skipped_lines']} lines skipped" if e.get("skipped_lines") else ""
+        skipped += f" | {e['truncated_lists']} lists cut" if e.get("truncated_lists") else ""
         return f" | held-out AUC {e['auc']:.4f}{best}, logloss {e['logloss']:.4f}{skipped}"
 
 

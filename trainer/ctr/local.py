@@ -74,5 +74,5 @@ def run_local(cfg: CtrUpSettings, emit: Callable[[dict], None], should_stop: Cal
           "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
           "samples_per_s": rate, "auc": found.get("auc"), "logloss": found.get("logloss"),
           "oracle_auc": found.get("oracle_auc"), "eval_samples": found.get("samples", 0),
-          "skipped_lines": source.skipped, "restarts": 0})
+          "skipped_lines": source.skipped, "truncated_lists": source.truncated, "restarts": 0})
     return 0

@@ -20,6 +20,9 @@ class CtrMetrics(TrainerMetrics):
                                                                  "held-out samples, the best any model can reach")
         self.lines_skipped = self.counter("rpcps_trainer_lines_skipped_total",
                                           "malformed data lines skipped in training").labels(**self.labels)
+        self.lists_truncated = self.counter("rpcps_trainer_lists_truncated_total",
+                                            "a schema's lists longer than their max_length, cut in training"
+                                            ).labels(**self.labels)
         for gauge in (self.eval_auc, self.eval_logloss, self.oracle_auc):
             gauge.set(math.nan)       # none yet
 

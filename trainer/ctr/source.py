@@ -34,6 +34,7 @@ class GeneratedSource:
     hot: int = 1
     cursor: int = 0          # the stream's samples passed (every trainer's share of them)
     skipped: int = 0         # nothing is ever malformed here
+    truncated: int = 0       # nor too long
     hashed: tuple[int, ...] = ()     # tables whose ids are given raw (64-bit), for hashed tables
 
     @property
@@ -97,6 +98,11 @@ class FileSource:
     @property
     def description(self) -> str:
         return f"{self.what} (the first {self.held} lines held out)"
+
+    @property
+    def truncated(self) -> int:
+        """Lists longer than their schema's ``max_length``, cut (a schema's files only)."""
+        return getattr(self._stream, "truncated", 0)
 
     def _open(self) -> None:
         self._stream = self.open(self.share, self.shares, max(self.cursor, self.held), None)

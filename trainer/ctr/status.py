@@ -31,6 +31,7 @@ class CtrStatus(TrainerStatusBase):
     eval: Optional[CtrHeldOut] = None      # on the held-out samples, which every trainer evaluates alike
     skipped_lines: int = 0                 # malformed data lines skipped in training
     last_skipped: Optional[str] = None     # the last one, and why
+    truncated_lists: int = 0               # a schema's lists longer than their max_length, cut in training
 
     def line(self) -> list[str]:
         e = self.eval

@@ -10,7 +10,6 @@ field may hold the separator, not a line break.
 from __future__ import annotations
 
 import csv
-import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from rpcps.schema import Numeric, Schema
 from trainer.core.lines import LineError, Lines, check_files, quoted, text_of
 
 MEASURED_LINES = 10_000       # lines of the data's start that measure a standardized column's mean and std
+CACHED_IDS = 1 << 20          # values whose ids a table keeps at hand (most lines repeat the hot values)
 
 
 @dataclass
@@ -121,7 +121,6 @@ def _number(text: str, column: str, where: str) -> Optional[float]:
     return value
 
 
-@functools.lru_cache(maxsize=1 << 20)
 def value_id(table: str, value: str) -> int:
     """A categorical value's 64-bit id (signed): a hash of the value keyed by its table's name."""
     digest = hashlib.blake2b(value.encode("utf-8"), digest_size=8, key=table.encode("utf-8")[:64]).digest()
@@ -142,16 +141,32 @@ class Encoder:
         # Per feature: its table's name, and its rows (0: hashed, the raw id itself).
         self._tables = [(c.table_name, 0 if tables[c.table_name].hashed else tables[c.table_name].rows)
                         for c in self.schema.categorical]
+        self._known: dict[str, dict[str, int]] = {t: {} for t in tables}     # per table: value -> its row id
         missing = [n.column for n in self.schema.numeric if n.standardize and n.mean is None
                    and n.column not in self.stats]
         if missing:
             raise ValueError(f"standardized column {', '.join(missing)} has no mean and std: measure them first")
 
+    def _ids(self, table: str, size: int, values: list[str]) -> list[int]:
+        """The row ids of ``values`` in ``table`` (of ``size`` rows; 0: hashed, the raw ids)."""
+        known = self._known[table]
+        try:
+            return [known[v] for v in values]
+        except KeyError:
+            if len(known) > CACHED_IDS:
+                known.clear()
+            for v in values:
+                if v not in known:
+                    raw = value_id(table, v)
+                    known[v] = raw % size if size else raw
+            return [known[v] for v in values]
+
     def numeric(self, rows: Sequence[Row]) -> torch.Tensor:
-        out = np.empty((len(rows), len(self.schema.numeric)), dtype=np.float64)
+        fills = [n.fill for n in self.schema.numeric]
+        out = np.array([[f if v is None else v for v, f in zip(r.numeric, fills)] for r in rows],
+                       dtype=np.float64).reshape(len(rows), len(fills))
         for j, n in enumerate(self.schema.numeric):
-            x = np.array([n.fill if r.numeric[j] is None else r.numeric[j] for r in rows], dtype=np.float64)
-            x = transformed(x, n)
+            x = transformed(out[:, j], n)
             if n.standardize:
                 mean, std = (n.mean, n.std) if n.mean is not None else self.stats[n.column]
                 x = (x - mean) / std
@@ -164,17 +179,19 @@ class Encoder:
             table, size = self._tables[j]
             if c.separator is None:     # one value a sample: no list made per sample
                 texts = [r.categorical[j].strip() for r in rows]
-                ids, counts = [value_id(table, t) for t in texts if t], [1 if t else 0 for t in texts]
+                if "" in texts:
+                    values, counts = [t for t in texts if t], [1 if t else 0 for t in texts]
+                else:
+                    values, counts = texts, None
             else:
                 lists = [values_of(r.categorical[j], c.separator) for r in rows]
                 over = sum(len(values) > c.max_length for values in lists)
                 if over:
                     self.truncated += over
                     lists = [values[:c.max_length] for values in lists]
-                ids, counts = [value_id(table, v) for values in lists for v in values], [len(v) for v in lists]
-            if size:
-                ids = [i % size for i in ids]
-            lengths = torch.tensor(counts, dtype=torch.int64)
+                values, counts = [v for values in lists for v in values], [len(v) for v in lists]
+            ids = self._ids(table, size, values)
+            lengths = torch.ones(len(rows), dtype=torch.int64) if counts is None else torch.tensor(counts)
             sparse[c.name] = Jagged(torch.tensor(ids, dtype=torch.int64),
                                     torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
         return Batch(sparse, self.numeric(rows), torch.tensor([r.label for r in rows], dtype=torch.float32))
@@ -249,6 +266,11 @@ class SchemaStream:
     @property
     def lines(self) -> int:
         return self._lines.lines
+
+    @property
+    def truncated(self) -> int:
+        """Lists cut to their ``max_length`` so far, by this stream's encoder (every pass's)."""
+        return self.encoder.truncated
 
     def batches(self, size: int) -> Iterator[Batch]:
         rows: list[Row] = []

@@ -42,7 +42,7 @@ class CtrTask:
         self.eval_samples, self.eval_batch_size = eval_samples, eval_batch_size
         self.metrics, self.board = metrics, board
         self.data = source.description
-        self._skipped = source.skipped
+        self._skipped, self._truncated = source.skipped, source.truncated
 
     def next_batch(self) -> Any:
         batch = self.source.next()
@@ -53,6 +53,12 @@ class CtrTask:
             if self.board is not None:
                 self.board.update(skipped_lines=self.source.skipped, last_skipped=self.source.last_skip)
             self._skipped = self.source.skipped
+        if self.source.truncated != self._truncated:
+            if self.metrics is not None:
+                self.metrics.lists_truncated.inc(self.source.truncated - self._truncated)
+            if self.board is not None:
+                self.board.update(truncated_lists=self.source.truncated)
+            self._truncated = self.source.truncated
         return batch
 
     def fetch(self, batch: Any) -> Any:
