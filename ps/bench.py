@@ -101,9 +101,9 @@ def _server(rows: int, dim: int, restore=None):
     import torch
     from prometheus_client import CollectorRegistry
 
-    from ps.metrics import PsMetrics
-    from ps.service import ParameterServer
-    from ps.spec import ModelSpec, Table
+    from ps.server.metrics import PsMetrics
+    from ps.server.service import ParameterServer
+    from ps.spec.model import ModelSpec, Table
 
     g = torch.Generator().manual_seed(0)
     spec = ModelSpec({"rows": Table(rows, {"rows.weight": (dim,)},
@@ -144,7 +144,7 @@ def _save(server, store) -> dict:
 
 def _restore_rounds(server, store, rounds: int, cold: bool) -> tuple[list[tuple[float, float, float]], object]:
     """(dd read MB/s, restore MB/s, restore s) per round, each restore right after dd reads the file."""
-    from ps.participant import shard_files
+    from ps.server.participant import shard_files
     from services.checkpoint.parts import restore_newest
 
     out, restored = [], None

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch.nn as nn
 
-from ps.rules import RuleOptimizer, rule
+from ps.spec.rules import RuleOptimizer, rule
 from rpcps.tables import bags_of
 
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ps.hashing import hashed, name_key, uniform
+from ps.spec.hashing import hashed, name_key, uniform
 from rpcps.batch import Jagged
 
 INIT_SLICE = 1 << 20      # rows of a table built at a time in one process

@@ -1,6 +1,6 @@
 """Typed configuration: what every role's settings share, and how flags and variables fill them.
 
-Each role's own model lives beside its owner (``ps/config.py``, ``trainer/<workload>/config.py``);
+Each role's own model lives beside its owner (``ps/spec/config.py``, ``trainer/<workload>/config.py``);
 every field can be set by a flag (``--field-name``) or an environment variable (``RPCPS_FIELD_NAME``);
 flags win. Rendezvous uses torch's own ``MASTER_ADDR``/``MASTER_PORT``, unless ``--ps-addr`` says
 otherwise (under torchrun those are the workers' own). ``load`` is pure: it takes

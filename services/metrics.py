@@ -1,5 +1,5 @@
 """The rpcps_* metrics every role exports, on an injected registry, with role and name bound; a
-role's own families extend ``Metrics`` beside the role (``ps/metrics.py``, ``trainer/*/metrics.py``).
+role's own families extend ``Metrics`` beside the role (``ps/server/metrics.py``, ``trainer/*/metrics.py``).
 
 Nothing is registered at import time: each process (and each test) builds its own registry.
 """

@@ -218,7 +218,7 @@ def _signature(fn: Any) -> str:
         text = str(inspect.signature(fn, eval_str=True))
     except NameError:               # an annotation named only for type checkers
         text = str(inspect.signature(fn)).replace("'", "").replace('"', "")
-    for module in ("torch.nn.modules.module.", "rpcps.batch.", "rpcps.tables.", "rpcps.schema.", "ps.rules.",
+    for module in ("torch.nn.modules.module.", "rpcps.batch.", "rpcps.tables.", "rpcps.schema.", "ps.spec.rules.",
                    "collections.abc.", "typing.", "pathlib."):
         text = text.replace(module, "")
     text = re.sub(r"(: |-> )'([^']*)'", r"\1\2", text)          # a forward reference's quotes

@@ -12,7 +12,7 @@ its ``CheckpointPlan`` names (their ``CheckpointMember`` services, ``member.py``
    last (``store.py``), so a crash at any moment leaves the previous checkpoint the newest valid one.
 
 With ``--full-checkpoint-every N``, N - 1 of every N checkpoints are deltas: a part that saved in
-the newest checkpoint writes only what changed since (a server's changed rows, ``ps/delta.py``),
+the newest checkpoint writes only what changed since (a server's changed rows, ``ps/server/delta.py``),
 and the manifest names, under ``meta.delta``, the checkpoint each such file applies to. A restore
 applies them in order to the whole file they chain back to; pruning keeps what a kept one needs.
 

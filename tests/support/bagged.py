@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import rpcps
-from ps.config import PsConfig
+from ps.spec.config import PsConfig
 from services.config import ConfigBase
 from services.workload import HostedSpec, WorkloadSpec
 from trainer.core.hosted import hosted_spec

@@ -14,11 +14,10 @@ import time
 import numpy as np
 import torch
 
-from ps.clock import StepClockService
-from ps.config import ps_names
-from ps.service import ParameterServer
-from ps.surface import PsSurface
-from ps.stub import PsClient
+from ps.spec.config import ps_names
+from ps.server.service import ParameterServer
+from ps.spec.surface import ClockSurface, PsSurface
+from ps.client.stub import PsClient
 from services.errors import UpdateRefused
 from services.log import init_logging
 from services.membership import Membership, current_members
@@ -90,7 +89,7 @@ def sync(client: PsClient, args: argparse.Namespace) -> dict:
     # Everyone in step 1: a trainer joins the open step only while nobody has finished it (in
     # lockstep, the first step waits for every trainer anyway).
     client.begin()
-    wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
+    wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
     losses = [loop.step().loss for _ in range(args.steps)]
     result: dict = {"losses": losses, "consistency": str(client.consistency)}
@@ -124,7 +123,7 @@ def clocked(client: PsClient, args: argparse.Namespace) -> dict:
     data = torch.randint(0, model.config.ntoken, (cfg.bptt * args.steps + 1, cfg.batch_size), generator=g)
     loop = TrainLoop.of(LmTask(model, BatchStream(data, cfg.bptt), cfg), cfg)
     client.begin()
-    wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
+    wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
     reads, done = [], []
     for _ in range(args.steps):
@@ -244,7 +243,7 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
 def tiny(client: PsClient, args: argparse.Namespace) -> dict:
     """Steps of the tests' own model (``tests/support/tiny.py``) through the servers, and the same
     steps in this process with the same rules: the largest difference of every parameter after."""
-    from ps.rules import rule
+    from ps.spec.rules import rule
     from tests.support.tiny import TinyServerConfig, model
     spec = model(TinyServerConfig.model_construct(rows=int(client.model["rows"])))   # the servers checked it
     local = {"big.weight": spec.tables["big"].init(torch.arange(spec.tables["big"].rows))["big.weight"],
@@ -302,7 +301,7 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
                    num_trainers=args.trainers)
     loop = TrainLoop(task, clip=0.0)
     client.begin()
-    wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
+    wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
     losses = [loop.step().loss for _ in range(args.steps)]
     client.end()
@@ -366,7 +365,7 @@ def bagged(client: PsClient, args: argparse.Namespace) -> dict:
             pass
     loop = TrainLoop(Task(), clip=0.0)
     client.begin()
-    wait_until(lambda: len(client.call(client.leader, StepClockService.status)["clocks"]) == args.trainers, 60,
+    wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
     losses = [loop.step().loss for _ in range(args.steps)]
     client.end()

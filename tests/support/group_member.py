@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ps.clock import Granted
+from ps.spec.messages import Granted
 from trainer.core.replica import DenseReplica
 from trainer.lm.config import LmModelConfig
 from trainer.lm.model import _Body, init_lstm_layer

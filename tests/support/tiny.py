@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ps.config import PsConfig
-from ps.spec import DenseGroup, ModelSpec, Table
+from ps.spec.config import PsConfig
+from ps.spec.model import DenseGroup, ModelSpec, Table
 from services.config import ConfigBase
 from services.workload import HostedSpec, WorkloadSpec
 

@@ -10,8 +10,8 @@ RPC_SEAMS = {
     "services/rpc.py",          # init_rpc / shutdown
     "services/remote.py",       # the one remote-call mechanism every surface uses
     "services/membership.py",   # the group's membership (private torch internals)
-    "ps/contexts.py",           # the server side of the PS interface: its callers' autograd contexts
-    "ps/stub.py",               # the client side of the PS interface (distributed autograd)
+    "ps/server/contexts.py",           # the server side of the PS interface: its callers' autograd contexts
+    "ps/client/stub.py",               # the client side of the PS interface (distributed autograd)
     "trainer/lm/bench_seed.py",   # the seed design, kept verbatim as the benchmark's baseline
 }
 RPC_MODULES = {"torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim"}
@@ -141,7 +141,7 @@ SHARED_WORDS = {
     "loss": "the step protocol (StepSession.finish)", "clip": "the step protocol's gradient clipping",
     "grad_norm": "the step protocol's result", "data": "file contents", "env": "environment variables",
     "start": "threads", "done": "events", "finished": "events",
-    "placement": "a table's placement over the servers (ps/spec.py)", "top": "the top of a stack or listing",
+    "placement": "a table's placement over the servers (ps/spec/model.py)", "top": "the top of a stack or listing",
     "dim": "a tensor's dimension", "scale": "scaling a tensor (an update rule's factor)",
 }
 
@@ -199,7 +199,7 @@ def _line_of(rel: str, text: str) -> int:
     return next(i for i, line in enumerate((REPO / rel).read_text().splitlines(), 1) if line.startswith(text))
 
 
-ROLE_MODULES = ("ps/role.py", "trainer/core/role.py", "trainer/lm/role.py", "trainer/ctr/role.py", "trainer/rl/agent.py",
+ROLE_MODULES = ("ps/server/role.py", "trainer/core/role.py", "trainer/lm/role.py", "trainer/ctr/role.py", "trainer/rl/agent.py",
                 "trainer/rl/observer.py")
 COLLABORATORS = {"RpcEndpoint", "Membership", "StatusBoard", "CheckpointStore", "CheckpointMember", "Metrics"}
 
@@ -217,7 +217,7 @@ def test_only_the_checkpoint_package_writes_checkpoints():
     writes = {"write_file", "commit", "prune"}
     offenders = []
     for rel, path in sources():
-        if rel.startswith("services/checkpoint/") or rel in ("ps/bench.py", "ps/hashed/bench.py"):
+        if rel.startswith("services/checkpoint/") or rel in ("ps/bench.py", "ps/server/hashed/bench.py"):
             continue
         offenders += [f"{rel}:{n.lineno} {n.func.attr}" for n in ast.walk(ast.parse(path.read_text()))
                       if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in writes]
@@ -225,22 +225,22 @@ def test_only_the_checkpoint_package_writes_checkpoints():
 
 
 def test_the_trainers_client_imports_no_server():
-    # What calls a server names its surface (ps/surface.py): importing the trainers' side of a
+    # What calls a server names its surface (ps/spec/surface.py): importing the trainers' side of a
     # model must not load the server, nor the compiled loops its hashed tables run on.
     import subprocess
     import sys
-    code = ("import sys, ps.stub, trainer.core.served, trainer.core.loop; "
-            "print(sorted(m for m in ('numba', 'ps.service', 'ps.hashed.index', 'ps.tables') if m in sys.modules))")
+    code = ("import sys, ps.client.stub, trainer.core.served, trainer.core.loop; "
+            "print(sorted(m for m in ('numba', 'ps.server.service', 'ps.server.hashed.index', 'ps.server.tables') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "[]", f"the client loads {loaded.stdout.strip()}"
 
 
 def test_the_public_api_knows_only_the_servers_declarations():
-    # What a user imports (rpcps/) stands on what a workload declares (ps.spec, ps.rules,
-    # ps.hashing), never on the client, the server or a workload; the internals it serves from
+    # What a user imports (rpcps/) stands on what a workload declares (ps.spec.model, ps.spec.rules,
+    # ps.spec.hashing), never on the client, the server or a workload; the internals it serves from
     # (rpcps.batches' reader) are imported inside the function that uses them.
-    allowed = {"ps.spec", "ps.rules", "ps.hashing", "ps.precision"}
+    allowed = {"ps.spec.model", "ps.spec.rules", "ps.spec.hashing", "ps.spec.precision"}
     offenders = {}
     for rel, path in sources():
         if not rel.startswith("rpcps/"):
@@ -258,3 +258,39 @@ def test_the_examples_are_user_code():
     for path in (REPO / "examples").rglob("*.py"):
         roots = {m.split(".")[0] for m in imported_modules(path)}
         assert roots <= {"torch", "rpcps", "__future__", "typing"}, f"{path.relative_to(REPO)} imports {roots}"
+
+
+# The parameter servers' four parts, and what each may import of the others (ps/__init__.py):
+# the declarations stand alone, the client and the leader on the declarations, the server on the
+# declarations and the leader's clock. The benchmark (ps/bench.py) and `python -m ps` see all.
+PS_PARTS = {"spec": {"spec"}, "client": {"spec", "client"}, "leader": {"spec", "leader", "server"},
+            "server": {"spec", "server", "leader"}}
+# A workload's server-side operations run on a server, inside its call: they may use its parts.
+SERVER_SIDE = {"trainer/lm/softmax.py"}
+
+
+def _ps_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "ps" else None
+
+
+def test_the_parameter_servers_parts_keep_their_walls():
+    offenders = {}
+    for rel, path in sources():
+        parts = rel.split("/")
+        if parts[0] != "ps" or len(parts) < 3:
+            continue
+        bad = sorted(m for m in imported_modules(path) if (p := _ps_part(m)) and p not in PS_PARTS[parts[1]])
+        if bad:
+            offenders[rel] = bad
+    assert not offenders, offenders
+
+
+def test_the_trainers_use_only_the_servers_declarations_and_client():
+    offenders = {}
+    for rel, path in sources():
+        if rel.startswith(("trainer/", "rpcps/")) and rel not in SERVER_SIDE:
+            bad = sorted(m for m in imported_modules(path) if _ps_part(m) in ("server", "leader"))
+            if bad:
+                offenders[rel] = bad
+    assert not offenders, offenders

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ps.rules import Adagrad, RowWiseAdagrad, Sgd, rule
+from ps.spec.rules import Adagrad, RowWiseAdagrad, Sgd, rule
 from trainer.ctr.config import CtrModelConfig
 from trainer.ctr.model import DlrmDense, LocalDlrm, interactions, table_rows
 from trainer.ctr.quality import auc

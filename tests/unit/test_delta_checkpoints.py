@@ -7,9 +7,8 @@ import functools
 import pytest
 import torch
 
-from ps.delta import apply_delta
-from ps.spec import Lifecycle
-from ps.spec import DenseGroup, ModelSpec, Table
+from ps.server.delta import apply_delta
+from ps.spec.model import DenseGroup, Lifecycle, ModelSpec, Table
 from tests.unit.test_hashed_server import by_id, servers, spec, step
 
 DIM = 4

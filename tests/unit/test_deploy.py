@@ -94,8 +94,8 @@ def test_the_token_comes_from_the_environment_never_the_image_and_is_required():
 
 def exported_metric_names() -> set[str]:
     """Every series name an rpcps role can export (all role families initialised)."""
-    from ps.metrics import PsMetrics
-    from ps.service import ParameterServer
+    from ps.server.metrics import PsMetrics
+    from ps.server.service import ParameterServer
     from services.remote import remote_methods
     from trainer.lm.metrics import TrainerMetrics
     from trainer.rl.metrics import RlMetrics

@@ -5,11 +5,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from ps.spec import Lifecycle
-from ps.metrics import PsMetrics
-from ps.precision import add_rows, stochastic_round
-from ps.service import ParameterServer
-from ps.spec import ModelSpec, Table
+from ps.spec.model import Lifecycle, ModelSpec, Table
+from ps.server.metrics import PsMetrics
+from ps.spec.precision import add_rows, stochastic_round
+from ps.server.service import ParameterServer
 
 DIM = 4
 

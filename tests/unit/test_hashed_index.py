@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from ps.hashed.index import HashIndex
+from ps.server.hashed.index import HashIndex
 
 
 def check_against(index: HashIndex, expected: dict[int, int]) -> None:

@@ -6,9 +6,9 @@ from collections import Counter
 import pytest
 import torch
 
-from ps.hashed.rows import HITS_MAX, HashedRows
-from ps.spec import Lifecycle
-from ps.hashed.sketch import CountMinSketch
+from ps.server.hashed.rows import HITS_MAX, HashedRows
+from ps.spec.model import Lifecycle
+from ps.server.hashed.sketch import CountMinSketch
 
 
 class Model:

@@ -4,10 +4,9 @@ trip bit for bit by id, resharded to other server counts."""
 import torch
 from prometheus_client import CollectorRegistry
 
-from ps.spec import Lifecycle
-from ps.metrics import PsMetrics
-from ps.service import ParameterServer
-from ps.spec import DenseGroup, ModelSpec, Table
+from ps.spec.model import DenseGroup, Lifecycle, ModelSpec, Table
+from ps.server.metrics import PsMetrics
+from ps.server.service import ParameterServer
 
 DIM = 4
 

@@ -1,11 +1,11 @@
-"""A step's lookups as the trainers' client plans them (``ps/lookups.py``): every request within
+"""A step's lookups as the trainers' client plans them (``ps/client/lookups.py``): every request within
 the servers' cap, each id asked of the server that owns it, once, and the rows put back in each
 parameter's batch shape exactly as one uncut request would; a share larger than the cap is cut."""
 import pytest
 import torch
 
-from ps.lookups import plan_lookups
-from ps.sharding import HashedPlan, ShardPlan, WholePlan
+from ps.client.lookups import plan_lookups
+from ps.spec.sharding import HashedPlan, ShardPlan, WholePlan
 
 PLANS = {"a": ShardPlan(3, 50), "b": WholePlan(3, 7, 2), "h": HashedPlan(3, 90)}
 TABLE_OF = {"a.weight": "a", "a.bias": "a", "b.weight": "b", "h.weight": "h"}
@@ -50,3 +50,24 @@ def test_one_request_per_server_while_the_cap_allows():
     assert sorted(server for server, _ in plan.requests) == [0, 1, 2]
     cut = plan_lookups(lookups(), PLANS, TABLE_OF, 4)
     assert len(cut.requests) > 3
+
+
+def test_issued_lookups_are_collected_whatever_order_the_answers_come_in():
+    # The client's issue stage hands back futures (``Fetching``): a step, or a prefetch ahead of
+    # it, collects them later, and the rows are the same as when every answer came at once.
+    from ps.client.stub import Fetching
+    asked = lookups()
+    plan = plan_lookups(asked, PLANS, TABLE_OF, 4)
+    answers = [torch.futures.Future() for _ in plan.requests]
+    dense = torch.futures.Future()
+    fetching = Fetching(plan, answers, [dense])
+    for i in reversed(range(len(answers))):
+        assert not fetching.done()
+        answers[i].set_result({param: row_of(param, ids.long()) for param, ids in plan.requests[i][1].items()})
+    assert not fetching.done(), "the dense weights are still on their way"
+    dense.set_result({"top.weight": torch.ones(2)})
+    assert fetching.done()
+    rows, weights = fetching.collect()
+    assert torch.equal(weights["top.weight"], torch.ones(2))
+    for param, ids in asked.items():
+        assert torch.equal(rows[param], row_of(param, ids.reshape(-1)).float().view(*ids.shape, 2)), param

@@ -1,6 +1,6 @@
 import pytest
 
-from ps.config import PsConfig
+from ps.spec.config import PsConfig
 from services.config import ConfigError, load
 from services.upconfig import UpConfig
 from trainer.lm.config import TrainerConfig

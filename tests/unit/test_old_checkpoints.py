@@ -9,9 +9,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from ps.metrics import PsMetrics
-from ps.participant import shard_files
-from ps.service import ParameterServer
+from ps.server.metrics import PsMetrics
+from ps.server.participant import shard_files
+from ps.server.service import ParameterServer
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.store import CheckpointStore
 from trainer.lm.config import LmModelConfig

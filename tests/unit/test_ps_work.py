@@ -3,9 +3,9 @@ import threading
 
 import torch
 
-from ps.lookups import on_the_wire
-from ps.stub import Traffic
-from ps.work import Work
+from ps.client.lookups import on_the_wire
+from ps.client.stub import Traffic
+from ps.server.work import Work
 
 
 def test_work_adds_rows_and_seconds_from_many_threads():

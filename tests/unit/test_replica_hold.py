@@ -5,8 +5,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from ps.metrics import PsMetrics
-from ps.service import ParameterServer
+from ps.server.metrics import PsMetrics
+from ps.server.service import ParameterServer
 from services.errors import BadRequest
 from trainer.lm.config import LmModelConfig
 from trainer.core.replica import DenseReplica, ReplicaHold

@@ -3,8 +3,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from ps.metrics import PsMetrics
-from ps.service import ParameterServer
+from ps.server.metrics import PsMetrics
+from ps.server.service import ParameterServer
 from trainer.lm.config import LmModelConfig
 from trainer.lm.model import model_spec
 
@@ -64,7 +64,7 @@ def test_export_restore_round_trip_and_resharding():
 
 
 def test_a_shard_with_values_that_are_not_finite_is_refused_for_a_checkpoint():
-    from ps.participant import ServerPart
+    from ps.server.participant import ServerPart
     from services.errors import CheckpointError
     (server,) = servers(1)
     train_a_little(server)
@@ -77,8 +77,8 @@ def test_a_shard_with_values_that_are_not_finite_is_refused_for_a_checkpoint():
 
 
 def test_each_table_steps_by_its_own_rule_and_its_state_reshards():
-    from ps.rules import RowWiseAdagrad, Sgd
-    from ps.spec import DenseGroup, ModelSpec, Table
+    from ps.spec.rules import RowWiseAdagrad, Sgd
+    from ps.spec.model import DenseGroup, ModelSpec, Table
     g = torch.Generator().manual_seed(0)
     start = {"a": torch.randn(10, 4, generator=g), "b": torch.randn(7, 4, generator=g), "w": torch.randn(3, generator=g)}
     spec = ModelSpec({"ta": Table(10, {"a": (4,)}, lambda ids: {"a": start["a"][ids]}, rule="rowwise_adagrad"),

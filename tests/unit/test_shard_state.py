@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from ps.sharding import Layout
-from ps.spec import DenseGroup, ModelSpec, Table
-from ps.state import export_shard, gather_shard
+from ps.spec.sharding import Layout
+from ps.spec.model import DenseGroup, ModelSpec, Table
+from ps.server.state import export_shard, gather_shard
 
 NTOKEN, EM, NHID, NLAYERS = 23, 3, 4, 3
 ROW_PARAMS = ("embedding.weight", "decoder.weight", "decoder.bias")

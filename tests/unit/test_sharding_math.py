@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-from ps.sharding import ShardPlan, WholePlan, from_placement, placement_of, plan_of
+from ps.spec.sharding import ShardPlan, WholePlan, from_placement, placement_of, plan_of
 from trainer.lm.softmax import DecoderShard, combine_partials
 
 
@@ -63,7 +63,7 @@ def test_softmax_partials_equal_cross_entropy_and_its_gradients(shards):
 
 
 def test_buffer_pool_reuses_by_size_and_never_hands_out_one_buffer_twice():
-    from ps.tables import BufferPool
+    from ps.server.tables import BufferPool
 
     pool = BufferPool(keep=2)
     a, b = pool.take(10, 10), pool.take(25, 10)

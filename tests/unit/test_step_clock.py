@@ -4,8 +4,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from ps.clock import StepClock
-from ps.consistency import Consistency
+from ps.leader.clock import StepClock
+from ps.spec.consistency import Consistency
 from services.errors import BadRequest
 
 

@@ -6,8 +6,8 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from ps.config import FULL_EVERY_HELP, ServersConfig
-from ps.consistency import checked
+from ps.spec.config import FULL_EVERY_HELP, ServersConfig
+from ps.spec.consistency import checked
 from services.config import ConfigBase
 
 Dense = Literal["ps", "allreduce"]

@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ps.spec import DenseGroup, Lifecycle, ModelSpec, Table
-from ps.stub import PsClient
+from ps.spec.model import DenseGroup, Lifecycle, ModelSpec, Table
+from ps.client.stub import PsClient
 from rpcps.tables import EmbeddingBags, TableConfig, bags_of, serving
 from services.errors import ConfigError
 from trainer.core.served import ServedModel

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Optional
 
-from ps.config import ps_names
+from ps.spec.config import ps_names
 from services.names import format_name
 from services.progress import ProgressStatus, combine, describe
 from services.upconfig import LauncherConfig, flags

@@ -1,5 +1,5 @@
 """One trainer's training step against the servers, for any server-hosted workload: wait for the
-step clock, take a batch, fetch, compute the loss, finish (the step protocol is ``ps/stub.py``'s
+step clock, take a batch, fetch, compute the loss, finish (the step protocol is ``ps/client/stub.py``'s
 ``StepSession``). What a batch is and how its loss is computed is the workload's ``Task``; no
 HTTP, no process concerns."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ class StepResult:
     grad_norm: float
     phases: dict[str, float] = field(default_factory=dict)
     arrived_at: float = 0.0     # time.monotonic() when reported to the step clock (sync, ssp)
-    rpc_bytes: int = 0          # tensor bytes to and from the servers (``ps.stub.Traffic``)
+    rpc_bytes: int = 0          # tensor bytes to and from the servers (``ps.client.stub.Traffic``)
     allreduce_bytes: int = 0    # bytes handed to the trainers' all-reduce (--dense allreduce)
     rpcs: int = 0               # messages to the servers: calls and distributed backward's gradients
 

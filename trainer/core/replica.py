@@ -9,7 +9,7 @@ the replica's into the context (``_finite_mean`` below); the step clock then clo
 the global norm of the whole averaged gradient, and each trainer applies the same clipped average
 to its replica with the servers' optimizer rule, so the replicas stay bit-identical.
 
-A process group cannot lose or gain a member, so the trainers step in lockstep (``ps/clock.py``):
+A process group cannot lose or gain a member, so the trainers step in lockstep (``ps/leader/clock/``):
 every step begins for all its trainers at once, granted with its group. When the group changes (a
 trainer died, left or joined, or the last all-reduce failed), each member aborts its old process
 group and forms the new one under the group's own key in a store, with a bounded timeout; then
@@ -32,13 +32,12 @@ from torch.distributed.distributed_c10d import _abort_process_group
 # torch 2.13: in a process that never imported torch._dynamo, _abort_process_group returns, yet a
 # peer's all-reduce over gloo waits on to the group's timeout (tests/integration/test_dense_group.py:
 # 60 s without this import, under a second with it). Building a torch optimizer imports it; the
-# replica's update rule (ps/rules.py) is not one, so the import is made here, where it matters.
+# replica's update rule (ps/spec/rules.py) is not one, so the import is made here, where it matters.
 import torch._dynamo  # noqa: E402,F401
 from torch.nn.parallel import DistributedDataParallel
 
-from ps.clock import Granted
-from ps.rules import UpdateRule
-from ps.update import grad_sq_norm, make_optimizer
+from ps.spec.messages import Granted
+from ps.spec.rules import UpdateRule, grad_sq_norm, make_optimizer
 from trainer.core.position import Hold
 
 log = logging.getLogger(__name__)

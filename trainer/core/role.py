@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 
 from torch.distributed import PrefixStore, Store
 
-from ps.config import ps_names
-from ps.stub import ClockPause, PsClient
+from ps.spec.config import ps_names
+from ps.client.stub import ClockPause, PsClient
 from services.checkpoint.coordinator import Coordinator
 from services.control import EpisodeGate, EpisodeStart, StepPause
 from services.errors import BadRequest, ConfigError

@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch.distributed import Store
 from torch.func import functional_call
 
-from ps.surface import PsSurface
-from ps.stub import PsClient
+from ps.spec.surface import PsSurface
+from ps.client.stub import PsClient
 from services.errors import ConfigError
 from trainer.core.replica import DenseReplica
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from ps.config import Dtype, PsConfig, TablePrecisionSettings
-from ps.hashed.settings import HashedTableSettings
+from ps.spec.config import Dtype, PsConfig, TablePrecisionSettings
+from ps.spec.hashed_settings import HashedTableSettings
 from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings
 
@@ -115,8 +115,8 @@ class CtrModelConfig(ConfigBase):
 
 class CtrModelSettings(HashedTableSettings, TablePrecisionSettings, SchemaSettings):
     """What the servers and `rpcps up` say of the model's shape and rules (with the hashed
-    tables' capacity, admission and eviction, as ``ps/hashed/settings.py`` words them, and the
-    tables' precision, as ``ps/config.py`` does). With ``--model``, the model and its schema say
+    tables' capacity, admission and eviction, as ``ps/spec/hashed_settings.py`` words them, and the
+    tables' precision, as ``ps/spec/config.py`` does). With ``--model``, the model and its schema say
     its shape instead: only the rules, the learning rate and the seed apply."""
 
     user_model: str = Field("", description=MODEL_HELP, json_schema_extra={"flag": "--model", "env": "RPCPS_MODEL"})

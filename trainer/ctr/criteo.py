@@ -26,7 +26,7 @@ from typing import IO, Iterator, Optional, Sequence
 
 import numpy as np
 
-from ps.hashing import hashed
+from ps.spec.hashing import hashed
 from trainer.core.lines import CHECKED_LINES, MAX_LINE, LineError, Lines, check_files, quoted, text_of
 from trainer.ctr.synthetic import DENSE, Batch, SyntheticCtr
 

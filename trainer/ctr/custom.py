@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ps.spec import ModelSpec
+from ps.spec.model import ModelSpec
 from rpcps.batch import Batch
 from rpcps.schema import Schema
 from rpcps.tables import bags_of

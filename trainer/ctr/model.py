@@ -20,13 +20,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ps.spec import Lifecycle
-from ps.rules import RuleOptimizer, UpdateRule, rule
-from ps.spec import DenseGroup, ModelSpec, Table
-from ps.stub import PsClient
+from ps.spec.model import DenseGroup, Lifecycle, ModelSpec, Table
+from ps.spec.rules import RuleOptimizer, UpdateRule, rule
+from ps.client.stub import PsClient
 from trainer.core.served import ServedModel
 from trainer.ctr.config import CtrModelConfig
-from ps.hashing import hashed, normal, uniform
+from ps.spec.hashing import hashed, normal, uniform
 from trainer.ctr.synthetic import DENSE, Batch
 
 _TABLE_SALT, _LAYER_SALT = 0x7AB1E, 0x1A7E2

@@ -2,7 +2,7 @@
 built-in DLRM, or a user's model over a schema (``--model``, ``--schema``)."""
 from __future__ import annotations
 
-from ps.spec import ModelSpec
+from ps.spec.model import ModelSpec
 from trainer.ctr.config import CtrServerConfig
 from trainer.ctr.model import model_spec
 

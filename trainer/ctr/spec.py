@@ -28,7 +28,7 @@ SPEC = WorkloadSpec(
              BenchSpec("api", "the DLRM by hand against the internals vs through the public API: samples/s and AUC, "
                               "one process and async servers", "trainer.ctr.bench_api"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
-                                     "eviction", "ps.hashed.bench")),
+                                     "eviction", "ps.server.hashed.bench")),
     examples=(("--workload ctr --steps 200 --scale 0.01", "a DLRM on generated data at 1 % of Criteo's rows: "
                                                           "held-out AUC beside the best possible"),
               ("--workload ctr --data day_0.gz --steps 1000", "Criteo-format files, streamed"),

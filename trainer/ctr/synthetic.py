@@ -21,7 +21,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ps.hashing import hashed, normal, uniform
+from ps.spec.hashing import hashed, normal, uniform
 from trainer.ctr.quality import expected_auc
 
 # Criteo Kaggle: distinct values of C1..C26 (no frequency threshold); 33,762,577 rows in all.

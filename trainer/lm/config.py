@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from ps.config import PsConfig
+from ps.spec.config import PsConfig
 from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings
 from trainer.lm.text import check_folder, check_size

@@ -20,9 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from ps.spec import DenseGroup, ModelSpec, Table
-from ps.stub import PsClient
-from ps.update import grad_sq_norm, make_optimizer
+from ps.spec.model import DenseGroup, ModelSpec, Table
+from ps.client.stub import PsClient
+from ps.spec.rules import grad_sq_norm, make_optimizer
 from trainer.core.served import ServedModel
 from trainer.lm.config import LmModelConfig
 from trainer.lm.softmax import DECODER, VOCABULARY, Decode, combine_partials

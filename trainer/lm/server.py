@@ -1,7 +1,7 @@
 """What the parameter servers host for the language model: its ``ModelSpec``, from their settings."""
 from __future__ import annotations
 
-from ps.spec import ModelSpec
+from ps.spec.model import ModelSpec
 from trainer.lm.config import LmModelConfig, LmServerConfig
 from trainer.lm.data import vocab_size
 from trainer.lm.model import model_spec

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.nn as nn
 
-from ps.contexts import in_autograd_context
-from ps.tables import BufferPool
+from ps.server.contexts import in_autograd_context
+from ps.server.tables import BufferPool
 from services.errors import BadRequest
 from services.remote import describe
 
 if TYPE_CHECKING:     # it runs on a server; the trainers' side of the model never imports one
-    from ps.service import ParameterServer
+    from ps.server.service import ParameterServer
 
 VOCABULARY = "vocabulary"     # the table of the embedding's and the decoder's rows
 DECODER = ("decoder.weight", "decoder.bias")

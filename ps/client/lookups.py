@@ -1,0 +1,72 @@
+"""A step's lookups, staged on the trainers' side: ``plan_lookups`` (pure: deduplicate each
+parameter's ids, give each server its share, cut the shares into requests of at most the servers'
+``--max-ids-per-request`` ids), the requests issued at once (``PsClient.issue``, whose
+``Fetching`` holds the answers on their way), then ``LookupPlan.collect`` (the answers back into
+each parameter's batch shape). No RPC here, so the plan is tested alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+
+def on_the_wire(ids: torch.Tensor, id_max: int) -> torch.Tensor:
+    """Ids as a request carries them: int32 when no id of the table can pass 2**31 - 1, which
+    halves the bytes that name the rows (a hashed table's raw ids stay int64)."""
+    return ids.to(torch.int32) if id_max <= torch.iinfo(torch.int32).max else ids
+
+
+@dataclass
+class _Gather:
+    shape: torch.Size                 # the parameter's ids as the caller shaped them
+    inverse: torch.Tensor             # each id's place among the deduplicated ids
+    pieces: list[tuple[int, torch.Tensor]] = field(default_factory=list)   # (request, places in the deduplicated)
+
+
+@dataclass
+class LookupPlan:
+    """``requests``: (server index, {parameter: ids}), each naming at most the cap's ids."""
+
+    requests: list[tuple[int, dict[str, torch.Tensor]]]
+    _gathers: dict[str, _Gather]
+
+    def collect(self, answers: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Each parameter's rows [*its ids' shape, *row shape] from the requests' ``answers``, in
+        request order. Rows sent in half precision (a table's wire dtype) come back as fp32, which
+        the step computes with; their gradient goes back as they came."""
+        rows: dict[str, torch.Tensor] = {}
+        for param, gather in self._gathers.items():
+            found = torch.cat([answers[r][param].float() for r, _ in gather.pieces])   # deduplicated, piece order
+            order = torch.cat([places for _, places in gather.pieces])
+            by_unique = found[torch.argsort(order)]
+            rows[param] = by_unique[gather.inverse].view(*gather.shape, *found.shape[1:])
+        return rows
+
+
+def plan_lookups(lookups: Mapping[str, torch.Tensor], plans: Mapping[str, Any], table_of: Mapping[str, str],
+                 max_ids: int) -> LookupPlan:
+    """``lookups``: parameter -> ids [...] of its table; ``plans``: each table's sharding plan
+    (``ps/spec/sharding.py``); ``table_of``: each parameter's table. Each server's ids go in as few
+    requests as the cap allows, every parameter of a step together."""
+    requests: list[tuple[int, dict[str, torch.Tensor]]] = []
+    filled: list[int] = []
+    open_request: dict[int, int] = {}          # server -> the request being filled for it
+    gathers: dict[str, _Gather] = {}
+    for param, ids in lookups.items():
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        plan = plans[table_of[param]]
+        gather = gathers[param] = _Gather(ids.shape, inverse)
+        for server, (places, shard_ids) in enumerate(plan.partition(unique)):
+            for start in range(0, places.numel(), max_ids):      # a share larger than a request: cut
+                piece = shard_ids[start:start + max_ids]
+                r = open_request.get(server)
+                if r is None or filled[r] + piece.numel() > max_ids:
+                    r = open_request[server] = len(requests)
+                    requests.append((server, {}))
+                    filled.append(0)
+                # A piece cut from a share fills its request, so no request names a parameter twice.
+                requests[r][1][param] = on_the_wire(piece, plan.id_max)
+                filled[r] += piece.numel()
+                gather.pieces.append((r, places[start:start + max_ids]))
+    return LookupPlan(requests, gathers)

@@ -1,0 +1,235 @@
+"""Each clocked mode's rules: when a trainer's step may begin, what its arrival does, where a new
+member's clock starts, and whom a stall waits for. ``SspPace`` lets a trainer run at most ``bound``
+steps ahead of the slowest and answers each arrival at once; ``SyncPace`` holds the arrivals of the
+open step until every member has arrived, has the servers apply their average, and in lockstep
+begins each step for the whole group at once. Each works on its ``StepClock``'s members, under its
+lock; the actions it returns run after the lock is let go."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ps.spec.messages import Applied
+from ps.leader.clock.lockstep import Lockstep
+from ps.spec.consistency import Consistency, Ssp, Sync
+
+if TYPE_CHECKING:
+    from ps.leader.clock.clock import StepClock, _Member, _Waiting
+
+log = logging.getLogger("ps.leader.clock")
+
+STALL_WARNING_SECONDS = 10.0   # a barrier waiting this long names whom it waits for in the log
+
+Actions = list[Callable[[], None]]
+
+
+@dataclass
+class Stall:
+    step: int
+    on: tuple[str, ...]
+    seconds: float
+
+
+class SspPace:
+    waits_at_begin = True      # a trainer's wait is at its begin (sync's is at its arrival)
+
+    def __init__(self, clock: "StepClock", bound: int) -> None:
+        self.clock, self.bound = clock, bound
+
+    def lockstep(self) -> bool:
+        return False
+
+    def next_step(self, name: str) -> int:
+        return self.clock.clock_of(name) + 1
+
+    def furthest_begun(self) -> int:
+        return max((m.clock + m.working for m in self.clock.members.values()), default=0)
+
+    def may_begin(self, name: str) -> bool:
+        return self.clock.clock_of(name) - self.clock.min_clock() <= self.bound
+
+    def start_clock(self, name: str) -> int:
+        # Its clock from the checkpoint resumed, but never behind a trainer already stepping: the
+        # others would wait for it to catch up.
+        others = self.clock.min_clock() if self.clock.members else 0
+        return max(self.clock.saved.pop(name, others), others)
+
+    def arrive(self, name: str, member: "_Member", arrival: "_Waiting", broken: bool) -> Actions:
+        member.clock += 1
+        answer = Applied(member.clock, (name,), math.nan)
+        return [lambda: arrival.pending.set_result(answer)]
+
+    def left(self, name: str, member: "_Member") -> None:
+        pass
+
+    def settle(self, now: float) -> Actions:
+        return []
+
+    def stall(self, now: float) -> Optional[Stall]:
+        clock = self.clock
+        held = [n for n in clock.begins if n in clock.members and not clock.frozen_out(n)]
+        if not held:
+            return None
+        slowest = clock.min_clock()
+        late = tuple(sorted(n for n, m in clock.members.items() if m.clock == slowest))
+        return Stall(slowest + 1, late, now - min(clock.begins[n].since for n in held))
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+
+class SyncPace:
+    waits_at_begin = False
+
+    def __init__(self, clock: "StepClock") -> None:
+        self.clock = clock
+        self.arrivals: dict[str, "_Waiting"] = {}   # arrived at the open step
+        self.applying = False
+        self.short = False                          # a member of the open step was dropped
+        self.group = Lockstep()
+
+    def lockstep(self) -> bool:
+        clock = self.clock
+        return any(m.lockstep for m in clock.members.values()) or any(w.lockstep for w in clock.begins.values())
+
+    def busy(self) -> bool:
+        """The open step has begun: someone works on it, arrived at it, or it is being applied."""
+        return self.applying or bool(self.arrivals) or any(m.working for m in self.clock.members.values())
+
+    def next_step(self, name: str) -> int:
+        return self.clock.step + 1
+
+    def furthest_begun(self) -> int:
+        return self.clock.step + 1 if self.busy() else self.clock.step
+
+    def may_begin(self, name: str) -> bool:
+        if self.applying:
+            return False
+        if name in self.clock.members:
+            return True
+        # New to the clock: it may join the open step while nobody has finished it, else the next.
+        return not self.arrivals
+
+    def start_clock(self, name: str) -> int:
+        return self.clock.step
+
+    def arrive(self, name: str, member: "_Member", arrival: "_Waiting", broken: bool) -> Actions:
+        self.arrivals[name] = arrival
+        self.short = self.short or arrival.refused
+        if broken:
+            self.group.broke()
+        return []
+
+    def left(self, name: str, member: "_Member") -> None:
+        if name not in self.arrivals:
+            self.short = self.short or bool(self.arrivals) or member.working
+
+    def settle(self, now: float) -> Actions:
+        actions: Actions = []
+        if not self.applying and self.arrivals and all(n in self.arrivals for n in self.clock.members):
+            actions.append(self._close())
+        if self.lockstep():
+            actions += self._grant_together(now)
+        return actions
+
+    def _grant_together(self, now: float) -> Actions:
+        """Lockstep: the next step for every member at once, once all of them (and any newcomer)
+        wait to begin it, and the first step once the job's starting count does."""
+        clock = self.clock
+        if self.busy():
+            return []
+        ready = sorted(n for n in clock.begins if not clock.frozen_out(n))
+        if any(n not in ready for n in clock.members):
+            return []
+        if not clock.members and len(ready) < max((clock.begins[n].lockstep for n in ready), default=1):
+            return []
+        self.group.form(tuple(ready), clock.step + 1)
+        return [clock.grant(name, now) for name in ready]
+
+    def _close(self) -> Callable[[], None]:
+        """Every member arrived: have the servers apply the step (off the lock)."""
+        clock = self.clock
+        self.applying = True
+        step, arrived = clock.step + 1, dict(self.arrivals)
+        participants = sorted(n for n, w in arrived.items() if not w.refused)
+        if not participants:      # every update of the step was refused: nothing to apply, same step again
+            return lambda: self._closed(step, arrived, math.nan, participants)
+        clips = {arrived[n].clip for n in participants}
+        if len(clips) > 1:
+            log.warning("trainers asked to clip step %d at different norms %s; using the smallest", step, sorted(clips))
+        clip = min(clips)
+        # The trainers all-reduced their replicas' gradients, so each reports the same norm.
+        replica_sq = max(arrived[n].replica_sq for n in participants)
+
+        def apply() -> None:
+            try:
+                norm = clock.apply(step, participants, clip, replica_sq) if clock.apply is not None else math.nan
+            except Exception as exc:  # noqa: BLE001 - the arrivals get it; the clock goes on
+                log.error("step %d could not be applied: %s", step, exc)
+                self._closed(step, arrived, exc, participants)
+            else:
+                self._closed(step, arrived, norm, participants)
+        return lambda: clock.run(apply)
+
+    def _closed(self, step: int, arrived: dict[str, "_Waiting"], outcome: Any, participants: list[str]) -> None:
+        clock = self.clock
+        with clock.lock:
+            self.applying = False
+            for name in arrived:
+                self.arrivals.pop(name, None)
+            failed = isinstance(outcome, Exception)
+            if not participants:
+                step = clock.step
+            elif not failed:
+                clock.step = step
+                for member in clock.members.values():
+                    member.clock = step
+                if clock.metrics is not None:
+                    if self.short:
+                        clock.metrics.short_step()
+                    now = clock.now()
+                    for waiting in arrived.values():
+                        clock.metrics.observe_wait(now - waiting.since)
+            self.short = False
+            actions = clock.settle()
+        answer = Applied(step, tuple(participants), float(outcome)) if not failed else None
+        for waiting in arrived.values():
+            if failed:
+                actions.append(lambda w=waiting: w.pending.set_exception(outcome))
+            else:
+                actions.append(lambda w=waiting: w.pending.set_result(answer))
+        run(actions)
+
+    def stall(self, now: float) -> Optional[Stall]:
+        clock = self.clock
+        if self.lockstep() and clock.begins and not self.arrivals and not self.applying and clock.frozen_at is None:
+            # Lockstep: the step begins once every member asks to.
+            late = tuple(sorted(n for n, m in clock.members.items() if n not in clock.begins and not m.working))
+            first = min(w.since for w in clock.begins.values())
+            return Stall(clock.step + 1, late, now - first) if late else None
+        if not self.arrivals or self.applying:
+            return None
+        late = tuple(sorted(n for n in clock.members if n not in self.arrivals))
+        first = min(w.since for w in self.arrivals.values())
+        return Stall(clock.step + 1, late, now - first) if late else None
+
+    def describe(self) -> dict[str, Any]:
+        return {"group": self.group.describe()} if self.lockstep() else {}
+
+
+PACES: dict[type, Callable[..., Any]] = {Sync: lambda clock, mode: SyncPace(clock),
+                                         Ssp: lambda clock, mode: SspPace(clock, mode.bound)}
+
+
+def pace_for(clock: "StepClock", mode: Consistency) -> "SspPace | SyncPace":
+    make = PACES.get(type(mode))
+    if make is None:
+        raise ValueError(f"{mode} needs no step clock")
+    return make(clock, mode)
+
+
+def run(actions: Actions) -> None:
+    for action in actions:
+        action()

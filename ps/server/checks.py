@@ -1,0 +1,45 @@
+"""What a request may name on one shard: table parameters of the model, and ids in range, owned
+here, at most ``--max-ids-per-request`` of them. A bad one is a ``BadRequest`` to its caller."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ps.spec.sharding import Layout
+from services.errors import BadRequest
+from services.remote import describe
+
+ID_DTYPES = (torch.int64, torch.int32)   # int32: what the client sends for a table under 2**31 rows
+
+
+class RequestChecks:
+    def __init__(self, layout: Layout, shard: int, max_ids: int) -> None:
+        self.layout, self.shard, self.max_ids = layout, shard, max_ids
+
+    def table_of(self, param: str) -> str:
+        try:
+            return self.layout.table_of(param)
+        except KeyError:
+            raise BadRequest(f"no table parameter {param!r}; this model has "
+                             f"{', '.join(self.layout.row_params())}") from None
+
+    def ids(self, table: str, ids: Any, what: str, any_shard: bool = False) -> None:
+        """``ids`` of ``table``, as one request may name them (``any_shard``: owned by any shard)."""
+        plan = self.layout.plans[table]
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in ID_DTYPES or ids.dim() != 1:
+            raise BadRequest(f"{what} must be an int64 or int32 tensor [n], got {describe(ids)}")
+        if ids.numel() == 0:
+            raise BadRequest(f"{what} is empty")
+        self.count(ids.numel(), what)
+        if plan.id_max < torch.iinfo(torch.int64).max:     # a hashed table takes any raw id
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi > plan.id_max:
+                raise BadRequest(f"{what} out of range: [{lo}, {hi}] not within [0, {plan.num_ids})")
+        if not any_shard and bool((plan.owner(ids) != self.shard).any()):
+            raise BadRequest(f"{what} holds ids that shard {self.shard} of {plan.num_shards} does not own")
+
+    def count(self, n: int, what: str) -> None:
+        if n > self.max_ids:
+            raise BadRequest(f"{what}: {n} ids, more than the {self.max_ids} one request may name "
+                             f"(--max-ids-per-request): split it")

@@ -1,0 +1,86 @@
+"""A server's part in cluster checkpoints (its shard), and which checkpoint files rebuild it."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from ps.server.delta import is_delta
+from ps.server.service import ParameterServer
+from ps.spec.model import ModelSpec
+from services.checkpoint.parts import SnapshotPart
+from services.checkpoint.store import CheckpointInfo
+from services.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+class ServerPart(SnapshotPart):
+    def __init__(self, name: str, server: ParameterServer,
+                 describe: Callable[[], dict[str, Any]] = lambda: {}) -> None:
+        """``describe``: what the manifest should say besides the shard's step (ps0: the step clock)."""
+        self.name, self.server, self._describe = name, server, describe
+        self._lock = threading.Lock()
+        self._buffers: Optional[tuple] = None
+
+    def prepare(self) -> None:
+        buffers = self.server.optimizer.copy_buffers()
+        with self._lock:
+            self._buffers = buffers
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.snapshot(None)
+
+    def snapshot(self, base: Optional[int]) -> dict[str, Any]:
+        with self._lock:
+            buffers, self._buffers = self._buffers, None
+        return self.server.export_state(into=buffers, since=base)
+
+    def base_of(self, state: dict[str, Any]) -> Optional[int]:
+        return state["delta"]["base"] if is_delta(state) else None
+
+    def settle(self, committed: bool, step: int) -> None:
+        with self.server.optimizer.lock:
+            self.server.params.touched.settle(committed, step)
+
+    def step(self, state: dict[str, Any]) -> int:
+        return int(state["steps"])
+
+    def describe(self, state: dict[str, Any]) -> dict[str, Any]:
+        return self._describe()
+
+    def check(self, state: dict[str, Any]) -> None:
+        # A poisoned model saved would be restored on every restart, and would push the last good
+        # checkpoint out of the ones kept.
+        bad = [name for name, value in state["params"].items() if not bool(torch.isfinite(value).all())]
+        bad += [f"{name} ({key})" for name, s in state["optim"].items() for key, value in s.items()
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all())]
+        if bad:
+            raise CheckpointError(f"{self.name}'s shard holds values that are not finite in {', '.join(bad)}: not "
+                                  f"saved, the previous checkpoint stays the newest")
+
+
+def shard_files(info: CheckpointInfo, spec: ModelSpec, shard: int, num_ps: int) -> list[str]:
+    """The files of ``info`` that server ``shard`` of ``num_ps`` rebuilds itself from: its own, or,
+    when the number of servers changed, every old shard's (rows are resharded on load). A
+    checkpoint of another model (in the keys ``spec.compatible`` names) is refused."""
+    saved = info.meta.get("model", {})
+    for key in spec.compatible:
+        if saved.get(key) != spec.meta.get(key):
+            raise CheckpointError(f"{info.id} was taken with {key}={saved.get(key)!r}, this server has "
+                                  f"{spec.meta.get(key)!r}; start with matching flags, --resume-from another, "
+                                  "or --no-resume")
+    old = int(info.meta.get("num_ps", 0))
+    if old == num_ps:
+        return [f"ps{shard}.pt"]  # same shape: this shard's own file is all it needs
+    names = [f"ps{k}.pt" for k in range(old)]
+    missing = [n for n in names if n not in info.files]
+    if missing:
+        raise CheckpointError(
+            f"{info.id} was taken with {old} servers, each keeping its shard on its own volume "
+            f"({', '.join(missing)} are not in {info.path}); changing to {num_ps} servers needs every shard: "
+            f"restart with {old} servers, or use one checkpoint folder shared by all servers")
+    log.info("resharding %s from %d to %d servers", info.id, old, num_ps)
+    return names

@@ -1,0 +1,30 @@
+"""Updates a server refuses whole: one trainer's gradients that are not finite must not poison the
+shared model, so they are found before any server applies any of them, and counted."""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from ps.server.metrics import PsMetrics
+from ps.spec.rules import grad_sq_norm
+from services.errors import UpdateRefused
+
+
+class Refusals:
+    def __init__(self, metrics: PsMetrics) -> None:
+        self.metrics = metrics
+        self._lock = threading.Lock()     # RPC threads refuse at once
+        self.count = 0
+
+    def finite_sq_norm(self, grads: dict[torch.Tensor, torch.Tensor], caller: str, what: str) -> float:
+        """The gradients' squared norm, or ``UpdateRefused`` naming the ``caller`` and ``what`` they
+        were. A NaN or inf anywhere makes the sum so, which saves a pass of its own."""
+        sq = grad_sq_norm(list(grads.values()))
+        if math.isfinite(sq):
+            return sq
+        with self._lock:
+            self.count += 1
+        self.metrics.updates_refused.inc()
+        raise UpdateRefused(f"{caller}'s {what} is not finite; nothing of it was applied")

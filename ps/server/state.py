@@ -1,0 +1,183 @@
+"""A server shard's state as a plain dict for checkpoints, and resharding on restore; pure.
+
+Each table's rows are stored with their global ids, so a checkpoint taken with K servers restores
+into any number of servers: each new shard gathers the ids it owns from every old shard. Optimizer
+state with a value per row (Adagrad's per value, row-wise Adagrad's per row) is resharded the same
+way; dense groups move whole. A hashed table saves only its live rows, by raw id, with when each
+was last seen and how often (``ps/server/hashed/``); a shard restores the ids it owns into its first rows.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+import torch
+
+from ps.spec.sharding import HashedPlan, Layout
+
+if TYPE_CHECKING:
+    from ps.spec.model import ModelSpec
+
+FORMAT = 1
+
+
+def export_shard(shard: int, layout: Layout, model: dict, steps: int, params: dict[str, torch.Tensor],
+                 optim_state: dict[str, dict[str, torch.Tensor]],
+                 hashed: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+    """``params``/``optim_state`` must already be private copies (taken under the server's lock).
+    ``hashed``: each hashed table's live ``rows``, their ``ids`` and bookkeeping (``last_seen``,
+    ``hits``, ``counts``), taken under the same lock; only those rows are saved, by id."""
+    hashed = hashed or {}
+    tables = {t: hashed[t]["ids"] if t in hashed else plan.global_ids(shard) for t, plan in layout.plans.items()}
+    params, optim_state = dict(params), {n: dict(st) for n, st in optim_state.items()}
+    for t, kept in hashed.items():
+        for name in layout.table_params[t]:
+            rows_of = params[name].shape[0]
+            params[name] = params[name][kept["rows"]]
+            for key, value in optim_state.get(name, {}).items():
+                if value.dim() > 0 and value.shape[0] == rows_of:
+                    optim_state[name][key] = value[kept["rows"]]
+    return {"format": FORMAT, "shard": shard, "num_shards": layout.num_shards, "model": dict(model), "steps": steps,
+            "tables": tables, "params": params, "optim": optim_state,
+            "hashed": {t: {k: v for k, v in kept.items() if k not in ("rows", "ids")} for t, kept in hashed.items()}}
+
+
+def _ids(state: dict[str, Any], table: str, layout: Layout) -> torch.Tensor:
+    if "tables" in state:
+        return state["tables"][table]
+    # Written before tables had names (one table, the language model's vocabulary).
+    if len(layout.plans) != 1:
+        raise ValueError("a shard saved with one unnamed table cannot restore a model of several tables")
+    return state["global_ids"]
+
+
+class Gathered(NamedTuple):
+    params: dict[str, torch.Tensor]
+    optim: dict[str, dict[str, torch.Tensor]]
+    steps: int
+    hashed: dict[str, dict[str, Any]]      # per hashed table: ids (in rows 0, 1, ...), last_seen, hits, counts
+
+
+def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int) -> Gathered:
+    """Params, optimizer state, steps applied and hashed tables' rows of ``shard`` under
+    ``layout``, from every old shard (or from its own, when the cluster kept its shape)."""
+    if not states:
+        raise ValueError("no shard states to restore from")
+    own = len(states) == 1 and states[0]["num_shards"] == layout.num_shards and states[0]["shard"] == shard
+    if not own and sorted(s["shard"] for s in states) != list(range(states[0]["num_shards"])):
+        raise ValueError(f"need every old shard 0..{states[0]['num_shards'] - 1}, got {sorted(s['shard'] for s in states)}")
+    params: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    hashed: dict[str, dict[str, Any]] = {}
+    for table, plan in layout.plans.items():
+        if isinstance(plan, HashedPlan):
+            hashed[table] = _gather_hashed(states, table, layout, plan.rows(shard),
+                                           (plan.owner(_ids(states[0], table, layout)) == shard) if own else None,
+                                           shard, params, optim)
+        elif own:  # same cluster shape: this shard's own rows, as saved (the caller's to keep)
+            if not torch.equal(_ids(states[0], table, layout), plan.global_ids(shard)):
+                raise ValueError(f"shard {shard}'s saved rows do not match {plan.num_ids} {table} rows")
+            for name in layout.table_params[table]:
+                params[name] = states[0]["params"][name]
+                if name in states[0]["optim"]:
+                    optim[name] = dict(states[0]["optim"][name])
+        else:
+            pick = _rows_here(states, table, layout, plan.global_ids(shard), plan.num_ids)
+            for name in layout.table_params[table]:
+                params[name] = torch.cat([s["params"][name] for s in states])[pick].clone()
+                _gather_rows_state(states, name, pick, optim)
+    for name in layout.dense_of(shard):
+        holder = [s for s in states if name in s["params"]]
+        if len(holder) != 1:
+            raise ValueError(f"dense parameter {name} found in {len(holder)} old shards, expected 1")
+        params[name] = holder[0]["params"][name] if own else holder[0]["params"][name].clone()
+        if name in holder[0]["optim"]:
+            optim[name] = {k: v if own else v.clone() for k, v in holder[0]["optim"][name].items()}
+    return Gathered(params, optim, max(int(s["steps"]) for s in states), hashed)
+
+
+def _gather_hashed(states: list[dict[str, Any]], table: str, layout: Layout, capacity: int,
+                   mine: Optional[torch.Tensor], shard: int, params: dict[str, torch.Tensor],
+                   optim: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """A hashed table's rows this shard owns, from every old shard, in rows 0 .. m-1 of its
+    ``capacity`` (``mine``: which saved rows are this shard's, when it restores its own file)."""
+    ids = torch.cat([_ids(s, table, layout) for s in states])
+    pick = mine.nonzero().squeeze(1) if mine is not None else \
+        (layout.plans[table].owner(ids) == shard).nonzero().squeeze(1)
+    kept = [s.get("hashed", {}).get(table, {}) for s in states]
+    over = pick.numel() - capacity
+    if over > 0:
+        # Ids do not spread evenly over a new server count (nor into a smaller capacity): this shard
+        # leaves out what its table would evict at capacity, the least used, then the longest unseen.
+        if all("hits" in kp for kp in kept):
+            hits, seen = (torch.cat([kp[k] for kp in kept])[pick].to(torch.int64) for k in ("hits", "last_seen"))
+            pick = pick[torch.sort(hits * (1 << 32) + seen, stable=True).indices[over:]].sort().values
+        else:
+            pick = pick[:capacity]
+    for name in layout.table_params[table]:
+        saved = torch.cat([s["params"][name] for s in states])
+        params[name] = saved.new_zeros(capacity, *saved.shape[1:])
+        params[name][:pick.numel()] = saved[pick]
+        _gather_rows_state(states, name, pick, optim)
+        for key, value in optim.get(name, {}).items():
+            if value.dim() > 0 and value.shape[0] == pick.numel():
+                optim[name][key] = torch.cat([value, value.new_zeros(capacity - pick.numel(), *value.shape[1:])])
+    out = {"ids": ids[pick], "over_capacity": max(over, 0),
+           **{k: torch.cat([kp[k] for kp in kept])[pick] for k in ("last_seen", "hits") if all(k in kp for kp in kept)}}
+    if mine is not None:     # its own counts go on; a resharded shard's start again
+        out["counts"] = dict(kept[0].get("counts", {}))
+    return out
+
+
+def _rows_here(states: list[dict[str, Any]], table: str, layout: Layout, wanted: torch.Tensor,
+               rows: int) -> torch.Tensor:
+    """Positions, in the old shards' rows laid end to end, of the global ids ``wanted``."""
+    ids = torch.cat([_ids(s, table, layout) for s in states])
+    if ids.numel() != rows or not torch.equal(torch.sort(ids).values, torch.arange(rows)):
+        raise ValueError(f"the old shards hold {ids.numel()} {table} rows, this model has {rows}")
+    where = torch.empty(rows, dtype=torch.long)
+    where[ids] = torch.arange(ids.numel())
+    return where[wanted]
+
+
+def _gather_rows_state(states: list[dict[str, Any]], name: str, pick: torch.Tensor,
+                       optim: dict[str, dict[str, torch.Tensor]]) -> None:
+    keys = set().union(*(s["optim"].get(name, {}).keys() for s in states))
+    if not keys:
+        return
+    optim[name] = {}
+    for key in keys:
+        # A shard whose rows never took a step has no state yet: zeros, as its first step would make.
+        given = [s["optim"].get(name, {}).get(key) for s in states]
+        k = next(i for i, p in enumerate(given) if p is not None)
+        like = given[k]
+        if like.dim() > 0 and like.size(0) == states[k]["params"][name].size(0):
+            parts = [p if p is not None else like.new_zeros((s["params"][name].size(0), *like.shape[1:]))
+                     for p, s in zip(given, states)]
+            optim[name][key] = torch.cat(parts)[pick].clone()
+        else:  # scalars such as Adagrad's step count: the largest is the truest
+            optim[name][key] = torch.stack([p.reshape(()) for p in given if p is not None]).max().clone()
+
+
+
+INIT_ROWS = 1 << 20  # rows of a table initialised at once
+
+
+def initial_shard(spec: "ModelSpec", layout: Layout, shard: int) -> dict[str, torch.Tensor]:
+    """A new shard's parameters: its rows of every table (only its own: no process ever builds a
+    whole table) and its dense groups, as the spec initialises them."""
+    values: dict[str, torch.Tensor] = {}
+    for table_name, table in spec.tables.items():
+        if table.hashed:      # rows are initialised as ids are admitted
+            for name, shape in table.params.items():
+                values[name] = torch.zeros(layout.plans[table_name].rows(shard), *shape)
+            continue
+        rows = layout.plans[table_name].global_ids(shard)
+        for name, shape in table.params.items():
+            values[name] = torch.empty(len(rows), *shape)
+        for start in range(0, len(rows), INIT_ROWS):       # a slice at a time: bounded temporaries
+            part = table.init(rows[start:start + INIT_ROWS])
+            for name in table.params:
+                values[name][start:start + len(part[name])] = part[name]
+    for g in layout.groups_of(shard):
+        values.update(spec.dense[g].init())
+    return values

@@ -1,0 +1,201 @@
+"""The update rule: how a server applies trainers' gradients to its parameters.
+
+One optimizer per server process is shared by every trainer, under the lock that also orders
+parameter reads. The job's consistency (``ps/spec/consistency.py``) decides what reaches it:
+
+* async and ssp:K: each trainer's step as it arrives (``ParameterServer.apply`` in ``ps/server/service.py``,
+  with the gradients distributed autograd left in the trainer's context); ssp's bound is the step
+  clock's (``ps/leader/clock/``), which only decides when a trainer may read;
+* sync: each trainer hands its step's gradients over (``SyncSteps.contribute``); when the leader's
+  step clock closes the step, every server averages the arrived trainers' gradients, scales them
+  by the clip factor computed from the average's global norm, and applies them as one update.
+
+The trainer's side of a step (backward, clipping, the hand-over) is ``ps/client/stub.py``'s ``StepSession``."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from ps.spec.rules import RuleOptimizer, UpdateRule, grad_sq_norm
+from services.errors import BadRequest
+
+
+def average(grads: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The mean over ``n`` trainers of one parameter's gradients, ``grads`` those that gave one (a
+    trainer whose batch did not touch a shard's rows gave none: zero). Sparse ones stay sparse."""
+    total = functools.reduce(torch.add, grads)
+    return total.coalesce() * (1.0 / n) if total.is_sparse else total.div_(n)
+
+
+class SyncSteps:
+    """sync mode on one server: each trainer's gradients for the open step, until the leader's
+    step clock closes the step and names whose gradients count."""
+
+    def __init__(self, optimizer: "SharedOptimizer") -> None:
+        self.optimizer = optimizer
+        self._lock = threading.Lock()
+        self._given: dict[str, dict[torch.Tensor, torch.Tensor]] = {}   # trainer -> its gradients
+        self._average: Optional[tuple[int, tuple[str, ...], dict[torch.Tensor, torch.Tensor]]] = None
+
+    def contribute(self, step: int, trainer: str, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        self._check_open(step)
+        with self._lock:
+            self._given[trainer] = grads     # a retried hand-over replaces the first
+
+    def sq_norm(self, step: int, trainers: tuple[str, ...]) -> float:
+        """The squared norm of this server's share of the step's averaged gradient."""
+        return grad_sq_norm(list(self._averaged(step, trainers).values()))
+
+    def apply(self, step: int, trainers: tuple[str, ...], coef: float) -> None:
+        grads = self._averaged(step, trainers)
+        if coef < 1.0:
+            for g in grads.values():
+                g.mul_(coef)
+        self.optimizer.apply(grads)
+        with self._lock:
+            self._given.clear()       # a dead trainer's partial hand-over goes with the step
+            self._average = None
+
+    def _check_open(self, step: int) -> None:
+        if step != self.optimizer.steps + 1:
+            raise BadRequest(f"step {step} is not open on this server: it has applied {self.optimizer.steps} "
+                             f"steps, so the open one is {self.optimizer.steps + 1}")
+
+    def _averaged(self, step: int, trainers: tuple[str, ...]) -> dict[torch.Tensor, torch.Tensor]:
+        self._check_open(step)
+        with self._lock:
+            if self._average is not None and self._average[:2] == (step, trainers):
+                return self._average[2]
+            missing = [t for t in trainers if t not in self._given]
+            if missing or not trainers:
+                raise BadRequest(f"step {step}: no gradients from {', '.join(missing) or 'any trainer'} on this server")
+            given = [self._given[t] for t in trainers]
+            params = {p: None for g in given for p in g}
+            averaged = {p: average([g[p] for g in given if p in g], len(given)) for p in params}
+            self._average = (step, trainers, averaged)
+            return averaged
+
+
+class SharedOptimizer:
+    """The server's optimizer and the lock that orders its steps against parameter reads."""
+
+    def __init__(self, params: list[torch.nn.Parameter], rules: list[UpdateRule], lr: float,
+                 on_step: Optional[Callable[[int, float], None]] = None,
+                 touched: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
+        """``rules``: each parameter's update rule (a table's may differ from the dense ones');
+        ``on_step(rows, seconds)`` after each step: table rows it changed, seconds it took;
+        ``touched(param, grad)`` for each parameter a step changes, under the lock."""
+        self.lock = threading.Lock()
+        self.params = params
+        self.optimizer = RuleOptimizer(list(zip(params, rules)), lr)
+        self._on_step, self._touched = on_step, touched
+        self.steps = 0  # updates applied: the cluster's step, the same on every server at a pause
+
+    def apply(self, grads: dict[torch.Tensor, torch.Tensor],
+              keep: Optional[Callable[[dict], dict]] = None) -> int:
+        """Apply ``grads`` (parameter -> gradient; parameters left out are not updated), as
+        ``keep(grads)`` leaves them, under the lock. The number of updates applied before this one."""
+        with self.lock:
+            before = self.steps
+            started = time.perf_counter()
+            if keep is not None:
+                grads = keep(grads)
+            rows = self._step(grads)
+            seconds = time.perf_counter() - started
+        if self._on_step is not None:
+            self._on_step(rows, seconds)
+        return before
+
+    def advance_to(self, steps: int) -> int:
+        """Count on from ``steps`` if the cluster has come further than this server (never back)."""
+        with self.lock:
+            self.steps = max(self.steps, steps)
+            return self.steps
+
+    def _step(self, grads: dict[torch.Tensor, torch.Tensor]) -> int:
+        rows = sum(g._nnz() for g in (grads.get(p) for p in self.params) if g is not None and g.is_sparse)
+        if self._touched is not None:
+            for p in self.params:
+                if p in grads:
+                    self._touched(p, grads[p])
+        self.optimizer.step(grads)
+        self.steps += 1
+        return rows
+
+    def clear_rows(self, param: torch.Tensor, rows: torch.Tensor) -> None:
+        """Zero ``param``'s optimizer state of ``rows`` (a hashed table's rows handed to new ids).
+        Under ``lock``."""
+        for value in self.optimizer.state.get(param, {}).values():
+            if value.dim() > 0 and value.shape[0] == param.shape[0]:
+                value[rows] = 0
+
+    def state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of ``param``'s optimizer state (empty before its first step, and for SGD). Under ``lock``."""
+        return {k: v.clone() for k, v in self.optimizer.state.get(param, {}).items()}
+
+    def live_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``param``'s optimizer state itself, not a copy (to copy a part of). Under ``lock``."""
+        return self.optimizer.state.get(param, {})
+
+    def set_state(self, param: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """``param``'s optimizer state from elsewhere (checked by the caller). Under ``lock``."""
+        self.optimizer.state[param] = state
+
+    def snapshot(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Consistent copies: never half-way through another trainer's update."""
+        with self.lock:
+            return [t.detach().clone() for t in tensors]
+
+    def copy_buffers(self) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """Empty tensors shaped like the parameters and their state, their pages already touched.
+
+        A fresh gigabyte costs its page faults on first write; taking them here, before the trainers
+        are held, leaves only a memory copy for ``state_copy``.
+        """
+        with _all_cores():
+            params = [torch.empty_like(p).zero_() for p in self.params]
+            state = [{k: torch.empty_like(v).zero_() for k, v in self.optimizer.state.get(p, {}).items()
+                      if isinstance(v, torch.Tensor)} for p in self.params]
+        return params, state
+
+    def state_copy(self, into: Optional[tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]] = None
+                   ) -> tuple[int, list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """(steps, parameters, per-parameter optimizer state), all private copies, taken at once
+        (into ``into`` from ``copy_buffers`` when given)."""
+        buffers = into if into is not None else self.copy_buffers()
+        with self.lock, _all_cores():
+            for dst, p in zip(buffers[0], self.params):
+                dst.copy_(p.detach())
+            for dst, p in zip(buffers[1], self.params):
+                for k, v in self.optimizer.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        if k not in dst or dst[k].shape != v.shape:
+                            dst[k] = torch.empty_like(v)  # state that appeared since the buffers were made
+                        dst[k].copy_(v)
+            return self.steps, buffers[0], buffers[1]
+
+    def load_state(self, steps: int, state: list[dict[str, torch.Tensor]]) -> None:
+        """Adopt (not copy) restored per-parameter state."""
+        with self.lock:
+            self.steps = steps
+            for p, s in zip(self.params, state):
+                if s:
+                    self.optimizer.state[p] = dict(s)
+
+
+@contextlib.contextmanager
+def _all_cores() -> Iterator[None]:
+    """Copy with every core: a checkpoint's snapshot runs while the trainers are held, so the
+    cores are otherwise idle, and a fresh copy's cost is page faults, which cores take in parallel."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

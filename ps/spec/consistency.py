@@ -1,0 +1,80 @@
+"""How a job's servers apply its trainers' updates: ``async`` (each as it arrives, the default),
+``sync`` (one averaged update per step, every live trainer in lockstep) or ``ssp:K`` (as they
+arrive, but no trainer more than K steps ahead of the slowest). The servers hold the setting
+(``--consistency``, ``RPCPS_CONSISTENCY``); trainers learn it from them. No torch here: the
+settings and the CLI read it.
+
+A mode is an object that says what it implies (``clocked``, ``averaged``, ``bound``); code asks
+those, never which mode it is. The step clock's rules for each clocked mode are in ``ps/leader/clock/pace.py``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from services.errors import BadRequest
+
+_SSP = re.compile(r"ssp:(\d+)")
+
+
+@dataclass(frozen=True)
+class Consistency:
+    """A mode; ``Consistency.parse`` makes one from its name."""
+
+    clocked: ClassVar[bool] = False    # trainers step by the leader's step clock (``ps/leader/clock/``)
+    averaged: ClassVar[bool] = False   # a step's updates are handed over and applied once, averaged
+
+    @staticmethod
+    def parse(text: str) -> "Consistency":
+        text = text.strip().lower()
+        if text == "async":
+            return Async()
+        if text == "sync":
+            return Sync()
+        m = _SSP.fullmatch(text)
+        if m is None:
+            raise ValueError("consistency must be async, sync or ssp:K with K a whole number >= 0")
+        return Ssp(int(m.group(1)))
+
+    def require(self, averaged: bool, what: str) -> None:
+        """Refuse a call of the other kind of update: a sync job's steps are averaged at the step
+        clock; an async or ssp job's are each trainer's own."""
+        if self.averaged != averaged:
+            raise BadRequest(f"cannot {what}: this job's consistency is {self}")
+
+
+@dataclass(frozen=True)
+class Async(Consistency):
+    """Each update applied as it arrives; nobody waits for anybody."""
+
+    def __str__(self) -> str:
+        return "async"
+
+
+@dataclass(frozen=True)
+class Sync(Consistency):
+    """One update per step, the average of every live trainer's, applied once all have arrived."""
+
+    clocked: ClassVar[bool] = True
+    averaged: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return "sync"
+
+
+@dataclass(frozen=True)
+class Ssp(Consistency):
+    """Stale-synchronous: each update applied as it arrives, no trainer more than ``bound`` steps
+    ahead of the slowest."""
+
+    bound: int = 0
+    clocked: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return f"ssp:{self.bound}"
+
+
+def checked(text: str) -> str:
+    """A settings validator: the canonical spelling, or ``ValueError`` saying what is allowed."""
+    return str(Consistency.parse(text))

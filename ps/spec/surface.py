@@ -1,0 +1,134 @@
+"""What a parameter server and the leader's step clock answer over RPC, declared apart from how
+(``ps/server/service.py``, ``ps/leader/clock/service.py``): callers name these methods
+(``call(ps, PsSurface.lookup_many, …)``), so the trainers' client, and whatever else calls a
+server, never imports the server or what it is built on (its hashed tables' compiled loops among
+them). The served ``ParameterServer`` is a ``PsSurface``, the served ``StepClockService`` a
+``ClockSurface``: ``services/remote.py`` finds each as one, checks a call's arguments against the
+signatures here, and runs its methods."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ps.spec.messages import ShardInfo
+from services.remote import Service, remote
+
+
+class PsSurface(Service):
+    @remote
+    def info(self) -> ShardInfo:
+        """This shard: its tables' rows, its dense tensors, the model, the mode, its bounds."""
+        raise NotImplementedError
+
+    @remote
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """A consistent copy of every parameter this shard holds (no autograd history). For tests:
+        they compare a cluster's parameters with a one-process model's; trainers never call it."""
+        raise NotImplementedError
+
+    @remote
+    def lookup(self, param: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows [n, *row shape] of table parameter ``param`` at global ``ids`` [n] this shard owns."""
+        raise NotImplementedError
+
+    @remote
+    def lookup_many(self, lookups: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rows of several table parameters at once (parameter -> global ``ids`` [n] this shard
+        owns; each answer [n, *row shape]): a step's every table in one request. At most
+        ``--max-ids-per-request`` ids in all."""
+        raise NotImplementedError
+
+    @remote
+    def dense_params(self) -> dict[str, torch.Tensor]:
+        """This shard's dense tensors; computing with them records the way back for gradients."""
+        raise NotImplementedError
+
+    @remote
+    def dense_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's state of this shard's dense tensors (name -> its state; none for SGD)."""
+        raise NotImplementedError
+
+    @remote
+    def set_dense(self, weights: dict[str, torch.Tensor], step: int,
+                  state: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> bool:
+        """The trainers' replica of the dense weights as of ``step`` (``ps/server/replica_writes.py``)."""
+        raise NotImplementedError
+
+    @remote
+    def op(self, name: str, *args: Any) -> Any:
+        """The model's server-side operation ``name`` on this shard."""
+        raise NotImplementedError
+
+    @remote
+    def grad_sq_norm(self, context_id: int) -> float:
+        """The squared norm of the caller's gradients here: the first half of an async or ssp
+        update, where gradients that are not finite are refused before any server applies any."""
+        raise NotImplementedError
+
+    @remote
+    def scale_grads(self, context_id: int, coef: float) -> None:
+        """Scale the caller's gradients in ``context_id`` by ``coef`` in [0, 1] (the global clip)."""
+        raise NotImplementedError
+
+    @remote
+    def apply(self, context_id: int) -> None:
+        """async and ssp modes: apply the caller's gradients in ``context_id`` now, all or none."""
+        raise NotImplementedError
+
+    # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
+    @remote
+    def contribute(self, context_id: int, step: int) -> None:
+        """The caller's gradients in ``context_id``, for step ``step`` (the open one)."""
+        raise NotImplementedError
+
+    @remote
+    def sync_sq_norm(self, step: int, trainers: list[str]) -> float:
+        """The squared norm of this server's share of step ``step``'s average of ``trainers``' gradients."""
+        raise NotImplementedError
+
+    @remote
+    def sync_apply(self, step: int, trainers: list[str], coef: float) -> None:
+        """Apply step ``step``: the average of ``trainers``' gradients, scaled by ``coef``."""
+        raise NotImplementedError
+
+
+class ClockSurface(Service):
+    """The step clock on the leader (``ps/leader/clock/``): the caller's RPC name is the trainer's."""
+
+    @remote
+    def status(self) -> dict:
+        """What ps0's /status shows of the clock."""
+        raise NotImplementedError
+
+    @remote(asynchronous=True)
+    def begin(self, lockstep: int = 0) -> torch.futures.Future:
+        """``Granted`` the caller's next step, once it may begin it (``lockstep``: the trainers its job
+        starts with, when it steps in lockstep)."""
+        raise NotImplementedError
+
+    @remote(asynchronous=True)
+    def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0,
+               broken: bool = False) -> torch.futures.Future:
+        """The caller's step is done (sync: its gradients are on every server, or ``refused`` by one);
+        ``Applied`` once applied."""
+        raise NotImplementedError
+
+    @remote
+    def leave(self) -> None:
+        """The caller takes no more steps: nobody waits for it."""
+        raise NotImplementedError
+
+    @remote
+    def freeze(self, seconds: float) -> None:
+        """A checkpoint's hold: members finish the step under way and wait at their next begin."""
+        raise NotImplementedError
+
+    @remote
+    def thaw(self) -> None:
+        raise NotImplementedError
+
+    @remote(asynchronous=True)
+    def parked(self) -> torch.futures.Future:
+        """Answered once every member waits at a frozen clock."""
+        raise NotImplementedError
