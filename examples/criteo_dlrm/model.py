@@ -1,6 +1,8 @@
 """DLRM (Naumov et al., 2019) over Criteo's columns, written once with rpcps's public API: a
 bottom MLP over the counts, one pooled embedding per categorical column, their pairwise dot
-products, a top MLP to one logit."""
+products, a top MLP to one logit. Weights start as DLRM's do."""
+import math
+
 import torch
 import torch.nn as nn
 
@@ -10,7 +12,10 @@ import rpcps
 def mlp(sizes: list[int]) -> nn.Sequential:
     layers: list[nn.Module] = []
     for n_in, n_out in zip(sizes[:-1], sizes[1:]):
-        layers += [nn.Linear(n_in, n_out), nn.ReLU()]
+        layer = nn.Linear(n_in, n_out)
+        nn.init.normal_(layer.weight, std=math.sqrt(2.0 / (n_in + n_out)))
+        nn.init.normal_(layer.bias, std=math.sqrt(1.0 / n_out))
+        layers += [layer, nn.ReLU()]
     return nn.Sequential(*layers[:-1])          # no ReLU after the last layer
 
 

@@ -2,7 +2,9 @@
 parameter's ids, give each server its share, cut the shares into requests of at most the servers'
 ``--max-ids-per-request`` ids), the requests issued at once (``PsClient.issue``, whose
 ``Fetching`` holds the answers on their way), then ``LookupPlan.collect`` (the answers back into
-each parameter's batch shape). No RPC here, so the plan is tested alone."""
+each parameter's batch shape); and gradients of rows not read in a step's context, cut as the
+lookups were (``LookupPlan.spread``, pushed by ``StepSession.push``). No RPC here, so the plan is
+tested alone."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ def on_the_wire(ids: torch.Tensor, id_max: int) -> torch.Tensor:
 class _Gather:
     shape: torch.Size                 # the parameter's ids as the caller shaped them
     inverse: torch.Tensor             # each id's place among the deduplicated ids
+    unique: int                       # how many ids are left, deduplicated
     pieces: list[tuple[int, torch.Tensor]] = field(default_factory=list)   # (request, places in the deduplicated)
 
 
@@ -44,6 +47,20 @@ class LookupPlan:
         return rows
 
 
+    def spread(self, grads: Mapping[str, torch.Tensor]) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """The reverse of ``collect``: each parameter's gradients [*its ids' shape, *row shape],
+        those of a repeated id added up, cut as the requests were: per request, parameter ->
+        (its ids, their gradients), for the server that owns them."""
+        pushes: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self.requests]
+        for param, grad in grads.items():
+            gather = self._gathers[param]
+            rows = grad.reshape(gather.inverse.numel(), *grad.shape[len(gather.shape):])
+            by_unique = rows.new_zeros(gather.unique, *rows.shape[1:]).index_add_(0, gather.inverse, rows)
+            for r, places in gather.pieces:
+                pushes[r][param] = (self.requests[r][1][param], by_unique[places])
+        return pushes
+
+
 def plan_lookups(lookups: Mapping[str, torch.Tensor], plans: Mapping[str, Any], table_of: Mapping[str, str],
                  max_ids: int) -> LookupPlan:
     """``lookups``: parameter -> ids [...] of its table; ``plans``: each table's sharding plan
@@ -56,7 +73,7 @@ def plan_lookups(lookups: Mapping[str, torch.Tensor], plans: Mapping[str, Any], 
     for param, ids in lookups.items():
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         plan = plans[table_of[param]]
-        gather = gathers[param] = _Gather(ids.shape, inverse)
+        gather = gathers[param] = _Gather(ids.shape, inverse, unique.numel())
         for server, (places, shard_ids) in enumerate(plan.partition(unique)):
             for start in range(0, places.numel(), max_ids):      # a share larger than a request: cut
                 piece = shard_ids[start:start + max_ids]

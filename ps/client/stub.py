@@ -375,6 +375,18 @@ class StepSession:
     def issue(self, lookups: dict[str, torch.Tensor], dense: bool = True) -> Fetching:
         return self.client.issue(lookups, dense)
 
+    def push(self, lookups: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
+        """Gradients of table rows this step did not read from the servers (a copy held here):
+        ``grads[param]`` [*ids' shape, *row shape] for ``lookups[param]``'s ids. They join the
+        step's update on each owning server, as if they had come back through distributed
+        autograd; push before ``finish``."""
+        client = self.client
+        plan = plan_lookups(lookups, client.plans, client.table_of, client.max_ids)
+        pushes = plan.spread({param: g.detach().float() for param, g in grads.items()})
+        for f in [client._async(client.ps_names[k], PsSurface.push, self.context_id, part)
+                  for (k, _), part in zip(plan.requests, pushes)]:
+            wait(f)
+
     def fetch(self, lookups: dict[str, torch.Tensor], dense: bool = True
               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return self.client.fetch(lookups, dense)

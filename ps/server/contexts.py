@@ -8,8 +8,9 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed.autograd as dist_autograd
 
 from services.errors import BadRequest
@@ -23,7 +24,11 @@ _KEPT = 4
 class StepContext:
     read_at: int             # the server's step when the trainer first read in it
     checked: bool = False    # its gradients' norm was taken, so they are known to be finite
-    reads: dict[str, Any] = field(default_factory=dict)   # hashed parameters: what it read (``ps/server/hashed/serving.py``)
+    # hashed parameters: what it read (``ps/server/hashed/serving.py``)
+    reads: dict[str, Any] = field(default_factory=dict)
+    # Gradients pushed for rows the caller did not read in the context (``ParameterServer.push``),
+    # by the parameter they change, until they join the context's own.
+    pushed: dict[Any, torch.Tensor] = field(default_factory=dict)
 
 
 class Contexts:
@@ -58,6 +63,40 @@ class Contexts:
         with self._lock:
             return self._by_caller.get(caller, {}).get(context_id)
 
+    def push(self, caller: str, context_id: int, step: int, param: Any, grad: torch.Tensor) -> None:
+        """Gradient ``grad`` of parameter ``param`` for ``caller``'s step ``context_id``, as if it
+        had come back through distributed autograd (the context may have read nothing here)."""
+        with self._lock:
+            recent = self._by_caller.setdefault(caller, collections.OrderedDict())
+            known = recent.get(context_id)
+            if known is None:
+                known = recent[context_id] = StepContext(step)
+                while len(recent) > _KEPT:
+                    recent.popitem(last=False)
+            if known.checked:
+                raise BadRequest(f"context {context_id}'s gradients were already taken: push before the update")
+            before = known.pushed.get(param)
+            known.pushed[param] = grad if before is None else before + grad
+
+    def gradients(self, caller: str, context_id: int, by_param: Callable[[dict], dict]) -> dict:
+        """``caller``'s gradients in ``context_id`` by the parameter they change (``by_param`` keys
+        distributed autograd's), its pushed ones added. A pushed gradient is added once, in place,
+        to the context's own, or kept as the tensor every later call returns: a clip scales, and
+        the update applies, the very same tensors."""
+        known = self.get(caller, context_id)
+        try:
+            grads = by_param(dist_autograd.get_gradients(context_id))
+        except RuntimeError as exc:
+            if known is None or not known.pushed:
+                raise BadRequest(f"unknown autograd context {context_id}: {str(exc).splitlines()[0]}") from None
+            grads = {}              # nothing read here in this step: only what was pushed
+        if known is None:
+            return grads
+        with self._lock:
+            for param in [p for p in known.pushed if p in grads]:
+                grads[param].add_(known.pushed.pop(param))
+            return {**grads, **known.pushed}
+
     def mark_checked(self, caller: str, context_id: int) -> None:
         with self._lock:
             known = self._by_caller.get(caller, {}).get(context_id)
@@ -77,13 +116,6 @@ class Contexts:
                 pass  # already released by the trainer itself
         if released:
             log.info("released %d autograd context(s) left by %s", released, caller)
-
-    @staticmethod
-    def grads(context_id: int) -> dict:
-        try:
-            return dist_autograd.get_gradients(context_id)
-        except RuntimeError as exc:
-            raise BadRequest(f"unknown autograd context {context_id}: {str(exc).splitlines()[0]}") from None
 
 
 def in_autograd_context() -> bool:

@@ -62,6 +62,23 @@ class ServerPart(SnapshotPart):
                                   f"saved, the previous checkpoint stays the newest")
 
 
+def differences(key: str, saved: Any, mine: Any, most: int = 4) -> str:
+    """How a checkpoint's ``key`` differs from this server's, in a few words: the parts that
+    differ, down to the values, for a model described by nested mappings."""
+    if saved is None and mine is not None:
+        return f"no {key} recorded (another model's, or one of an earlier version's)"
+    if not isinstance(saved, dict) or not isinstance(mine, dict):
+        return f"{key}={_short(saved)}, this server has {_short(mine)}"
+    differ = [k for k in sorted(set(saved) | set(mine), key=str) if saved.get(k) != mine.get(k)]
+    said = [differences(f"{key}.{k}", saved.get(k), mine.get(k)) for k in differ[:most]]
+    return "; ".join(said) + (f"; and {len(differ) - most} more" if len(differ) > most else "")
+
+
+def _short(value: Any, width: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 def shard_files(info: CheckpointInfo, spec: ModelSpec, shard: int, num_ps: int) -> list[str]:
     """The files of ``info`` that server ``shard`` of ``num_ps`` rebuilds itself from: its own, or,
     when the number of servers changed, every old shard's (rows are resharded on load). A
@@ -69,9 +86,8 @@ def shard_files(info: CheckpointInfo, spec: ModelSpec, shard: int, num_ps: int) 
     saved = info.meta.get("model", {})
     for key in spec.compatible:
         if saved.get(key) != spec.meta.get(key):
-            raise CheckpointError(f"{info.id} was taken with {key}={saved.get(key)!r}, this server has "
-                                  f"{spec.meta.get(key)!r}; start with matching flags, --resume-from another, "
-                                  "or --no-resume")
+            raise CheckpointError(f"{info.id} was taken with {differences(key, saved.get(key), spec.meta.get(key))}; "
+                                  f"start with matching flags, --resume-from another, or --no-resume")
     old = int(info.meta.get("num_ps", 0))
     if old == num_ps:
         return [f"ps{shard}.pt"]  # same shape: this shard's own file is all it needs

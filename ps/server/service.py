@@ -2,9 +2,10 @@
 
 ``ParameterServer`` hosts one shard of what a workload's ``ModelSpec`` declares: its rows of every
 table, its dense groups, and the spec's named operations. Its ``@remote`` methods are those
-``PsSurface`` declares, the whole remote interface; trainers reach them only through ``ps/client/stub.py``. Every input is validated (types
-by ``services/remote.py``, ids and names here, an operation's own arguments by the operation): a
-bad request raises ``BadRequest`` back to its caller and the server keeps serving.
+``PsSurface`` declares, the whole remote interface; trainers reach them only through
+``ps/client/stub.py``. Every input is validated (types by ``services/remote.py``, ids and names
+here, an operation's own arguments by the operation): a bad request raises ``BadRequest`` back to
+its caller and the server keeps serving.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from ps.server.tables import ShardParams
 from ps.server.update import SharedOptimizer, SyncSteps
 from ps.server.work import Work
 from services.errors import BadRequest
-from services.remote import remote
+from services.remote import describe, remote
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,23 @@ class ParameterServer(PsSurface):
         return self.hashed.keep_current(known.reads if known is not None else {})
 
     def _grads(self, context_id: int) -> dict[torch.Tensor, torch.Tensor]:
-        return self.params.by_param(self.contexts.grads(context_id))
+        return self.contexts.gradients(self._call.caller, context_id, self.params.by_param)
+
+    @remote
+    def push(self, context_id: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for param, (ids, grad) in grads.items():
+            table = self.checks.table_of(param)
+            if table in self.hashed:
+                raise BadRequest(f"{param}: gradients of a hashed table's rows are not pushed (its rows change hands)")
+            self.checks.ids(table, ids, f"ids of {param}")
+            weight = self.param(param)
+            if grad.shape != (ids.numel(), *weight.shape[1:]):
+                row = ", ".join(map(str, weight.shape[1:]))
+                raise BadRequest(f"the gradient of {param} must be a tensor [{ids.numel()}, {row}] (a row per id), "
+                                 f"got {describe(grad)}")
+            local = self.layout.plans[table].to_local(ids.long())
+            sparse = torch.sparse_coo_tensor(local[None], grad.float(), weight.shape, check_invariants=False)
+            self.contexts.push(self._call.caller, context_id, self.optimizer.steps, weight, sparse)
 
     @remote
     def dense_params(self) -> dict[str, torch.Tensor]:

@@ -61,6 +61,14 @@ class PsSurface(Service):
         raise NotImplementedError
 
     @remote
+    def push(self, context_id: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Gradients of rows the caller did not read in ``context_id`` (table parameter -> (global
+        ``ids`` [n] this shard owns, their gradients [n, *row shape])): part of that step's update,
+        as if they had come back through distributed autograd. Before the step's norm round or
+        hand-over; not for a hashed table."""
+        raise NotImplementedError
+
+    @remote
     def grad_sq_norm(self, context_id: int) -> float:
         """The squared norm of the caller's gradients here: the first half of an async or ssp
         update, where gradients that are not finite are refused before any server applies any."""

@@ -326,8 +326,10 @@ def test_ctr_profile_as_separate_hosts(network, tmp_path):
         manifest = json.loads((volume / taken["id"] / "manifest.json").read_text())
         assert set(manifest["files"]) == {"ps0.pt", "ps1.pt", "ctr0.pt", "ctr1.pt"}
         model = manifest["meta"]["model"]
-        assert len(model["cardinalities"]) == 26 and sum(model["cardinalities"]) < 400_000, model   # at RPCPS_CTR_SCALE
-        assert model["hashed"] == [2, 3], model                                                   # C3 and C4
+        sizes = model["criteo"]["cardinalities"]
+        assert len(sizes) == 26 and sum(sizes) < 400_000, model                  # at RPCPS_CTR_SCALE
+        assert model["criteo"]["hashed"] == [2, 3], model                          # C3 and C4
+        assert [t["name"] for t in model["schema"]["tables"] if t["hashed"]] == ["C3", "C4"], model
 
         wait_scraped(hosts, f"http://{net.addresses['prometheus']}:9090", roles, {
             "rpcps_trainer_samples_total > 0": {"ctr0", "ctr1"},

@@ -1,10 +1,12 @@
 """The CTR workload's tables sharded over 1, 2 or 3 real servers in sync mode train exactly the
 one-process DLRM on the trainers' concatenated batches: every table and MLP parameter, with SGD
 and row-wise Adagrad, tables placed row-wise and whole (table-wise), and with each step's lookups
-cut into many requests by a small --max-ids-per-request."""
+cut into many requests by a small --max-ids-per-request. And gradients pushed for rows a step did
+not read from the servers move them as distributed autograd's do."""
 import json
 
 import pytest
+import torch
 
 STEPS = 3
 TRAINERS = 2
@@ -49,3 +51,17 @@ def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement, ca
         assert float(asked.split()[-1]) > 2 * STEPS * TRAINERS, f"lookups cut into several requests: {asked}"
     for name, diff in lead["param_diff"].items():
         assert diff < TOLERANCE[table_rule], f"{name} differs by {diff} after {STEPS} steps"
+
+
+@pytest.mark.parametrize("consistency", ["async", "sync"])
+def test_pushed_gradients_move_rows_as_those_back_through_autograd(procs, consistency):
+    # The explicit push (a step's gradients of rows it did not read from the servers: a trainer's
+    # cached copy) joins the step's update as distributed autograd's gradients do.
+    procs.start_servers(2, **{**MODEL, "consistency": consistency}, table_rule="sgd")
+    result = procs.run_driver("pushed", "ctr0", 2)
+    autograd, pushed = torch.tensor(result["autograd"]), torch.tensor(result["pushed"])
+    assert autograd.abs().max() > 1e-3, "the first step moved the rows"
+    assert torch.allclose(pushed, autograd, atol=1e-6), (pushed - autograd).abs().max()
+    assert torch.equal(autograd[1], autograd[2]), "a repeated id is one row"
+    assert [r.split(":")[0] for r in result["refused"]] == ["BadRequest", "BadRequest"], result["refused"]
+    assert "must be a tensor [2, 4]" in result["refused"][0], result["refused"]

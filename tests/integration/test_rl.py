@@ -1,6 +1,7 @@
 """The RL workload with real processes, RPC and HTTP: the agent and its observers play episodes,
 learn, lose and gain observers, take checkpoints and resume; one run learns on real CartPole."""
 import os
+import shutil
 import signal
 import subprocess
 
@@ -119,6 +120,7 @@ def test_real_cartpole_running_reward_improves(tmp_path):
     assert (tmp_path / "ckpt" / "step-80" / "manifest.json").exists()    # the final checkpoint
 
 
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
 def test_rl_metrics_pass_promtool(procs):
     agent, observers = agent_and_observers(procs, 1, env="fixed:5")
     with agent.client(timeout=10) as c:

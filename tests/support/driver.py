@@ -11,8 +11,8 @@ import json
 import sys
 import time
 
-import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ps.spec.config import ps_names
 from ps.server.service import ParameterServer
@@ -174,8 +174,8 @@ def poison_hashed(client: PsClient, args: argparse.Namespace) -> dict:
     for scale in (1.0, float("nan"), float("inf"), 1.0):
         client.begin()
         with client.step() as step:
-            rows, weights = step.fetch({"C3.weight": ids})
-            loss = (rows["C3.weight"].sum() + sum(w.sum() for w in weights.values())) * scale
+            rows, weights = step.fetch({"tables.weights.C3": ids})
+            loss = (rows["tables.weights.C3"].sum() + sum(w.sum() for w in weights.values())) * scale
             try:
                 step.finish(loss, clip=0.0)
                 refused.append(None)
@@ -287,18 +287,18 @@ def tiny(client: PsClient, args: argparse.Namespace) -> dict:
 
 
 def ctr(client: PsClient, args: argparse.Namespace) -> dict:
-    """One of ``--trainers`` sync CTR trainers (the real task and loop), each on its share of the
-    generated stream; trainer0 also trains the one-process DLRM on every trainer's samples of each
-    step and compares every parameter at the end."""
-    from trainer.ctr.model import DistributedDlrm, LocalDlrm, table_name
+    """One of ``--trainers`` sync CTR trainers of the built-in DLRM (the real task and loop), each on
+    its share of the generated stream; trainer0 also trains the same module in one process on every
+    trainer's samples of each step and compares every parameter at the end."""
+    import rpcps
+    from trainer.ctr.custom import SchemaModel, hosted_module
     from trainer.ctr.source import GeneratedSource
     from trainer.ctr.synthetic import SyntheticCtr
     from trainer.ctr.task import CtrTask
-    index, batch = int(args.name.removeprefix("ctr")), 64
-    model = DistributedDlrm(client)
-    generator = SyntheticCtr.fitting(model.config.cardinalities, seed=3)
-    task = CtrTask(model, GeneratedSource(generator, batch, index, args.trainers), name=args.name,
-                   num_trainers=args.trainers)
+    index, batch, hosted = int(args.name.removeprefix("ctr")), 64, client.model
+    generator = SyntheticCtr.fitting(hosted["criteo"]["cardinalities"], seed=3)
+    task = CtrTask(SchemaModel(client, hosted_module(hosted)), GeneratedSource(generator, batch, index, args.trainers),
+                   name=args.name, num_trainers=args.trainers)
     loop = TrainLoop(task, clip=0.0)
     client.begin()
     wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
@@ -308,34 +308,72 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
     result: dict = {"losses": losses, "consistency": str(client.consistency)}
     if index != 0:
         return result
-    served = [client.call(name, PsSurface.parameters) for name in client.ps_names]
-    local = LocalDlrm(model.config)
-    initial = {t: bag.weight.detach().clone() for t, bag in enumerate(local.tables)}
-    local_losses = [local.step(generator.batch(np.arange(step * batch * args.trainers,
-                                                         (step + 1) * batch * args.trainers)))
-                    for step in range(args.steps)]
-    diffs, moved = {}, 0.0
-    for t, bag in enumerate(local.tables):
-        param = f"{table_name(t)}.weight"
-        whole = torch.full_like(bag.weight, float("nan"))
-        for k, part in enumerate(served):
-            whole[client.plans[table_name(t)].global_ids(k)] = part[param]
-        diffs[param] = float((whole - bag.weight.detach()).abs().max())
-        moved = max(moved, float((bag.weight.detach() - initial[t]).abs().max()))
-    dense = {n: p for part in served for n, p in part.items() if n.startswith(("bottom.", "top."))}
-    for name, p in local.dense.named_parameters():
-        diffs[name] = float((dense[name] - p.detach()).abs().max())
+    local = hosted_module(hosted)
+    optimizer = rpcps.local_optimizer(local, hosted["optimizer"], hosted["lr"], hosted["table_rule"])
+    every = GeneratedSource(generator, batch * args.trainers)      # each step's samples, every trainer's
+    local_losses = []
+    for _ in range(args.steps):
+        b = every.next()
+        optimizer.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(local(b), b.labels)
+        loss.backward()
+        optimizer.step()
+        local_losses.append(float(loss))
+    diffs, moved = compared(client, local, {t: torch.arange(cfg.rows) for t, cfg in local.tables.configs.items()})
     result.update(local_losses=local_losses, param_diff=diffs, tables_moved=moved,
                   placements={t: type(plan).__name__ for t, plan in client.plans.items()})
     return result
+
+
+def pushed(client: PsClient, args: argparse.Namespace) -> dict:
+    """Two steps of one trainer on the CTR model's table C3 (SGD): the first gives rows X their
+    gradients through distributed autograd, the second pushes the same gradients for X and reads
+    only rows of C4. How far each step moved X's rows; and a push the servers refuse."""
+    param, x = "tables.weights.C3", torch.tensor([3, 7, 7, 11, 40, 41])   # id 7 twice: its gradients add up
+    w = torch.linspace(-1, 1, x.numel() * 4).reshape(x.numel(), 4)
+
+    def rows() -> torch.Tensor:
+        with torch.no_grad():
+            return client.fetch({param: x}, dense=False)[0][param]
+    start = rows()
+    client.begin()
+    with client.step() as step:
+        got, _ = step.fetch({param: x}, dense=False)
+        step.finish((got[param] * w).sum(), clip=0.0)
+    read = rows()
+    client.begin()
+    with client.step() as step:
+        other, _ = step.fetch({"tables.weights.C4": torch.tensor([1, 2])}, dense=False)
+        step.push({param: x}, {param: w})
+        step.finish(other["tables.weights.C4"].sum() * 0.0, clip=0.0)
+    after = rows()
+    client.end()
+    refused = []
+    for grad in (torch.zeros(2, 5), torch.zeros(3, 4)):      # a row of the wrong width; more rows than ids
+        try:
+            client.call(client.ps_names[0], PsSurface.push, 12345, {param: (torch.tensor([0, 2]), grad)})
+        except Exception as exc:  # noqa: BLE001 - the sentence is the result
+            refused.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+    return {"autograd": (read - start).tolist(), "pushed": (after - read).tolist(), "refused": refused}
+
+
+def compared(client: PsClient, local: torch.nn.Module, ids: dict[str, torch.Tensor]) -> tuple[dict[str, float], float]:
+    """The servers' rows ``ids`` of each table and their dense weights against the one-process
+    module ``local`` (its tables in ``local.tables``): the largest difference of each, and the most
+    any of those rows moved from its initial value."""
+    with torch.no_grad():
+        rows, weights = client.fetch({f"tables.weights.{t}": i for t, i in ids.items()})
+    diffs = {t: float((rows[f"tables.weights.{t}"] - local.tables.rows_of(t, i)).abs().max()) for t, i in ids.items()}
+    diffs.update({n: float((weights[n] - p.detach()).abs().max()) for n, p in local.named_parameters()
+                  if not n.startswith("tables.")})
+    moved = max(float((local.tables.rows_of(t, i) - local.tables.initial_rows(t, i)).abs().max()) for t, i in ids.items())
+    return diffs, moved
 
 
 def bagged(client: PsClient, args: argparse.Namespace) -> dict:
     """One of ``--trainers`` sync trainers of the public API's test model (``tests/support/bagged.py``)
     on its share of each step's samples, through the real loop; trainer0 also trains the same module
     in one process on every trainer's samples and compares every table row and weight after."""
-    import torch.nn.functional as F
-
     import rpcps
     from tests.support.bagged import TABLES, batch, build, LR, OPTIMIZER
     from trainer.core.hosted import HostedModel
@@ -386,12 +424,7 @@ def bagged(client: PsClient, args: argparse.Namespace) -> dict:
         optimizer.step()
         local_losses.append(float(loss))
     ids = {t.name: torch.tensor(sorted(seen[t.name]) if t.hashed else range(t.rows)) for t in TABLES}
-    with torch.no_grad():
-        rows, weights = client.fetch({f"tables.weights.{t}": i for t, i in ids.items()})
-    diffs = {t: float((rows[f"tables.weights.{t}"] - local.tables.rows_of(t, i)).abs().max()) for t, i in ids.items()}
-    diffs.update({n: float((weights[n] - p.detach()).abs().max()) for n, p in local.named_parameters()
-                  if not n.startswith("tables.")})
-    moved = max(float((local.tables.rows_of(t, i) - local.tables.initial_rows(t, i)).abs().max()) for t, i in ids.items())
+    diffs, moved = compared(client, local, ids)
     result.update(local_losses=local_losses, param_diff=diffs, tables_moved=moved,
                   placements={t: type(plan).__name__ for t, plan in client.plans.items()})
     return result
@@ -400,7 +433,7 @@ def bagged(client: PsClient, args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad", "tiny", "ctr",
-                                    "poison_hashed", "bagged"))
+                                    "pushed", "poison_hashed", "bagged"))
     p.add_argument("--name", required=True)
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
@@ -424,7 +457,7 @@ def main() -> None:
         wait_until(lambda: set(servers) <= set(current_members()), 60, "servers in the group")
         client = PsClient(args.name, servers)
         modes = {"equivalence": equivalence, "sync": sync, "clocked": clocked, "hammer": hammer, "inspect": inspect,
-                 "bad": bad, "tiny": tiny, "ctr": ctr, "poison_hashed": poison_hashed,
+                 "bad": bad, "tiny": tiny, "ctr": ctr, "pushed": pushed, "poison_hashed": poison_hashed,
                  "bagged": bagged}
         result = modes[args.mode](client, args)
         del client

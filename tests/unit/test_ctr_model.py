@@ -1,16 +1,23 @@
-"""Update rules against torch and brute force; the DLRM's initial values as pure functions; the
-one-process baseline learns the generator's ground truth."""
+"""Update rules against torch and brute force; the built-in DLRM is a model over Criteo's schema,
+built alike by every process; the one-process baseline learns the generator's ground truth."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from ps.spec.rules import Adagrad, RowWiseAdagrad, Sgd, rule
-from trainer.ctr.config import CtrModelConfig
-from trainer.ctr.model import DlrmDense, LocalDlrm, interactions, table_rows
+from rpcps.schema import load_schema
+from trainer.ctr import builtin
+from trainer.ctr.config import CtrModelSettings
+from trainer.ctr.local import LocalModel
 from trainer.ctr.quality import auc
+from trainer.ctr.source import GeneratedSource
 from trainer.ctr.synthetic import SyntheticCtr
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sparse_steps(seed: int = 0):
@@ -58,24 +65,52 @@ def test_rowwise_adagrad_keeps_one_value_a_row():
         rule("adam")
 
 
-def test_initial_rows_are_functions_of_seed_table_and_row():
-    cfg = CtrModelConfig(cardinalities=(1000, 50), dim=8, seed=3)
-    whole = table_rows(cfg, 0, torch.arange(1000))
-    assert torch.equal(table_rows(cfg, 0, torch.tensor([7, 500, 999])), whole[[7, 500, 999]])
-    assert not torch.equal(table_rows(cfg, 1, torch.arange(50)), whole[:50])
-    assert whole.abs().max() <= 1 / 1000 ** 0.5 and whole.std() > 0.3 / 1000 ** 0.5
-    assert torch.equal(DlrmDense(cfg).top[0].weight, DlrmDense(cfg).top[0].weight)   # no shared generator
+def test_the_builtin_model_is_the_dlrm_over_criteos_schema():
+    settings = CtrModelSettings(scale=0.001, dim=8, bottom="16", top="16,8", tables="C3,C12", capacity_share=0.5,
+                                table_dtype="fp16", pooling="mean")
+    schema = builtin.criteo_schema(settings)
+    assert schema.features == [f"C{t}" for t in range(1, 27)] and schema.numeric_names == [f"I{i}" for i in range(1, 14)]
+    assert all(n.log1p and n.clip == (0, None) for n in schema.numeric)
+    rows = {t.name: t for t in schema.tables}
+    sizes = SyntheticCtr(scale=0.001).cardinalities
+    assert rows["C3"].hashed and rows["C3"].rows == (sizes[2] + 1) // 2 and not rows["C4"].hashed
+    assert rows["C4"].rows == sizes[3] and {t.dtype for t in schema.tables} == {"fp16"}
+    assert {t.pooling for t in schema.tables} == {"mean"} and {t.dim for t in schema.tables} == {8}
+    model, again = builtin.module(settings), builtin.module(settings)
+    assert [m.out_features for m in model.top if isinstance(m, torch.nn.Linear)] == [16, 8, 1]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters())), "every process builds it"
+    other = builtin.module(settings.model_copy(update={"seed": 2}))
+    assert not torch.equal(model.bottom[0].weight, other.bottom[0].weight)
+
+
+def test_the_criteo_example_is_the_builtin_model_and_schema():
+    # What a user copies is what `--workload ctr` trains: the same file, and its schema at --scale 0.01.
+    example = REPO / "examples" / "criteo_dlrm"
+    assert (example / "model.py").read_text() == (REPO / "trainer" / "ctr" / "dlrm.py").read_text()
+    assert load_schema(example / "criteo.yaml") == builtin.criteo_schema(CtrModelSettings(scale=0.01))
+
+
+def test_generated_samples_become_the_schemas_features():
+    data = SyntheticCtr(seed=2, scale=0.001)
+    for hot in (1, 3):
+        samples = data.batch(np.arange(5), hot)
+        batch = builtin.features(samples)
+        ids = samples.ids.reshape(5, 26, hot)
+        for t in (0, 2, 25):
+            f = batch.sparse[f"C{t + 1}"]
+            assert f.offsets.tolist() == list(range(0, 5 * hot + 1, hot))
+            assert f.values.tolist() == ids[:, t, :].reshape(-1).tolist()
+        assert torch.equal(batch.dense, torch.from_numpy(samples.dense)) and batch.p is samples.p
+        assert len(batch) == 5
 
 
 def test_the_one_process_baseline_learns_the_ground_truth():
-    torch.manual_seed(0)
     data = SyntheticCtr(seed=2, scale=0.001)
-    cfg = CtrModelConfig(cardinalities=data.cardinalities, dim=8, bottom=(32,), top=(32,), optimizer="adagrad")
-    assert DlrmDense(cfg)(torch.zeros(4, 13), torch.zeros(4, 26, 8)).shape == (4,) and interactions(cfg) == 351
-    model = LocalDlrm(cfg, lr=0.1)
-    test = data.batch(data.held_out(5000))
-    before = auc(model.predict(test), test.labels)
-    for step in range(80):
-        model.step(data.batch(np.arange(step * 512, (step + 1) * 512)))
-    after = auc(model.predict(test), test.labels)
-    assert after > 0.62 and after > before + 0.05, (before, after, auc(test.p, test.labels))
+    model = LocalModel.of(CtrModelSettings(scale=0.001, dim=8, bottom="32", top="32", optimizer="adagrad"))
+    source = GeneratedSource(data, 512)
+    test = builtin.features(data.batch(data.held_out(5000)))
+    before = auc(model.predict(test), test.labels.numpy())
+    for _ in range(80):
+        model.step(source.next())
+    after = auc(model.predict(test), test.labels.numpy())
+    assert after > 0.62 and after > before + 0.05, (before, after, auc(test.p, test.labels.numpy()))

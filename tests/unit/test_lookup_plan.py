@@ -71,3 +71,22 @@ def test_issued_lookups_are_collected_whatever_order_the_answers_come_in():
     assert torch.equal(weights["top.weight"], torch.ones(2))
     for param, ids in asked.items():
         assert torch.equal(rows[param], row_of(param, ids.reshape(-1)).float().view(*ids.shape, 2)), param
+
+
+@pytest.mark.parametrize("max_ids", [3, 1000])
+def test_gradients_are_spread_as_the_lookups_were_cut_a_repeated_ids_added_up(max_ids):
+    # What a step pushes for rows it did not read from the servers goes back the way a lookup
+    # came: each server its own ids, in the same requests, once each, with the sum of its gradients.
+    asked = lookups()
+    plan = plan_lookups(asked, PLANS, TABLE_OF, max_ids)
+    g = torch.Generator().manual_seed(5)
+    grads = {param: torch.randn(*ids.shape, 2, generator=g, dtype=torch.float64) for param, ids in asked.items()}
+    pushes = plan.spread(grads)
+    assert len(pushes) == len(plan.requests)
+    for (server, request), push in zip(plan.requests, pushes):
+        assert push.keys() == request.keys()
+        for param, (ids, grad) in push.items():
+            assert ids is request[param] and grad.shape == (ids.numel(), 2)
+            flat, rows = asked[param].reshape(-1), grads[param].reshape(-1, 2)
+            for i, got in zip(ids.long().tolist(), grad):
+                assert torch.allclose(got, rows[flat == i].sum(0)), (param, i)

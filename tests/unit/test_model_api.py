@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 import rpcps
 from tests.support.bagged import TABLES, batch, build
+from ps.server.participant import differences
 from trainer.core.hosted import hosted_spec
 
 
@@ -85,6 +86,30 @@ def test_the_servers_model_is_derived_from_the_module():
     assert not list(model.tables.parameters()), "deriving the servers' model builds no table here"
     with pytest.raises(Exception, match="holds no rpcps.EmbeddingBags"):
         hosted_spec(nn.Linear(2, 2))
+
+
+def test_a_checkpoint_restores_into_the_same_tables_stored_placed_or_bounded_otherwise():
+    def restorable(**change) -> dict:
+        tables = [t.model_copy(update=change.get(t.name, {})) for t in TABLES]
+
+        class Model(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.tables = rpcps.EmbeddingBags(tables)
+                self.top = nn.Linear(4, 1)
+        spec = hosted_spec(Model(), optimizer="adagrad", table_rule=change.get("rule"))
+        return {k: spec.meta[k] for k in spec.compatible}
+
+    same = restorable()
+    assert restorable(user={"rows": 32}, item={"dtype": "fp16", "wire_dtype": "bf16", "placement": "table_wise"},
+                      genre={"pooling": "mean"}) == same, "capacity, precision, placement, pooling may change"
+    for change in ({"item": {"rows": 41}}, {"item": {"dim": 8}}, {"genre": {"rule": "adagrad"}},
+                   {"user": {"hashed": False}}):
+        assert restorable(**change) != same, change
+    # A refused checkpoint says what differs, not the whole model.
+    said = differences("restorable", same["restorable"], restorable(item={"rows": 41})["restorable"])
+    assert said == "restorable.tables.tables.weights.item.rows=40, this server has 41"
+    assert differences("restorable", None, same["restorable"]).startswith("no restorable recorded")
 
 
 def test_one_process_training_steps_each_table_by_its_rule():

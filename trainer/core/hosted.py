@@ -51,6 +51,17 @@ def describe(model: nn.Module) -> dict[str, Any]:
             "dense": {name: list(p.shape) for group in dense_parameters(model).values() for name, p in group}}
 
 
+def restorable(model: nn.Module, optimizer: str, table_rule: Optional[str]) -> dict[str, Any]:
+    """What a checkpoint must match to restore into ``model``: each table's rows, width, keying
+    and update rule (whose state it holds), and the dense shapes. The rest may change from run to
+    run, as a checkpoint restores into it: a hashed table's capacity (its rows are saved by id),
+    storage and wire precision, placement, admission, eviction, pooling."""
+    return {"tables": {table_param(prefix, name): {"rows": None if cfg.hashed else cfg.rows, "dim": cfg.dim,
+                                                   "hashed": cfg.hashed, "rule": cfg.rule or table_rule or optimizer}
+                       for prefix, bag in bags_of(model) for name, cfg in bag.configs.items()},
+            "dense": describe(model)["dense"]}
+
+
 def hosted_spec(model: nn.Module, *, optimizer: str = "sgd", lr: float = 0.1, table_rule: Optional[str] = None,
                 meta: Optional[dict[str, Any]] = None) -> ModelSpec:
     """What the servers host for ``model``: its tables and its dense parameters as they are now,
@@ -69,8 +80,9 @@ def hosted_spec(model: nn.Module, *, optimizer: str = "sgd", lr: float = 0.1, ta
                               lambda params=params: {n: p.detach().clone() for n, p in params})
                    for params in dense_parameters(model).values())
     return ModelSpec(tables, groups, optimizer=optimizer, lr=lr,
-                     meta={**(meta or {}), **describe(model), "optimizer": optimizer, "lr": lr},
-                     compatible=("tables", "dense"))
+                     meta={**(meta or {}), **describe(model), "optimizer": optimizer, "lr": lr,
+                           "table_rule": table_rule, "restorable": restorable(model, optimizer, table_rule)},
+                     compatible=("restorable",))
 
 
 class HostedModel(ServedModel):

@@ -68,13 +68,13 @@ def bench_local(args: dict) -> dict:
     import torch
 
     from trainer.ctr.config import CtrModelSettings
-    from trainer.ctr.model import LocalDlrm
+    from trainer.ctr.local import LocalModel
     from trainer.ctr.quality import auc, logloss
     from trainer.ctr.source import GeneratedSource
     from trainer.ctr.synthetic import SyntheticCtr
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model = LocalDlrm(CtrModelSettings(scale=args["scale"]).model())
+    model = LocalModel.of(CtrModelSettings(scale=args["scale"]))
     source = GeneratedSource(SyntheticCtr(seed=1, scale=args["scale"]), args["batch_size"] * TRAINERS)
     times = []
     for _ in range(args["steps"]):
@@ -85,7 +85,7 @@ def bench_local(args: dict) -> dict:
     timed = times[args["warmup"]:]
     held = list(source.held_out(args["eval_samples"], 4096))
     scores = np.concatenate([model.predict(b) for b in held])
-    labels = np.concatenate([b.labels for b in held])
+    labels = np.concatenate([b.labels.numpy() for b in held])
     truth = np.concatenate([b.p for b in held])
     return {"samples_per_s": args["batch_size"] * TRAINERS * len(timed) / sum(timed), "auc": auc(scores, labels),
             "logloss": logloss(scores, labels), "oracle_auc": auc(truth, labels), "rss_mb": _peak_rss_mb()}
@@ -177,7 +177,7 @@ def rows_bytes_per_sample(args: dict, batches: int = 5) -> float:
     source = GeneratedSource(SyntheticCtr(seed=1, scale=args["scale"]), args["batch_size"], 0, TRAINERS)
     unique = []
     for _ in range(batches):
-        ids = source.next().ids
+        ids = source.samples().ids
         unique.append(sum(len(np.unique(ids[:, t])) for t in range(ids.shape[1])))
     return statistics.mean(unique) * 16 * 4 / args["batch_size"]
 

@@ -1,5 +1,5 @@
-"""The CTR workload's settings: its model (the servers' truth), its servers', its trainers', and
-what `rpcps up --workload ctr` takes."""
+"""The CTR workload's settings: its model's, its servers', its trainers', and what `rpcps up
+--workload ctr` takes."""
 from __future__ import annotations
 
 import errno
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from ps.spec.config import Dtype, PsConfig, TablePrecisionSettings
+from ps.spec.config import PsConfig, TablePrecisionSettings
 from ps.spec.hashed_settings import HashedTableSettings
 from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings
@@ -92,31 +92,11 @@ class SchemaSettings(ConfigBase):
         return load_schema(self.schema_file) if self.schema_file is not None else None
 
 
-class CtrModelConfig(ConfigBase):
-    """The DLRM the servers host (their ``ModelSpec.meta``), which trainers read back on join."""
-
-    cardinalities: tuple[int, ...]
-    dim: int = Field(16, ge=1)
-    bottom: tuple[int, ...] = (512, 256, 64)
-    top: tuple[int, ...] = (512, 256)
-    pooling: Pooling = "sum"
-    seed: int = 1111
-    table_rule: TableRule = "rowwise_adagrad"
-    optimizer: DenseRule = "sgd"           # the MLPs' rule
-    lr: float = Field(0.1, gt=0)
-    placement: Placement = "auto"
-    hashed: tuple[int, ...] = ()          # tables keyed by raw 64-bit ids (indices)
-    capacities: tuple[int, ...] = ()      # the hashed tables' rows, in the same order
-    admit_after: int = Field(1, ge=1)
-    evict_after_steps: int = Field(0, ge=0)
-    table_dtype: Dtype = "fp32"           # how the servers store the tables' rows
-    wire_dtype: Dtype = "fp32"            # how rows and their gradients are sent
-
-
 class CtrModelSettings(HashedTableSettings, TablePrecisionSettings, SchemaSettings):
-    """What the servers and `rpcps up` say of the model's shape and rules (with the hashed
-    tables' capacity, admission and eviction, as ``ps/spec/hashed_settings.py`` words them, and the
-    tables' precision, as ``ps/spec/config.py`` does). With ``--model``, the model and its schema say
+    """What the servers and `rpcps up` say of the built-in model's shape (``trainer/ctr/builtin.py``)
+    and rules (with the hashed tables' capacity, admission and eviction, as
+    ``ps/spec/hashed_settings.py`` words them, and the tables' precision, as ``ps/spec/config.py``
+    does). With ``--model``, the model and its schema say
     its shape instead: only the rules, the learning rate and the seed apply."""
 
     user_model: str = Field("", description=MODEL_HELP, json_schema_extra={"flag": "--model", "env": "RPCPS_MODEL"})
@@ -156,16 +136,18 @@ class CtrModelSettings(HashedTableSettings, TablePrecisionSettings, SchemaSettin
                                  f"dtype, placement) and your model the rest")
         return self
 
-    def model(self) -> CtrModelConfig:
+    def cardinalities(self) -> tuple[int, ...]:
+        """The built-in DLRM's tables' sizes: Criteo Kaggle's times ``--scale``."""
         from trainer.ctr.synthetic import SyntheticCtr
-        sizes, hashed = SyntheticCtr(scale=self.scale).cardinalities, _hashed(self.tables)
-        return CtrModelConfig(cardinalities=sizes, dim=self.dim,
-                              bottom=_sizes(self.bottom), top=_sizes(self.top), pooling=self.pooling, seed=self.seed,
-                              table_rule=self.table_rule, optimizer=self.optimizer, lr=self.lr,
-                              placement=self.placement, hashed=hashed,
-                              capacities=tuple(self.capacity(sizes[t]) for t in hashed),
-                              admit_after=self.admit_after, evict_after_steps=self.evict_after_steps,
-                              table_dtype=self.table_dtype, wire_dtype=self.wire_dtype)
+        return SyntheticCtr(scale=self.scale).cardinalities
+
+    def hashed_tables(self) -> tuple[int, ...]:
+        """The indices of the tables ``--tables`` hashes."""
+        return _hashed(self.tables)
+
+    def layers(self) -> dict[str, list[int]]:
+        """The MLPs' hidden sizes, as the DLRM takes them."""
+        return {"bottom": list(_sizes(self.bottom)), "top": list(_sizes(self.top))}
 
 
 # The built-in DLRM's shape, which a user's schema says for its own model instead.

@@ -1,10 +1,10 @@
-"""A user's model over a feature schema (``rpcps up --model pkg.mod:Class --schema s.yaml``): built
-the same way by every process, hosted by the servers as ``trainer/core/hosted.py`` derives it, and
-trained by the CTR trainer's task on the schema's files."""
+"""A model over a feature schema: a user's (``rpcps up --model pkg.mod:Class --schema s.yaml``) or
+the built-in DLRM (``trainer/ctr/builtin.py``). Built the same way by every process, hosted by the
+servers as ``trainer/core/hosted.py`` derives it, and trained by the CTR trainer's task."""
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -19,9 +19,9 @@ from services.errors import ConfigError
 from trainer.core.hosted import HostedModel, hosted_spec
 
 
-def build_model(ref: str, schema: Schema, seed: int) -> nn.Module:
-    """``Class(schema)`` for ``ref`` = ``module:Class``, its dense layers drawn from ``seed`` (so every
-    process builds the same), or a ``ConfigError`` saying what is wrong."""
+def build_model(ref: str, schema: Schema, seed: int, options: Optional[dict[str, Any]] = None) -> nn.Module:
+    """``Class(schema, **options)`` for ``ref`` = ``module:Class``, its dense layers drawn from
+    ``seed`` (so every process builds the same), or a ``ConfigError`` saying what is wrong."""
     module_name, _, attribute = ref.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attribute)
@@ -30,7 +30,7 @@ def build_model(ref: str, schema: Schema, seed: int) -> nn.Module:
     except AttributeError:
         raise ConfigError(f"--model {ref}: {module_name} has no {attribute}") from None
     torch.manual_seed(seed)
-    model = cls(schema)
+    model = cls(schema, **(options or {}))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {ref}: {attribute}(schema) gave a {type(model).__name__}, not a torch.nn.Module")
     features = set(schema.features)
@@ -42,15 +42,23 @@ def build_model(ref: str, schema: Schema, seed: int) -> nn.Module:
     return model
 
 
-def user_model_spec(ref: str, schema: Schema, *, seed: int, optimizer: str, lr: float, table_rule: str) -> ModelSpec:
-    """What the servers host for the user's model: derived from it, with what it was built from
-    (which trainers read back)."""
-    return hosted_spec(build_model(ref, schema, seed), optimizer=optimizer, lr=lr, table_rule=table_rule,
-                       meta={"model": ref, "schema": schema.model_dump(mode="json"), "seed": seed})
+def user_model_spec(ref: str, schema: Schema, *, seed: int, optimizer: str, lr: float, table_rule: str,
+                    options: Optional[dict[str, Any]] = None, **more: Any) -> ModelSpec:
+    """What the servers host for the model ``ref`` over ``schema``: derived from it, with what it
+    was built from (which trainers read back, ``hosted_module``) and ``more`` for them to read."""
+    return hosted_spec(build_model(ref, schema, seed, options), optimizer=optimizer, lr=lr, table_rule=table_rule,
+                       meta={"model": ref, "schema": schema.model_dump(mode="json"), "seed": seed,
+                             "options": options or {}, **more})
+
+
+def hosted_module(hosted: dict[str, Any]) -> nn.Module:
+    """The module the servers host, built here from what they say of it (``PsClient.model``)."""
+    return build_model(hosted["model"], Schema.model_validate(hosted["schema"]), int(hosted["seed"]),
+                       hosted.get("options"))
 
 
 class SchemaModel(HostedModel):
-    """A user's model in a CTR trainer: its logits over a batch of the schema's files, and their
+    """A model over a schema in a CTR trainer: its logits over a batch of the schema's files, and their
     binary cross-entropy with the labels."""
 
     def fetch_for(self, batch: Batch) -> Any:

@@ -9,22 +9,32 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from services.errors import ConfigError
-from trainer.ctr.config import CtrUpSettings
+from trainer.ctr import builtin
+from trainer.ctr.config import CtrModelSettings, CtrUpSettings
 from trainer.ctr.source import criteo_source, schema_source
 from trainer.ctr.task import CtrTask
 
 
 class LocalModel:
-    """A user's model in one process, stepped by ``rpcps.local_optimizer``."""
+    """A model over a schema in one process, stepped by ``rpcps.local_optimizer`` with the
+    servers' rules."""
 
-    def __init__(self, cfg: CtrUpSettings) -> None:
+    def __init__(self, module: nn.Module, cfg: CtrModelSettings) -> None:
         from rpcps.local import local_optimizer
+        self.module = module
+        self.optimizer = local_optimizer(module, cfg.optimizer, cfg.lr, cfg.table_rule)
+
+    @classmethod
+    def of(cls, cfg: CtrModelSettings) -> "LocalModel":
+        """The model ``cfg`` names: a user's (``--model``), or the built-in DLRM."""
+        if not cfg.user_model:
+            return cls(builtin.module(cfg), cfg)
         from trainer.ctr.custom import build_model
-        self.module = build_model(cfg.user_model, cfg.loaded_schema(), cfg.seed)
-        self.optimizer = local_optimizer(self.module, cfg.optimizer, cfg.lr, cfg.table_rule)
+        return cls(build_model(cfg.user_model, cfg.loaded_schema(), cfg.seed), cfg)
 
     def step(self, batch: Any) -> float:
         self.module.train()
@@ -46,16 +56,13 @@ def run_local(cfg: CtrUpSettings, emit: Callable[[dict], None], should_stop: Cal
               interval: float) -> int:
     samples = cfg.batch_size * cfg.num_trainers          # a cluster step's samples, every trainer's
     if cfg.user_model:
-        model: Any = LocalModel(cfg)
         source = schema_source(cfg.loaded_schema(), cfg.data, samples, cfg.eval_samples)
     else:
-        from trainer.ctr.model import LocalDlrm
-        config = cfg.model()
-        if config.hashed:
+        if cfg.hashed_tables():
             raise ConfigError("--local trains the built-in DLRM with plain tables only: leave out --tables")
-        model = LocalDlrm(config)
-        source = criteo_source(cfg.data, config.cardinalities, (), samples, cfg.eval_samples, hot=cfg.hot,
+        source = criteo_source(cfg.data, cfg.cardinalities(), (), samples, cfg.eval_samples, hot=cfg.hot,
                                data_seed=cfg.data_seed)
+    model = LocalModel.of(cfg)
     task = CtrTask(model, source, name="local", num_trainers=1, eval_samples=cfg.eval_samples)
     losses, step, trained, started = [], 0, 0, time.monotonic()
     said = started

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, S
 import numpy as np
 
 from services.errors import ConfigError
+from trainer.ctr.builtin import Scored, features
 from trainer.ctr.config import data_files
 from trainer.ctr.criteo import CriteoStream
 from trainer.ctr.synthetic import Batch, SyntheticCtr, raw_ids
@@ -43,15 +44,19 @@ class GeneratedSource:
         return f"generated Criteo-shaped data (seed {g.seed}, scale {g.scale:g}" + \
             (f", {self.hot} ids per feature)" if self.hot > 1 else ")")
 
-    def next(self) -> Batch:
+    def next(self) -> Scored:
+        return features(self.samples())
+
+    def samples(self) -> Batch:
+        """The next batch as generated (``next``: as the model takes it); the position moves past it."""
         indices = self.generator.share(self.cursor, self.batch_size * self.shares, self.share, self.shares)
         self.cursor += self.batch_size * self.shares
         return self._batch(indices)
 
-    def held_out(self, count: int, batch_size: int) -> Iterator[Batch]:
+    def held_out(self, count: int, batch_size: int) -> Iterator[Scored]:
         indices = self.generator.held_out(count)
         for start in range(0, count, batch_size):
-            yield self._batch(indices[start:start + batch_size])
+            yield features(self._batch(indices[start:start + batch_size]))
 
     def _batch(self, indices: np.ndarray) -> Batch:
         batch = self.generator.batch(indices, self.hot)
@@ -72,8 +77,15 @@ class Stream(Protocol):
 OpenStream = Callable[[int, int, int, Optional[int]], Stream]
 
 
+class CriteoFeatures(CriteoStream):
+    """Criteo files' batches as the model takes them."""
+
+    def batches(self, size: int) -> Iterator[Scored]:
+        return map(features, super().batches(size))
+
+
 def criteo_files(paths: Sequence[Path], cardinalities: Sequence[int]) -> OpenStream:
-    return lambda share, shares, start, stop: CriteoStream(paths, cardinalities, share, shares, start, stop)
+    return lambda share, shares, start, stop: CriteoFeatures(paths, cardinalities, share, shares, start, stop)
 
 
 @dataclass
@@ -131,8 +143,8 @@ class FileSource:
 def criteo_source(data: Optional[Path], cardinalities: Sequence[int], hashed: Sequence[int], batch_size: int,
                   held: int, share: int = 0, shares: int = 1, hot: int = 1, data_seed: int = 1
                   ) -> "GeneratedSource | FileSource":
-    """The built-in DLRM's data: generated (no ``data``) or Criteo files; the tables in ``hashed``
-    take raw 64-bit ids."""
+    """The built-in DLRM's data (``trainer/ctr/builtin.py``): generated (no ``data``) or Criteo
+    files, as the schema's features; the tables in ``hashed`` take raw 64-bit ids."""
     if data is None:
         try:
             generator = SyntheticCtr.fitting(cardinalities, data_seed)

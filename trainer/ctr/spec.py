@@ -25,8 +25,6 @@ SPEC = WorkloadSpec(
                              "and list lengths", "trainer.ctr.datacheck")),
     benches=(BenchSpec("ctr", "samples/s, AUC and memory: one process vs async, sync and sync-allreduce servers",
                        "trainer.ctr.bench"),
-             BenchSpec("api", "the DLRM by hand against the internals vs through the public API: samples/s and AUC, "
-                              "one process and async servers", "trainer.ctr.bench_api"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
                                      "eviction", "ps.server.hashed.bench")),
     examples=(("--workload ctr --steps 200 --scale 0.01", "a DLRM on generated data at 1 % of Criteo's rows: "

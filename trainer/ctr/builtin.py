@@ -1,0 +1,80 @@
+"""The built-in CTR model: the DLRM of ``trainer/ctr/dlrm.py`` (a model file of the kind a user
+writes, over the public API) on Criteo's format, which is a schema like any user's. `rpcps up
+--workload ctr`'s model flags shape both: ``--scale`` the tables' rows, ``--tables`` which are
+hashed, ``--dim``, ``--pooling``, the precisions and placement each table's, ``--bottom`` and
+``--top`` the MLPs. The servers host it as they host a user's model (``trainer/ctr/custom.py``);
+its trainers read generated data or Criteo files, as batches of the schema's features."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+
+import rpcps
+from trainer.ctr.criteo import CATEGORICAL
+from trainer.ctr.synthetic import DENSE, Batch
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from ps.spec.model import ModelSpec
+    from rpcps.schema import Schema
+    from trainer.ctr.config import CtrModelSettings
+
+MODEL = "trainer.ctr.dlrm:DLRM"
+
+
+def criteo_schema(s: "CtrModelSettings") -> "Schema":
+    """Criteo's tab-separated lines (a label, 13 counts, 26 categorical values) as a schema: the
+    counts clipped at 0 and ``log1p``'d, each categorical column looked up in a table of its own."""
+    from rpcps.schema import Categorical, Numeric, Schema
+    from rpcps.tables import TableConfig
+    counts, values = [f"I{i + 1}" for i in range(DENSE)], [f"C{t + 1}" for t in range(CATEGORICAL)]
+    hashed = s.hashed_tables()
+    tables = [TableConfig(name=name, rows=s.capacity(rows) if t in hashed else rows, dim=s.dim, pooling=s.pooling,
+                          hashed=t in hashed, admit_after=s.admit_after, evict_after_steps=s.evict_after_steps,
+                          dtype=s.table_dtype, wire_dtype=s.wire_dtype, placement=s.placement)
+              for t, (name, rows) in enumerate(zip(values, s.cardinalities()))]
+    return Schema(format="tsv", header=False, columns=("label", *counts, *values), label="label",
+                  numeric=tuple(Numeric(column=c, clip=(0, None), log1p=True) for c in counts),
+                  categorical=tuple(Categorical(column=c) for c in values), tables=tuple(tables))
+
+
+def data(s: "CtrModelSettings") -> dict[str, Any]:
+    """What its trainers' data needs to know: the tables' sizes at ``--scale`` (generated ids fill
+    them; a Criteo value is reduced modulo them) and which tables take raw 64-bit ids."""
+    return {"cardinalities": list(s.cardinalities()), "hashed": list(s.hashed_tables())}
+
+
+def module(s: "CtrModelSettings") -> "nn.Module":
+    """The DLRM as every process builds it."""
+    from trainer.ctr.custom import build_model
+    return build_model(MODEL, criteo_schema(s), s.seed, s.layers())
+
+
+def model_spec(s: "CtrModelSettings") -> "ModelSpec":
+    """What the servers host."""
+    from trainer.ctr.custom import user_model_spec
+    return user_model_spec(MODEL, criteo_schema(s), seed=s.seed, optimizer=s.optimizer, lr=s.lr,
+                           table_rule=s.table_rule, options=s.layers(), criteo=data(s))
+
+
+@dataclass(frozen=True)
+class Scored(rpcps.Batch):
+    """A batch of the schema's features with the ground truth's click probability of each sample
+    (NaN where not known, as in a file), for the held-out evaluation's best possible AUC."""
+
+    p: Optional[np.ndarray] = None
+
+
+def features(batch: Batch) -> Scored:
+    """Generated or Criteo samples as the model takes them: feature ``C<t+1>`` the ids of column
+    ``t`` (several a sample with ``--hot``: a bag), the counts' ``log1p`` as the dense columns."""
+    ids = torch.from_numpy(batch.ids)
+    size, hot = ids.shape[0], 1 if ids.dim() == 2 else ids.shape[2]
+    by_feature = ids.reshape(size, CATEGORICAL, hot).permute(1, 0, 2).reshape(CATEGORICAL, size * hot)
+    offsets = torch.arange(0, size * hot + 1, hot)
+    return Scored({f"C{t + 1}": rpcps.Jagged(by_feature[t], offsets) for t in range(CATEGORICAL)},
+                  torch.from_numpy(batch.dense), torch.from_numpy(batch.labels), batch.p)
