@@ -17,8 +17,9 @@ Everything a user's code needs is here; the rest of the repository is the system
 from rpcps.batch import Batch, Jagged
 from rpcps.data import batches
 from rpcps.local import local_optimizer
+from rpcps.saved import load_model
 from rpcps.schema import Schema, SchemaError, load_schema
 from rpcps.tables import EmbeddingBags, TableConfig
 
-__all__ = ["Batch", "EmbeddingBags", "Jagged", "Schema", "SchemaError", "TableConfig", "batches", "load_schema",
-           "local_optimizer"]
+__all__ = ["Batch", "EmbeddingBags", "Jagged", "Schema", "SchemaError", "TableConfig", "batches", "load_model",
+           "load_schema", "local_optimizer"]

@@ -95,6 +95,7 @@ class EmbeddingBags(nn.Module):
         self.seed = seed
         self.weights = nn.ParameterDict()
         self._slots: dict[str, dict[int, int]] = {}            # a hashed table's raw id -> row, in one process
+        self._read_only: set[str] = set()                      # hashed tables loaded trained: no new rows
         self._served: Optional[Mapping[str, torch.Tensor]] = None
 
     def initial_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
@@ -121,6 +122,22 @@ class EmbeddingBags(nn.Module):
                     weight[start:start + len(ids)] = self.initial_rows(name, ids)
             self.weights[name] = nn.Parameter(weight)
         return self
+
+    def load_rows(self, table: str, rows: torch.Tensor, ids: Optional[torch.Tensor] = None) -> None:
+        """Trained rows in place of ``table``'s (an exported model's, ``rpcps.load_model``): a plain
+        table's [rows, dim]; a hashed table's for raw ``ids``, after which it is read-only: an id
+        without a row reads zeros, as the servers' evaluation reads one, and none is given a row."""
+        cfg = self.configs[table]
+        if rows.dim() != 2 or rows.shape[1] != cfg.dim or (not cfg.hashed and rows.shape[0] != cfg.rows):
+            raise ValueError(f"table {table} has {'up to ' if cfg.hashed else ''}{cfg.rows} rows of {cfg.dim}, "
+                             f"got {tuple(rows.shape)}")
+        if cfg.hashed:
+            if ids is None or ids.shape != (rows.shape[0],):
+                raise ValueError(f"hashed table {table}: give the raw id of each of its {rows.shape[0]} rows")
+            self._slots[table] = {int(i): k for k, i in enumerate(ids.tolist())}
+            self._read_only.add(table)
+            rows = torch.cat([rows, rows.new_zeros(1, cfg.dim)])     # the last: an unknown id's zeros
+        self.weights[table] = nn.Parameter(rows.float().clone())
 
     def lookups(self, features: Mapping[str, Jagged]) -> dict[str, torch.Tensor]:
         """Per table, the ids its features name, one feature after another in its order."""
@@ -185,6 +202,9 @@ class EmbeddingBags(nn.Module):
         """A hashed table's rows for raw ids in one process: new ids take the next free row."""
         slots, cfg = self._slots[table], self.configs[table]
         unique, inverse = torch.unique(raw, return_inverse=True)
+        if table in self._read_only:
+            unknown = len(slots)                   # ``load_rows``'s row of zeros
+            return torch.tensor([slots.get(i, unknown) for i in unique.tolist()], dtype=torch.int64)[inverse]
         new = [i for i in unique.tolist() if i not in slots]
         if len(slots) + len(new) > cfg.rows:
             raise RuntimeError(f"hashed table {table} is full: {cfg.rows} rows (in one process no row is evicted)")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from services.errors import ConfigError
 from services.names import parse_name
-from services.workload import benches, data_writers, roles, settings_of, workloads
+from services.workload import benches, commands, data_writers, roles, settings_of, workloads
 
 STATE_FILE = "cluster.json"
 
@@ -139,6 +139,10 @@ def _parser(argv: Sequence[str]) -> tuple[_Parser, dict[str, argparse.ArgumentPa
         if chosen == "data" and len(words) > 1 and words[1] == spec.name:
             spec.load().add_arguments(sp)
             made[f"data {spec.name}"] = sp
+    for spec in commands().values():
+        sp = command(spec.name, spec.help)
+        if chosen == spec.name:
+            spec.load().add_arguments(sp)
     return p, made
 
 
@@ -395,6 +399,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             sys.exit(benches()[args.bench].load().run(args))
         if cmd == "data":
             sys.exit(data_writers()[args.data_command].load().run(args))
+        if cmd in commands():
+            sys.exit(commands()[cmd].load().run(args))
     except ConfigError as exc:
         print(f"rpcps {cmd}: {exc}", file=sys.stderr)
         sys.exit(2)

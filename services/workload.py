@@ -77,7 +77,8 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class BenchSpec:
-    """A command a workload adds: a benchmark (`rpcps bench <name>`) or its data writer (`rpcps data <name>`)."""
+    """A command a workload adds: a benchmark (`rpcps bench <name>`), its data writer (`rpcps data
+    <name>`), or one of its own (`rpcps <name>`)."""
 
     name: str
     help: str
@@ -131,6 +132,7 @@ class WorkloadSpec:
     examples: tuple[tuple[str, str], ...] = ()   # (`rpcps up …` arguments, what they do), for `rpcps up --help`
     server: Optional[HostedSpec] = None          # its model, when the parameter servers host it
     data: tuple[BenchSpec, ...] = ()             # `rpcps data <name>`: writes its data as files, or checks files
+    commands: tuple[BenchSpec, ...] = ()         # `rpcps <name>`: a command of its own (`rpcps export`)
     rank: int = 50             # its place in listings (then by name): the first is `rpcps up`'s and `rpcps ps`'s default
 
     @property
@@ -213,6 +215,11 @@ SHARED_BENCHES = (BenchSpec("cli", "seconds the quick commands take to answer (-
 
 def data_writers() -> dict[str, BenchSpec]:
     return {data.name: data for spec in workloads().values() for data in spec.data}
+
+
+def commands() -> dict[str, BenchSpec]:
+    """The top-level commands workloads add, by name."""
+    return {c.name: c for spec in workloads().values() for c in spec.commands}
 
 
 def benches() -> dict[str, BenchSpec]:

@@ -1,14 +1,19 @@
 """The examples as their READMEs run them, briefly: each model on real servers, one also in one
-process; and the user-code line counts their READMEs state are the files' own."""
+process; each checkpoint exported and loaded without servers, scoring as the cluster did; and the
+user-code line counts their READMEs state are the files' own."""
 import json
 import os
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
+import rpcps
 from tests.support.cluster import REPO
+from trainer.ctr.quality import auc, logloss
 
 EXAMPLES = REPO / "examples"
 # (folder, model, schema, the data writer's arguments)
@@ -22,7 +27,7 @@ def cli(cwd, *args):
 
 
 @pytest.mark.parametrize("folder,model,schema,data", CASES)
-def test_an_example_trains_on_servers_as_its_readme_says(tmp_path, folder, model, schema, data):
+def test_an_example_trains_on_servers_as_its_readme_says(tmp_path, monkeypatch, folder, model, schema, data):
     lines = {name: len((EXAMPLES / folder / name).read_text().splitlines()) for name in ("model.py", schema)}
     readme = (EXAMPLES / folder / "README.md").read_text()
     for name, count in lines.items():
@@ -43,6 +48,22 @@ def test_an_example_trains_on_servers_as_its_readme_says(tmp_path, folder, model
     assert up.returncode == 0, up.stderr[-3000:]
     done = [json.loads(line) for line in up.stdout.splitlines() if '"done"' in line][-1]
     assert done["steps"] == 3 and 0 < done["auc"] < 1 and done["eval_samples"] == 300, done
+
+    # Taken out: the checkpoint of 2 servers exported, loaded where no server runs, scores the
+    # held-out lines (the files' first 300) as the cluster's own evaluation did.
+    exported = cli(tmp_path, "export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "model"))
+    assert exported.returncode == 0, exported.stderr
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    model = rpcps.load_model(tmp_path / "model")
+    scores, labels = [], []
+    with torch.no_grad():
+        for b in rpcps.batches(model.schema, tmp_path / "data", 128, limit=300):
+            scores.append(torch.sigmoid(model(b)).numpy())
+            labels.append(b.labels.numpy())
+    scores, labels = np.concatenate(scores), np.concatenate(labels)
+    assert len(labels) == 300
+    assert abs(auc(scores, labels) - done["auc"]) < 1e-6 and abs(logloss(scores, labels) - done["logloss"]) < 1e-6, \
+        (auc(scores, labels), logloss(scores, labels), done)
     if folder == "movies_deepfm":
         local = cli(tmp_path, "up", *flags, "--local")
         assert local.returncode == 0, local.stderr[-3000:]

@@ -23,6 +23,9 @@ SPEC = WorkloadSpec(
                     "trainer.ctr.datagen_ratings"),
           BenchSpec("check", "read data files as a feature schema says: each column's cardinality, missing rate "
                              "and list lengths", "trainer.ctr.datacheck")),
+    commands=(BenchSpec("export", "a checkpoint's model as a folder a program loads without servers "
+                                  "(rpcps.load_model): every table whole, the dense weights, the schema",
+                        "trainer.ctr.export"),),
     benches=(BenchSpec("ctr", "samples/s, AUC and memory: one process vs async, sync and sync-allreduce servers",
                        "trainer.ctr.bench"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
