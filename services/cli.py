@@ -185,9 +185,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def cluster_state(state_dir: Path) -> Optional[dict]:
+def cluster_state(state_dir: Path, running: bool = True) -> Optional[dict]:
     """What ``rpcps up`` recorded in ``state_dir``, None if nothing; ``CliError`` when the file is
-    not one ``rpcps up`` wrote, or the run that wrote it has ended."""
+    not one ``rpcps up`` wrote, or (``running``) the run that wrote it has ended."""
     path = state_dir / STATE_FILE
     if not path.is_file():
         return None
@@ -201,7 +201,7 @@ def cluster_state(state_dir: Path) -> Optional[dict]:
     pid = state.get("launcher_pid")
     ended = (not _alive(pid)) if isinstance(pid, int) else (
         bool(state.get("pids")) and not any(_alive(p) for p in state["pids"].values() if isinstance(p, int)))
-    if ended:
+    if ended and running:
         raise CliError(f"the cluster recorded in {path} is not running (the `rpcps up` that started it has "
                        f"ended): start one with `rpcps up`, or name a sidecar with --sidecar URL")
     return state
@@ -291,7 +291,7 @@ def _checkpoint_dir(args: argparse.Namespace) -> Path:
         return Path(args.checkpoint_dir)
     if os.environ.get("RPCPS_CHECKPOINT_DIR"):
         return Path(os.environ["RPCPS_CHECKPOINT_DIR"])
-    state = cluster_state(Path(args.state_dir))
+    state = cluster_state(Path(args.state_dir), running=False)     # a run that has ended left its checkpoints
     if state is not None and state.get("checkpoint_dir"):
         return Path(state["checkpoint_dir"])
     return Path("checkpoints")

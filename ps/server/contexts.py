@@ -42,11 +42,18 @@ class Contexts:
             return
         context_id = dist_autograd._current_context()._context_id()
         with self._lock:
-            recent = self._by_caller.setdefault(caller, collections.OrderedDict())
-            if context_id not in recent:
-                recent[context_id] = StepContext(step)
-                while len(recent) > _KEPT:
-                    recent.popitem(last=False)
+            self._known(caller, context_id, step)
+
+    def _known(self, caller: str, context_id: int, step: int) -> StepContext:
+        """``caller``'s context ``context_id``, remembered now if new (its oldest then forgotten).
+        Under the lock."""
+        recent = self._by_caller.setdefault(caller, collections.OrderedDict())
+        known = recent.get(context_id)
+        if known is None:
+            known = recent[context_id] = StepContext(step)
+            while len(recent) > _KEPT:
+                recent.popitem(last=False)
+        return known
 
     def note_read(self, caller: str, param: str, read: Any) -> None:
         """What ``caller``'s current context read of hashed parameter ``param`` (nothing outside
@@ -67,12 +74,7 @@ class Contexts:
         """Gradient ``grad`` of parameter ``param`` for ``caller``'s step ``context_id``, as if it
         had come back through distributed autograd (the context may have read nothing here)."""
         with self._lock:
-            recent = self._by_caller.setdefault(caller, collections.OrderedDict())
-            known = recent.get(context_id)
-            if known is None:
-                known = recent[context_id] = StepContext(step)
-                while len(recent) > _KEPT:
-                    recent.popitem(last=False)
+            known = self._known(caller, context_id, step)
             if known.checked:
                 raise BadRequest(f"context {context_id}'s gradients were already taken: push before the update")
             before = known.pushed.get(param)

@@ -155,6 +155,18 @@ def test_a_corrupt_or_stale_cluster_file_is_a_sentence(tmp_path, content, says):
     assert r.returncode == 1 and "no cluster is running here" in r.stderr, r.stderr
 
 
+def test_checkpoints_are_listed_from_the_folder_of_a_run_that_has_ended(tmp_path):
+    # The README's tour: `rpcps checkpoint --list` needs no cluster, after `rpcps up` ended too.
+    _checkpoint(CheckpointStore(tmp_path / "ck"), 10)
+    (tmp_path / ".rpcps").mkdir()
+    (tmp_path / ".rpcps" / "cluster.json").write_text(json.dumps(
+        {"sidecars": {"ps0": "http://127.0.0.1:9"}, "launcher_pid": 999999999, "checkpoint_dir": str(tmp_path / "ck")}))
+    r = rpcps("checkpoint", "--list", "--verify", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == f"{tmp_path / 'ck'}: 1 checkpoint folder, newest first", r.stdout
+    assert "step-10" in r.stdout and r.stdout.rstrip().endswith("verified"), r.stdout
+
+
 def test_a_checkpoint_folder_that_cannot_serve_is_refused_before_any_role_starts(tmp_path):
     r = rpcps("up", "--checkpoint-dir", "/proc/rpcps-checkpoints", "--state-dir", str(tmp_path / "state"),
               cwd=tmp_path)
