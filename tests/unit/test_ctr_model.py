@@ -76,10 +76,10 @@ def test_the_builtin_model_is_the_dlrm_over_criteos_schema():
     assert rows["C3"].hashed and rows["C3"].rows == (sizes[2] + 1) // 2 and not rows["C4"].hashed
     assert rows["C4"].rows == sizes[3] and {t.dtype for t in schema.tables} == {"fp16"}
     assert {t.pooling for t in schema.tables} == {"mean"} and {t.dim for t in schema.tables} == {8}
-    model, again = builtin.module(settings), builtin.module(settings)
+    model, again = LocalModel.of(settings).module, LocalModel.of(settings).module
     assert [m.out_features for m in model.top if isinstance(m, torch.nn.Linear)] == [16, 8, 1]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters())), "every process builds it"
-    other = builtin.module(settings.model_copy(update={"seed": 2}))
+    other = LocalModel.of(settings.model_copy(update={"seed": 2})).module
     assert not torch.equal(model.bottom[0].weight, other.bottom[0].weight)
 
 

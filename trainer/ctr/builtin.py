@@ -17,9 +17,6 @@ from trainer.ctr.criteo import CATEGORICAL
 from trainer.ctr.synthetic import DENSE, Batch
 
 if TYPE_CHECKING:
-    import torch.nn as nn
-
-    from ps.spec.model import ModelSpec
     from rpcps.schema import Schema
     from trainer.ctr.config import CtrModelSettings
 
@@ -42,23 +39,15 @@ def criteo_schema(s: "CtrModelSettings") -> "Schema":
                   categorical=tuple(Categorical(column=c) for c in values), tables=tuple(tables))
 
 
-def data(s: "CtrModelSettings") -> dict[str, Any]:
-    """What its trainers' data needs to know: the tables' sizes at ``--scale`` (generated ids fill
-    them; a Criteo value is reduced modulo them) and which tables take raw 64-bit ids."""
-    return {"cardinalities": list(s.cardinalities()), "hashed": list(s.hashed_tables())}
-
-
-def module(s: "CtrModelSettings") -> "nn.Module":
-    """The DLRM as every process builds it."""
-    from trainer.ctr.custom import build_model
-    return build_model(MODEL, criteo_schema(s), s.seed, s.layers())
-
-
-def model_spec(s: "CtrModelSettings") -> "ModelSpec":
-    """What the servers host."""
-    from trainer.ctr.custom import user_model_spec
-    return user_model_spec(MODEL, criteo_schema(s), seed=s.seed, optimizer=s.optimizer, lr=s.lr,
-                           table_rule=s.table_rule, options=s.layers(), criteo=data(s))
+def named(s: "CtrModelSettings") -> tuple[str, "Schema", dict[str, Any], dict[str, Any]]:
+    """The model the settings name, as every process builds it: a user's (``--model`` over
+    ``--schema``) or this DLRM over Criteo's schema. (Its import path, its schema, its arguments,
+    and what else its trainers must know: for the DLRM, the tables' sizes at ``--scale``, which
+    generated ids fill and a Criteo value is reduced modulo, and which tables take raw ids.)"""
+    if s.user_model:
+        return s.user_model, s.loaded_schema(), {}, {}
+    return MODEL, criteo_schema(s), s.layers(), {"criteo": {"cardinalities": list(s.cardinalities()),
+                                                            "hashed": list(s.hashed_tables())}}
 
 
 @dataclass(frozen=True)

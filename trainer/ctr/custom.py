@@ -42,8 +42,8 @@ def build_model(ref: str, schema: Schema, seed: int, options: Optional[dict[str,
     return model
 
 
-def user_model_spec(ref: str, schema: Schema, *, seed: int, optimizer: str, lr: float, table_rule: str,
-                    options: Optional[dict[str, Any]] = None, **more: Any) -> ModelSpec:
+def schema_model_spec(ref: str, schema: Schema, *, seed: int, optimizer: str, lr: float, table_rule: str,
+                      options: Optional[dict[str, Any]] = None, **more: Any) -> ModelSpec:
     """What the servers host for the model ``ref`` over ``schema``: derived from it, with what it
     was built from (which trainers read back, ``hosted_module``) and ``more`` for them to read."""
     return hosted_spec(build_model(ref, schema, seed, options), optimizer=optimizer, lr=lr, table_rule=table_rule,

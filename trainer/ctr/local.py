@@ -31,10 +31,9 @@ class LocalModel:
     @classmethod
     def of(cls, cfg: CtrModelSettings) -> "LocalModel":
         """The model ``cfg`` names: a user's (``--model``), or the built-in DLRM."""
-        if not cfg.user_model:
-            return cls(builtin.module(cfg), cfg)
         from trainer.ctr.custom import build_model
-        return cls(build_model(cfg.user_model, cfg.loaded_schema(), cfg.seed), cfg)
+        ref, schema, options, _ = builtin.named(cfg)
+        return cls(build_model(ref, schema, cfg.seed, options), cfg)
 
     def step(self, batch: Any) -> float:
         self.module.train()

@@ -5,11 +5,10 @@ from __future__ import annotations
 from ps.spec.model import ModelSpec
 from trainer.ctr import builtin
 from trainer.ctr.config import CtrServerConfig
-from trainer.ctr.custom import user_model_spec
+from trainer.ctr.custom import schema_model_spec
 
 
 def ctr_model(cfg: CtrServerConfig) -> ModelSpec:
-    if cfg.user_model:
-        return user_model_spec(cfg.user_model, cfg.loaded_schema(), seed=cfg.seed, optimizer=cfg.optimizer, lr=cfg.lr,
-                               table_rule=cfg.table_rule)
-    return builtin.model_spec(cfg)
+    ref, schema, options, more = builtin.named(cfg)
+    return schema_model_spec(ref, schema, seed=cfg.seed, optimizer=cfg.optimizer, lr=cfg.lr,
+                             table_rule=cfg.table_rule, options=options, **more)
