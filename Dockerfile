@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# One image for every rpcps role; the command picks it: `ps`, `trainer`, `agent`, `observer`.
+# One image for every rpcps role; the command picks it: `ps`, `trainer`, `ctr`, `agent`, `observer`,
+# `serve` (and the one-shot `export`, which writes a model folder into /models).
 FROM python:3.11-slim
 
 # Where torch comes from, and only torch: PyTorch's CPU index by default (no CUDA libraries; pass
@@ -36,8 +37,8 @@ COPY trainer ./trainer
 COPY rpcps ./rpcps
 RUN pip install --no-cache-dir --no-deps . \
     && useradd --uid 10001 --create-home --shell /usr/sbin/nologin rpcps \
-    && mkdir -p /checkpoints \
-    && chown 10001:10001 /checkpoints
+    && mkdir -p /checkpoints /models \
+    && chown 10001:10001 /checkpoints /models
 
 USER 10001
 VOLUME ["/checkpoints"]

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -42,3 +44,23 @@ def load_model(path: "str | Path") -> nn.Module:
     model.schema = schema
     model.exported = described
     return model.eval()
+
+
+def write_model(out: Path, tables: dict[str, dict[str, torch.Tensor]], dense: dict[str, torch.Tensor],
+                described: dict[str, Any], schema: Schema) -> None:
+    """The folder ``load_model`` reads: ``tables`` by parameter name (``rows``, and a hashed
+    table's raw ``ids``), the ``dense`` tensors, the model as ``described``, and its ``schema``.
+    Written beside ``out`` and moved in place, so a failed write leaves no half-written model; a
+    model already at ``out`` is moved aside first and removed after."""
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    torch.save({"format": FORMAT, "tables": tables, "dense": dense}, partial / WEIGHTS_FILE)
+    (partial / MODEL_FILE).write_text(json.dumps(described, indent=2) + "\n")
+    (partial / SCHEMA_FILE).write_text(json.dumps(schema.model_dump(mode="json"), indent=2) + "\n")
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    partial.rename(out)
+    shutil.rmtree(old, ignore_errors=True)

@@ -70,7 +70,8 @@ class CommonConfig(ConfigBase):
     sidecar_host: str = Field("127.0.0.1", description="address the HTTP sidecar binds")
     sidecar_port: int = Field(8080, ge=0, le=65535, description="port of the HTTP sidecar (0: any free port)")
     checkpoint_dir: Path = Field(Path("checkpoints"), description="folder of the cluster checkpoints")
-    control_token: Optional[SecretStr] = Field(None, description="bearer token required by POST routes")
+    control_token: Optional[SecretStr] = Field(None, description="bearer token required by the routes that change "
+                                                                 "state (POST /checkpoint, /episode/*)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads (1 is steadiest on small hosts)")
     rpc_timeout: float = Field(60.0, gt=0, description="seconds before an RPC fails")

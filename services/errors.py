@@ -18,6 +18,15 @@ class BadRequest(RpcpsError):
     """A caller sent something a server cannot serve (wrong dtype, shape or id range)."""
 
 
+class InvalidInput(BadRequest):
+    """A well-formed request whose content does not fit what it feeds (a row against the schema);
+    the message names the row and the column."""
+
+
+class TooLarge(BadRequest):
+    """A request over a size limit; the message gives the limit."""
+
+
 class UpdateRefused(BadRequest):
     """A server refused an update (its values are not finite, or it is too large): nothing of it was applied."""
 
@@ -51,6 +60,10 @@ class EpisodeConflict(RpcpsError):
 
 class JoinRefused(RpcpsError):
     """The leader refused a join (for instance, the name belongs to a live member)."""
+
+
+class Overloaded(RpcpsError):
+    """More work is waiting than the role will queue: try again later."""
 
 
 class PeerUnavailable(RpcpsError):

@@ -25,7 +25,7 @@ from services.lifecycle import RoleState
 from services.log import init_logging
 from services.role import RoleContext
 from services.sidecar import create_app
-from services.workload import RoleSpec
+from services.workload import RoleSpec, resolve
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,8 @@ def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     context.metrics.restarts_in_a_row.set(cfg.restarts_in_a_row)
     context.board.update(restarts_in_a_row=cfg.restarts_in_a_row)
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
-    sidecar = SidecarServer(create_app(role, registry, token), cfg.sidecar_host, cfg.sidecar_port).start()
+    routes = resolve(spec.routes) if spec.routes else None
+    sidecar = SidecarServer(create_app(role, registry, token, routes), cfg.sidecar_host, cfg.sidecar_port).start()
     log.info("%s %s: sidecar %s", spec.name, cfg.name, sidecar.url)
     worker = _RoleThread(role, context.leader_lost)
     code = worker.run_until_stopped(cfg.name)

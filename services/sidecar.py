@@ -5,11 +5,14 @@ result or the domain error to HTTP. Waiting, pausing and coordination live in th
 
     GET  /healthz /readyz /status /metrics /checkpoints
     POST /checkpoint /episode/start /episode/stop   (bearer token when one is configured)
+
+A role may add routes of its own (``RoleSpec.routes``: the serving role's ``POST /predict``), on
+the same terms.
 """
 from __future__ import annotations
 
 import hmac
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,11 +22,13 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from services.control import Controllable, EpisodeStart
-from services.errors import (BadRequest, CheckpointError, CheckpointInProgress, EpisodeConflict, NotReady,
-                             NotSupported, PeerUnavailable, RpcpsError, Unauthorized)
+from services.errors import (BadRequest, CheckpointError, CheckpointInProgress, EpisodeConflict, InvalidInput,
+                             NotReady, NotSupported, Overloaded, PeerUnavailable, RpcpsError, TooLarge, Unauthorized)
 
-_STATUS = {BadRequest: 400, Unauthorized: 401, EpisodeConflict: 409, CheckpointInProgress: 409, NotReady: 503,
-           NotSupported: 501, PeerUnavailable: 503, CheckpointError: 500}
+# The first type an error is an instance of gives its status: the narrower ones come first.
+_STATUS = {InvalidInput: 422, TooLarge: 413, BadRequest: 400, Unauthorized: 401, EpisodeConflict: 409,
+           CheckpointInProgress: 409, NotReady: 503, Overloaded: 503, NotSupported: 501, PeerUnavailable: 503,
+           CheckpointError: 500}
 
 
 class ErrorBody(BaseModel):
@@ -33,10 +38,11 @@ class ErrorBody(BaseModel):
     type: str
 
 
-def _errors(*codes: int) -> dict:
+def error_answers(*codes: int) -> dict:
     """The error answers a route really gives, for its OpenAPI entry."""
     what = {400: "a bad request", 401: "missing or wrong bearer token", 409: "conflicts with what runs",
-            422: "a body that is not the documented JSON", 500: "failed on the serving side",
+            413: "a body over the size limit", 422: "a body that is not the documented JSON",
+            500: "failed on the serving side",
             501: "this role does not offer it", 503: "not joined, or a peer it needs is unavailable"}
     return {code: {"model": ErrorBody, "description": what[code]} for code in codes}
 
@@ -44,7 +50,11 @@ def _errors(*codes: int) -> dict:
 _CONTROL = (401, 501, 503)   # every POST: the token, roles without the operation, not joined yet
 
 
-def create_app(control: Controllable, registry: CollectorRegistry, token: Optional[str] = None) -> FastAPI:
+Routes = Callable[[FastAPI, Any], None]     # adds a role's own routes, each calling the control object
+
+
+def create_app(control: Controllable, registry: CollectorRegistry, token: Optional[str] = None,
+               routes: Optional[Routes] = None) -> FastAPI:
     app = FastAPI(title="rpcps sidecar", docs_url=None, redoc_url=None)
 
     def require_token(request: Request) -> None:
@@ -91,20 +101,22 @@ def create_app(control: Controllable, registry: CollectorRegistry, token: Option
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/checkpoints", responses=_errors(500))
+    @app.get("/checkpoints", responses=error_answers(500))
     def checkpoints() -> dict:
         return {"checkpoints": control.list_checkpoints()}
 
-    @app.post("/checkpoint", dependencies=[Depends(require_token)], responses=_errors(*_CONTROL, 409, 500))
+    @app.post("/checkpoint", dependencies=[Depends(require_token)], responses=error_answers(*_CONTROL, 409, 500))
     def checkpoint() -> dict:
         return control.checkpoint()
 
-    @app.post("/episode/start", dependencies=[Depends(require_token)], responses=_errors(*_CONTROL, 400, 409, 422))
+    @app.post("/episode/start", dependencies=[Depends(require_token)], responses=error_answers(*_CONTROL, 400, 409, 422))
     def episode_start(body: Optional[EpisodeStart] = None) -> dict:
         return control.start_episode(body or EpisodeStart())
 
-    @app.post("/episode/stop", dependencies=[Depends(require_token)], responses=_errors(*_CONTROL, 409))
+    @app.post("/episode/stop", dependencies=[Depends(require_token)], responses=error_answers(*_CONTROL, 409))
     def episode_stop() -> dict:
         return control.stop_episode()
 
+    if routes is not None:
+        routes(app, control)
     return app

@@ -54,6 +54,7 @@ class RoleSpec:
     torchrun: Optional["TorchrunSpec"] = None   # how it reads its settings when torchrun starts it
     hosting: bool = False      # it serves a workload chosen by --workload: its settings are that one's ``server``
     leader: Optional[str] = None   # the member that leads it, when no one workload owns it
+    routes: Optional[str] = None   # "module:attribute": adds its own sidecar routes (``services.sidecar.Routes``)
 
     def settings_for(self, workload: Optional[str]) -> type["BaseModel"]:
         """Its settings; a hosting role's are those of the workload it hosts (None: the default)."""

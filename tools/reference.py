@@ -71,28 +71,29 @@ def http_page() -> str:
     from prometheus_client import CollectorRegistry
 
     from services.sidecar import create_app
-    from services.workload import roles
+    from services.workload import resolve, roles
     spec = create_app(None, CollectorRegistry(), token="t").openapi()   # routes only: no control is called
     text = [HEADER, "# HTTP API\n\n",
-            "Every role serves these routes on its sidecar (`--sidecar-host`, `--sidecar-port`). POST routes "
-            "need `Authorization: Bearer $RPCPS_CONTROL_TOKEN` when the role has a control token. Every error "
-            "is JSON `{\"error\": …, \"type\": …}`. The full OpenAPI document is served at `GET /openapi.json`.\n\n",
-            "| method | path | request body | answers |\n| --- | --- | --- | --- |\n"]
-    for path, methods in spec["paths"].items():
-        for method, op in methods.items():
-            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
-            refs = [body.get("$ref")] + [a.get("$ref") for a in body.get("anyOf", [])]
-            named = ", ".join(f"`{_schema_name(r)}`" for r in refs if r) or "–"
-            answers = ", ".join(f"{code} {r['description'].lower()}" for code, r in op["responses"].items())
-            text.append(f"| {method.upper()} | `{path}` | {named} | {answers} |\n")
-    text.append("\n## Request bodies\n")
+            "Every role serves these routes on its sidecar (`--sidecar-host`, `--sidecar-port`). The POST routes "
+            "that change state need `Authorization: Bearer $RPCPS_CONTROL_TOKEN` when the role has a control "
+            "token. Every error is JSON `{\"error\": …, \"type\": …}`. The full OpenAPI document is served at "
+            "`GET /openapi.json`.\n\n"]
+    text += _routes(spec)
+    for name, role in roles().items():
+        if role.routes:
+            own = create_app(None, CollectorRegistry(), token="t", routes=resolve(role.routes)).openapi()
+            text.append(f"\n### Routes of `{name}` only\n\n")
+            text += _routes(own, skip=set(spec["paths"]))
+            text += [f"\n`{m.upper()} {p}`: {op.get('description', '').strip()}\n" for p, ms in own["paths"].items()
+                     if p not in spec["paths"] for m, op in ms.items()]
+            spec["components"]["schemas"].update(own.get("components", {}).get("schemas", {}))
+    text.append("\n## Request and answer bodies\n")
     for name, schema in spec.get("components", {}).get("schemas", {}).items():
         if name in ("ErrorBody", "HTTPValidationError", "ValidationError"):
             continue
         text.append(f"\n### `{name}`\n\n{schema.get('description', '').strip()}\n\n| field | type |\n| --- | --- |\n")
         for field, info in schema.get("properties", {}).items():
-            kinds = [t.get("type", "?") for t in info.get("anyOf", [info])]
-            text.append(f"| `{field}` | {' or '.join(kinds)} |\n")
+            text.append(f"| `{field}` | {_type_of(info)} |\n")
     text.append("\n## `GET /status`, role by role\n\nThe fields each role's `/status` holds besides the common "
                 "ones (`role`, `name`, `state`, `reason`, `members`, `progress`, `summary`, …).\n")
     from services.lifecycle import RoleStatus
@@ -106,6 +107,21 @@ def http_page() -> str:
     schema = RoleStatus.model_json_schema()
     text += [f"| `{f}` | {_type_of(i)} |\n" for f, i in schema["properties"].items()]
     return "".join(text)
+
+
+def _routes(spec: dict[str, Any], skip: set[str] = frozenset()) -> list[str]:
+    """A table of ``spec``'s routes but those in ``skip``."""
+    text = ["| method | path | request body | answers |\n| --- | --- | --- | --- |\n"]
+    for path, methods in spec["paths"].items():
+        for method, op in methods.items():
+            if path in skip:
+                continue
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+            refs = [body.get("$ref")] + [a.get("$ref") for a in body.get("anyOf", [])]
+            named = ", ".join(f"`{_schema_name(r)}`" for r in refs if r) or "–"
+            answers = ", ".join(f"{code} {r['description'].lower()}" for code, r in op["responses"].items())
+            text.append(f"| {method.upper()} | `{path}` | {named} | {answers} |\n")
+    return text
 
 
 def _type_of(info: dict[str, Any]) -> str:

@@ -109,6 +109,13 @@ class Hosts:
         return r.stdout
 
 
+def _answers(hosts: Hosts, url: str) -> bool:
+    """Whether ``url`` answers 200 to curl run on the Prometheus host."""
+    r = subprocess.run(hosts.net.exec_argv("prometheus", ["curl", "-sf", "--max-time", "5", url]), capture_output=True,
+                       timeout=30)
+    return r.returncode == 0
+
+
 def get_json(url: str) -> dict:
     r = httpx.get(url, timeout=5.0)
     r.raise_for_status()
@@ -307,14 +314,17 @@ def test_rl_profile_as_separate_hosts(network, tmp_path):
 def test_ctr_profile_as_separate_hosts(network, tmp_path):
     # `RPCPS_CTR_SCALE=0.01 RPCPS_CTR_TABLES=C3,C4 docker compose --profile ctr up ctr-ps0 ctr-ps1 ctr0 ctr1
     # prometheus`: two of the tables hashed.
+    # Then `docker compose --profile serve up ctr-serve0`: the newest checkpoint exported, and served.
     everything = compose()["services"]
-    services = {n: everything[n] for n in ("ctr-ps0", "ctr-ps1", "ctr0", "ctr1", "prometheus")}
-    assert all(everything[n].get("profiles") == ["ctr"] for n in services if n != "prometheus")
+    training = ("ctr-ps0", "ctr-ps1", "ctr0", "ctr1", "prometheus")
+    services = {n: everything[n] for n in (*training, "ctr-export", "ctr-serve0")}
+    assert all(everything[n].get("profiles") == ["ctr"] for n in training if n != "prometheus")
+    assert everything["ctr-export"]["profiles"] == everything["ctr-serve0"]["profiles"] == ["serve"]
     net = network(services)
     hosts = Hosts(net, services, tmp_path, {"RPCPS_CTR_SCALE": "0.01", "RPCPS_CTR_TABLES": "C3,C4"})
-    roles = [n for n in hosts.order if n != "prometheus"]
+    roles = [n for n in hosts.order if n in training and n != "prometheus"]
     try:
-        hosts.up()
+        hosts.up([n for n in hosts.order if n in training])
 
         hosts.wait_trained(["ctr0", "ctr1"], 3)
 
@@ -331,9 +341,22 @@ def test_ctr_profile_as_separate_hosts(network, tmp_path):
         assert model["criteo"]["hashed"] == [2, 3], model                          # C3 and C4
         assert [t["name"] for t in model["schema"]["tables"] if t["hashed"]] == ["C3", "C4"], model
 
-        wait_scraped(hosts, f"http://{net.addresses['prometheus']}:9090", roles, {
+        hosts.up(["ctr-export"])
+        exported = hosts.procs["ctr-export"]
+        assert exported.wait(120) == 0, hosts.log("ctr-export")
+        hosts.procs.pop("ctr-export")
+        hosts.up(["ctr-serve0"])
+        row = {**{f"I{j}": j for j in range(1, 14)}, **{f"C{t}": f"{t:08x}" for t in range(1, 27)}}
+        wait_until(lambda: hosts.alive() or _answers(hosts, "http://ctr-serve0:8080/readyz"), 90, "ctr-serve0 ready")
+        answer = json.loads(hosts.curl("prometheus", "-f", "-H", "content-type: application/json", "-d",
+                                       json.dumps({"rows": [row, dict(row, C3=None)]}),
+                                       "http://ctr-serve0:8080/predict"))
+        assert len(answer["predictions"]) == 2 and answer["served"]["checkpoint"] == newest_checkpoint(volume).name
+
+        wait_scraped(hosts, f"http://{net.addresses['prometheus']}:9090", [*roles, "ctr-serve0"], {
             "rpcps_trainer_samples_total > 0": {"ctr0", "ctr1"},
-            'sum by (name) (rpcps_ps_optimizer_steps_total{cluster="ctr"}) > 0': {"ps0", "ps1"}})
+            'sum by (name) (rpcps_ps_optimizer_steps_total{cluster="ctr"}) > 0': {"ps0", "ps1"},
+            'rpcps_serve_rows_total{cluster="ctr"} > 0': {"serve0"}})
 
         codes = hosts.down()
         assert all(code == 0 for name, code in codes.items() if name != "prometheus"), codes

@@ -1,12 +1,16 @@
 """The examples as their READMEs run them, briefly: each model on real servers, one also in one
-process; each checkpoint exported and loaded without servers, scoring as the cluster did; and the
-user-code line counts their READMEs state are the files' own."""
+process; each checkpoint exported and loaded without servers, scoring as the cluster did (and, for
+one, served over HTTP by `rpcps serve`, answering as the loaded model); and the user-code line
+counts their READMEs state are the files' own."""
+import csv
 import json
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -26,8 +30,26 @@ def cli(cwd, *args):
                           cwd=cwd, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(REPO)])})
 
 
+def served_scores(procs, tmp_path, schema):
+    """The held-out lines' scores from `rpcps serve` over the exported folder, the lines sent as a
+    client sends JSON rows (numbers as numbers), 50 to a request, 3 requests at a time."""
+    serve = procs.start_rl("serve", "serve0", {**os.environ, "PYTHONPATH": f"{EXAMPLES}{os.pathsep}{REPO}"},
+                           snapshot=tmp_path / "model")
+    procs.wait_ready(serve)
+    numeric = set(schema.numeric_names)
+    path = sorted((tmp_path / "data").iterdir())[0]
+    with path.open(newline="") as f:
+        lines = [{k: (float(v) if v else None) if k in numeric else v for k, v in row.items()}
+                 for _, row in zip(range(300), csv.DictReader(f))]
+    with httpx.Client(base_url=serve.url, timeout=30) as client, ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda k: client.post("/predict", json={"rows": lines[k:k + 50]}), range(0, 300, 50)))
+    assert all(a.status_code == 200 for a in answers), answers[0].text
+    assert answers[0].headers["x-rpcps-served"] == "snapshot step-3"
+    return np.array([p for a in answers for p in a.json()["predictions"]])
+
+
 @pytest.mark.parametrize("folder,model,schema,data", CASES)
-def test_an_example_trains_on_servers_as_its_readme_says(tmp_path, monkeypatch, folder, model, schema, data):
+def test_an_example_trains_on_servers_as_its_readme_says(tmp_path, monkeypatch, procs, folder, model, schema, data):
     lines = {name: len((EXAMPLES / folder / name).read_text().splitlines()) for name in ("model.py", schema)}
     readme = (EXAMPLES / folder / "README.md").read_text()
     for name, count in lines.items():
@@ -51,7 +73,8 @@ def test_an_example_trains_on_servers_as_its_readme_says(tmp_path, monkeypatch, 
 
     # Taken out: the checkpoint of 2 servers exported, loaded where no server runs, scores the
     # held-out lines (the files' first 300) as the cluster's own evaluation did.
-    exported = cli(tmp_path, "export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "model"))
+    exported = cli(tmp_path, "export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "model"),
+                   "--data", str(tmp_path / "data"))
     assert exported.returncode == 0, exported.stderr
     monkeypatch.syspath_prepend(str(EXAMPLES))
     model = rpcps.load_model(tmp_path / "model")
@@ -65,6 +88,8 @@ def test_an_example_trains_on_servers_as_its_readme_says(tmp_path, monkeypatch, 
     assert abs(auc(scores, labels) - done["auc"]) < 1e-6 and abs(logloss(scores, labels) - done["logloss"]) < 1e-6, \
         (auc(scores, labels), logloss(scores, labels), done)
     if folder == "movies_deepfm":
+        served = served_scores(procs, tmp_path, model.schema)
+        assert np.abs(served - scores).max() < 1e-6, np.abs(served - scores).max()
         local = cli(tmp_path, "up", *flags, "--local")
         assert local.returncode == 0, local.stderr[-3000:]
         done = [json.loads(line) for line in local.stdout.splitlines() if '"done"' in line][-1]

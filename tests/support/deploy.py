@@ -37,7 +37,12 @@ def compose() -> dict:
 
 
 def rpcps_services() -> dict[str, dict]:
-    return {n: s for n, s in compose()["services"].items() if s.get("image", "").startswith("rpcps")}
+    """The services that run an rpcps role (not a one-shot command such as `export`)."""
+    return {n: s for n, s in compose()["services"].items() if s.get("image", "").startswith("rpcps")
+            and s["command"][0] not in ONE_SHOT}
+
+
+ONE_SHOT = ("export",)      # rpcps commands a service runs once, to completion
 
 
 def image_env() -> dict[str, str]:

@@ -86,7 +86,7 @@ def test_workloads_are_registered_and_their_specs_import_no_torch():
             "w = workloads(); [b.load() for b in benches().values()]; "
             "print(sorted(w), sorted(roles()), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
-    assert out.split() == ["['ctr',", "'lm',", "'rl']", "['agent',", "'ctr',", "'observer',", "'ps',", "'trainer']",
+    assert out.split() == ["['ctr',", "'lm',", "'rl']", "['agent',", "'ctr',", "'observer',", "'ps',", "'serve',", "'trainer']",
                            "False"], out
 
 
@@ -143,7 +143,8 @@ SHARED_WORDS = {
     "grad_norm": "the step protocol's result", "data": "file contents", "env": "environment variables",
     "start": "threads", "done": "events", "finished": "events",
     "placement": "a table's placement over the servers (ps/spec/model.py)", "top": "the top of a stack or listing",
-    "dim": "a tensor's dimension", "scale": "scaling a tensor (an update rule's factor)",
+    "dim": "a tensor's dimension", "checkpoint": "the cluster's checkpoints (services/checkpoint/)",
+    "source": "where a thing comes from", "snapshot": "a copy of state at one moment", "scale": "scaling a tensor (an update rule's factor)",
 }
 
 

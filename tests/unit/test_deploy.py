@@ -48,10 +48,25 @@ def test_every_compose_command_and_variable_is_one_the_cli_accepts():
         known = {env_name(f, i) for f, i in model.model_fields.items()} | TORCH_VARIABLES
         unknown = sorted(k for k in env if (k.startswith("RPCPS_") or k in TORCH_VARIABLES) and k not in known)
         assert not unknown, f"{name}: {unknown} are not read by `rpcps {args.command}`"
+        assert cfg.sidecar_host == "0.0.0.0" and str(cfg.checkpoint_dir) == "/checkpoints"
         workload = getattr(cfg, "workload", None) or args.command
         leader = {"agent": "agent", "observer": "agent", "ctr": "ctr-ps0"}.get(workload, "ps0")
+        if workload == "serve":         # from an exported folder: it joins no group
+            assert "MASTER_ADDR" not in env and cfg.snapshot is not None, name
+            continue
         assert env["MASTER_ADDR"] == leader and leader in services, f"{name} looks for its store at {env['MASTER_ADDR']}"
-        assert cfg.sidecar_host == "0.0.0.0" and str(cfg.checkpoint_dir) == "/checkpoints"
+
+
+def test_the_serving_profile_exports_the_ctr_clusters_checkpoints_into_what_it_serves():
+    everything = compose()["services"]
+    export, serve = everything["ctr-export"], everything["ctr-serve0"]
+    args = cli.parse([str(a) for a in export["command"]])
+    assert args.command == "export" and args.replace
+    volumes = {v.split(":")[1]: v.split(":")[0] for v in export["volumes"]}
+    assert volumes[str(args.checkpoint)] == "ctr-checkpoints" == everything["ctr-ps0"]["volumes"][0].split(":")[0]
+    served = {v.split(":")[1]: v.split(":")[0] for v in serve["volumes"]}
+    assert served["/models"] == volumes["/models"] and vars(cli.parse(serve["command"]))["snapshot"] == str(args.out)
+    assert serve["depends_on"] == {"ctr-export": {"condition": "service_completed_successfully"}}
 
 
 def test_health_checks_scrapes_and_ports_meet_the_sidecar():
@@ -98,13 +113,15 @@ def exported_metric_names() -> set[str]:
     from ps.server.service import ParameterServer
     from services.remote import remote_methods
     from trainer.lm.metrics import TrainerMetrics
+    from trainer.ctr.serving.status import ServeMetrics
     from trainer.rl.metrics import RlMetrics
-    registries = [CollectorRegistry() for _ in range(3)]     # one per kind of role, as in their processes
+    registries = [CollectorRegistry() for _ in range(4)]     # one per kind of role, as in their processes
     ps = PsMetrics(registries[0], "ps", "ps0")
     ps.init_ps(remote_methods(ParameterServer))
     ps.hashed({"C1": dict.fromkeys(("rows", "capacity", "admitted", "evicted", "dropped"), 1)}, 0)   # by table
     TrainerMetrics(registries[1], "trainer", "trainer0")
     RlMetrics(registries[2], "agent", "agent")
+    ServeMetrics(registries[3], "serve", "serve0")
     return {sample.name for registry in registries for family in registry.collect() for sample in family.samples}
 
 

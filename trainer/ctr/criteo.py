@@ -161,10 +161,16 @@ class CriteoStream:
             yield self._batch(labels, counts, values)
 
     def _batch(self, labels: list[float], counts: list[list[int]], values: list[list[int]]) -> Batch:
-        raw = np.array(counts, dtype=np.int64)
-        return Batch(dense=np.log1p(np.maximum(raw, 0)).astype(np.float32),
-                     ids=row_ids(np.array(values, dtype=np.int64), self.cardinalities),
-                     labels=np.array(labels, dtype=np.float32), p=np.full(len(labels), np.nan), counts=raw)
+        return batch_of(labels, counts, values, self.cardinalities)
+
+
+def batch_of(labels: list[float], counts: list[list[int]], values: list[list[int]], cardinalities: Sequence[int]
+             ) -> Batch:
+    """Parsed lines as a batch: the counts' ``log1p`` (0 below 0 or empty), the values' row ids."""
+    raw = np.array(counts, dtype=np.int64).reshape(len(labels), DENSE)
+    return Batch(dense=np.log1p(np.maximum(raw, 0)).astype(np.float32),
+                 ids=row_ids(np.array(values, dtype=np.int64).reshape(len(labels), CATEGORICAL), cardinalities),
+                 labels=np.array(labels, dtype=np.float32), p=np.full(len(labels), np.nan), counts=raw)
 
 
 def write(generator: SyntheticCtr, indices: np.ndarray, out: IO[str], chunk: int = 8192) -> int:

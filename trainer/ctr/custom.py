@@ -4,6 +4,8 @@ servers as ``trainer/core/hosted.py`` derives it, and trained by the CTR trainer
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -17,6 +19,13 @@ from rpcps.schema import Schema
 from rpcps.tables import bags_of
 from services.errors import ConfigError
 from trainer.core.hosted import HostedModel, hosted_spec
+
+
+def models_from_here() -> None:
+    """Let a model's module be imported from the working folder, as the roles of `rpcps up` (run
+    with ``python -m``) import it, when this process was started as the ``rpcps`` script."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def build_model(ref: str, schema: Schema, seed: int, options: Optional[dict[str, Any]] = None) -> nn.Module:

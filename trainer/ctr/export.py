@@ -15,35 +15,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ps.server.export import whole_model
-from rpcps.saved import FORMAT, MODEL_FILE, SCHEMA_FILE, WEIGHTS_FILE
+from rpcps.saved import FORMAT, MODEL_FILE, write_model
+from rpcps.schema import Schema
 from rpcps.tables import bags_of
 from services.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore
 from services.errors import ConfigError
 from trainer.core.hosted import dense_parameters, hosted_spec, table_param
-from trainer.ctr.custom import hosted_module
+from trainer.ctr.config import data_files
+from trainer.ctr.custom import hosted_module, models_from_here
+from trainer.ctr.tabular import measure
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, type=Path, metavar="PATH",
                    help="a checkpoint (a step-N folder), or a checkpoint folder: its newest checkpoint")
     p.add_argument("--out", required=True, type=Path, metavar="DIR", help="the folder to write (new, or empty)")
+    p.add_argument("--replace", action="store_true",
+                   help="--out may hold a model exported before: it is replaced whole once the new one is written")
+    p.add_argument("--data", type=Path, metavar="PATH",
+                   help="the training files: a standardized column without a mean and std in the schema is "
+                        "measured on their first lines, as the trainers measured it, and recorded in the export "
+                        "(rpcps serve needs it)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())   # the model's module, found from here as `rpcps up`'s roles found it
+    models_from_here()
     try:
-        summary = export(args.checkpoint, args.out)
+        summary = export(args.checkpoint, args.out, args.data, replace=getattr(args, "replace", False))
     except (CheckpointError, ConfigError, ValueError) as exc:
         print(f"rpcps export: {exc}", file=sys.stderr)
         return 2
@@ -63,15 +69,35 @@ def _checkpoint(path: Path) -> tuple[CheckpointStore, CheckpointInfo]:
     return CheckpointStore(path), found[0]
 
 
-def export(checkpoint: Path, out: Path) -> dict[str, Any]:
-    """Write ``checkpoint``'s model to ``out``; what was written, in a few words."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out}: exists and is not an empty folder")
+def measured(schema: Schema, data: Optional[Path]) -> Schema:
+    """``schema`` with the mean and std of each standardized column that gives none measured on
+    ``data``'s first lines, as a trainer measures them (no ``data``: as it is)."""
+    wanted = [n for n in schema.numeric if n.standardize and n.mean is None]
+    if data is None or not wanted:
+        return schema
+    paths = data_files(data)
+    if not paths:
+        raise ValueError(f"--data {data}: no data files")
+    stats = measure(schema, paths)
+    numeric = tuple(n.model_copy(update=dict(zip(("mean", "std"), stats[n.column]))) if n in wanted else n
+                    for n in schema.numeric)
+    return schema.model_copy(update={"numeric": numeric})
+
+
+def export(checkpoint: Path, out: Path, data: Optional[Path] = None, replace: bool = False) -> dict[str, Any]:
+    """Write ``checkpoint``'s model to ``out`` (with ``data``, the training files, to measure
+    standardized columns on; with ``replace``, over a model exported there before); what was
+    written, in a few words."""
+    exported_before = replace and (out / MODEL_FILE).is_file()
+    if out.exists() and not exported_before and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out}: exists and is not an empty folder" +
+                         (" or an exported model" if replace else " (--replace: over a model exported before)"))
     store, info = _checkpoint(checkpoint)
     hosted = info.meta.get("model", {})
     if "schema" not in hosted:
         raise ValueError(f"{info.id} holds a model that is not over a feature schema (the CTR workload's "
                          f"built-in DLRM or your --model): nothing here exports it")
+    schema = measured(Schema.model_validate(hosted["schema"]), data)
     module = hosted_module(hosted)
     spec = hosted_spec(module, optimizer=hosted["optimizer"], lr=hosted["lr"], table_rule=hosted.get("table_rule"),
                        meta=hosted)
@@ -87,16 +113,8 @@ def export(checkpoint: Path, out: Path) -> dict[str, Any]:
                 tables[table_param(prefix, name)] = {"rows": rows.clone()}
     dense = {n: gathered.params[n].float().clone() for group in dense_parameters(module).values() for n, _ in group}
     described = {"format": FORMAT, "model": hosted["model"], "options": hosted.get("options") or {},
-                 "seed": hosted["seed"], "checkpoint": info.id, "step": info.step, "exported_at": time.time()}
-    # Written beside, then moved in place: a failed export leaves no half-written model.
-    partial = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    torch.save({"format": FORMAT, "tables": tables, "dense": dense}, partial / WEIGHTS_FILE)
-    (partial / MODEL_FILE).write_text(json.dumps(described, indent=2) + "\n")
-    (partial / SCHEMA_FILE).write_text(json.dumps(hosted["schema"], indent=2) + "\n")
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
+                 "seed": hosted["seed"], "checkpoint": info.id, "step": info.step, "taken_at": info.created,
+                 "exported_at": time.time(), **({"criteo": hosted["criteo"]} if "criteo" in hosted else {})}
+    write_model(out, tables, dense, described, schema)
     return {"exported": str(out), "checkpoint": info.id, "step": info.step, "model": hosted["model"],
             "tables": {t: int(v["rows"].shape[0]) for t, v in tables.items()}, "dense": len(dense)}

@@ -13,7 +13,11 @@ SPEC = WorkloadSpec(
     roles=(RoleSpec("ctr", "trainer.ctr.config:CtrTrainerConfig", "trainer.ctr.status:CtrStatus",
                     "trainer.ctr.role:CtrTrainer", "run one click-through-rate trainer", episodes=True,
                     metric_families="trainer.ctr.metrics:CtrMetrics",
-                    torchrun=TorchrunSpec("num_trainers", (("start", "true"), ("exit_when_done", "true")))),),
+                    torchrun=TorchrunSpec("num_trainers", (("start", "true"), ("exit_when_done", "true")))),
+           RoleSpec("serve", "trainer.ctr.serving.config:ServeSettings", "trainer.ctr.serving.status:ServeStatus",
+                    "trainer.ctr.serving.role:ServeRole", "answer POST /predict with a trained model's click "
+                    "probabilities, from an exported folder", metric_families="trainer.ctr.serving.status:ServeMetrics",
+                    routes="trainer.ctr.serving.routes:add_routes")),
     server=HostedSpec("trainer.ctr.config:CtrServerConfig", "trainer.ctr.server:ctr_model", client_role="ctr"),
     up_settings="trainer.ctr.config:CtrUpSettings",
     launch="trainer.ctr.launch:CtrLaunch",
@@ -28,6 +32,8 @@ SPEC = WorkloadSpec(
                         "trainer.ctr.export"),),
     benches=(BenchSpec("ctr", "samples/s, AUC and memory: one process vs async, sync and sync-allreduce servers",
                        "trainer.ctr.bench"),
+             BenchSpec("serve", "rpcps serve: latency of one row, rows/s batched, and what it costs training "
+                                "beside it", "trainer.ctr.serving.bench"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
                                      "eviction", "ps.server.hashed.bench")),
     examples=(("--workload ctr --steps 200 --scale 0.01", "a DLRM on generated data at 1 % of Criteo's rows: "

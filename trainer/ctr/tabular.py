@@ -95,7 +95,7 @@ class SchemaLines:
         values = [_number(t, n.column, where) for t, n in zip(texts, self.schema.numeric)]
         for j in self._log1p:
             n = self.schema.numeric[j]
-            if values[j] is not None and _clipped(values[j], n.clip) <= -1:
+            if values[j] is not None and clipped(values[j], n.clip) <= -1:
                 raise LineError(f"{where}: column {n.column} takes log1p, which needs a value above -1, "
                                 f"got {values[j]:g}")
         return values
@@ -204,7 +204,7 @@ def transformed(x: np.ndarray, n: Numeric) -> np.ndarray:
     return np.log1p(x) if n.log1p else x
 
 
-def _clipped(value: float, clip: Optional[tuple[Optional[float], Optional[float]]]) -> float:
+def clipped(value: float, clip: Optional[tuple[Optional[float], Optional[float]]]) -> float:
     low, high = clip or (None, None)
     value = value if low is None else max(value, low)
     return value if high is None else min(value, high)

@@ -1,0 +1,34 @@
+"""`rpcps serve`'s settings."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from pydantic import Field, model_validator
+
+from services.config import CommonConfig
+
+
+class ServeSettings(CommonConfig):
+    """A serving member: where its model comes from, and how it answers."""
+
+    name: str = Field("serve0", description="RPC name: serve<index>")
+    snapshot: Optional[Path] = Field(None, description="an exported model (rpcps export --out DIR): served from "
+                                                       "memory, no cluster needed")
+    batch_rows: int = Field(256, ge=1, le=65536, description="most rows one forward pass answers: concurrent "
+                                                             "requests share a pass up to this (a bigger request "
+                                                             "runs alone)")
+    batch_wait_ms: float = Field(0.0, ge=0, le=1000, description="milliseconds a pass that is not full waits for "
+                                                                 "more requests (0: take what waits; requests "
+                                                                 "arriving during a pass still share the next)")
+    request_rows: int = Field(1024, ge=1, le=65536, description="most rows one request may hold")
+    body_bytes: int = Field(1 << 20, ge=1024, description="most bytes a /predict body may hold (larger: 413)")
+    queue_rows: int = Field(8192, ge=1, description="most rows waiting to be answered (more: 503 at once)")
+    request_timeout: float = Field(10.0, gt=0, description="seconds a request waits for its answer (then 503)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServeSettings":
+        self._check_role("serve")
+        if self.snapshot is None:
+            raise ValueError("--snapshot: give an exported model's folder (rpcps export --checkpoint CK --out DIR)")
+        return self
