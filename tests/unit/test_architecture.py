@@ -144,7 +144,9 @@ SHARED_WORDS = {
     "start": "threads", "done": "events", "finished": "events",
     "placement": "a table's placement over the servers (ps/spec/model.py)", "top": "the top of a stack or listing",
     "dim": "a tensor's dimension", "checkpoint": "the cluster's checkpoints (services/checkpoint/)",
-    "source": "where a thing comes from", "snapshot": "a copy of state at one moment", "scale": "scaling a tensor (an update rule's factor)",
+    "source": "where a thing comes from", "snapshot": "a copy of state at one moment",
+    "serve": "serving an RPC surface (services/remote.py)", "cache": "functools.cache",
+    "staleness": "how old a read may be (ssp's bound, a cache's)", "scale": "scaling a tensor (an update rule's factor)",
 }
 
 

@@ -83,13 +83,14 @@ def test_every_pod_runs_a_role_the_cli_accepts_under_its_own_name(stub_rpcps):
         known = {env_name(f, i) for f, i in model.model_fields.items()} | TORCH_VARIABLES
         unknown = sorted(k for k in env if (k.startswith("RPCPS_") or k in TORCH_VARIABLES) and k not in known)
         assert not unknown, f"{pod.name}: {unknown} are not read by `rpcps {args.command}`"
-        servers = "ctr-ps" if args.command == "ctr" or getattr(cfg, "workload", None) == "ctr" else "ps"
-        if args.command in ("ps", "trainer", "ctr"):
+        servers = "ctr-ps" if args.command in ("ctr", "serve") or getattr(cfg, "workload", None) == "ctr" else "ps"
+        if args.command in ("ps", "trainer", "ctr", "serve"):
             assert cfg.num_ps == k8s_workloads()[servers]["spec"]["replicas"], f"{pod.name}: RPCPS_NUM_PS"
         if args.command in ("trainer", "ctr"):
             assert cfg.num_trainers == pod.workload["spec"]["completions"]
     assert names == {"ps": ["ps0", "ps1", "ps0", "ps1"], "trainer": ["trainer0", "trainer1"], "agent": ["agent"],
-                     "observer": ["observer0", "observer1", "observer2", "observer3"], "ctr": ["ctr0", "ctr1"]}
+                     "observer": ["observer0", "observer1", "observer2", "observer3"], "ctr": ["ctr0", "ctr1"],
+                     "serve": ["serve0", "serve1"]}
     agent = pod_spec(k8s_workloads()["agent"])["containers"][0]["command"]
     assert agent[agent.index("--min-observers") + 1] == str(k8s_workloads()["observer"]["spec"]["completions"])
 
@@ -112,7 +113,8 @@ def test_peers_find_the_store_before_anything_is_ready():
     for name, workload in k8s_workloads().items():
         env = container_env(pod_spec(workload)["containers"][0])
         # pod 0's DNS name under the Service
-        leader = {"agent": "agent", "observer": "agent", "ctr-ps": "ctr-ps-0.ctr-ps", "ctr": "ctr-ps-0.ctr-ps"}.get(name, "ps-0.ps")
+        leader = {"agent": "agent", "observer": "agent", "ctr-ps": "ctr-ps-0.ctr-ps", "ctr": "ctr-ps-0.ctr-ps",
+                  "ctr-serve": "ctr-ps-0.ctr-ps"}.get(name, "ps-0.ps")
         assert env["MASTER_ADDR"] == leader and env["MASTER_PORT"] == "29500", name
         assert env["TP_SOCKET_IFNAME"] == "eth0", f"{name}: TensorPipe would advertise loopback"
 
@@ -169,6 +171,11 @@ def test_only_rpcps_pods_reach_the_store_and_rpc_ports_and_prometheus_only_the_s
             assert [p["port"] for p in rule["ports"]] == ["sidecar"], rule
             assert all(peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
                        for peer in rule["from"]), rule
+    # Clients of /predict reach the serving members' sidecar port, and nothing else of anything.
+    predict = resources()[("NetworkPolicy", "rpcps-predict")]["spec"]
+    served = [n for n, w in k8s_workloads().items()
+              if predict["podSelector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+    assert served == ["ctr-serve"] and [[p["port"] for p in r["ports"]] for r in predict["ingress"]] == [["sidecar"]]
     for name, workload in k8s_workloads().items():      # the named port the rule admits is the sidecar's
         ports = {p["name"]: p["containerPort"] for p in pod_spec(workload)["containers"][0]["ports"]}
         assert ports["sidecar"] == int(image_env()["RPCPS_SIDECAR_PORT"]), name

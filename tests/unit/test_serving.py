@@ -206,7 +206,8 @@ def test_predict_over_http_answers_refuses_and_counts(exported):
         said = request(app, "POST", "/checkpoint", headers={"authorization": "Bearer secret"})
         assert said.status_code == 501 and "holds nothing a checkpoint keeps" in said.json()["error"]
         status = request(app, "GET", "/status").json()
-        assert (status["requests_answered"], status["requests_refused"], status["rows_answered"], status["source"]) == (1, 4, 2, "snapshot")
+        counted = ("requests_answered", "requests_refused", "rows_answered", "source")
+        assert [status[k] for k in counted] == [1, 4, 2, "snapshot"], status
         metrics = request(app, "GET", "/metrics").text
         assert 'rpcps_serve_requests_total{name="serve0",outcome="invalid",role="serve"} 3.0' in metrics
         assert 'rpcps_serve_requests_total{name="serve0",outcome="too_large",role="serve"} 1.0' in metrics
@@ -228,3 +229,20 @@ def test_a_snapshot_that_needs_measured_statistics_says_to_export_with_data(tmp_
     (copy / "schema.json").write_text(json.dumps(schema))
     with pytest.raises(Exception, match="export again with --data"):
         Snapshot(copy, 10)
+
+
+def test_the_row_cache_serves_rows_within_the_bound_and_keeps_to_its_capacity():
+    from trainer.ctr.serving.sources import RowCache
+    cache = RowCache(capacity=3)
+    cache.put("t", torch.tensor([1, 2]), torch.ones(2, 4), at=100.0)
+    cache.put("u", torch.tensor([7]), torch.full((1, 4), 7.0), at=101.0)
+    found, missing = cache.split("t", torch.tensor([1, 2, 3]), since=99.0)
+    assert sorted(found) == [1, 2] and missing.tolist() == [3]
+    found, missing = cache.split("t", torch.tensor([1, 2]), since=100.5)        # read before the bound: again
+    assert not found and missing.tolist() == [1, 2]
+    assert (cache.hits, cache.misses) == (2, 3)
+    cache.put("t", torch.tensor([3]), torch.zeros(1, 4), at=102.0)              # a fourth row: the oldest goes
+    assert cache.size == 3
+    found, missing = cache.split("t", torch.tensor([1, 2, 3]), since=0.0)
+    assert sorted(found) == [2, 3] and missing.tolist() == [1]
+    assert cache.split("u", torch.tensor([7]), since=0.0)[0][7][1].tolist() == [7.0] * 4

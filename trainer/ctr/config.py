@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -219,3 +219,12 @@ class CtrTrainerConfig(CtrDataSettings, TrainerSettings):
 
 class CtrUpSettings(CtrDataSettings, TrainersUpSettings, CtrModelSettings):
     """`rpcps up --workload ctr`: the servers' and trainers' settings a local cluster starts with."""
+
+    flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        **TrainersUpSettings.flag_groups, "cluster": (*TrainersUpSettings.flag_groups["cluster"], "serve",
+                                                      "serve_staleness")}
+
+    serve: int = Field(0, ge=0, le=8, description="serving members (serve0, …) answering POST /predict from the "
+                                                  "live servers, started with the cluster")
+    serve_staleness: float = Field(1.0, gt=0, le=3600, description="seconds a row or the dense weights a serving "
+                                                                   "member read answer before it reads them again")

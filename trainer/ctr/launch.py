@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from services.names import format_name
+from services.workload import Planned
 from trainer.core.launch import SERVER_FLAGS, TrainersLaunch
 from trainer.ctr.config import CtrModelSettings
 
@@ -15,6 +17,20 @@ class CtrLaunch(TrainersLaunch):
     workload, trainer, unit = "ctr", "ctr", "samples"
     server_flags = MODEL_FLAGS
     trainer_flags = ("batch_size", "hot", "data_seed", "eval_samples", "data", "schema_file")
+
+    def plan(self) -> list[Planned]:
+        """The servers and trainers, and ``--serve`` serving members reading the live servers (told
+        the training files, to standardize columns as the trainers do)."""
+        cfg = self.cfg
+        argv = ["--num-ps", str(cfg.num_ps), "--staleness", str(cfg.serve_staleness)]
+        if cfg.data is not None and cfg.schema_file is not None:
+            argv += ["--data", str(cfg.data)]
+        return super().plan() + [Planned(format_name("serve", i), "serve", list(argv)) for i in range(cfg.serve)]
+
+    def stop_waves(self, names: list[str]) -> list[list[str]]:
+        """The serving members leave with the trainers, before any server."""
+        first, *rest = super().stop_waves(names)
+        return [first + [n for n in names if n.startswith("serve")], *rest]
 
     def held_out(self, statuses: list[Any]) -> dict[str, Any]:
         """Every trainer evaluates the same held-out samples: their mean, and how far apart they are

@@ -16,7 +16,8 @@ SPEC = WorkloadSpec(
                     torchrun=TorchrunSpec("num_trainers", (("start", "true"), ("exit_when_done", "true")))),
            RoleSpec("serve", "trainer.ctr.serving.config:ServeSettings", "trainer.ctr.serving.status:ServeStatus",
                     "trainer.ctr.serving.role:ServeRole", "answer POST /predict with a trained model's click "
-                    "probabilities, from an exported folder", metric_families="trainer.ctr.serving.status:ServeMetrics",
+                    "probabilities, from an exported folder or the live servers",
+                    metric_families="trainer.ctr.serving.status:ServeMetrics",
                     routes="trainer.ctr.serving.routes:add_routes")),
     server=HostedSpec("trainer.ctr.config:CtrServerConfig", "trainer.ctr.server:ctr_model", client_role="ctr"),
     up_settings="trainer.ctr.config:CtrUpSettings",
@@ -32,8 +33,8 @@ SPEC = WorkloadSpec(
                         "trainer.ctr.export"),),
     benches=(BenchSpec("ctr", "samples/s, AUC and memory: one process vs async, sync and sync-allreduce servers",
                        "trainer.ctr.bench"),
-             BenchSpec("serve", "rpcps serve: latency of one row, rows/s batched, and what it costs training "
-                                "beside it", "trainer.ctr.serving.bench"),
+             BenchSpec("serve", "rpcps serve, snapshot and online: latency of one row, rows/s batched, "
+                                "freshness, and what it costs training beside it", "trainer.ctr.serving.bench"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
                                      "eviction", "ps.server.hashed.bench")),
     examples=(("--workload ctr --steps 200 --scale 0.01", "a DLRM on generated data at 1 % of Criteo's rows: "
@@ -43,5 +44,6 @@ SPEC = WorkloadSpec(
               ("--workload ctr --tables hashed --table-capacity 20000 --admit-after 2",
                "tables keyed by raw 64-bit ids, within a capacity"),
               ("--workload ctr --model mypkg.models:MyModel --schema features.yaml --data dir/",
-               "your model and your columns")),
+               "your model and your columns"),
+              ("--workload ctr --serve 1", "and a serving member answering POST /predict from the live servers")),
 )

@@ -1,14 +1,17 @@
-"""`rpcps bench serve`: the serving member's latency, throughput and cost to training, printing JSON.
+"""`rpcps bench serve`: the serving member's latency, throughput, freshness and cost to training,
+printing JSON. The built-in DLRM on Criteo-format files at ``--scale`` (two servers, two
+trainers), its rows sent as JSON rows from this process, from either source:
 
-It trains the built-in DLRM on Criteo-format files at ``--scale`` (two servers, two trainers),
-exports the checkpoint, starts `rpcps serve --snapshot` over it, and sends it the files' lines as
-JSON rows from this process:
+* snapshot: a run of the cluster exported, `rpcps serve --snapshot` over it; the cost to training
+  is the cluster's samples/s in runs alone and beside the batched load, interleaved ``--rounds``
+  times;
+* online: `rpcps up --serve 1`, training without end while it is measured; freshness by a marker
+  (training paused until the served prediction holds still, then resumed: the time to the first
+  prediction that moves); the cost is the trainers' steps/s in windows alone and beside the load.
 
-* latency: one request in flight, one row a request (p50, p99);
-* throughput: ``--concurrency`` requests in flight, of one row each and of ``--request-rows``
-  rows each (rows/s, p50 and p99 of a request, rows a forward pass);
-* cost to training: the cluster's samples/s alone, and again while the load of the throughput
-  phase runs beside it (the runs interleaved ``--rounds`` times).
+Each measures latency (one request in flight, one row: p50, p99) and throughput (``--concurrency``
+requests in flight, of one row each and of ``--request-rows`` rows each: rows/s, p50 and p99, rows
+a forward pass).
 
 Everything runs on this machine, so the load generator, the serving member and the cluster share
 its cores: the cost to training is what one machine pays, not what a separate serving host costs.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import httpx
 import numpy as np
@@ -46,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rows", type=int, default=64, help="rows a request in the batched phase (the other "
                                                                 "sends one)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of training alone and beside serving")
+    p.add_argument("--source", choices=("snapshot", "online", "both"), default="both", help="which source to measure")
+    p.add_argument("--staleness", type=float, default=1.0, help="online: the serving member's staleness bound (s)")
+    p.add_argument("--marks", type=int, default=5, help="online: freshness measured this many times")
 
 
 def _cli(*args: str, timeout: float = 1800) -> str:
@@ -140,33 +147,138 @@ def throughput(url: str, rows: list[dict], ns: argparse.Namespace, stop: Optiona
 
 
 def run(ns: argparse.Namespace) -> int:
+    sources = ("snapshot", "online") if ns.source == "both" else (ns.source,)
     with tempfile.TemporaryDirectory(prefix="rpcps-bench-serve-") as name:
         tmp = Path(name)
         _cli("data", "ctr", "--rows", str(ns.lines), "--scale", str(ns.scale), "--out", str(tmp / "data"))
-        trained = _train(tmp, ns, "first")
-        _cli("export", "--checkpoint", str(tmp / "ck-first"), "--out", str(tmp / "model"))
-        port = free_port()
-        serve = spawn_role("services.cli", ["serve", "--snapshot", str(tmp / "model"), "--sidecar-port", str(port),
-                                            "--checkpoint-dir", str(tmp / "ck-serve")], tmp / "serve.log")
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while not _ready(url):
-                if serve.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"rpcps serve did not start: {(tmp / 'serve.log').read_text()[-2000:]}")
-                time.sleep(0.2)  # noqa: sleep-ok (polling a process's readiness with a deadline)
-            rows = _rows(tmp / "data", 4096)
-            result: dict[str, Any] = {"bench": "serve", "source": "snapshot", "scale": ns.scale,
-                                      "trained": {"samples_per_s": trained["samples_per_s"], "auc": trained["auc"]}}
-            result["one_row"] = latency(url, rows, ns.requests)
-            result["one_row_many_in_flight"] = throughput(url, rows, argparse.Namespace(**{**vars(ns),
-                                                                                         "request_rows": 1}))
-            result["batched"] = throughput(url, rows, ns)
-            result["training"] = _cost(tmp, ns, url, rows)
-        finally:
-            stop_in_waves([[("serve0", serve)]], timeout=15)
+        rows = _rows(tmp / "data", 4096)
+        result: dict[str, Any] = {"bench": "serve", "scale": ns.scale}
+        if "snapshot" in sources:
+            result["snapshot"] = _snapshot(tmp, ns, rows)
+        if "online" in sources:
+            result["online"] = _online(tmp, ns, rows)
     print(json.dumps(result))
     return 0
+
+
+def _measured(url: str, rows: list[dict], ns: argparse.Namespace) -> dict[str, Any]:
+    return {"one_row": latency(url, rows, ns.requests),
+            "one_row_many_in_flight": throughput(url, rows, argparse.Namespace(**{**vars(ns), "request_rows": 1})),
+            "batched": throughput(url, rows, ns)}
+
+
+def _snapshot(tmp: Path, ns: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    """The exported model, served alone; then the cluster's training alone and beside its load."""
+    trained = _train(tmp, ns, "first")
+    _cli("export", "--checkpoint", str(tmp / "ck-first"), "--out", str(tmp / "model"))
+    port = free_port()
+    serve = spawn_role("services.cli", ["serve", "--snapshot", str(tmp / "model"), "--sidecar-port", str(port),
+                                        "--checkpoint-dir", str(tmp / "ck-serve")], tmp / "serve.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: _ready(url), 120, lambda: serve.poll() is None, tmp / "serve.log")
+        found: dict[str, Any] = {"trained": {"samples_per_s": trained["samples_per_s"], "auc": trained["auc"]}}
+        found.update(_measured(url, rows, ns))
+        found["training"] = _cost(tmp, ns, url, rows)
+    finally:
+        stop_in_waves([[("serve0", serve)]], timeout=15)
+    return found
+
+
+def _online(tmp: Path, ns: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    """A cluster training without end with a serving member reading its servers: latency and
+    throughput while it trains, freshness by marker, and the trainers' steps/s with and without
+    the batched load."""
+    state = tmp / "state-online"
+    argv = [sys.executable, "-m", "services.cli", "up", "--workload", "ctr", "--scale", str(ns.scale), "--data",
+            str(tmp / "data"), "--num-ps", "2", "--num-trainers", "2", "--batch-size", "2048", "--eval-samples", "0",
+            "--serve", "1", "--serve-staleness", str(ns.staleness), "--checkpoint-dir", str(tmp / "ck-online"),
+            "--state-dir", str(state), "--no-final-checkpoint", "--progress-interval", "60", "--json"]
+    with open(tmp / "up-online.log", "w") as log:
+        up = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        cluster: dict[str, Any] = {}
+
+        def started() -> bool:
+            cluster.update(json.loads((state / "cluster.json").read_text()) if (state / "cluster.json").exists()
+                           else {})
+            return "serve0" in cluster.get("sidecars", {}) and _ready(cluster["sidecars"]["serve0"]) \
+                and all(_ready(u) for u in cluster["sidecars"].values())
+        _wait(started, 600, lambda: up.poll() is None, tmp / "up-online.log")
+        url = cluster["sidecars"]["serve0"]
+        trainers = [u for n, u in cluster["sidecars"].items() if n.startswith("ctr")]
+        found = {"staleness_bound_s": ns.staleness, **_measured(url, rows, ns)}
+        found["cache"] = httpx.get(f"{url}/status").json().get("cache")
+        found["freshness"] = _freshness(url, trainers, rows, ns)
+        found["training"] = _online_cost(url, trainers, rows, ns)
+        return found
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+
+
+def _episodes(trainers: list[str], action: str) -> None:
+    for url in trainers:
+        httpx.post(f"{url}/episode/{action}", timeout=30).raise_for_status()
+    wanted = "idle" if action == "stop" else "running"
+    _wait(lambda: all(httpx.get(f"{u}/status").json()["state"] == wanted for u in trainers), 120, lambda: True)
+
+
+def _freshness(url: str, trainers: list[str], rows: list[dict], ns: argparse.Namespace) -> dict[str, Any]:
+    """The marker: training paused until the served prediction of a row holds still past the bound,
+    then resumed; the time from the resume request to the first prediction that differs. It holds
+    the trainers' first step after the pause as well: an upper bound on update-to-served."""
+    body = {"rows": [rows[0]]}
+    took = []
+    with httpx.Client(base_url=url, timeout=30, transport=httpx.HTTPTransport(socket_options=NO_DELAY)) as client:
+        for _ in range(ns.marks):
+            _episodes(trainers, "stop")
+            still = client.post("/predict", json=body).json()["predictions"]
+            quiet = time.monotonic() + 2 * ns.staleness + 0.5
+            while time.monotonic() < quiet:
+                now = client.post("/predict", json=body).json()["predictions"]
+                if now != still:
+                    still, quiet = now, time.monotonic() + 2 * ns.staleness + 0.5
+            resumed = time.monotonic()
+            for trainer in trainers:
+                httpx.post(f"{trainer}/episode/start", json={}, timeout=30).raise_for_status()
+            while client.post("/predict", json=body).json()["predictions"] == still:
+                if time.monotonic() - resumed > 60:
+                    raise RuntimeError("no prediction moved within 60 s of training resuming")
+            took.append(time.monotonic() - resumed)
+    return {"marks": len(took), "median_s": round(float(np.median(took)), 3), "max_s": round(max(took), 3)}
+
+
+def _steps(trainers: list[str]) -> int:
+    return sum(httpx.get(f"{u}/status").json().get("step", 0) for u in trainers)
+
+
+def _online_cost(url: str, trainers: list[str], rows: list[dict], ns: argparse.Namespace) -> dict[str, Any]:
+    """The trainers' steps/s over ``--seconds`` alone and beside the batched load, alternated."""
+    alone, beside, served = [], [], []
+    for _ in range(ns.rounds):
+        at, started = _steps(trainers), time.monotonic()
+        time.sleep(ns.seconds)  # noqa: sleep-ok (a measuring window: the time itself is what is measured)
+        alone.append((_steps(trainers) - at) / (time.monotonic() - started))
+        at, started = _steps(trainers), time.monotonic()
+        found = throughput(url, rows, ns)
+        beside.append((_steps(trainers) - at) / (time.monotonic() - started))
+        served.append(found["rows_per_s"])
+    return {"steps_per_s_alone": [round(v, 2) for v in alone],
+            "steps_per_s_beside_serving": [round(v, 2) for v in beside],
+            "serving_rows_per_s_meanwhile": served, "ratio": round(float(np.median(beside) / np.median(alone)), 3)}
+
+
+def _wait(done: Callable[[], bool], timeout: float, alive: Callable[[], bool], log: Optional[Path] = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if not alive() or time.monotonic() > deadline:
+            said = log.read_text()[-2000:] if log is not None and log.exists() else ""
+            raise RuntimeError(f"did not come up within {timeout:.0f}s: {said}")
+        time.sleep(0.2)  # noqa: sleep-ok (polling readiness with a deadline)
 
 
 def _ready(url: str) -> bool:

@@ -1,7 +1,9 @@
-"""The serving member: answers /predict with its source's model, batching concurrent requests.
+"""The serving member: answers /predict with its source's model (an exported folder, or the live
+servers read through a cache, joining their group), batching concurrent requests.
 
 Threads: the sidecar's (``predict``: check the rows, wait for the answer), the batcher's (every
-forward pass), and the role thread (``run``: load the source, then wait to be stopped).
+forward pass), and the role thread (``run``: load the source, then wait to be stopped, beating the
+group's heartbeat when online).
 """
 from __future__ import annotations
 
@@ -11,24 +13,21 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
+from ps.client.stub import PsClient
+from ps.spec.config import ps_names
 from services.errors import InvalidInput, NotReady, NotSupported, Overloaded, RpcpsError, TooLarge
 from services.lifecycle import RoleState
 from services.role import RoleBase, RoleContext, WithoutEpisodes
 from trainer.ctr.custom import models_from_here
 from trainer.ctr.serving.batcher import MicroBatcher
 from trainer.ctr.serving.config import ServeSettings
-from trainer.ctr.serving.sources import Snapshot, Source
+from trainer.ctr.serving.sources import Online, Snapshot, Source
 from trainer.ctr.serving.status import ServeMetrics
 
 log = logging.getLogger(__name__)
 
 _OUTCOMES = ((TooLarge, "too_large"), (InvalidInput, "invalid"), (Overloaded, "overloaded"))
 NO_CHECKPOINTS = "a serving member holds nothing a checkpoint keeps: ask ps0 or a trainer"
-
-
-def _opened(cfg: ServeSettings) -> Source:
-    models_from_here()
-    return Snapshot(cfg.snapshot, cfg.request_rows)
 
 
 class ServeRole(WithoutEpisodes, RoleBase):
@@ -41,12 +40,25 @@ class ServeRole(WithoutEpisodes, RoleBase):
         super().__init__(ctx)
         self.cfg = cfg
         self.body_bytes = cfg.body_bytes          # the route refuses a larger body before reading it all
-        self._open = open_source or _opened
+        self._open = open_source or self._opened
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)       # woken by nothing but time: joining polls
         self._stopping = threading.Event()
         self._source: Optional[Source] = None
         self._batcher: Optional[MicroBatcher[Any, Any]] = None
+        self._counted = (0, 0)          # the cache's hits and misses the metrics have counted
         self._counts = {"requests_answered": 0, "requests_refused": 0, "rows_answered": 0, "forward_passes": 0}
+
+    def _opened(self, cfg: ServeSettings) -> Source:
+        """The model as ``cfg`` says: an exported folder, or the live servers' (joining their group)."""
+        models_from_here()
+        if not cfg.online:
+            return Snapshot(cfg.snapshot, cfg.request_rows)
+        self._join("joining the cluster")
+        servers = ps_names(cfg.num_ps)
+        self._await_members(servers, cfg.join_timeout, self._wake, self._stopping.is_set)
+        client = PsClient(cfg.name, servers, timeout=cfg.read_timeout)
+        return Online(client, cfg.request_rows, cfg.staleness, cfg.cache_rows, cfg.data)
 
     def run(self) -> None:
         self.board.set_state(RoleState.STARTING, "loading the model")
@@ -59,13 +71,22 @@ class ServeRole(WithoutEpisodes, RoleBase):
         self.metrics.age.set_function(lambda: source.served().age())
         self.board.update(source=served.source, model=source.model_ref, checkpoint=served.checkpoint, step=served.step)
         self.metrics.up.set(1)
-        self.board.set_state(RoleState.RUNNING, f"serving {served.header()}")
+        self.board.set_state(RoleState.RUNNING, f"serving {served.source}")
         log.info("serving %s (%s)", source.model_ref, served.header())
-        self._stopping.wait()
+        while not self._stopping.wait(1.0):
+            if self.endpoint is not None and self.endpoint.joined:
+                self._heartbeat()
 
     def _passed(self, rows: int, seconds: float) -> None:
+        """After each forward pass, in the batcher's thread (the one that uses the cache)."""
         self.metrics.pass_rows.observe(rows)
         self.metrics.pass_seconds.observe(seconds)
+        cache = self._source.cache if self._source is not None else None
+        if cache is not None:
+            self.metrics.cache_hits.inc(cache.hits - self._counted[0])
+            self.metrics.cache_misses.inc(cache.misses - self._counted[1])
+            self.metrics.cache_rows.set(cache.size)
+            self._counted = (cache.hits, cache.misses)
         with self._lock:
             self._counts["forward_passes"] += 1
 
@@ -109,7 +130,14 @@ class ServeRole(WithoutEpisodes, RoleBase):
         with self._lock:
             source, counts = self._source, dict(self._counts)
         if source is not None:
-            self.board.update(age_s=round(source.served().age(), 3), **counts)
+            served, cache = source.served(), source.cache
+            if cache is not None:
+                looked = cache.hits + cache.misses
+                counts["cache"] = {"rows": cache.size, "hits": cache.hits, "misses": cache.misses,
+                                   "hit_rate": round(cache.hits / looked, 4) if looked else None,
+                                   "staleness_bound_s": self.cfg.staleness}
+            self.board.update(age_s=round(served.age(), 3) if served.updated_at else None, step=served.step,
+                              **counts)
         return super().status()
 
     def checkpoint(self) -> dict[str, Any]:
@@ -128,3 +156,5 @@ class ServeRole(WithoutEpisodes, RoleBase):
             batcher = self._batcher
         if batcher is not None:
             batcher.close()
+        if self.endpoint is not None and self.endpoint.joined:
+            self._leave()

@@ -20,10 +20,12 @@ SERVED_HEADER = "X-Rpcps-Served"
 class ServedBy(BaseModel):
     """What answered: the model, and how old the newest update it reflects is."""
 
-    source: str = Field(description="snapshot: an exported folder")
-    checkpoint: Optional[str] = Field(description="the checkpoint the model was exported from")
-    step: Optional[int] = Field(description="its step")
-    updated_at: float = Field(description="Unix time of the newest update the answer reflects")
+    source: str = Field(description="snapshot: an exported folder; online: the live servers")
+    checkpoint: Optional[str] = Field(description="snapshot: the checkpoint the model was exported from")
+    step: Optional[int] = Field(description="snapshot: its step; online: the updates ps0 had applied when the "
+                                            "dense weights were read")
+    updated_at: float = Field(description="snapshot: Unix time the checkpoint was taken; online: when the oldest "
+                                          "row or weight the answer used was read from the servers")
     age_s: float = Field(description="seconds since then")
 
 

@@ -13,15 +13,16 @@ PASS_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 
 class ServeStatus(RoleStatus):
-    source: str = ""                     # "snapshot": an exported folder
+    source: str = ""                     # "snapshot": an exported folder; "online": the live servers
     model: str = ""                      # the model's import path
     checkpoint: Optional[str] = None     # what is served: the checkpoint it was exported from
-    step: Optional[int] = None           # and its step
+    step: Optional[int] = None           # its step (online: ps0's updates applied at the last dense read)
     age_s: Optional[float] = None        # now minus the time of the newest update it reflects
     requests_answered: int = 0           # with predictions
     requests_refused: int = 0            # with an error (a bad row, too large, overloaded)
     rows_answered: int = 0
     forward_passes: int = 0              # rows_answered / forward_passes is the batching achieved
+    cache: Optional[dict[str, Any]] = None   # online: rows cached, hits, misses, hit_rate, staleness_bound_s
 
     def line(self) -> list[str]:
         served = f"{self.source} {self.checkpoint or ''}".strip()
@@ -46,6 +47,11 @@ class ServeMetrics(Metrics):
         self.age = self.gauge("rpcps_serve_age_seconds", "age of what is served: now minus the time of the newest "
                                                          "update it reflects (NaN: nothing served yet)")
         self.age.set(math.nan)
+        self.cache_hits = self.counter("rpcps_serve_cache_hits_total", "online: rows a pass found in the cache within "
+                                                                      "the staleness bound").labels(**self.labels)
+        self.cache_misses = self.counter("rpcps_serve_cache_misses_total", "online: rows a pass read from the "
+                                                                          "servers").labels(**self.labels)
+        self.cache_rows = self.gauge("rpcps_serve_cache_rows", "online: rows in the cache")
 
     def request(self, outcome: str) -> Any:
         return self._requests.labels(outcome=outcome, **self.labels).inc()
