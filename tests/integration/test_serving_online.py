@@ -1,6 +1,7 @@
 """A serving member started by `rpcps up --serve 1`, reading the live servers through its cache: a
 prediction follows training within the staleness bound; killed, it is started again and training
-never stops; once training stops, it answers exactly as the exported checkpoint of that moment;
+never stops; once training stops, it answers exactly as the export of that moment's checkpoint (a
+delta on an earlier one);
 with a server gone it refuses (503 naming it) or answers with that same model, never another."""
 import csv
 import os
@@ -12,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from services.checkpoint.store import CheckpointStore
 from tests.support.cluster import REPO
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
@@ -51,7 +53,7 @@ def test_online_serving_follows_training_and_never_serves_another_model(tmp_path
     up = UpProcess(tmp_path / "run", "--workload", "ctr", "--model", "tests.support.ratings_model:RatingsModel",
                    "--schema", str(SUPPORT / "ratings_schema.yaml"), "--data", str(data), "--batch-size", "64",
                    "--eval-samples", "200", "--num-ps", "2", "--num-trainers", "1", "--serve", "1",
-                   "--serve-staleness", str(STALENESS), "--progress-interval", "1",
+                   "--serve-staleness", str(STALENESS), "--progress-interval", "1", "--full-checkpoint-every", "2",
                    env={"PYTHONPATH": str(REPO)})
     cleanup(up)
     up.wait_event("started", 180)
@@ -69,6 +71,7 @@ def test_online_serving_follows_training_and_never_serves_another_model(tmp_path
                        STALENESS + 5, "a prediction that reflects the new steps")
     assert later["served"]["step"] > first["served"]["step"] and time.monotonic() - moved < STALENESS + 5
     assert later["served"]["age_s"] <= STALENESS + 1, later
+    assert httpx.post(f"{ps0}/checkpoint", timeout=60).status_code == 200     # full: the next one is a delta
 
     # A serving member killed: started again; training does not wait for it.
     pid = up.cluster()["pids"]["serve0"]
@@ -80,10 +83,11 @@ def test_online_serving_follows_training_and_never_serves_another_model(tmp_path
                90, "serve0 started again and answering")
     serve = up.cluster()["sidecars"]["serve0"]
 
-    # Training stopped and checkpointed: online answers as the export of that checkpoint.
+    # Training stopped and checkpointed (a delta on the one before): online answers as its export.
     assert httpx.post(f"{trainer}/episode/stop", timeout=10).status_code == 200
     wait_until(lambda: httpx.get(f"{trainer}/status", timeout=5).json()["state"] == "idle", 60, "ctr0 idle")
     taken = httpx.post(f"{ps0}/checkpoint", timeout=60).json()
+    assert CheckpointStore(tmp_path / "run" / "ckpt").resolve(taken["id"], verify=False).kind == "delta", taken
     exported = cli(tmp_path, "export", "--checkpoint", str(tmp_path / "run" / "ckpt" / taken["id"]), "--out",
                    str(tmp_path / "model"), "--data", str(data))
     assert exported.returncode == 0, exported.stderr
