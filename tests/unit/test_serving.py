@@ -165,6 +165,29 @@ def test_a_full_queue_refuses_at_once_and_a_failed_pass_fails_only_its_requests(
         batcher.submit(["e"])
 
 
+def test_a_request_whose_caller_gave_up_is_dropped_and_the_batcher_goes_on():
+    gate, calls = threading.Event(), []
+
+    def answer(rows):
+        calls.append(list(rows))
+        gate.wait(10)
+        return [1.0] * len(rows), None
+
+    batcher = MicroBatcher(answer, batch_rows=8, wait=0.0, queue_rows=100)
+    try:
+        busy = batcher.submit(["a"])
+        while not calls:
+            threading.Event().wait(0.01)
+        gone, kept = batcher.submit(["b"]), batcher.submit(["c"])
+        assert gone.cancel()                    # what a request's timeout does to the future it awaits
+        gate.set()
+        assert busy.result(10)[0] == [1.0] and kept.result(10)[0] == [1.0]
+        assert calls == [["a"], ["c"]]
+    finally:
+        gate.set()
+        batcher.close()
+
+
 def _role(exported, **settings):
     cfg = ServeSettings(snapshot=exported, **settings)
     metrics = ServeMetrics(CollectorRegistry(), "serve", cfg.name)

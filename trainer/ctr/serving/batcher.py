@@ -59,12 +59,14 @@ class MicroBatcher(Generic[R, A]):
             self._queue.clear()
             self._cond.notify_all()
         for _, future in waiting:
-            future.set_exception(NotReady("stopping: not answering any more"))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(NotReady("stopping: not answering any more"))
         self._thread.join(timeout)
 
     def _take(self) -> Optional[list[tuple[list[R], Future]]]:
         """The next pass's requests: what waits, up to ``batch_rows`` rows (a bigger request alone),
-        after up to ``wait`` seconds for a pass that is not full; None once closed."""
+        after up to ``wait`` seconds for a pass that is not full, less those whose callers gave up
+        waiting; None once closed."""
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
@@ -78,13 +80,16 @@ class MicroBatcher(Generic[R, A]):
             taken, rows = [], 0
             while self._queue and (not taken or rows + len(self._queue[0][0]) <= self.batch_rows):
                 request = self._queue.popleft()
-                taken.append(request)
-                rows += len(request[0])
-            self._queued -= rows
+                self._queued -= len(request[0])
+                if request[1].set_running_or_notify_cancel():     # False: its caller gave up waiting
+                    taken.append(request)
+                    rows += len(request[0])
             return taken
 
     def _run(self) -> None:
         while (taken := self._take()) is not None:
+            if not taken:           # every request taken had been given up
+                continue
             rows = [row for request, _ in taken for row in request]
             started = time.perf_counter()
             try:

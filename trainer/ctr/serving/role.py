@@ -1,16 +1,16 @@
 """The serving member: answers /predict with its source's model (an exported folder, or the live
 servers read through a cache, joining their group), batching concurrent requests.
 
-Threads: the sidecar's (``predict``: check the rows, wait for the answer), the batcher's (every
+Threads: the sidecar's event loop (``predict``: check the rows, await the answer), the batcher's (every
 forward pass), and the role thread (``run``: load the source, then wait to be stopped, beating the
 group's heartbeat when online).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
 from ps.client.stub import PsClient
@@ -90,9 +90,10 @@ class ServeRole(WithoutEpisodes, RoleBase):
         with self._lock:
             self._counts["forward_passes"] += 1
 
-    def predict(self, body: Any) -> tuple[dict[str, Any], str]:
+    async def predict(self, body: Any) -> tuple[dict[str, Any], str]:
         """A probability per row of ``body`` (``{"rows": [...]}``), and what answered them (the
-        ``X-Rpcps-Served`` header)."""
+        ``X-Rpcps-Served`` header). Awaited on the sidecar's event loop: the rows are checked there
+        and the answer awaited without holding a thread, so many requests can wait for one pass."""
         started = time.perf_counter()
         with self._lock:
             source, batcher = self._source, self._batcher
@@ -101,8 +102,9 @@ class ServeRole(WithoutEpisodes, RoleBase):
         try:
             rows = source.rows.rows(body)
             try:
-                scores, served = batcher.submit(rows).result(self.cfg.request_timeout)
-            except FutureTimeout:
+                scores, served = await asyncio.wait_for(asyncio.wrap_future(batcher.submit(rows)),
+                                                        self.cfg.request_timeout)
+            except asyncio.TimeoutError:
                 raise Overloaded(f"no answer within {self.cfg.request_timeout:g}s (--request-timeout): the member "
                                  f"is overloaded") from None
         except Exception as exc:

@@ -9,7 +9,6 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
 from services.errors import InvalidInput, RpcpsError, TooLarge
 from services.sidecar import error_answers
@@ -62,5 +61,5 @@ def add_routes(app: FastAPI, control: Any) -> None:
         except RpcpsError as exc:
             control.refuse_body(exc)
             raise
-        answer, served = await run_in_threadpool(control.predict, payload)
+        answer, served = await control.predict(payload)
         return JSONResponse(answer, headers={SERVED_HEADER: served})
