@@ -29,9 +29,8 @@ from rpcps.tables import bags_of
 from services.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore
 from services.errors import ConfigError
 from trainer.core.hosted import dense_parameters, hosted_spec, table_param
-from trainer.ctr.config import data_files
 from trainer.ctr.custom import hosted_module, models_from_here
-from trainer.ctr.tabular import measure
+from trainer.ctr.tabular import measured
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,21 +66,6 @@ def _checkpoint(path: Path) -> tuple[CheckpointStore, CheckpointInfo]:
     if not found:
         raise ValueError(f"--checkpoint {path}: holds no checkpoint (rpcps checkpoint --list --checkpoint-dir {path})")
     return CheckpointStore(path), found[0]
-
-
-def measured(schema: Schema, data: Optional[Path]) -> Schema:
-    """``schema`` with the mean and std of each standardized column that gives none measured on
-    ``data``'s first lines, as a trainer measures them (no ``data``: as it is)."""
-    wanted = [n for n in schema.numeric if n.standardize and n.mean is None]
-    if data is None or not wanted:
-        return schema
-    paths = data_files(data)
-    if not paths:
-        raise ValueError(f"--data {data}: no data files")
-    stats = measure(schema, paths)
-    numeric = tuple(n.model_copy(update=dict(zip(("mean", "std"), stats[n.column]))) if n in wanted else n
-                    for n in schema.numeric)
-    return schema.model_copy(update={"numeric": numeric})
 
 
 def export(checkpoint: Path, out: Path, data: Optional[Path] = None, replace: bool = False) -> dict[str, Any]:

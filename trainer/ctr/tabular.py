@@ -22,6 +22,7 @@ import torch
 from rpcps.batch import Batch, Jagged
 from rpcps.schema import Numeric, Schema
 from trainer.core.lines import LineError, Lines, check_files, quoted, text_of
+from trainer.ctr.config import data_files
 
 MEASURED_LINES = 10_000       # lines of the data's start that measure a standardized column's mean and std
 CACHED_IDS = 1 << 20          # values whose ids a table keeps at hand (most lines repeat the hot values)
@@ -237,6 +238,21 @@ def measure(schema: Schema, paths: Sequence[Path], count: int = MEASURED_LINES) 
         std = float(x.std()) if len(x) else 1.0
         out[n.column] = (float(x.mean()) if len(x) else 0.0, std if std > 0 else 1.0)
     return out
+
+
+def measured(schema: Schema, data: Optional[Path]) -> Schema:
+    """``schema`` with the mean and std of each standardized column that gives none measured on
+    ``data``'s first lines, as a trainer measures them (no ``data``: as it is)."""
+    wanted = [n for n in schema.numeric if n.standardize and n.mean is None]
+    if data is None or not wanted:
+        return schema
+    paths = data_files(data)
+    if not paths:
+        raise ValueError(f"--data {data}: no data files")
+    stats = measure(schema, paths)
+    numeric = tuple(n.model_copy(update=dict(zip(("mean", "std"), stats[n.column]))) if n in wanted else n
+                    for n in schema.numeric)
+    return schema.model_copy(update={"numeric": numeric})
 
 
 @dataclass

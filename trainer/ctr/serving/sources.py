@@ -17,7 +17,9 @@ from rpcps.saved import load_model
 from rpcps.schema import Schema
 from services.errors import ConfigError, PeerUnavailable
 from trainer.core.hosted import table_param
+from trainer.ctr.custom import SchemaModel, hosted_module
 from trainer.ctr.serving.rows import CriteoRows, RowFormat, SchemaRows
+from trainer.ctr.tabular import measured
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,6 @@ class Online:
 
     def __init__(self, client: PsClient, max_rows: int, staleness: float, cache_rows: int,
                  data: Optional[Path] = None) -> None:
-        from trainer.ctr.custom import SchemaModel, hosted_module
-        from trainer.ctr.export import measured
         hosted = client.model
         if "schema" not in hosted:
             raise ConfigError("the servers host a model that is not over a feature schema: nothing here serves it")
