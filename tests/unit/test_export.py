@@ -14,7 +14,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints-e73f5
 
 
 def refused(capsys, checkpoint: Path, out: Path) -> str:
-    assert run(argparse.Namespace(checkpoint=checkpoint, out=out, data=None)) == 2
+    assert run(argparse.Namespace(checkpoint=checkpoint, out=out, data=None, replace=False)) == 2
     return capsys.readouterr().err
 
 

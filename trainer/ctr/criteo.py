@@ -111,6 +111,13 @@ def check(paths: Sequence[Path], lines: int = CHECKED_LINES) -> None:
     check_files(paths, parse, lines, error=CriteoError)
 
 
+def table_sizes(cardinalities: Sequence[int], hashed: Sequence[int]) -> list[int]:
+    """What ``row_ids`` reduces each feature's hash modulo: its table's rows, or 0 for a table in
+    ``hashed`` (keyed by the raw 64-bit hash itself)."""
+    keyed = set(hashed)
+    return [0 if t in keyed else rows for t, rows in enumerate(cardinalities)]
+
+
 def row_ids(values: np.ndarray, cardinalities: Sequence[int]) -> np.ndarray:
     """[B, 26] 32-bit values (or _EMPTY) to row ids: hashed with the feature's index, modulo its
     size; a size of 0 keeps the 64-bit hash itself (as int64), the raw id a hashed table takes."""

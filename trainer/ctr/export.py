@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     models_from_here()
     try:
-        summary = export(args.checkpoint, args.out, args.data, replace=getattr(args, "replace", False))
+        summary = export(args.checkpoint, args.out, args.data, replace=args.replace)
     except (CheckpointError, ConfigError, ValueError) as exc:
         print(f"rpcps export: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import numpy as np
 from services.errors import ConfigError
 from trainer.ctr.builtin import Scored, features
 from trainer.ctr.config import data_files
-from trainer.ctr.criteo import CriteoStream
+from trainer.ctr.criteo import CriteoStream, table_sizes
 from trainer.ctr.synthetic import Batch, SyntheticCtr, raw_ids
 
 if TYPE_CHECKING:
@@ -151,10 +151,9 @@ def criteo_source(data: Optional[Path], cardinalities: Sequence[int], hashed: Se
         except ValueError as exc:
             raise ConfigError(f"the servers' {exc}: generated data cannot fill them; use --data") from None
         return GeneratedSource(generator, batch_size, share, shares, hot, hashed=tuple(hashed))
-    # A hashed table takes a value's 64-bit hash itself: modulo 0.
-    sizes = [0 if t in hashed else c for t, c in enumerate(cardinalities)]
     paths = data_files(data)
-    return FileSource(f"Criteo files {', '.join(map(str, paths))}", criteo_files(paths, sizes), batch_size, held,
+    files = criteo_files(paths, table_sizes(cardinalities, hashed))     # a hashed table: the raw 64-bit hash
+    return FileSource(f"Criteo files {', '.join(map(str, paths))}", files, batch_size, held,
                       share, shares)
 
 

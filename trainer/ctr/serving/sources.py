@@ -18,6 +18,7 @@ from rpcps.schema import Schema
 from services.errors import ConfigError, PeerUnavailable
 from trainer.core.hosted import table_param
 from trainer.ctr.custom import SchemaModel, hosted_module
+from trainer.ctr.criteo import table_sizes
 from trainer.ctr.serving.rows import CriteoRows, RowFormat, SchemaRows
 from trainer.ctr.tabular import measured
 
@@ -61,8 +62,7 @@ def row_format(schema: Schema, described: dict[str, Any], max_rows: int) -> RowF
     criteo = described.get("criteo")
     if criteo is None:
         return SchemaRows(schema, max_rows)
-    hashed = set(criteo["hashed"])
-    return CriteoRows([0 if t in hashed else rows for t, rows in enumerate(criteo["cardinalities"])], max_rows)
+    return CriteoRows(table_sizes(criteo["cardinalities"], criteo["hashed"]), max_rows)
 
 
 class Snapshot:
@@ -74,9 +74,12 @@ class Snapshot:
             raise ConfigError(f"--snapshot {folder}: no such folder (rpcps export --out writes one)")
         try:
             self.model = load_model(folder)
-            exported = self.model.exported
+        except ValueError as exc:           # its sentence names the folder
+            raise ConfigError(f"--snapshot {exc}") from None
+        exported = self.model.exported
+        try:
             self.rows = row_format(self.model.schema, exported, max_rows)
-        except (ConfigError, ValueError) as exc:
+        except ConfigError as exc:
             raise ConfigError(f"--snapshot {folder}: {exc}") from None
         self.model_ref = exported["model"]
         self.cache = None
