@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
@@ -257,3 +258,13 @@ def describe(x: Any) -> str:
         return f"{x.dtype} tensor {list(x.shape)}"
     text = repr(x)
     return f"{type(x).__name__} {text[:60]}{'…' if len(text) > 60 else ''}"
+
+
+def in_autograd_context() -> bool:
+    """Whether this thread is in a distributed autograd context: a trainer's step, or on a
+    server, a request sent from one (what it reads then carries the way back for gradients)."""
+    try:
+        dist_autograd._current_context()
+        return True
+    except RuntimeError:
+        return False

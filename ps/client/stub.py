@@ -39,11 +39,11 @@ from ps.client.lookups import LookupPlan, plan_lookups
 from ps.spec.consistency import Consistency
 from ps.spec.rules import clip_coef
 from ps.spec.messages import FREEZE_SECONDS, Applied, Granted, ShardInfo
-from ps.spec.sharding import from_placement
+from ps.spec.sharding import HashedPlan, from_placement
 from ps.spec.surface import ClockSurface, PsSurface
 from services.errors import PeerUnavailable, ServerLost, StepLost, UpdateRefused
 from services.membership import member_ranks, probe
-from services.remote import call_async, wait
+from services.remote import call_async, in_autograd_context, wait
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +83,18 @@ class Traffic:
             self.received += received
             self.messages += messages
 
-    def call(self, args: tuple, future: torch.futures.Future) -> None:
+    def call(self, args: tuple, future: torch.futures.Future, in_step: bool) -> None:
+        """``in_step``: issued in a step's autograd context, where what needs gradients gets them."""
         sent, grads_back = tensor_bytes(args)
-        self.add(sent, grads_back, 1)
+        self.add(sent, grads_back if in_step else 0, 1)
 
         def answered(f: torch.futures.Future) -> None:
             try:
                 received, grads_sent = tensor_bytes(f.value())
             except Exception:  # noqa: BLE001 - a failed call moved no answer; its caller hears of it
                 return
+            if not in_step:
+                grads_sent = 0
             self.add(grads_sent, received, 1 if grads_sent else 0)
         future.add_done_callback(answered)
 
@@ -120,6 +123,7 @@ class PsClient:
         # sync: with weights replicated among the trainers, steps begin in lockstep, and the job
         # starts with this many trainers (0: not in lockstep)
         self.lockstep = 0
+        self.ahead = 0          # ssp: the steps further on whose rows each step reads (a prefetch)
         self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
         placed = infos[0].placement
         self.plans = {table: from_placement(placed.get(table, ("row_wise", 0)), len(ps_names),
@@ -145,7 +149,7 @@ class PsClient:
 
     def _async(self, ps: str, method: Callable[..., Any], *args: Any) -> torch.futures.Future:
         future = call_async(ps, method, *args, timeout=self.timeout)
-        self.traffic.call(args, future)
+        self.traffic.call(args, future, in_autograd_context())
         return future
 
     def call(self, ps: str, method: Callable[..., Any], *args: Any) -> Any:
@@ -163,7 +167,7 @@ class PsClient:
         if not self.consistency.clocked or self.granted is not None:
             return 0.0
         started = time.perf_counter()
-        self.granted = wait(self._async(self.leader, ClockSurface.begin, self.lockstep))
+        self.granted = wait(self._async(self.leader, ClockSurface.begin, self.lockstep, self.ahead))
         return time.perf_counter() - started
 
     def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0,
@@ -259,9 +263,16 @@ class PsClient:
         way back for that step's gradients."""
         plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids)
         answers = [self._async(self.ps_names[k], PsSurface.lookup_many, ask) for k, ask in plan.requests]
-        dense_futures = [self._async(self.ps_names[k], PsSurface.dense_params) for k in self._dense_shards] \
-            if dense else []
-        return Fetching(plan, answers, dense_futures)
+        dense_shards = self._dense_shards if dense else []
+        dense_futures = [self._async(self.ps_names[k], PsSurface.dense_params) for k in dense_shards]
+        return Fetching(plan, answers, dense_futures, dense_shards)
+
+    def ahead_of_step(self, lookups: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``lookups`` cut in two: those a step may read before it begins and push the gradients of
+        (a prefetch), and those it must read in its own context: a hashed table's, whose reading
+        admits ids and whose rows change hands."""
+        early = {p: ids for p, ids in lookups.items() if not isinstance(self.plans[self.table_of[p]], HashedPlan)}
+        return early, {p: ids for p, ids in lookups.items() if p not in early}
 
     def fetch(self, lookups: dict[str, torch.Tensor], dense: bool = True
               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -298,23 +309,63 @@ class PsClient:
 
 class Fetching:
     """Lookups issued and not yet collected: what a step waits for, and where a prefetch or a
-    row cache comes in (the plan says which rows each answer holds)."""
+    row cache comes in (the plan says which rows each answer holds). Issued outside a step's
+    context (a prefetch), the answers carry no way back: a step ``adopt``s them, computes with
+    them as its own leaves, and pushes their gradients (``StepSession.finish``)."""
 
     def __init__(self, plan: LookupPlan, answers: list[torch.futures.Future],
-                 dense: list[torch.futures.Future]) -> None:
+                 dense: list[torch.futures.Future], dense_servers: list[int]) -> None:
         self.plan, self._answers, self._dense = plan, answers, dense
+        self._dense_servers = dense_servers      # the server of each dense answer
+        self.issued_at = time.perf_counter()
+        self._landed: list[float] = []       # when each answer came (RPC threads append)
+        for f in (*answers, *dense):
+            f.add_done_callback(lambda _: self._landed.append(time.perf_counter()))
+        self._leaves: Optional[tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]] = None
 
     def done(self) -> bool:
         """Every answer is in (``collect`` would not wait)."""
         return all(f.done() for f in (*self._answers, *self._dense))
 
+    def hidden(self) -> float:
+        """Called as a step begins to wait for the answers: the seconds of the read that passed
+        before (from its issue to its last answer, or to now), hidden behind other work."""
+        now = time.perf_counter()
+        landed = max(self._landed, default=self.issued_at) if self.done() else now
+        return max(0.0, min(landed, now) - self.issued_at)
+
     def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Wait for the answers: each parameter's rows in its ids' shape, and the dense tensors."""
-        rows = self.plan.collect([wait(f) for f in self._answers])
+        return self._assemble([wait(f) for f in self._answers], [wait(f) for f in self._dense])
+
+    def adopted(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``collect``, each answer made a leaf of this process's graph, whose gradients
+        ``pushes`` hands back."""
+        rows = [{p: t.detach().requires_grad_() for p, t in wait(f).items()} for f in self._answers]
+        dense = [{n: t.detach().requires_grad_() for n, t in wait(f).items()} for f in self._dense]
+        self._leaves = rows, dense
+        return self._assemble(rows, dense)
+
+    def _assemble(self, rows: list[dict[str, torch.Tensor]], dense: list[dict[str, torch.Tensor]]
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         weights: dict[str, torch.Tensor] = {}
-        for f in self._dense:
-            weights.update(wait(f))
-        return rows, weights
+        for answer in dense:
+            weights.update(answer)
+        return self.plan.collect(rows), weights
+
+    def pushes(self, grads: dict[torch.Tensor, torch.Tensor]
+               ) -> list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
+        """The adopted leaves' gradients (``grads``: a step context's, by tensor), one message per
+        answer as distributed backward sends them: (server, its rows' parameter -> (ids,
+        gradients), its dense tensors' name -> gradient). A leaf the loss did not reach has none."""
+        if self._leaves is None:
+            return []
+        rows, dense = self._leaves
+        out = [(k, {p: (ask[p], grads[t]) for p, t in answer.items() if t in grads}, {})
+               for (k, ask), answer in zip(self.plan.requests, rows)]
+        out += [(k, {}, {n: grads[t] for n, t in answer.items() if t in grads})
+                for k, answer in zip(self._dense_servers, dense)]
+        return [push for push in out if push[1] or push[2]]
 
 
 class Replica(Protocol):
@@ -363,6 +414,7 @@ class StepSession:
         self.client = client
         self._context: Any = None
         self.context_id = -1
+        self._adopted: list[Fetching] = []
 
     def __enter__(self) -> "StepSession":
         self._context = dist_autograd.context()
@@ -374,6 +426,12 @@ class StepSession:
 
     def issue(self, lookups: dict[str, torch.Tensor], dense: bool = True) -> Fetching:
         return self.client.issue(lookups, dense)
+
+    def adopt(self, fetching: Fetching) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """What ``fetching`` (issued before this step, outside any context: a prefetch) read, as
+        ``fetch`` gives it; ``finish`` pushes its gradients to the servers that answered."""
+        self._adopted.append(fetching)
+        return fetching.adopted()
 
     def push(self, lookups: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
         """Gradients of table rows this step did not read from the servers (a copy held here):
@@ -404,6 +462,7 @@ class StepSession:
         t0 = time.perf_counter()
         try:
             dist_autograd.backward(self.context_id, [loss])
+            self._push_adopted()
         except Exception as exc:
             # A sync step that cannot hand its gradients over still ends at the clock, or every
             # other trainer would wait for it (with a replica: a peer in its all-reduce died).
@@ -412,6 +471,17 @@ class StepSession:
             raise (client.failed(exc, replica) or client.lose_step(exc, replica)) from exc
         backward = time.perf_counter() - t0
         return self._hand_over(backward, clip, replica) if averaged else self._apply_own(backward, clip)
+
+    def _push_adopted(self) -> None:
+        """The gradients of what the step adopted, to the servers that answered it: each server's
+        in one message, all at once (as distributed backward would have sent them)."""
+        if not self._adopted:
+            return
+        grads = dist_autograd.get_gradients(self.context_id)
+        client = self.client
+        for f in [client._async(client.ps_names[k], PsSurface.push, self.context_id, rows, dense)
+                  for fetching in self._adopted for k, rows, dense in fetching.pushes(grads)]:
+            wait(f)
 
     def _hand_over(self, backward: float, clip: float, replica: Optional[Replica]) -> Finished:
         """sync: hand the gradients to every server; the step clock has them applied, averaged

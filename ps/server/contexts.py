@@ -14,6 +14,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from services.errors import BadRequest
+from services.remote import in_autograd_context
 
 log = logging.getLogger("ps.server.service")
 
@@ -119,10 +120,3 @@ class Contexts:
         if released:
             log.info("released %d autograd context(s) left by %s", released, caller)
 
-
-def in_autograd_context() -> bool:
-    try:
-        dist_autograd._current_context()
-        return True
-    except RuntimeError:
-        return False

@@ -138,7 +138,15 @@ class ParameterServer(PsSurface):
         return self.contexts.gradients(self._call.caller, context_id, self.params.by_param)
 
     @remote
-    def push(self, context_id: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def push(self, context_id: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
+             dense: Optional[dict[str, torch.Tensor]] = None) -> None:
+        mine = self.layout.dense_of(self.shard)
+        for name, grad in (dense or {}).items():
+            if name not in mine:
+                raise BadRequest(f"{name} is no dense tensor of this server (it holds {', '.join(mine) or 'none'})")
+            weight = self.param(name)
+            if grad.shape != weight.shape:
+                raise BadRequest(f"the gradient of {name} must be a tensor {list(weight.shape)}, got {describe(grad)}")
         for param, (ids, grad) in grads.items():
             table = self.checks.table_of(param)
             if table in self.hashed:
@@ -152,6 +160,8 @@ class ParameterServer(PsSurface):
             local = self.layout.plans[table].to_local(ids.long())
             sparse = torch.sparse_coo_tensor(local[None], grad.float(), weight.shape, check_invariants=False)
             self.contexts.push(self._call.caller, context_id, self.optimizer.steps, weight, sparse)
+        for name, grad in (dense or {}).items():
+            self.contexts.push(self._call.caller, context_id, self.optimizer.steps, self.param(name), grad.float())
 
     @remote
     def dense_params(self) -> dict[str, torch.Tensor]:

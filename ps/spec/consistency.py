@@ -37,6 +37,10 @@ class Consistency:
             raise ValueError("consistency must be async, sync or ssp:K with K a whole number >= 0")
         return Ssp(int(m.group(1)))
 
+    def check_prefetch(self, depth: int) -> None:
+        """Refuse reading rows ``depth`` steps ahead of the step that trains with them (``--prefetch``)
+        when that is staler than the mode allows: ``ValueError`` saying what is allowed."""
+
     def require(self, averaged: bool, what: str) -> None:
         """Refuse a call of the other kind of update: a sync job's steps are averaged at the step
         clock; an async or ssp job's are each trainer's own."""
@@ -59,6 +63,11 @@ class Sync(Consistency):
     clocked: ClassVar[bool] = True
     averaged: ClassVar[bool] = True
 
+    def check_prefetch(self, depth: int) -> None:
+        if depth > 1:
+            raise ValueError("in sync mode a step's rows are read once the step before it is applied, so only the "
+                             "next batch is read ahead: --prefetch 1")
+
     def __str__(self) -> str:
         return "sync"
 
@@ -70,6 +79,11 @@ class Ssp(Consistency):
 
     bound: int = 0
     clocked: ClassVar[bool] = True
+
+    def check_prefetch(self, depth: int) -> None:
+        if depth > self.bound:
+            raise ValueError(f"rows read {depth} steps ahead would be staler than {self} allows: "
+                             + (f"--prefetch {self.bound} at most" if self.bound else "no --prefetch in ssp:0"))
 
     def __str__(self) -> str:
         return f"ssp:{self.bound}"

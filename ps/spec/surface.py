@@ -61,11 +61,13 @@ class PsSurface(Service):
         raise NotImplementedError
 
     @remote
-    def push(self, context_id: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def push(self, context_id: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
+             dense: Optional[dict[str, torch.Tensor]] = None) -> None:
         """Gradients of rows the caller did not read in ``context_id`` (table parameter -> (global
-        ``ids`` [n] this shard owns, their gradients [n, *row shape])): part of that step's update,
-        as if they had come back through distributed autograd. Before the step's norm round or
-        hand-over; not for a hashed table."""
+        ``ids`` [n] this shard owns, their gradients [n, *row shape])), and of ``dense`` tensors
+        of this shard (name -> gradient): part of that step's update, as if they had come back
+        through distributed autograd (a prefetched read's, a cached row's). Before the step's
+        norm round or hand-over; not for a hashed table."""
         raise NotImplementedError
 
     @remote
@@ -110,9 +112,10 @@ class ClockSurface(Service):
         raise NotImplementedError
 
     @remote(asynchronous=True)
-    def begin(self, lockstep: int = 0) -> torch.futures.Future:
+    def begin(self, lockstep: int = 0, ahead: int = 0) -> torch.futures.Future:
         """``Granted`` the caller's next step, once it may begin it (``lockstep``: the trainers its job
-        starts with, when it steps in lockstep)."""
+        starts with, when it steps in lockstep; ``ahead``: ssp, the steps further on whose rows it
+        reads during this one, a prefetch, which count toward the staleness bound)."""
         raise NotImplementedError
 
     @remote(asynchronous=True)

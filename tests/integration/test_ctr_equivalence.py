@@ -2,11 +2,14 @@
 one-process DLRM on the trainers' concatenated batches: every table and MLP parameter, with SGD
 and row-wise Adagrad, tables placed row-wise and whole (table-wise), and with each step's lookups
 cut into many requests by a small --max-ids-per-request. And gradients pushed for rows a step did
-not read from the servers move them as distributed autograd's do."""
+not read from the servers move them as distributed autograd's do; and sync steps whose reads were
+issued ahead (--prefetch) train bit for bit as those that read in the step."""
 import json
 
 import pytest
 import torch
+
+from tests.support.cluster import Processes
 
 STEPS = 3
 TRAINERS = 2
@@ -51,6 +54,36 @@ def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement, ca
         assert float(asked.split()[-1]) > 2 * STEPS * TRAINERS, f"lookups cut into several requests: {asked}"
     for name, diff in lead["param_diff"].items():
         assert diff < TOLERANCE[table_rule], f"{name} differs by {diff} after {STEPS} steps"
+
+
+def _trained(procs, **driver):
+    """Both trainers' results after STEPS sync steps of two servers (trainer0's first)."""
+    procs.start_servers(2, **MODEL, table_rule="rowwise_adagrad")
+    drivers = [procs.spawn_driver("ctr", f"ctr{k}", 2, steps=STEPS, trainers=TRAINERS, **driver)
+               for k in range(TRAINERS)]
+    results = []
+    for proc in drivers:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-4000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_sync_steps_read_ahead_train_bit_for_bit_as_steps_that_read_in_the_step(procs, tmp_path):
+    plain = _trained(procs)
+    procs.stop_all()
+    (tmp_path / "prefetched").mkdir()
+    again = Processes(tmp_path / "prefetched")
+    try:
+        ahead = _trained(again, prefetch=1)
+    finally:
+        again.stop_all()
+    assert all(h is None for r in plain for h in r["hidden"])
+    assert all(h is not None for r in ahead for h in r["hidden"]), "each step's reads went out before it"
+    for p, a in zip(plain, ahead):
+        assert p["losses"] == a["losses"], (p["losses"], a["losses"])
+    assert plain[0]["tables_moved"] > 1e-3, "the steps changed the tables"
+    assert plain[0]["digest"] == ahead[0]["digest"], "every row and weight on the servers, bit for bit"
 
 
 @pytest.mark.parametrize("consistency", ["async", "sync"])

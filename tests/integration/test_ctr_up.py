@@ -1,7 +1,8 @@
 """The CTR workload as a user runs it: `rpcps data ctr` writes Criteo files, `rpcps up --workload
 ctr --data` trains on them (a malformed line skipped and counted, a malformed file refused at the
 start), reports held-out AUC and logloss in its done event, status and metrics, and a restart on
-another server count resumes from its checkpoint, resharded; a server killed twice costs the
+another server count resumes from its checkpoint, resharded (its trainers having read batches
+ahead: the checkpoint resumes before them); a server killed twice costs the
 trainers a step each time, not their processes; members killed at random, the leader among them,
 come back and training goes on (with hashed tables)."""
 import json
@@ -9,6 +10,8 @@ import math
 import os
 import subprocess
 import sys
+
+import torch
 
 from services.client import SidecarClient
 from tests.support.serverloss import lose_server
@@ -41,7 +44,7 @@ def test_ctr_on_criteo_files_trains_reports_quality_and_resumes_resharded(tmp_pa
     assert refused.returncode == 2 and "day_0.tsv:1: count I1 (field 2) is not an integer: 'x'" in refused.stderr, \
         refused.stderr
 
-    up = UpProcess(tmp_path / "first", *SMALL, "--data", str(data), "--steps", "8", "--num-ps", "2")
+    up = UpProcess(tmp_path / "first", *SMALL, "--data", str(data), "--steps", "8", "--num-ps", "2", "--prefetch", "2")
     cleanup(up)
     up.wait_event("started", 120)
     done = up.wait_event("done", 300)
@@ -52,8 +55,14 @@ def test_ctr_on_criteo_files_trains_reports_quality_and_resumes_resharded(tmp_pa
     assert done["skipped_lines"] == 1, done
     progress = [e for e in up.events if e["event"] == "progress"]
     assert progress and all("samples_per_s" in e for e in progress), progress
+    assert done["per_step"]["seconds"]["fetch_hidden"] > 0, done["per_step"]
     checkpoints = sorted((tmp_path / "first" / "ckpt").glob("step-*"))
     assert checkpoints, "the final checkpoint"
+    for trainer in ("ctr0", "ctr1"):
+        # Past the held-out lines, 8 steps of both trainers' 256 lines and the malformed one; the
+        # 2 batches each read ahead and never trained would put it 1,024 lines further.
+        position = torch.load(checkpoints[-1] / f"{trainer}.pt", weights_only=False)
+        assert position["steps"] == 8 and position["cursor"] <= 1000 + 8 * 2 * 256 + 1, position
 
     # Three servers now: the checkpoint of two is resharded; the trainers go on where they were.
     again = UpProcess(tmp_path / "first", *SMALL, "--data", str(data), "--steps", "2", "--num-ps", "3")

@@ -299,13 +299,14 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
     generator = SyntheticCtr.fitting(hosted["criteo"]["cardinalities"], seed=3)
     task = CtrTask(SchemaModel(client, hosted_module(hosted)), GeneratedSource(generator, batch, index, args.trainers),
                    name=args.name, num_trainers=args.trainers)
-    loop = TrainLoop(task, clip=0.0)
+    loop = TrainLoop(task, clip=0.0, prefetch=args.prefetch)
     client.begin()
     wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
-    losses = [loop.step().loss for _ in range(args.steps)]
+    steps = [loop.step() for _ in range(args.steps)]
     client.end()
-    result: dict = {"losses": losses, "consistency": str(client.consistency)}
+    result: dict = {"losses": [s.loss for s in steps], "consistency": str(client.consistency),
+                    "hidden": [s.phases.get("fetch_hidden") for s in steps]}
     if index != 0:
         return result
     local = hosted_module(hosted)
@@ -319,8 +320,14 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
         loss.backward()
         optimizer.step()
         local_losses.append(float(loss))
-    diffs, moved = compared(client, local, {t: torch.arange(cfg.rows) for t, cfg in local.tables.configs.items()})
-    result.update(local_losses=local_losses, param_diff=diffs, tables_moved=moved,
+    every_row = {t: torch.arange(cfg.rows) for t, cfg in local.tables.configs.items()}
+    diffs, moved = compared(client, local, every_row)
+    with torch.no_grad():
+        rows, weights = client.fetch({f"tables.weights.{t}": ids for t, ids in every_row.items()})
+    digest = hashlib.sha256()
+    for name, tensor in sorted({**rows, **weights}.items()):
+        digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
+    result.update(local_losses=local_losses, param_diff=diffs, tables_moved=moved, digest=digest.hexdigest(),
                   placements={t: type(plan).__name__ for t, plan in client.plans.items()})
     return result
 
@@ -444,6 +451,7 @@ def main() -> None:
     p.add_argument("--slow-down", type=float, default=1.0)
     p.add_argument("--poison", default="", help="hammer: scale each step's loss by these in turn (nan,inf)")
     p.add_argument("--dense", default="ps", choices=("ps", "allreduce"), help="sync: where the LSTM lives")
+    p.add_argument("--prefetch", type=int, default=0, help="ctr: batches read ahead")
     args = p.parse_args()
     init_logging(args.name, "warning")
     torch.set_num_threads(1)

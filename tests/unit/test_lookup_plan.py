@@ -60,7 +60,7 @@ def test_issued_lookups_are_collected_whatever_order_the_answers_come_in():
     plan = plan_lookups(asked, PLANS, TABLE_OF, 4)
     answers = [torch.futures.Future() for _ in plan.requests]
     dense = torch.futures.Future()
-    fetching = Fetching(plan, answers, [dense])
+    fetching = Fetching(plan, answers, [dense], [0])
     for i in reversed(range(len(answers))):
         assert not fetching.done()
         answers[i].set_result({param: row_of(param, ids.long()) for param, ids in plan.requests[i][1].items()})

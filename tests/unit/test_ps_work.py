@@ -37,10 +37,15 @@ def test_ids_travel_as_int32_unless_the_table_needs_more():
 def test_traffic_counts_calls_and_the_gradient_messages_their_answers_bring():
     traffic = Traffic()
     with_grads = torch.futures.Future()
-    traffic.call((torch.zeros(4, dtype=torch.int32),), with_grads)
+    traffic.call((torch.zeros(4, dtype=torch.int32),), with_grads, True)
     with_grads.set_result({"rows": torch.zeros(4, 16, requires_grad=True)})
     plain = torch.futures.Future()
-    traffic.call((), plain)
+    traffic.call((), plain, True)
     plain.set_result(1.5)
     assert traffic.calls == 3                       # two calls and one backward message
     assert traffic.total == 16 + 2 * 4 * 16 * 4     # the ids, the rows and their gradients
+    ahead = torch.futures.Future()                  # a prefetch: outside a step, no way back
+    traffic.call((torch.zeros(4, dtype=torch.int32),), ahead, False)
+    ahead.set_result({"rows": torch.zeros(4, 16, requires_grad=True)})
+    assert traffic.calls == 4
+    assert traffic.total == 2 * (16 + 2 * 4 * 16 * 4) - 4 * 16 * 4

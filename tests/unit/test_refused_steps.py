@@ -43,6 +43,9 @@ class ScriptedLoop:
     def end(self):
         pass
 
+    def idle(self):
+        pass
+
     def returned(self, names):
         self.asked += 1
         assert self.board.snapshot()["waiting_for"] == ["ps1"], "the wait is on the status while it lasts"

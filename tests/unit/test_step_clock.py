@@ -152,6 +152,29 @@ def test_ssp_bound_holds_the_fast_trainer_until_the_slowest_catches_up():
     assert held.result(0) == 3
 
 
+def test_ssp_counts_the_steps_a_trainer_reads_ahead_toward_the_bound():
+    clock, _, _, _ = make("ssp:2")
+
+    def reading_ahead(name):
+        f: Future = StepOf()
+        clock.begin(name, f, 0, 1)            # its step reads the rows of the step after it too
+        return f
+    reading_ahead("fast").result(0)
+    begin(clock, "slow").result(0)
+    arrive(clock, "fast").result(0)
+    assert reading_ahead("fast").result(0) == 2, "1 step ahead of the slowest, its reads 2: within the bound"
+    arrive(clock, "fast").result(0)
+    held = reading_ahead("fast")
+    assert not held.done(), "2 steps ahead, its reads 3: staler than ssp:2 allows"
+    arrive(clock, "slow").result(0)
+    assert held.result(0) == 3
+    with pytest.raises(BadRequest, match="prefetch at most 2 steps"):
+        clock.begin("late", StepOf(), 0, 3)
+    sync, _, _, _ = make("sync")
+    with pytest.raises(BadRequest, match="nothing is read ahead"):
+        sync.begin("trainer0", StepOf(), 0, 1)
+
+
 def test_ssp_zero_is_a_barrier_per_step_and_a_leaver_releases_it():
     clock, _, _, _ = make("ssp:0")
     begin(clock, "trainer0").result(0)

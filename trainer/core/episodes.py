@@ -215,6 +215,7 @@ class EpisodeRunner:
 
     def _leave_clock(self) -> None:
         """Between episodes this trainer takes no steps: in sync and ssp modes nobody may wait for it."""
+        self.loop.idle()
         try:
             self.loop.model.client.end()
         except Exception as exc:  # noqa: BLE001 - ps0 gone: nobody to tell, and stopping goes on

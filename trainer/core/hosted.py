@@ -98,11 +98,14 @@ class HostedModel(ServedModel):
         super().__init__(client, module)
         self.bags = [(prefix, bag) for prefix, bag in bags_of(module)]
 
+    def lookups(self, features: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The rows ``features`` name: table parameter -> ids."""
+        return {table_param(prefix, table): ids for prefix, bag in self.bags
+                for table, ids in bag.lookups(features).items()}
+
     def fetch(self, features: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The rows of the ids ``features`` name, and the dense weights, from the servers."""
-        lookups = {table_param(prefix, table): ids for prefix, bag in self.bags
-                   for table, ids in bag.lookups(features).items()}
-        return self.fetch_rows(lookups)
+        return self.fetch_rows(self.lookups(features))
 
     def run(self, fetched: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], *inputs: Any) -> Any:
         """``module(*inputs)`` over what ``fetch`` gave."""

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from trainer.core.prefetch import Lookahead
 from trainer.core.served import ServedModel
 
 
@@ -49,7 +50,9 @@ class Task(Protocol):
         """After a step (state carried from one batch to the next is detached here)."""
 
     def position(self, steps: int) -> dict[str, Any]:
-        """What a checkpoint saves of where this trainer is, ``steps`` its steps so far."""
+        """What a checkpoint saves of where this trainer is, ``steps`` its steps so far (a task
+        whose batches are read ahead also takes ``at``: where its data stood, ``tell()``, before
+        the oldest batch not trained yet)."""
 
     def restore(self, saved: list[dict[str, Any]], checkpoint: str) -> int:
         """Move to where the saved positions (every trainer's, of ``checkpoint``) left this trainer;
@@ -65,17 +68,31 @@ class TrainLoop:
     purpose (``seed`` and ``name`` choose which steps); ``metrics``: a ``TrainerMetrics``."""
 
     def __init__(self, task: Task, clip: float, *, name: str = "", seed: int = 0, slow_down: float = 1.0,
-                 slow_fraction: float = 1.0, metrics: Any = None) -> None:
+                 slow_fraction: float = 1.0, metrics: Any = None, prefetch: int = 0) -> None:
         self.task, self.model, self.clip = task, task.model, clip
         self.slow_down, self.slow_fraction = slow_down, slow_fraction
         self.metrics = metrics
         self._slow = random.Random(f"{seed}/{name}")   # which steps --slow-fraction slows
+        self.lookahead: Optional[Lookahead] = None
+        if prefetch:
+            self.lookahead = Lookahead(task, task.model.client, prefetch, dense=task.model.replica is None)
 
     @classmethod
-    def of(cls, task: Task, cfg: Any, metrics: Any = None) -> "TrainLoop":
-        """From a trainer's settings (``trainer/core/config.py``)."""
+    def of(cls, task: Task, cfg: Any, metrics: Any = None, prefetch: int = 0) -> "TrainLoop":
+        """From a trainer's settings (``trainer/core/config.py``); ``prefetch``: batches read ahead."""
         return cls(task, cfg.clip, name=cfg.name, seed=cfg.seed, slow_down=cfg.slow_down,
-                   slow_fraction=cfg.slow_fraction, metrics=metrics)
+                   slow_fraction=cfg.slow_fraction, metrics=metrics, prefetch=prefetch)
+
+    def position(self, steps: int) -> dict[str, Any]:
+        """What a checkpoint saves of where this trainer is: before the batches read ahead."""
+        if self.lookahead is None:
+            return self.task.position(steps)
+        return self.task.position(steps, at=self.lookahead.at())
+
+    def idle(self) -> None:
+        """No step follows soon (an episode ended): what was read ahead would be stale by then."""
+        if self.lookahead is not None:
+            self.lookahead.drop_reads()
 
     def step(self) -> StepResult:
         client = self.model.client
@@ -84,23 +101,30 @@ class TrainLoop:
         calls_before = client.traffic.calls
         waited = client.begin()
         self.model.follow_group()
-        batch = self.task.next_batch()
-        self.model.train()
-        t0 = time.perf_counter()
-        with client.step() as step:
-            try:
-                fetched = self.task.fetch(batch)
-                t_fetch = time.perf_counter()
-                loss = self.task.loss(batch, fetched)
-                t_forward = time.perf_counter()
-                done = step.finish(loss, self.clip, self.model.replica)
-            except Exception as exc:
-                # Inside the step's context: ``failed`` holds its release until a lost server
-                # has left this process's view of the group (``PsClient.failed``).
-                lost = client.failed(exc, self.model.replica)
-                if lost is None:
-                    raise
-                raise lost from exc
+        try:
+            ahead = self.lookahead.next() if self.lookahead is not None else None
+            batch = ahead.batch if ahead is not None else self.task.next_batch()
+            self.model.train()
+            t0 = time.perf_counter()
+            with client.step() as step:
+                try:
+                    fetched = self.task.fetch(batch) if ahead is None else self.lookahead.fetched(ahead, step)
+                    t_fetch = time.perf_counter()
+                    loss = self.task.loss(batch, fetched)
+                    t_forward = time.perf_counter()
+                    done = step.finish(loss, self.clip, self.model.replica)
+                except Exception as exc:
+                    # Inside the step's context: ``failed`` holds its release until a lost server
+                    # has left this process's view of the group (``PsClient.failed``).
+                    lost = client.failed(exc, self.model.replica)
+                    if lost is None:
+                        raise
+                    raise lost from exc
+        except BaseException:
+            self.idle()        # what was read ahead may predate the failure's consequences
+            raise
+        if self.lookahead is not None:
+            self.lookahead.applied()
         total = time.perf_counter() - t0
         self.task.stepped()
         if self.slow_down > 1.0 and self._slow.random() < self.slow_fraction:
@@ -109,6 +133,8 @@ class TrainLoop:
             total = time.perf_counter() - t0
         phases = {"fetch": t_fetch - t0, "forward": t_forward - t_fetch, "backward": done.backward, "clip": done.clip,
                   "optimize": done.optimize, "barrier": waited + done.barrier, "total": total + waited}
+        if self.lookahead is not None:
+            phases["fetch_hidden"] = self.lookahead.hidden
         result = StepResult(float(loss.detach()), self.task.units(batch), total + waited, done.grad_norm, phases,
                             done.arrived_at, client.traffic.total - rpc_before,
                             self.model.allreduce_bytes - allreduce_before, client.traffic.calls - calls_before)

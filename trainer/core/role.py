@@ -59,6 +59,10 @@ class ServedTrainer(RoleBase):
         """Whether episodes end with a held-out evaluation."""
         return True
 
+    def prefetch(self) -> int:
+        """How many batches a step's reads go out ahead of (``trainer/core/prefetch.py``; 0: none)."""
+        return 0
+
     # Control (the sidecar thread).
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
         if request.episodes is not None:
@@ -82,7 +86,7 @@ class ServedTrainer(RoleBase):
 
     def _position(self) -> dict[str, Any]:
         episodes = self._episodes
-        return episodes.loop.task.position(episodes.steps)
+        return episodes.loop.position(episodes.steps)
 
     def _restore_position(self, task: Task) -> int:
         """Move ``task`` to where the cluster's checkpoint left this trainer; the steps it had taken."""
@@ -116,7 +120,10 @@ class ServedTrainer(RoleBase):
             except ValueError as exc:
                 raise ConfigError(f"{exc} (the servers run {client.consistency})") from None
             model.replicate(self._group_stores(), cfg.num_trainers, cfg.group_timeout)
-        loop = TrainLoop.of(task, cfg, self.metrics)
+        try:
+            loop = TrainLoop.of(task, cfg, self.metrics, self.prefetch())
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         steps = self._restore_position(task)
         with self._lock:
             self._episodes = EpisodeRunner(loop, cfg, self.board, self.metrics, self.gate, self.pause, self._wake,

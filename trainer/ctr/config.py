@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from ps.spec.config import PsConfig, TablePrecisionSettings
+from ps.spec.consistency import Consistency
 from ps.spec.hashed_settings import HashedTableSettings
 from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings
@@ -193,6 +194,9 @@ class CtrDataSettings(SchemaSettings):
                                                        "end (0: none); with --data, the files' first lines, never "
                                                        "trained on")
     clip: float = Field(0.0, ge=0, description="global gradient-norm clip (0: off)")
+    prefetch: int = Field(0, ge=0, le=16, description="read the rows and dense weights of this many batches ahead "
+                                                      "while a step computes (async; ssp:K up to K; sync 1, read once "
+                                                      "the step before is applied: exact); 0: each step reads its own")
 
     @model_validator(mode="after")
     def _one_source(self) -> "CtrDataSettings":
@@ -228,3 +232,8 @@ class CtrUpSettings(CtrDataSettings, TrainersUpSettings, CtrModelSettings):
                                                   "live servers, started with the cluster")
     serve_staleness: float = Field(1.0, gt=0, le=3600, description="seconds a row or the dense weights a serving "
                                                                    "member read answer before it reads them again")
+
+    @model_validator(mode="after")
+    def _prefetch_within_consistency(self) -> "CtrUpSettings":
+        Consistency.parse(self.consistency).check_prefetch(self.prefetch)
+        return self

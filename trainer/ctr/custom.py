@@ -73,6 +73,9 @@ class SchemaModel(HostedModel):
     def fetch_for(self, batch: Batch) -> Any:
         return self.fetch(batch.sparse)
 
+    def lookups_for(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return self.lookups(batch.sparse)
+
     def loss(self, batch: Batch, fetched: Any) -> torch.Tensor:
         return F.binary_cross_entropy_with_logits(self.run(fetched, batch), batch.labels)
 

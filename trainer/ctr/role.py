@@ -29,6 +29,9 @@ class CtrTrainer(ServedTrainer):
     def evaluates(self) -> bool:
         return self.cfg.eval_samples > 0
 
+    def prefetch(self) -> int:
+        return self.cfg.prefetch
+
     def task(self, client: PsClient) -> CtrTask:
         cfg, hosted = self.cfg, client.model
         share = parse_name(cfg.name).index % cfg.num_trainers

@@ -25,6 +25,9 @@ class CtrModel(Protocol):
     def fetch_for(self, batch: Any) -> Any:
         """Inside the step's autograd context: the rows and weights ``batch`` needs from the servers."""
 
+    def lookups_for(self, batch: Any) -> dict[str, torch.Tensor]:
+        """The rows ``fetch_for`` reads: table parameter -> ids."""
+
     def loss(self, batch: Any, fetched: Any) -> torch.Tensor: ...
 
     def predict(self, batch: Any) -> np.ndarray:
@@ -64,6 +67,9 @@ class CtrTask:
     def fetch(self, batch: Any) -> Any:
         return self.model.fetch_for(batch)
 
+    def lookups(self, batch: Any) -> dict[str, torch.Tensor]:
+        return self.model.lookups_for(batch)
+
     def loss(self, batch: Any, fetched: Any) -> torch.Tensor:
         return self.model.loss(batch, fetched)
 
@@ -73,9 +79,14 @@ class CtrTask:
     def stepped(self) -> None:
         pass
 
-    def position(self, steps: int) -> dict[str, Any]:
+    def tell(self) -> tuple[int, int]:
+        """Where the stream stands: (the next sample's place in it, the pass over a file's)."""
+        return self.source.cursor, getattr(self.source, "epoch", 0)
+
+    def position(self, steps: int, at: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+        cursor, epoch = self.tell() if at is None else at
         return {"name": self.name, "num_trainers": self.num_trainers, "data": self.data,
-                "cursor": self.source.cursor, "epoch": getattr(self.source, "epoch", 0), "steps": steps}
+                "cursor": cursor, "epoch": epoch, "steps": steps}
 
     def restore(self, saved: list[dict[str, Any]], checkpoint: str) -> int:
         same = [s for s in saved if s.get("data") == self.data and "cursor" in s]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.nn as nn
 
-from ps.server.contexts import in_autograd_context
+from services.remote import in_autograd_context
 from ps.server.tables import BufferPool
 from services.errors import BadRequest
 from services.remote import describe

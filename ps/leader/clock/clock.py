@@ -41,6 +41,7 @@ class _Waiting:
     refused: bool = False     # sync: the servers refused its gradients; the step goes on without them
     replica_sq: float = 0.0   # sync: squared norm of the averaged gradient of weights the trainers replicate
     lockstep: int = 0         # begin: as ``_Member.lockstep``
+    ahead: int = 0            # begin, ssp: the steps further on whose rows it reads during this one
 
 
 @dataclass
@@ -68,9 +69,10 @@ class StepClock:
             self.step = max(self.step, step)
 
     # --- a trainer's calls ---------------------------------------------------------------------------
-    def begin(self, name: str, pending: Pending, lockstep: int = 0) -> None:
+    def begin(self, name: str, pending: Pending, lockstep: int = 0, ahead: int = 0) -> None:
         """``lockstep``: the trainer replicates weights with the others, and the job starts with
-        this many trainers (sync only; 0: it does not)."""
+        this many trainers (sync only; 0: it does not). ``ahead``: the steps further on whose rows
+        it reads during this one (a prefetch), which the pace counts as steps ahead."""
         with self.lock:
             member = self.members.get(name)
             if member is not None and member.working:
@@ -86,7 +88,8 @@ class StepClock:
                 raise BadRequest(f"{name} {'replicates' if lockstep else 'does not replicate'} dense weights and "
                                  f"{mixed[0]} {'does not' if lockstep else 'does'}: every trainer of a job needs the "
                                  f"same --dense")
-            self.begins[name] = _Waiting(pending, self.now(), lockstep=lockstep)
+            self.pace.check_ahead(ahead)
+            self.begins[name] = _Waiting(pending, self.now(), lockstep=lockstep, ahead=ahead)
             actions = self.settle()
         run(actions)
 

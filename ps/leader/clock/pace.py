@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ps.spec.messages import Applied
+from services.errors import BadRequest
 from ps.leader.clock.lockstep import Lockstep
 from ps.spec.consistency import Consistency, Ssp, Sync
 
@@ -47,8 +48,15 @@ class SspPace:
     def furthest_begun(self) -> int:
         return max((m.clock + m.working for m in self.clock.members.values()), default=0)
 
+    def check_ahead(self, ahead: int) -> None:
+        if ahead > self.bound:
+            raise BadRequest(f"reading {ahead} steps ahead is staler than {self.clock.consistency} allows: "
+                             f"prefetch at most {self.bound} steps")
+
     def may_begin(self, name: str) -> bool:
-        return self.clock.clock_of(name) - self.clock.min_clock() <= self.bound
+        # Rows read now for a step ``ahead`` further on must be as fresh as that step's own reads.
+        ahead = self.clock.begins[name].ahead
+        return self.clock.clock_of(name) + ahead - self.clock.min_clock() <= self.bound
 
     def start_clock(self, name: str) -> int:
         # Its clock from the checkpoint resumed, but never behind a trainer already stepping: the
@@ -103,6 +111,10 @@ class SyncPace:
 
     def furthest_begun(self) -> int:
         return self.clock.step + 1 if self.busy() else self.clock.step
+
+    def check_ahead(self, ahead: int) -> None:
+        if ahead:
+            raise BadRequest("a sync step reads its rows once the step before it is applied: nothing is read ahead")
 
     def may_begin(self, name: str) -> bool:
         if self.applying:

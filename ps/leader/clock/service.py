@@ -30,11 +30,12 @@ class StepClockService(ClockSurface):
         return self.clock.describe()
 
     @remote(asynchronous=True)
-    def begin(self, lockstep: int = 0) -> torch.futures.Future:
+    def begin(self, lockstep: int = 0, ahead: int = 0) -> torch.futures.Future:
         """``Granted`` the caller's next step, once it may begin it."""
-        if not isinstance(lockstep, int) or isinstance(lockstep, bool) or lockstep < 0:
-            raise BadRequest(f"lockstep must be an int >= 0, got {lockstep!r}")
-        return self._pending(lambda f: self.clock.begin(self._caller.name, f, lockstep))
+        for what, value in (("lockstep", lockstep), ("ahead", ahead)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise BadRequest(f"{what} must be an int >= 0, got {value!r}")
+        return self._pending(lambda f: self.clock.begin(self._caller.name, f, lockstep, ahead))
 
     @remote(asynchronous=True)
     def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0,

@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ps.server.contexts import in_autograd_context
+from services.remote import in_autograd_context
 from ps.server.delta import Touched
 from ps.server.hashed.rows import HashedRows, warm_up
 from ps.spec.sharding import Layout
