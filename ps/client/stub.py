@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.distributed.autograd as dist_autograd
 
+from ps.client.cache import HotRows, Taken
 from ps.client.lookups import LookupPlan, plan_lookups
 from ps.spec.consistency import Consistency
 from ps.spec.rules import clip_coef
@@ -123,7 +124,10 @@ class PsClient:
         # sync: with weights replicated among the trainers, steps begin in lockstep, and the job
         # starts with this many trainers (0: not in lockstep)
         self.lockstep = 0
-        self.ahead = 0          # ssp: the steps further on whose rows each step reads (a prefetch)
+        self.ahead = 0          # ssp: the steps further on whose rows each step reads (a prefetch, a cache)
+        self.cache: Optional[HotRows] = None       # copies of the rows read most (``ps/client/cache.py``)
+        self.steps = 0                             # steps begun: the cache counts its copies' ages in them
+        self.session: Optional[StepSession] = None   # the step under way
         self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
         placed = infos[0].placement
         self.plans = {table: from_placement(placed.get(table, ("row_wise", 0)), len(ps_names),
@@ -206,6 +210,8 @@ class PsClient:
         lost = self.lost_servers()
         if not lost or self.leader in lost:
             return None
+        if self.cache is not None:
+            self.cache.forget()      # a server back from a checkpoint holds other rows than the copies
         self.lose_step(why, replica)
         self._until_forgotten(lost)
         return ServerLost(f"{', '.join(lost)} went away, and this step was lost ({str(why).splitlines()[0]})",
@@ -255,22 +261,37 @@ class PsClient:
             self.granted = None
             self.call(self.leader, ClockSurface.leave)
 
-    def issue(self, lookups: dict[str, torch.Tensor], dense: bool = True) -> "Fetching":
+    def issue(self, lookups: dict[str, torch.Tensor], dense: bool = True, ahead: int = 0) -> "Fetching":
         """Ask for rows of table parameters (``lookups``: parameter -> ids [...] of its table) and,
         with ``dense``, every dense tensor, all at once, and return without waiting: each server's
         share of the deduplicated ids in as few requests as ``--max-ids-per-request`` allows
         (``ps/client/lookups.py``). Issued inside a step's autograd context, the answers carry the
-        way back for that step's gradients."""
+        way back for that step's gradients. For a step (the one under way, or the one ``ahead``
+        steps after the last begun) rows the cache holds fresh enough are taken from it instead."""
+        taken: dict[str, Taken] = {}
+        if self.cache is not None and (self.session is not None or ahead):
+            early, _ = self.pushable(lookups)
+            taken = {p: self.cache.take(p, ids, self.steps + ahead) for p, ids in early.items() if ids.numel()}
+            lookups = {p: ids for p, ids in lookups.items() if p not in taken}
+            lookups.update({p: t.miss_ids for p, t in taken.items() if t.miss_ids.numel()})
         plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids)
         answers = [self._async(self.ps_names[k], PsSurface.lookup_many, ask) for k, ask in plan.requests]
         dense_shards = self._dense_shards if dense else []
         dense_futures = [self._async(self.ps_names[k], PsSurface.dense_params) for k in dense_shards]
-        return Fetching(plan, answers, dense_futures, dense_shards)
+        hits = plan_lookups({p: t.hit_ids for p, t in taken.items() if t.hit_ids.numel()}, self.plans, self.table_of,
+                            self.max_ids)
+        # What a read gives reflects every step applied before it: the one under way's not yet.
+        read_at = self.steps + (0 if self.session is not None else 1)
+        fetching = Fetching(plan, answers, dense_futures, dense_shards,
+                            Copies(self.cache, taken, hits, read_at) if taken else None)
+        if self.session is not None:
+            self.session.track(fetching)
+        return fetching
 
-    def ahead_of_step(self, lookups: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``lookups`` cut in two: those a step may read before it begins and push the gradients of
-        (a prefetch), and those it must read in its own context: a hashed table's, whose reading
-        admits ids and whose rows change hands."""
+    def pushable(self, lookups: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``lookups`` cut in two: those whose gradients a step may push, so it may read them before
+        it begins or take them from the cache, and those it must read in its own context: a
+        hashed table's, whose reading admits ids and whose rows change hands."""
         early = {p: ids for p, ids in lookups.items() if not isinstance(self.plans[self.table_of[p]], HashedPlan)}
         return early, {p: ids for p, ids in lookups.items() if p not in early}
 
@@ -314,14 +335,20 @@ class Fetching:
     them as its own leaves, and pushes their gradients (``StepSession.finish``)."""
 
     def __init__(self, plan: LookupPlan, answers: list[torch.futures.Future],
-                 dense: list[torch.futures.Future], dense_servers: list[int]) -> None:
+                 dense: list[torch.futures.Future], dense_servers: list[int], copies: Optional[Copies] = None) -> None:
         self.plan, self._answers, self._dense = plan, answers, dense
         self._dense_servers = dense_servers      # the server of each dense answer
+        self.copies = copies                     # rows taken from the cache
         self.issued_at = time.perf_counter()
         self._landed: list[float] = []       # when each answer came (RPC threads append)
         for f in (*answers, *dense):
             f.add_done_callback(lambda _: self._landed.append(time.perf_counter()))
         self._leaves: Optional[tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]] = None
+
+    @property
+    def has_leaves(self) -> bool:
+        """Whether a step computed with tensors of this process from it (adopted, or cache copies)."""
+        return self._leaves is not None or self.copies is not None
 
     def done(self) -> bool:
         """Every answer is in (``collect`` would not wait)."""
@@ -351,21 +378,56 @@ class Fetching:
         weights: dict[str, torch.Tensor] = {}
         for answer in dense:
             weights.update(answer)
-        return self.plan.collect(rows), weights
+        collected = self.plan.collect(rows)
+        if self.copies is not None:
+            self.copies.assemble(collected, rows)
+        return collected, weights
 
     def pushes(self, grads: dict[torch.Tensor, torch.Tensor]
                ) -> list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
         """The adopted leaves' gradients (``grads``: a step context's, by tensor), one message per
         answer as distributed backward sends them: (server, its rows' parameter -> (ids,
         gradients), its dense tensors' name -> gradient). A leaf the loss did not reach has none."""
-        if self._leaves is None:
-            return []
-        rows, dense = self._leaves
-        out = [(k, {p: (ask[p], grads[t]) for p, t in answer.items() if t in grads}, {})
-               for (k, ask), answer in zip(self.plan.requests, rows)]
-        out += [(k, {}, {n: grads[t] for n, t in answer.items() if t in grads})
-                for k, answer in zip(self._dense_servers, dense)]
+        out = [] if self.copies is None else self.copies.pushes(grads)
+        if self._leaves is not None:
+            rows, dense = self._leaves
+            out += [(k, {p: (ask[p], grads[t]) for p, t in answer.items() if t in grads}, {})
+                    for (k, ask), answer in zip(self.plan.requests, rows)]
+            out += [(k, {}, {n: grads[t] for n, t in answer.items() if t in grads})
+                    for k, answer in zip(self._dense_servers, dense)]
         return [push for push in out if push[1] or push[2]]
+
+
+class Copies:
+    """The rows a read took from the cache (``taken``, by parameter), read at step ``read_at``:
+    put back among the rows read, which the cache then keeps; and the gradients of those taken,
+    cut for their servers as ``hits`` plans them."""
+
+    def __init__(self, cache: HotRows, taken: dict[str, Taken], hits: LookupPlan, read_at: int) -> None:
+        self.cache, self.taken, self.hits, self.read_at = cache, taken, hits, read_at
+        self._leaves: dict[str, torch.Tensor] = {}
+
+    def assemble(self, rows: dict[str, torch.Tensor], answers: list[dict[str, torch.Tensor]]) -> None:
+        """``rows`` (what the plan collected: a cached parameter's as its ``miss_ids``) completed in
+        place with the copies taken, each a leaf whose gradient ``pushes`` hands back."""
+        for param, taken in self.taken.items():
+            read = rows.get(param)
+            if read is None:                               # every id taken from the cache
+                read = taken.hit_rows[:0]
+            else:
+                wire = next(a[param] for a in answers if param in a)
+                self.cache.store(param, taken.miss_ids, read, self.read_at)
+                self.cache.note_row_bytes(param, wire[0].numel() * wire.element_size() if wire.numel() else 0)
+            leaf = self._leaves[param] = taken.hit_rows.requires_grad_()
+            rows[param] = taken.assemble(leaf, read)
+            self.cache.count(param, taken)
+
+    def pushes(self, grads: dict[torch.Tensor, torch.Tensor]) -> list[tuple[int, dict, dict]]:
+        got = {p: grads[t] for p, t in self._leaves.items() if t in grads and self.taken[p].hit_ids.numel()}
+        if not got:
+            return []
+        parts = self.hits.spread(got)
+        return [(k, part, {}) for (k, _), part in zip(self.hits.requests, parts)]
 
 
 class Replica(Protocol):
@@ -414,15 +476,21 @@ class StepSession:
         self.client = client
         self._context: Any = None
         self.context_id = -1
-        self._adopted: list[Fetching] = []
+        self._fetched: list[Fetching] = []      # what this step read, whose leaves it pushes the gradients of
 
     def __enter__(self) -> "StepSession":
         self._context = dist_autograd.context()
         self.context_id = self._context.__enter__()
+        self.client.steps += 1
+        self.client.session = self
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.client.session = None
         self._context.__exit__(*exc)
+
+    def track(self, fetching: Fetching) -> None:
+        self._fetched.append(fetching)
 
     def issue(self, lookups: dict[str, torch.Tensor], dense: bool = True) -> Fetching:
         return self.client.issue(lookups, dense)
@@ -430,7 +498,7 @@ class StepSession:
     def adopt(self, fetching: Fetching) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """What ``fetching`` (issued before this step, outside any context: a prefetch) read, as
         ``fetch`` gives it; ``finish`` pushes its gradients to the servers that answered."""
-        self._adopted.append(fetching)
+        self.track(fetching)
         return fetching.adopted()
 
     def push(self, lookups: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
@@ -462,7 +530,7 @@ class StepSession:
         t0 = time.perf_counter()
         try:
             dist_autograd.backward(self.context_id, [loss])
-            self._push_adopted()
+            self._push_leaves()
         except Exception as exc:
             # A sync step that cannot hand its gradients over still ends at the clock, or every
             # other trainer would wait for it (with a replica: a peer in its all-reduce died).
@@ -472,15 +540,16 @@ class StepSession:
         backward = time.perf_counter() - t0
         return self._hand_over(backward, clip, replica) if averaged else self._apply_own(backward, clip)
 
-    def _push_adopted(self) -> None:
-        """The gradients of what the step adopted, to the servers that answered it: each server's
-        in one message, all at once (as distributed backward would have sent them)."""
-        if not self._adopted:
+    def _push_leaves(self) -> None:
+        """The gradients of what the step adopted (read before it) or took from the cache, to the
+        servers that own it: a message per answer, or per request the copies would have made,
+        all at once (as distributed backward sends them)."""
+        if not any(f.has_leaves for f in self._fetched):
             return
         grads = dist_autograd.get_gradients(self.context_id)
         client = self.client
         for f in [client._async(client.ps_names[k], PsSurface.push, self.context_id, rows, dense)
-                  for fetching in self._adopted for k, rows, dense in fetching.pushes(grads)]:
+                  for fetching in self._fetched for k, rows, dense in fetching.pushes(grads)]:
             wait(f)
 
     def _hand_over(self, backward: float, clip: float, replica: Optional[Replica]) -> Finished:

@@ -37,8 +37,9 @@ class Consistency:
             raise ValueError("consistency must be async, sync or ssp:K with K a whole number >= 0")
         return Ssp(int(m.group(1)))
 
-    def check_prefetch(self, depth: int) -> None:
-        """Refuse reading rows ``depth`` steps ahead of the step that trains with them (``--prefetch``)
+    def check_reads(self, ahead: int, kept: int = 0) -> None:
+        """Refuse rows read ``ahead`` steps ahead of the step that trains with them (``--prefetch``),
+        or copies kept on a trainer up to ``kept`` steps from their read (``--cache-staleness``),
         when that is staler than the mode allows: ``ValueError`` saying what is allowed."""
 
     def require(self, averaged: bool, what: str) -> None:
@@ -63,10 +64,13 @@ class Sync(Consistency):
     clocked: ClassVar[bool] = True
     averaged: ClassVar[bool] = True
 
-    def check_prefetch(self, depth: int) -> None:
-        if depth > 1:
+    def check_reads(self, ahead: int, kept: int = 0) -> None:
+        if ahead > 1:
             raise ValueError("in sync mode a step's rows are read once the step before it is applied, so only the "
                              "next batch is read ahead: --prefetch 1")
+        if kept:
+            raise ValueError("in sync mode every step reads the rows the step before it left: a cached copy may "
+                             "serve no later step (--cache-staleness 0)")
 
     def __str__(self) -> str:
         return "sync"
@@ -80,10 +84,12 @@ class Ssp(Consistency):
     bound: int = 0
     clocked: ClassVar[bool] = True
 
-    def check_prefetch(self, depth: int) -> None:
-        if depth > self.bound:
-            raise ValueError(f"rows read {depth} steps ahead would be staler than {self} allows: "
-                             + (f"--prefetch {self.bound} at most" if self.bound else "no --prefetch in ssp:0"))
+    def check_reads(self, ahead: int, kept: int = 0) -> None:
+        age = max(ahead, kept)        # a copy's age counts from its read, read ahead or not
+        if age > self.bound:
+            what = " and ".join(f"{flag} {n}" for flag, n in (("--prefetch", ahead), ("--cache-staleness", kept)) if n)
+            raise ValueError(f"rows {age} steps old ({what}) would be staler than {self} allows: "
+                             + (f"{self.bound} steps at most, each" if self.bound else "ssp:0 reads every row in its step"))
 
     def __str__(self) -> str:
         return f"ssp:{self.bound}"

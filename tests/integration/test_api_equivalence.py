@@ -21,13 +21,8 @@ def test_the_same_module_on_servers_equals_one_process(procs, num_ps, monkeypatc
                for k in range(num_ps)]
     for server in servers:
         procs.wait_ready(server)
-    drivers = [procs.spawn_driver("bagged", f"trainer{k}", num_ps, steps=STEPS, trainers=TRAINERS)
-               for k in range(TRAINERS)]
-    results = []
-    for proc in drivers:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-4000:]
-        results.append(__import__("json").loads(out.strip().splitlines()[-1]))
+    results = procs.finish_drivers([procs.spawn_driver("bagged", f"trainer{k}", num_ps, steps=STEPS, trainers=TRAINERS)
+                                    for k in range(TRAINERS)])
     lead = results[0]
     for step in range(STEPS):
         mean = sum(r["losses"][step] for r in results) / TRAINERS

@@ -3,7 +3,6 @@ each such update whole, count it, and the shared model ends exactly as if that t
 never been sent (the hammer steps' gradients do not depend on the parameters, so that state is
 known to the bit). The same for a hashed table of the CTR model: a refused step leaves every row
 as it was."""
-import json
 
 import pytest
 import torch
@@ -19,13 +18,9 @@ HONEST_STEPS, POISONED_STEPS = 6, 4
 def test_non_finite_updates_are_refused_whole_and_the_model_stays_as_without_them(procs, tmp_path, mode):
     model = {**SMALL_MODEL, "lr": 0.125, "optimizer": "sgd"}
     servers = procs.start_servers(2, consistency=mode, **model)
-    honest = procs.spawn_driver("hammer", "trainer0", 2, steps=HONEST_STEPS)
-    poisoned = procs.spawn_driver("hammer", "trainer1", 2, steps=POISONED_STEPS, poison="nan,inf")
-    runs = {}
-    for name, proc in (("honest", honest), ("poisoned", poisoned)):
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-3000:]
-        runs[name] = json.loads(out.strip().splitlines()[-1])
+    runs = dict(zip(("honest", "poisoned"), procs.finish_drivers([
+        procs.spawn_driver("hammer", "trainer0", 2, steps=HONEST_STEPS),
+        procs.spawn_driver("hammer", "trainer1", 2, steps=POISONED_STEPS, poison="nan,inf")])))
     assert runs["honest"]["refused"] == []
     assert len(runs["poisoned"]["refused"]) == POISONED_STEPS, runs["poisoned"]
     assert all("not finite" in r for r in runs["poisoned"]["refused"]), runs["poisoned"]["refused"]

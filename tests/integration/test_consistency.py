@@ -22,13 +22,9 @@ def status(role) -> dict:
 def test_ssp_bound_holds_at_every_read_with_a_straggler(procs):
     bound, steps = 1, 10
     procs.start_servers(2, consistency=f"ssp:{bound}", **MODEL)
-    drivers = {name: procs.spawn_driver("clocked", name, 2, steps=steps, trainers=2, slow_down=slow)
-               for name, slow in (("trainer0", 1), ("trainer1", 4))}
-    runs = {}
-    for name, proc in drivers.items():
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-4000:]
-        runs[name] = json.loads(out.strip().splitlines()[-1])
+    slow_downs = {"trainer0": 1, "trainer1": 4}
+    runs = dict(zip(slow_downs, procs.finish_drivers([
+        procs.spawn_driver("clocked", name, 2, steps=steps, trainers=2, slow_down=slow) for name, slow in slow_downs.items()])))
     at_the_bound = 0
     for name, run in runs.items():
         other = runs["trainer1" if name == "trainer0" else "trainer0"]

@@ -4,7 +4,6 @@ and row-wise Adagrad, tables placed row-wise and whole (table-wise), and with ea
 cut into many requests by a small --max-ids-per-request. And gradients pushed for rows a step did
 not read from the servers move them as distributed autograd's do; and sync steps whose reads were
 issued ahead (--prefetch) train bit for bit as those that read in the step."""
-import json
 
 import pytest
 import torch
@@ -28,12 +27,8 @@ CASES = [(1, "rowwise_adagrad", "auto", None), (2, "sgd", "auto", 50), (2, "roww
 def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement, cap):
     servers = procs.start_servers(num_ps, **MODEL, table_rule=table_rule, placement=placement,
                                   max_ids_per_request=cap)
-    drivers = [procs.spawn_driver("ctr", f"ctr{k}", num_ps, steps=STEPS, trainers=TRAINERS) for k in range(TRAINERS)]
-    results = []
-    for proc in drivers:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-4000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = procs.finish_drivers([procs.spawn_driver("ctr", f"ctr{k}", num_ps, steps=STEPS, trainers=TRAINERS)
+                                    for k in range(TRAINERS)])
     lead = results[0]
     assert {r["consistency"] for r in results} == {"sync"}
     # auto: tables row by row, but those smaller than the server count (2 rows, of 3 servers) whole.
@@ -59,14 +54,8 @@ def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement, ca
 def _trained(procs, **driver):
     """Both trainers' results after STEPS sync steps of two servers (trainer0's first)."""
     procs.start_servers(2, **MODEL, table_rule="rowwise_adagrad")
-    drivers = [procs.spawn_driver("ctr", f"ctr{k}", 2, steps=STEPS, trainers=TRAINERS, **driver)
-               for k in range(TRAINERS)]
-    results = []
-    for proc in drivers:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-4000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    return procs.finish_drivers([procs.spawn_driver("ctr", f"ctr{k}", 2, steps=STEPS, trainers=TRAINERS, **driver)
+                                 for k in range(TRAINERS)])
 
 
 def test_sync_steps_read_ahead_train_bit_for_bit_as_steps_that_read_in_the_step(procs, tmp_path):
@@ -84,6 +73,26 @@ def test_sync_steps_read_ahead_train_bit_for_bit_as_steps_that_read_in_the_step(
         assert p["losses"] == a["losses"], (p["losses"], a["losses"])
     assert plain[0]["tables_moved"] > 1e-3, "the steps changed the tables"
     assert plain[0]["digest"] == ahead[0]["digest"], "every row and weight on the servers, bit for bit"
+
+
+def test_a_cached_row_serves_up_to_its_bound_while_another_write_moves_it_and_never_after(procs):
+    procs.start_servers(2, **{**MODEL, "consistency": "async"}, table_rule="sgd")
+    # Steps: 1 reads X (copies kept), 2 writes X unseen, 3 and 4 read X, 5 reads it again.
+    bounded = procs.run_driver("cached", "ctr0", 2, staleness=2, steps=3)
+    first, third, fourth, fifth = bounded["steps"]
+    assert first["used"] == first["servers_before"], "nothing cached yet: read from the servers"
+    assert third["used"] == first["used"] and third["servers_before"] != first["used"], \
+        "2 steps old, within the bound: the copy, though two writes moved the servers' rows"
+    assert fourth["used"] == fourth["servers_before"] != first["used"], "3 steps old: read again"
+    assert fifth["used"] == fourth["used"], "the copy read in step 4, 1 step old"
+    # Misses: X in steps 1 and 4, and the row of C4 the writing step read.
+    assert bounded["oldest"] == 2 and bounded["hits"] == 2 * 3 and bounded["misses"] == 2 * 3 + 1, bounded
+    for step in (third, fifth):    # a copy's gradient still reached the servers: SGD moved them by 0.1 w
+        moved = torch.tensor(step["servers_after"]) - torch.tensor(step["servers_before"])
+        assert torch.allclose(moved, -0.1 * torch.linspace(-1, 1, 12).reshape(3, 4), atol=1e-6), moved
+    exact = procs.run_driver("cached", "ctr1", 2, staleness=0, steps=3)
+    assert all(s["used"] == s["servers_before"] for s in exact["steps"]), "staleness 0: what no cache reads"
+    assert exact["hits"] == 0 and exact["misses"] == 4 * 3 + 1, exact
 
 
 @pytest.mark.parametrize("consistency", ["async", "sync"])

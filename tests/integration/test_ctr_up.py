@@ -81,7 +81,9 @@ def test_ctr_on_criteo_files_trains_reports_quality_and_resumes_resharded(tmp_pa
 def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     # An unbounded episode, ended over HTTP: `up` then runs on, and the evaluation stays to be read
     # (with --steps, four tiny steps and their evaluation may be over before the first look).
-    up = UpProcess(tmp_path, *SMALL, "--num-ps", "1", "--num-trainers", "1", "--no-final-checkpoint")
+    # With a rows cache on the trainer: 50 copies of each table, each serving up to 3 steps.
+    up = UpProcess(tmp_path, *SMALL, "--num-ps", "1", "--num-trainers", "1", "--no-final-checkpoint",
+                   "--cache-rows", "50", "--cache-staleness", "3")
     cleanup(up)
     up.wait_event("started", 120)
     url = up.cluster()["sidecars"]["ctr0"]
@@ -108,6 +110,11 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     assert 'rpcps_trainer_eval_auc{name="ctr0",role="ctr"}' in metrics
     samples = f'rpcps_trainer_samples_total{{name="ctr0",role="ctr"}} {256.0 * status["step"]}'
     assert samples in metrics, metrics
+    cache = status["cache"]
+    assert cache["hits"] > 0 and 0 < cache["hit_rate"] < 1 and 0 < cache["rows"] <= 26 * 50, cache
+    assert 0 < cache["oldest"] <= 3 and cache["bytes_saved"] == status["moved"]["bytes_saved"] > 0, cache
+    hits = f'rpcps_trainer_cache_ids_total{{name="ctr0",outcome="hit",role="ctr"}} {float(cache["hits"])}'
+    assert hits in metrics, [line for line in metrics.splitlines() if "cache" in line]
 
     # Where the steps' time went: the server's rows and seconds, the trainer's messages and phases.
     def ps0_updated() -> bool:
@@ -125,6 +132,7 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     # gradients for the rows and the weights.
     assert done["per_step"]["rpcs"] >= 6, done["per_step"]
     assert {"fetch", "forward", "backward", "optimize", "total"} <= set(done["per_step"]["seconds"]), done
+    assert 0 < done["per_step"]["cache_hit_rate"] < 1 and done["bytes_per_step"]["saved"] > 0, done
 
 
 def test_ctr_members_killed_at_random_and_the_leader_come_back(tmp_path, cleanup):

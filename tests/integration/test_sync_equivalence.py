@@ -1,6 +1,5 @@
 """sync mode: M trainers of batch B, each on its slice, train exactly the one-process model on the
 whole batch of M*B sequences (dropout off), with the averaged gradient clipped, over several steps."""
-import json
 
 import pytest
 
@@ -20,14 +19,8 @@ CASES = [(1, 2, "sgd"), (1, 3, "adagrad"), (2, 2, "adagrad"), (2, 3, "sgd"), (3,
 
 def run_sync_trainers(procs, num_ps: int, trainers: int, **args) -> list[dict]:
     """``trainers`` sync drivers to their end, each on its slice of the batch; what each saw."""
-    drivers = [procs.spawn_driver("sync", f"trainer{k}", num_ps, steps=STEPS, clip=0.25, trainers=trainers, **args)
-               for k in range(trainers)]
-    results = []
-    for proc in drivers:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-4000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    return procs.finish_drivers([procs.spawn_driver("sync", f"trainer{k}", num_ps, steps=STEPS, clip=0.25,
+                                                    trainers=trainers, **args) for k in range(trainers)])
 
 
 def assert_one_process(results: list[dict], tolerance: float) -> None:

@@ -113,6 +113,18 @@ class Processes:
             raise AssertionError(f"driver {mode} exited {proc.returncode}:\n{err[-4000:]}")
         return json.loads(out.strip().splitlines()[-1])
 
+    @staticmethod
+    def finish_drivers(drivers: list[subprocess.Popen], timeout: float = 180.0) -> list[dict]:
+        """Drivers spawned together (trainers stepping together), each to its end: the JSON each
+        printed last, in their order."""
+        results = []
+        for proc in drivers:
+            out, err = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                raise AssertionError(f"driver {' '.join(proc.args[3:5])} exited {proc.returncode}:\n{err[-4000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+
     def stop_all(self) -> None:
         leaders = ("ps0", "agent")
         workers = [(r.name, r.proc) for r in self.roles if not r.name.startswith("ps") and r.name not in leaders]

@@ -364,6 +364,39 @@ def pushed(client: PsClient, args: argparse.Namespace) -> dict:
     return {"autograd": (read - start).tolist(), "pushed": (after - read).tolist(), "refused": refused}
 
 
+def cached(client: PsClient, args: argparse.Namespace) -> dict:
+    """One async trainer with a rows cache of ``--staleness`` steps, on the CTR model's table C3
+    (SGD, lr 0.1): each step reads rows X through the cache and moves them by its gradient ``w``;
+    a step between them writes X without reading it (a pushed gradient: to this cache, another
+    trainer's write). What each step computed with, beside the servers' rows just before it."""
+    from ps.client.cache import HotRows
+    param, x = "tables.weights.C3", torch.tensor([3, 7, 11])
+    w = torch.linspace(-1, 1, x.numel() * 4).reshape(x.numel(), 4)
+    client.cache = HotRows(capacity=100, staleness=args.staleness)
+
+    def servers() -> list:                      # outside a step: read from the servers, never the cache
+        with torch.no_grad():
+            return client.fetch({param: x}, dense=False)[0][param].tolist()
+
+    def reading() -> dict:
+        before = servers()
+        with client.step() as step:
+            rows, _ = step.fetch({param: x}, dense=False)
+            step.finish((rows[param] * w).sum(), clip=0.0)
+        return {"used": rows[param].detach().tolist(), "servers_before": before, "servers_after": servers()}
+
+    def writing() -> None:
+        with client.step() as step:
+            other, _ = step.fetch({"tables.weights.C4": torch.tensor([1])}, dense=False)
+            step.push({param: x}, {param: torch.full((x.numel(), 4), 0.5)})
+            step.finish(other["tables.weights.C4"].sum() * 0.0, clip=0.0)
+    steps = [reading()]
+    writing()
+    steps += [reading() for _ in range(args.steps)]
+    counts = client.cache.counts
+    return {"steps": steps, "hits": counts.hits, "misses": counts.misses, "oldest": counts.max_age}
+
+
 def compared(client: PsClient, local: torch.nn.Module, ids: dict[str, torch.Tensor]) -> tuple[dict[str, float], float]:
     """The servers' rows ``ids`` of each table and their dense weights against the one-process
     module ``local`` (its tables in ``local.tables``): the largest difference of each, and the most
@@ -440,7 +473,7 @@ def bagged(client: PsClient, args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad", "tiny", "ctr",
-                                    "pushed", "poison_hashed", "bagged"))
+                                    "pushed", "poison_hashed", "bagged", "cached"))
     p.add_argument("--name", required=True)
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
@@ -452,6 +485,7 @@ def main() -> None:
     p.add_argument("--poison", default="", help="hammer: scale each step's loss by these in turn (nan,inf)")
     p.add_argument("--dense", default="ps", choices=("ps", "allreduce"), help="sync: where the LSTM lives")
     p.add_argument("--prefetch", type=int, default=0, help="ctr: batches read ahead")
+    p.add_argument("--staleness", type=int, default=0, help="cached: the rows cache's bound, in steps")
     args = p.parse_args()
     init_logging(args.name, "warning")
     torch.set_num_threads(1)
@@ -466,7 +500,7 @@ def main() -> None:
         client = PsClient(args.name, servers)
         modes = {"equivalence": equivalence, "sync": sync, "clocked": clocked, "hammer": hammer, "inspect": inspect,
                  "bad": bad, "tiny": tiny, "ctr": ctr, "pushed": pushed, "poison_hashed": poison_hashed,
-                 "bagged": bagged}
+                 "bagged": bagged, "cached": cached}
         result = modes[args.mode](client, args)
         del client
     finally:

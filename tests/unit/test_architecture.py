@@ -147,6 +147,7 @@ SHARED_WORDS = {
     "source": "where a thing comes from", "snapshot": "a copy of state at one moment",
     "serve": "serving an RPC surface (services/remote.py)", "cache": "functools.cache",
     "staleness": "how old a read may be (ssp's bound, a cache's)", "scale": "scaling a tensor (an update rule's factor)",
+    "hits": "a cache's (ps/client/cache.py)", "misses": "a cache's, a membership probe's",
 }
 
 

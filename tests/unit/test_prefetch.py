@@ -1,11 +1,16 @@
 """Batches read ahead (``trainer/core/prefetch.py``), over a fake client and task: which reads go
-out when in each consistency (the dense weights always once the step before is applied), what a
-checkpoint's position says with batches taken and not trained, and reads dropped after a failure
-going out again when their batch is due."""
+out when in each consistency (the dense weights always once the step before is applied), for
+which step, what a checkpoint's position says with batches taken and not trained, and reads
+dropped after a failure going out again when their batch is due. And what each consistency lets
+a trainer read ahead or keep (``TrainLoop``)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from ps.client.cache import HotRows
 from ps.spec.consistency import Consistency
+from trainer.core.loop import TrainLoop
 from trainer.core.prefetch import Lookahead
 
 
@@ -21,17 +26,21 @@ class FakeClient:
     def __init__(self, consistency):
         self.consistency = Consistency.parse(consistency)
         self.ahead = 0
+        self.cache = None
         self.issued = []         # the batches whose reads went out, in order
+        self.steps_on = {}       # batch -> for which step after the last one begun its rows were read
 
-    def ahead_of_step(self, lookups):
+    def pushable(self, lookups):
         early = {p: ids for p, ids in lookups.items() if not p.startswith("hashed")}
         return early, {p: ids for p, ids in lookups.items() if p not in early}
 
-    def issue(self, lookups, dense):
+    def issue(self, lookups, dense, ahead=0):
         """A batch's rows are named by the batch; "w" is a read of the dense weights alone."""
         assert dense == (not lookups), "rows and dense weights are read apart"
         read = int(lookups["rows"][0]) if lookups else "w"
         self.issued.append(read)
+        if lookups:
+            self.steps_on[read] = ahead
         return Reads(read)
 
 
@@ -63,7 +72,7 @@ def test_async_reads_the_next_batches_while_a_step_computes_and_saves_the_positi
     ahead.applied()
     assert client.issued[-1] == "w", "the next step's dense weights, read once this step is applied"
     assert ahead.next().batch == 1 and client.issued == [0, "w", 1, 2, "w", 3]
-    assert client.ahead == 0, "async has no step clock to tell"
+    assert client.steps_on == {0: 1, 1: 2, 2: 3, 3: 3}, "each read for the step that will use it"
 
 
 def test_sync_reads_the_next_batch_only_once_the_step_before_it_is_applied():
@@ -74,18 +83,29 @@ def test_sync_reads_the_next_batch_only_once_the_step_before_it_is_applied():
     ahead.applied()
     assert client.issued == [0, "w", "w", 1] and ahead.at() == 1
     assert ahead.next().batch == 1 and client.issued == [0, "w", "w", 1]
-    with pytest.raises(ValueError, match="--prefetch 1"):
-        Lookahead(task, client, 2, dense=True)
+    assert client.steps_on == {0: 1, 1: 1}, "batch 1 read after step 1 ended, for the next one"
 
 
-def test_ssp_tells_the_clock_how_far_ahead_its_steps_read_and_refuses_more_than_the_bound():
-    client = FakeClient("ssp:2")
-    Lookahead(FakeTask(), client, 2, dense=True)
-    assert client.ahead == 2
-    with pytest.raises(ValueError, match="staler than ssp:2"):
-        Lookahead(FakeTask(), FakeClient("ssp:2"), 3, dense=True)
-    with pytest.raises(ValueError, match="no --prefetch in ssp:0"):
-        Lookahead(FakeTask(), FakeClient("ssp:0"), 1, dense=True)
+def loop(consistency, prefetch=0, cache=None):
+    client = FakeClient(consistency)
+    task = FakeTask()
+    task.model = SimpleNamespace(client=client, replica=None)
+    TrainLoop(task, 0.0, prefetch=prefetch, cache=cache)
+    return client
+
+
+def test_each_consistency_allows_what_it_can_keep_to_and_the_clock_counts_the_rest():
+    assert loop("async", 4, HotRows(10, 50)).ahead == 0, "async has no step clock to tell"
+    assert loop("ssp:3", 2, HotRows(10, 3)).ahead == 3, "ssp: rows read ahead or kept count as steps ahead"
+    assert loop("sync", 1, HotRows(10, 0)).cache is not None, "sync: read once the step before is applied"
+    for consistency, prefetch, cache, refusal in [
+            ("sync", 2, None, "only the next batch is read ahead: --prefetch 1"),
+            ("sync", 0, HotRows(10, 1), "--cache-staleness 0"),
+            ("ssp:2", 3, None, "staler than ssp:2 allows: 2 steps at most"),
+            ("ssp:2", 1, HotRows(10, 3), r"rows 3 steps old \(--prefetch 1 and --cache-staleness 3\)"),
+            ("ssp:0", 1, None, "ssp:0 reads every row in its step")]:
+        with pytest.raises(ValueError, match=refusal):
+            loop(consistency, prefetch, cache)
 
 
 def test_reads_dropped_after_a_failure_go_out_again_when_their_batch_is_due():

@@ -63,7 +63,8 @@ class EpisodeRunner:
         self.server_losses = 0      # times a server went away under this trainer's step
         self._refused_in_a_row = 0
         self._traffic: dict[str, Any] = {"steps": 0, "rpc_bytes": 0, "rpcs": 0, "allreduce_bytes": 0,
-                                         "timed_steps": 0, "phase_seconds": {}}
+                                         "bytes_saved": 0, "timed_steps": 0, "phase_seconds": {}}
+        self._cache: dict[str, Any] = {"hits": 0, "misses": 0, "bytes_saved": 0}
         self._digests: deque[tuple[int, str]] = deque(maxlen=128)   # --dense allreduce: the replica's last steps
         self.progress = Progress(board, metrics)
 
@@ -124,7 +125,8 @@ class EpisodeRunner:
                               loss_avg=sum(recent) / len(recent), loss_first=first_loss,
                               **{f"{self.unit}_per_s": per_s}, grad_norm=result.grad_norm, timed=throughput.window,
                               step_seconds={k: round(v, 6) for k, v in result.phases.items()},
-                              moved=self._count_traffic(result, episode["step"] > self.cfg.warmup_steps), **self._replica_status())
+                              moved=self._count_traffic(result, episode["step"] > self.cfg.warmup_steps),
+                              **self._replica_status(), **self._cache_status(result))
             self.progress.advance(episode["step"])
             if time.monotonic() - last_log >= self.cfg.log_interval:
                 last_log = time.monotonic()
@@ -195,11 +197,23 @@ class EpisodeRunner:
         t["rpc_bytes"] += result.rpc_bytes
         t["rpcs"] += result.rpcs
         t["allreduce_bytes"] += result.allreduce_bytes
+        t["bytes_saved"] += result.cache.saved if result.cache is not None else 0
         if timed:
             t["timed_steps"] += 1
             for phase, seconds in result.phases.items():
                 t["phase_seconds"][phase] = t["phase_seconds"].get(phase, 0.0) + seconds
         return {**t, "phase_seconds": {k: round(v, 6) for k, v in t["phase_seconds"].items()}}
+
+    def _cache_status(self, result: StepResult) -> dict[str, Any]:
+        """--cache-rows: what the trainer's copies of rows gave, so far."""
+        step = result.cache
+        if step is None:
+            return {}
+        c = self._cache
+        c["hits"], c["misses"], c["bytes_saved"] = c["hits"] + step.hits, c["misses"] + step.misses, \
+            c["bytes_saved"] + step.saved
+        asked = c["hits"] + c["misses"]
+        return {"cache": {**c, "rows": step.rows, "oldest": step.max_age, "hit_rate": c["hits"] / asked if asked else 0.0}}
 
     def _replica_status(self) -> dict[str, Any]:
         """--dense allreduce: which step the replica is at, its digest (equal on every trainer of

@@ -144,15 +144,22 @@ def _training(s: Any) -> Optional[ProgressStatus]:
 def _bytes_per_step(statuses: list[Any]) -> dict[str, float]:
     """What a trainer's step moves, on average over every trainer's steps."""
     steps = sum(s.moved.steps for s in statuses)
-    return {"rpc": sum(s.moved.rpc_bytes for s in statuses) / steps if steps else 0.0,
-            "allreduce": sum(s.moved.allreduce_bytes for s in statuses) / steps if steps else 0.0}
+    return {key: sum(getattr(s.moved, field) for s in statuses) / steps if steps else 0.0
+            for key, field in (("rpc", "rpc_bytes"), ("allreduce", "allreduce_bytes"), ("saved", "bytes_saved"))}
 
 
 def _per_step(statuses: list[Any]) -> dict[str, Any]:
     """Where a trainer's step goes, on average over every trainer's steps: its messages to the
-    servers, and the seconds of each phase (of the steps past the warm-up)."""
+    servers, the seconds of each phase (of the steps past the warm-up), and with a rows cache
+    the share of ids it gave."""
     steps = sum(s.moved.steps for s in statuses)
     timed = sum(s.moved.timed_steps for s in statuses)
     phases = sorted({p for s in statuses for p in s.moved.phase_seconds})
-    return {"rpcs": sum(s.moved.rpcs for s in statuses) / steps if steps else 0.0,
-            "seconds": {p: sum(s.moved.phase_seconds.get(p, 0.0) for s in statuses) / timed for p in phases} if timed else {}}
+    found = {"rpcs": sum(s.moved.rpcs for s in statuses) / steps if steps else 0.0,
+             "seconds": {p: sum(s.moved.phase_seconds.get(p, 0.0) for s in statuses) / timed for p in phases}
+             if timed else {}}
+    caches = [s.cache for s in statuses if s.cache is not None]
+    asked = sum(c.hits + c.misses for c in caches)
+    if asked:           # --cache-rows: of a step's distinct ids, the share taken from the trainer's copies
+        found["cache_hit_rate"] = sum(c.hits for c in caches) / asked
+    return found

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from ps.client.cache import CacheCounts, HotRows
 from trainer.core.prefetch import Lookahead
 from trainer.core.served import ServedModel
 
@@ -26,6 +27,7 @@ class StepResult:
     rpc_bytes: int = 0          # tensor bytes to and from the servers (``ps.client.stub.Traffic``)
     allreduce_bytes: int = 0    # bytes handed to the trainers' all-reduce (--dense allreduce)
     rpcs: int = 0               # messages to the servers: calls and distributed backward's gradients
+    cache: Optional[CacheCounts] = None   # what the rows cache gave this step (its ``rows`` and ``max_age``: so far)
 
 
 class Task(Protocol):
@@ -68,20 +70,34 @@ class TrainLoop:
     purpose (``seed`` and ``name`` choose which steps); ``metrics``: a ``TrainerMetrics``."""
 
     def __init__(self, task: Task, clip: float, *, name: str = "", seed: int = 0, slow_down: float = 1.0,
-                 slow_fraction: float = 1.0, metrics: Any = None, prefetch: int = 0) -> None:
+                 slow_fraction: float = 1.0, metrics: Any = None, prefetch: int = 0,
+                 cache: Optional[HotRows] = None) -> None:
+        """``prefetch``: batches read ahead (``trainer/core/prefetch.py``); ``cache``: copies of the
+        rows read most, kept on the trainer (``ps/client/cache.py``). ``ValueError`` if either
+        is staler than the servers' consistency allows."""
         self.task, self.model, self.clip = task, task.model, clip
         self.slow_down, self.slow_fraction = slow_down, slow_fraction
         self.metrics = metrics
         self._slow = random.Random(f"{seed}/{name}")   # which steps --slow-fraction slows
+        client = task.model.client
+        cached = cache.staleness if cache is not None else 0
+        try:
+            client.consistency.check_reads(prefetch, cached)
+        except ValueError as exc:
+            raise ValueError(f"the servers run {client.consistency}: {exc}") from None
+        if client.consistency.clocked and not client.consistency.averaged:
+            client.ahead = max(prefetch, cached)     # ssp: the step clock counts them as steps ahead
+        client.cache = cache
         self.lookahead: Optional[Lookahead] = None
         if prefetch:
-            self.lookahead = Lookahead(task, task.model.client, prefetch, dense=task.model.replica is None)
+            self.lookahead = Lookahead(task, client, prefetch, dense=task.model.replica is None)
 
     @classmethod
-    def of(cls, task: Task, cfg: Any, metrics: Any = None, prefetch: int = 0) -> "TrainLoop":
-        """From a trainer's settings (``trainer/core/config.py``); ``prefetch``: batches read ahead."""
+    def of(cls, task: Task, cfg: Any, metrics: Any = None, prefetch: int = 0,
+           cache: Optional[HotRows] = None) -> "TrainLoop":
+        """From a trainer's settings (``trainer/core/config.py``), and how its workload reads."""
         return cls(task, cfg.clip, name=cfg.name, seed=cfg.seed, slow_down=cfg.slow_down,
-                   slow_fraction=cfg.slow_fraction, metrics=metrics, prefetch=prefetch)
+                   slow_fraction=cfg.slow_fraction, metrics=metrics, prefetch=prefetch, cache=cache)
 
     def position(self, steps: int) -> dict[str, Any]:
         """What a checkpoint saves of where this trainer is: before the batches read ahead."""
@@ -99,6 +115,7 @@ class TrainLoop:
         # The step boundary: in sync and ssp modes, wait for the step clock before taking the batch.
         rpc_before, allreduce_before = client.traffic.total, self.model.allreduce_bytes
         calls_before = client.traffic.calls
+        cached_before = replace(client.cache.counts) if client.cache is not None else None
         waited = client.begin()
         self.model.follow_group()
         try:
@@ -138,6 +155,10 @@ class TrainLoop:
         result = StepResult(float(loss.detach()), self.task.units(batch), total + waited, done.grad_norm, phases,
                             done.arrived_at, client.traffic.total - rpc_before,
                             self.model.allreduce_bytes - allreduce_before, client.traffic.calls - calls_before)
+        if cached_before is not None:
+            now = client.cache.counts
+            result.cache = CacheCounts(now.hits - cached_before.hits, now.misses - cached_before.misses,
+                                       now.saved - cached_before.saved, now.max_age, client.cache.rows)
         if self.metrics is not None:
             self.metrics.stepped(result)
         return result

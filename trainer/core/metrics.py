@@ -31,6 +31,13 @@ class TrainerMetrics(Metrics):
         self._step_seconds = self.histogram("rpcps_trainer_step_seconds", "time of a training step by phase", ("phase",))
         for phase in STEP_PHASES:   # every phase series at 0, so dashboards see them before the first step
             self._step_seconds.labels(phase=phase, **self.labels)
+        self._cache_ids = self.counter("rpcps_trainer_cache_ids_total", "--cache-rows: a step's distinct ids taken "
+                                       "from the trainer's copies (hit) or read from the servers (miss)", ("outcome",))
+        self.cache_bytes_saved = self.counter("rpcps_trainer_cache_bytes_saved_total", "--cache-rows: bytes of rows "
+                                              "taken from the trainer's copies instead of read").labels(**self.labels)
+        self.cache_rows = self.gauge("rpcps_trainer_cache_rows", "--cache-rows: copies of rows the trainer holds")
+        self.cache_oldest = self.gauge("rpcps_trainer_cache_oldest_steps", "--cache-rows: the oldest copy a step "
+                                                                           "took so far, in the trainer's steps")
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         self._step_seconds.labels(phase=phase, **self.labels).observe(seconds)
@@ -39,6 +46,12 @@ class TrainerMetrics(Metrics):
         """A step done (a ``trainer.core.loop.StepResult``)."""
         for phase, seconds in result.phases.items():
             self.observe_phase(phase, seconds)
+        if result.cache is not None:
+            self._cache_ids.labels(outcome="hit", **self.labels).inc(result.cache.hits)
+            self._cache_ids.labels(outcome="miss", **self.labels).inc(result.cache.misses)
+            self.cache_bytes_saved.inc(result.cache.saved)
+            self.cache_rows.set(result.cache.rows)
+            self.cache_oldest.set(result.cache.max_age)
         self.steps.inc()
         self.units.inc(result.units)
         self.loss.set(result.loss)

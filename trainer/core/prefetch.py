@@ -56,18 +56,11 @@ class Lookahead:
     begin); ``dense``: the step reads the servers' dense weights (no replica of them here)."""
 
     def __init__(self, task: AheadTask, client: PsClient, depth: int, dense: bool) -> None:
+        """The consistency's word on ``depth`` is the caller's to have asked (``TrainLoop``)."""
         if depth < 1:
             raise ValueError(f"a prefetch reads 1 step ahead at least, not {depth}")
         self.task, self.client, self.dense = task, client, dense
-        consistency = client.consistency
-        try:
-            consistency.check_prefetch(depth)
-        except ValueError as exc:
-            raise ValueError(f"the servers run {consistency}: {exc}") from None
-        # sync: rows read once the step before is applied; ssp: the clock counts the steps read ahead.
-        self.after_apply = consistency.averaged
-        if consistency.clocked and not consistency.averaged:
-            client.ahead = depth
+        self.after_apply = client.consistency.averaged    # sync: rows read once the step before is applied
         self.depth = depth
         self.queue: deque[Ahead] = deque()
         self._weights: Optional[Fetching] = None     # the next step's dense weights, on their way
@@ -77,11 +70,11 @@ class Lookahead:
         """The batch of the step beginning (its reads issued, if they were not), the reads of the
         batches after it issued as the consistency allows."""
         ahead = self.queue.popleft() if self.queue else self._take()
-        self._issue(ahead)
+        self._issue(ahead, 1)
         if self.dense and self._weights is None:
             self._weights = self.client.issue({}, dense=True)
         if not self.after_apply:
-            self._top_up()
+            self._top_up(2)
         self.hidden = max(reads.hidden() for reads in (ahead.reads, self._weights) if reads is not None)
         return ahead
 
@@ -101,7 +94,7 @@ class Lookahead:
         if self.dense:
             self._weights = self.client.issue({}, dense=True)
         if self.after_apply:
-            self._top_up()
+            self._top_up(1)
 
     def drop_reads(self) -> None:
         """Forget every read on its way (a step failed, an episode ended): the batches stay, and are
@@ -117,15 +110,18 @@ class Lookahead:
     def _take(self) -> Ahead:
         at = self.task.tell()
         batch = self.task.next_batch()
-        early, late = self.client.ahead_of_step(self.task.lookups(batch))
+        early, late = self.client.pushable(self.task.lookups(batch))
         return Ahead(batch, at, early, late)
 
-    def _top_up(self) -> None:
+    def _top_up(self, first: int) -> None:
+        """The queue full, each batch's reads on their way: the first's for the ``first`` step
+        after the last one begun."""
         while len(self.queue) < self.depth:
             self.queue.append(self._take())
-        for ahead in self.queue:
-            self._issue(ahead)
+        for k, ahead in enumerate(self.queue):
+            self._issue(ahead, first + k)
 
-    def _issue(self, ahead: Ahead) -> None:
+    def _issue(self, ahead: Ahead, steps_on: int) -> None:
+        """``ahead``'s reads, for the step ``steps_on`` after the last one begun."""
         if ahead.reads is None:
-            ahead.reads = self.client.issue(ahead.early, dense=False)
+            ahead.reads = self.client.issue(ahead.early, dense=False, ahead=steps_on)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 from torch.distributed import PrefixStore, Store
 
 from ps.spec.config import ps_names
+from ps.client.cache import HotRows
 from ps.client.stub import ClockPause, PsClient
 from services.checkpoint.coordinator import Coordinator
 from services.control import EpisodeGate, EpisodeStart, StepPause
@@ -62,6 +63,10 @@ class ServedTrainer(RoleBase):
     def prefetch(self) -> int:
         """How many batches a step's reads go out ahead of (``trainer/core/prefetch.py``; 0: none)."""
         return 0
+
+    def cache(self) -> Optional[HotRows]:
+        """Copies of the rows read most, kept here (``ps/client/cache.py``; None: none)."""
+        return None
 
     # Control (the sidecar thread).
     def start_episode(self, request: EpisodeStart) -> dict[str, Any]:
@@ -121,7 +126,7 @@ class ServedTrainer(RoleBase):
                 raise ConfigError(f"{exc} (the servers run {client.consistency})") from None
             model.replicate(self._group_stores(), cfg.num_trainers, cfg.group_timeout)
         try:
-            loop = TrainLoop.of(task, cfg, self.metrics, self.prefetch())
+            loop = TrainLoop.of(task, cfg, self.metrics, self.prefetch(), self.cache())
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         steps = self._restore_position(task)

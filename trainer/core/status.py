@@ -36,8 +36,20 @@ class Traffic(BaseModel):
     rpc_bytes: int = 0
     rpcs: int = 0
     allreduce_bytes: int = 0
+    bytes_saved: int = 0               # of rows taken from the trainer's cache instead of the servers
     timed_steps: int = 0               # those past the warm-up steps, which ``phase_seconds`` adds up
     phase_seconds: dict[str, float] = {}   # per phase (fetch, forward, backward, clip, optimize, barrier, total)
+
+
+class RowCacheState(BaseModel):
+    """``--cache-rows``: the trainer's copies of the rows it reads most (``ps/client/cache.py``)."""
+
+    rows: int = 0                      # copies held
+    hits: int = 0                      # ids its steps took from it
+    misses: int = 0                    # ids they read from the servers instead
+    hit_rate: float = 0.0
+    bytes_saved: int = 0               # of rows not read, as they would have crossed the wire
+    oldest: int = 0                    # the oldest copy a step took, in the trainer's steps
 
 
 class TrainerStatusBase(RoleStatus):
@@ -49,6 +61,7 @@ class TrainerStatusBase(RoleStatus):
     waiting_s: Optional[float] = None  # how long it has waited for them
     dense_replica: Optional[ReplicaState] = None
     moved: Traffic = Traffic()
+    cache: Optional[RowCacheState] = None
     episode: Optional[EpisodeProgress] = None
     episodes_completed: int = 0
     model: Optional[dict[str, Any]] = None

@@ -8,6 +8,8 @@
   trainers and all-reduced);
 * ``async-prefetch``, ``sync-prefetch``: the same with ``--prefetch 1``, each step's reads issued
   while the step before computes (async), or the moment it is applied (sync: its AUC is sync's);
+* ``async-cache``, ``async-prefetch-cache``: async with a rows cache on each trainer (``CACHE``),
+  without and with ``--prefetch 1``: its hit rate and the bytes it saved;
 * ``hashed``, ``hashed-10``: sync, the big tables keyed by raw 64-bit ids (``--tables C3,…``), with
   room for twice their ids (``--capacity-share 2``: nothing evicted) and for a tenth of them
   (``--capacity-share 0.1``): what a bounded table costs in AUC;
@@ -38,12 +40,15 @@ from pathlib import Path
 
 from services.client import SidecarClient
 
-VARIANTS = ("local", "async", "sync", "async-prefetch", "sync-prefetch", "sync-allreduce", "hashed", "hashed-10", "fp16",
-            "bf16", "wire-fp16")
+VARIANTS = ("local", "async", "sync", "async-prefetch", "sync-prefetch", "async-cache", "async-prefetch-cache",
+            "sync-allreduce", "hashed", "hashed-10", "fp16", "bf16", "wire-fp16")
+# The rows cache of the cache variants: 1 % of the biggest table at --scale 0.1, each copy serving up to 10 steps.
+CACHE = ("--cache-rows", "10000", "--cache-staleness", "10")
 HALF = {"fp16": ("--table-dtype", "fp16"), "bf16": ("--table-dtype", "bf16"), "wire-fp16": ("--wire-dtype", "fp16")}
 TRAINERS = 2
 TARGETS = {"async_vs_local": 0.8, "sync_auc_minus_local": 0.002, "rows_bytes_ratio": 2.0,
-           "hashed_10_auc_minus_hashed": 0.005, "sync_prefetch_vs_local": 0.9, "sync_prefetch_auc_minus_sync": 0.0}
+           "hashed_10_auc_minus_hashed": 0.005, "sync_prefetch_vs_local": 0.9, "sync_prefetch_auc_minus_sync": 0.0,
+           "async_prefetch_cache_vs_local": 1.0, "cache_hit_rate": 0.85}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,6 +170,8 @@ def bench_cluster(args: dict, extra: tuple[str, ...]) -> dict:
     return {"samples_per_s": d["samples_per_s"], "auc": d["auc"], "logloss": d["logloss"],
             "oracle_auc": d["oracle_auc"], "auc_spread": d.get("auc_spread"),
             "bytes_per_sample": d["bytes_per_step"]["rpc"] / args["batch_size"],
+            "saved_bytes_per_sample": d["bytes_per_step"]["saved"] / args["batch_size"],
+            "cache_hit_rate": d["per_step"].get("cache_hit_rate"),
             "allreduce_bytes_per_sample": d["bytes_per_step"]["allreduce"] / args["batch_size"],
             "rss_mb": {n: round(v, 1) for n, v in sorted(peaks.items())},
             "account": account(d, training)}
@@ -199,7 +206,8 @@ def extra(variant: str, scale: float) -> tuple[str, ...]:
     if variant in HALF:
         return ("--consistency", "sync", *HALF[variant])
     return {"async": (), "sync": ("--consistency", "sync"), "async-prefetch": ("--prefetch", "1"),
-            "sync-prefetch": ("--consistency", "sync", "--prefetch", "1"),
+            "sync-prefetch": ("--consistency", "sync", "--prefetch", "1"), "async-cache": CACHE,
+            "async-prefetch-cache": ("--prefetch", "1", *CACHE),
             "sync-allreduce": ("--consistency", "sync", "--dense", "allreduce")}[variant]
 
 
@@ -236,7 +244,10 @@ def run(ns: argparse.Namespace) -> int:
             results[name]["rss_mb"] = median(name, "rss_mb")
         else:
             results[name].update(bytes_per_sample=median(name, "bytes_per_sample"), rss_mb=rounds[-1][name]["rss_mb"],
+                                 saved_bytes_per_sample=median(name, "saved_bytes_per_sample"),
                                  account=rounds[-1][name]["account"])
+            if rounds[-1][name]["cache_hit_rate"] is not None:
+                results[name]["cache_hit_rate"] = median(name, "cache_hit_rate")
     rows = rows_bytes_per_sample(args)
     ratios = {}
     if "async" in results and "local" in results:
@@ -244,15 +255,16 @@ def run(ns: argparse.Namespace) -> int:
                                                      for r in rounds)
     if "sync" in results and "local" in results:
         ratios["sync_auc_minus_local"] = results["sync"]["auc"] - results["local"]["auc"]
-    for name in ("async-prefetch", "sync-prefetch"):
-        plain = name.removesuffix("-prefetch")
+    for name in ("async-prefetch", "sync-prefetch", "async-cache", "async-prefetch-cache"):
+        plain = name.split("-")[0]
+        key = name.replace("-", "_")
         if name in results and "local" in results:
-            ratios[f"{plain}_prefetch_vs_local"] = statistics.median(
+            ratios[f"{key}_vs_local"] = statistics.median(
                 r[name]["samples_per_s"] / r["local"]["samples_per_s"] for r in rounds)
         if name in results and plain in results:
-            ratios[f"{plain}_prefetch_vs_{plain}"] = statistics.median(
+            ratios[f"{key}_vs_{plain}"] = statistics.median(
                 r[name]["samples_per_s"] / r[plain]["samples_per_s"] for r in rounds)
-            ratios[f"{plain}_prefetch_auc_minus_{plain}"] = results[name]["auc"] - results[plain]["auc"]
+            ratios[f"{key}_auc_minus_{plain}"] = results[name]["auc"] - results[plain]["auc"]
     for name in ("async", "sync", "sync-allreduce", "wire-fp16"):
         if name in results:
             ratios[f"{name}_bytes_vs_rows"] = results[name]["bytes_per_sample"] / rows
@@ -261,9 +273,11 @@ def run(ns: argparse.Namespace) -> int:
         met["async_vs_local"] = ratios["async_vs_local"] >= TARGETS["async_vs_local"]
     if "sync_auc_minus_local" in ratios:
         met["sync_auc_minus_local"] = abs(ratios["sync_auc_minus_local"]) <= TARGETS["sync_auc_minus_local"]
-    for key in ("sync_prefetch_vs_local", "sync_prefetch_auc_minus_sync"):
+    for key in ("sync_prefetch_vs_local", "sync_prefetch_auc_minus_sync", "async_prefetch_cache_vs_local"):
         if key in ratios:
             met[key] = ratios[key] >= TARGETS[key] if key.endswith("local") else ratios[key] == TARGETS[key]
+    if "async-cache" in results:
+        met["cache_hit_rate"] = results["async-cache"]["cache_hit_rate"] >= TARGETS["cache_hit_rate"]
     if "sync-allreduce_bytes_vs_rows" in ratios:
         met["rows_bytes_ratio"] = ratios["sync-allreduce_bytes_vs_rows"] <= TARGETS["rows_bytes_ratio"]
     if "hashed" in results and "hashed-10" in results:

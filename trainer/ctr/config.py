@@ -194,9 +194,16 @@ class CtrDataSettings(SchemaSettings):
                                                        "end (0: none); with --data, the files' first lines, never "
                                                        "trained on")
     clip: float = Field(0.0, ge=0, description="global gradient-norm clip (0: off)")
-    prefetch: int = Field(0, ge=0, le=16, description="read the rows and dense weights of this many batches ahead "
-                                                      "while a step computes (async; ssp:K up to K; sync 1, read once "
-                                                      "the step before is applied: exact); 0: each step reads its own")
+    prefetch: int = Field(0, ge=0, le=16, description="read the rows of this many batches ahead while a step "
+                                                      "computes (async; ssp:K up to K; sync 1, read once the step "
+                                                      "before is applied: exact); 0: each step reads its own")
+    cache_rows: int = Field(0, ge=0, le=100_000_000, description="keep copies of up to this many rows of each table "
+                                                                 "on the trainer, the most recently used (0: none; "
+                                                                 "hashed tables are never cached)")
+    cache_staleness: int = Field(1, ge=0, le=1_000_000, description="--cache-rows: a copy serves steps up to this "
+                                                                    "many of the trainer's steps after the one that "
+                                                                    "read it, then is read again (0: never: a row a "
+                                                                    "step reads, its update changes; sync needs 0)")
 
     @model_validator(mode="after")
     def _one_source(self) -> "CtrDataSettings":
@@ -235,5 +242,5 @@ class CtrUpSettings(CtrDataSettings, TrainersUpSettings, CtrModelSettings):
 
     @model_validator(mode="after")
     def _prefetch_within_consistency(self) -> "CtrUpSettings":
-        Consistency.parse(self.consistency).check_prefetch(self.prefetch)
+        Consistency.parse(self.consistency).check_reads(self.prefetch, self.cache_staleness if self.cache_rows else 0)
         return self

@@ -16,7 +16,8 @@ MODEL_FLAGS = tuple(f for f in CtrModelSettings.model_fields if f not in SERVER_
 class CtrLaunch(TrainersLaunch):
     workload, trainer, unit = "ctr", "ctr", "samples"
     server_flags = MODEL_FLAGS
-    trainer_flags = ("batch_size", "hot", "data_seed", "eval_samples", "data", "schema_file", "prefetch")
+    trainer_flags = ("batch_size", "hot", "data_seed", "eval_samples", "data", "schema_file", "prefetch",
+                     "cache_rows", "cache_staleness")
 
     def plan(self) -> list[Planned]:
         """The servers and trainers, and ``--serve`` serving members reading the live servers (told

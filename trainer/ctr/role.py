@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 
+from typing import Optional
+
+from ps.client.cache import HotRows, hot_rows
 from ps.client.stub import PsClient
 from services.errors import ConfigError
 from services.names import parse_name
@@ -31,6 +34,9 @@ class CtrTrainer(ServedTrainer):
 
     def prefetch(self) -> int:
         return self.cfg.prefetch
+
+    def cache(self) -> Optional[HotRows]:
+        return hot_rows(self.cfg.cache_rows, self.cfg.cache_staleness)
 
     def task(self, client: PsClient) -> CtrTask:
         cfg, hosted = self.cfg, client.model

@@ -1,0 +1,192 @@
+"""A trainer's copies of the rows it reads most (``--cache-rows N``, ``--cache-staleness S``): a
+step takes a row from here instead of the servers while the copy is at most S of this trainer's
+steps old: while it misses the updates of at most S of its steps (a copy read in step t, before
+its update, serves steps t .. t + S; one read between steps t - 1 and t the same). An older copy is
+read again. The gradients of a row taken from here go to the servers with the step's others
+(``Copies`` in ``ps/client/stub.py``), so the servers' rows miss nothing; what the cache costs is
+only that a step computes with a row that may miss up to S steps of updates (its own among them).
+S = 0 takes nothing from here: every row a step reads, that step's own update changes.
+
+Per table parameter the copies sit in slots (ids, rows, the step each was read at, the step each
+was last used at); a sorted index of the ids finds their slots. When the slots are full, the
+least recently used go. No RPC, no threads: the step that owns the client calls it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+class _Slots:
+    """One parameter's copies: ``ids``, ``rows``, ``read_at``, ``used_at`` in slots ``[:size]``
+    (grown as needed, up to the capacity), and ``keys`` (their ids, sorted) with ``slot_of``."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        n = rows.shape[0]
+        self.ids = torch.zeros(n, dtype=torch.long)
+        self.rows = rows.new_zeros(rows.shape)
+        self.read_at = torch.zeros(n, dtype=torch.long)
+        self.used_at = torch.zeros(n, dtype=torch.long)
+        self.size = 0
+        self.keys = torch.zeros(0, dtype=torch.long)
+        self.slot_of = torch.zeros(0, dtype=torch.long)
+        self._place = torch.zeros(0, dtype=torch.long)
+
+    def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of unique ``ids``, which have a copy, and its slot (meaningless where none)."""
+        if not self.size:
+            return torch.zeros(ids.numel(), dtype=torch.bool), torch.zeros(ids.numel(), dtype=torch.long)
+        at = torch.searchsorted(self.keys, ids).clamp_(max=self.size - 1)
+        return self.keys[at] == ids, self.slot_of[at]
+
+    def room(self, n: int, capacity: int, keep: torch.Tensor) -> torch.Tensor:
+        """Slots for ``n`` new copies (at most the free slots and those not in ``keep``): free
+        ones, grown into, then the least recently used ones' outside ``keep``."""
+        free = min(n, capacity - self.size)
+        if self.size + free > self.ids.numel():
+            grow = min(capacity, max(2 * self.ids.numel(), self.size + free)) - self.ids.numel()
+            self.ids = torch.cat([self.ids, self.ids.new_zeros(grow)])
+            self.rows = torch.cat([self.rows, self.rows.new_zeros(grow, *self.rows.shape[1:])])
+            self.read_at = torch.cat([self.read_at, self.read_at.new_zeros(grow)])
+            self.used_at = torch.cat([self.used_at, self.used_at.new_zeros(grow)])
+        slots = torch.arange(self.size, self.size + free)
+        if n > free:
+            recency = self.used_at[:self.size].clone()
+            recency[keep] = torch.iinfo(torch.long).max
+            evicted = torch.topk(recency, n - free, largest=False, sorted=False).indices
+            slots = torch.cat([slots, evicted])
+        self.size += free
+        return slots
+
+    def reindex(self, added: torch.Tensor, slots: torch.Tensor, dropped: torch.Tensor) -> None:
+        """The index with the copies of slots ``dropped`` gone and ids ``added`` (sorted, none
+        indexed yet) in ``slots``: merged in place of a sort, which would cost more than the rest
+        of a step's caching."""
+        keys, slot_of = self.keys, self.slot_of
+        if dropped.numel():
+            stay = torch.ones(keys.numel(), dtype=torch.bool)
+            stay[self._place[dropped]] = False
+            keys, slot_of = keys[stay], slot_of[stay]
+        at = torch.searchsorted(keys, added) + torch.arange(added.numel())
+        n = keys.numel() + added.numel()
+        fresh = torch.zeros(n, dtype=torch.bool)
+        fresh[at] = True
+        self.keys, self.slot_of = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long)
+        self.keys[at], self.slot_of[at] = added, slots
+        self.keys[~fresh], self.slot_of[~fresh] = keys, slot_of
+        self._place = torch.empty(self.ids.numel(), dtype=torch.long)     # each slot's place in the index
+        self._place[self.slot_of] = torch.arange(n)
+
+
+@dataclass
+class Taken:
+    """A parameter's unique ids cut in two: those taken from the cache (``hit_ids``, their rows
+    ``hit_rows``) and those to read (``miss_ids``); ``inverse`` and ``shape`` put the batch back."""
+
+    shape: torch.Size
+    inverse: torch.Tensor
+    hit_places: torch.Tensor     # places among the unique ids
+    hit_ids: torch.Tensor
+    hit_rows: torch.Tensor
+    miss_places: torch.Tensor
+    miss_ids: torch.Tensor
+    ages: torch.Tensor           # of the copies taken, in steps
+
+    def assemble(self, hits: torch.Tensor, misses: torch.Tensor) -> torch.Tensor:
+        """The batch's rows [*shape, *row shape] from the copies (``hits``) and the rows read
+        (``misses``, in ``miss_ids``' order), with the way back to both for gradients."""
+        order = torch.argsort(torch.cat([self.miss_places, self.hit_places]))
+        by_unique = torch.cat([misses, hits.to(misses.dtype)])[order]
+        return by_unique[self.inverse].view(*self.shape, *by_unique.shape[1:])
+
+
+@dataclass
+class CacheCounts:
+    hits: int = 0                # ids a step took from the cache (each distinct id of a step once)
+    misses: int = 0              # ids it read from the servers instead
+    saved: int = 0               # bytes of rows not read from the servers, as they would have crossed the wire
+    max_age: int = 0             # of the copies taken, in steps
+    rows: int = 0                # copies held (set when reported)
+
+
+@dataclass
+class HotRows:
+    """``capacity`` rows per table parameter at most, each served while ``staleness`` steps old at most."""
+
+    capacity: int
+    staleness: int
+    _tables: dict[str, _Slots] = field(default_factory=dict)
+    _row_bytes: dict[str, int] = field(default_factory=dict)
+    counts: CacheCounts = field(default_factory=CacheCounts)
+
+    @property
+    def rows(self) -> int:
+        return sum(t.size for t in self._tables.values())
+
+    def take(self, param: str, ids: torch.Tensor, used_at: int) -> Taken:
+        """``ids`` of ``param`` for the step ``used_at``: which copies it may take."""
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        places = torch.arange(unique.numel())
+        kept = self._tables.get(param)
+        if kept is None or self.staleness <= 0:
+            fresh, slot = torch.zeros(unique.numel(), dtype=torch.bool), places[:0]
+        else:
+            found, slot = kept.find(unique)
+            fresh = found & (used_at - kept.read_at[slot] <= self.staleness)
+            slot = slot[fresh]
+            kept.used_at[slot] = used_at
+        hit_rows = kept.rows[slot] if slot.numel() else torch.zeros(0)
+        ages = used_at - kept.read_at[slot] if slot.numel() else slot
+        return Taken(ids.shape, inverse, places[fresh], unique[fresh], hit_rows, places[~fresh], unique[~fresh], ages)
+
+    def note_row_bytes(self, param: str, size: int) -> None:
+        """A row of ``param`` as it crosses the wire (its wire precision's bytes)."""
+        if size:
+            self._row_bytes[param] = size
+
+    def count(self, param: str, taken: Taken) -> None:
+        """``taken`` was used by a step."""
+        c = self.counts
+        c.hits += taken.hit_ids.numel()
+        c.misses += taken.miss_ids.numel()
+        c.saved += taken.hit_ids.numel() * self._row_bytes.get(param, 0)
+        if taken.ages.numel():
+            c.max_age = max(c.max_age, int(taken.ages.max()))
+
+    def store(self, param: str, ids: torch.Tensor, rows: torch.Tensor, read_at: int) -> None:
+        """Copies of ``rows`` (of unique ``ids``), read at step ``read_at``: they replace older
+        copies of the same ids; the least recently used go beyond the capacity."""
+        if not ids.numel() or self.staleness <= 0:
+            return
+        rows = rows.detach()
+        kept = self._tables.get(param)
+        if kept is None:
+            kept = self._tables[param] = _Slots(rows.new_zeros(min(self.capacity, 2 * ids.numel()), *rows.shape[1:]))
+        found, slot = kept.find(ids)
+        new = ~found
+        fits = self.capacity - int(found.sum())         # the copies being replaced stay
+        if int(new.sum()) > fits:                        # more than it holds: the first ones
+            new &= torch.cumsum(new, 0) <= fits
+        slot = torch.where(found, slot, torch.full_like(slot, -1))
+        size = kept.size
+        slot[new] = kept.room(int(new.sum()), self.capacity, slot[found])
+        dropped = slot[new][slot[new] < size]            # slots whose copies went
+        keep = slot >= 0
+        added, added_slots = ids[new], slot[new]
+        slot = slot[keep]
+        kept.ids[slot] = ids[keep]
+        kept.rows[slot] = rows[keep].to(kept.rows.dtype)
+        kept.read_at[slot] = read_at
+        kept.used_at[slot] = torch.clamp(kept.used_at[slot], min=read_at)
+        if new.any():
+            kept.reindex(added, added_slots, dropped)
+
+    def forget(self) -> None:
+        """Drop every copy (the servers' rows may have changed wholesale: a restore)."""
+        self._tables.clear()
+
+
+def hot_rows(capacity: int, staleness: int) -> Optional[HotRows]:
+    """The cache the flags ask for (none for 0 rows)."""
+    return HotRows(capacity, staleness) if capacity > 0 else None

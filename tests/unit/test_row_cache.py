@@ -1,0 +1,70 @@
+"""A trainer's copies of rows (``ps/client/cache.py``), alone: a copy serves the steps up to the
+bound after the one that read it and never a later one; 0 serves none; the least recently used
+go when it is full; a batch's rows come back in its order with the way back to both halves."""
+import torch
+
+from ps.client.cache import HotRows
+
+
+def rows_of(ids):
+    return torch.stack([torch.full((4,), float(i)) for i in ids.tolist()])
+
+
+def test_a_copy_serves_up_to_the_bound_and_is_read_again_after():
+    cache = HotRows(capacity=100, staleness=2)
+    ids = torch.tensor([5, 3, 5, 9])
+    first = cache.take("t", ids, used_at=1)
+    assert first.hit_ids.numel() == 0 and first.miss_ids.tolist() == [3, 5, 9]
+    cache.store("t", first.miss_ids, rows_of(first.miss_ids), read_at=1)
+    for step in (2, 3):
+        taken = cache.take("t", ids, used_at=step)
+        assert taken.hit_ids.tolist() == [3, 5, 9] and taken.miss_ids.numel() == 0, step
+        assert taken.ages.tolist() == [step - 1] * 3
+    stale = cache.take("t", torch.tensor([3, 4]), used_at=4)
+    assert stale.hit_ids.numel() == 0 and stale.miss_ids.tolist() == [3, 4], "3 steps old: read again"
+    cache.store("t", stale.miss_ids, rows_of(stale.miss_ids) + 0.5, read_at=4)
+    again = cache.take("t", torch.tensor([3, 9]), used_at=5)
+    assert again.hit_ids.tolist() == [3] and again.hit_rows[0, 0] == 3.5, "the copy read at step 4 replaced it"
+    assert again.miss_ids.tolist() == [9], "9's copy, read at step 1, is 4 steps old"
+
+
+def test_staleness_zero_serves_nothing():
+    cache = HotRows(capacity=100, staleness=0)
+    cache.store("t", torch.tensor([1, 2]), rows_of(torch.tensor([1, 2])), read_at=1)
+    assert cache.rows == 0
+    taken = cache.take("t", torch.tensor([1, 2]), used_at=1)
+    assert taken.hit_ids.numel() == 0 and taken.miss_ids.tolist() == [1, 2]
+
+
+def test_the_least_recently_used_go_first_when_it_is_full():
+    cache = HotRows(capacity=2, staleness=10)
+    cache.store("t", torch.tensor([1, 2]), rows_of(torch.tensor([1, 2])), read_at=1)
+    cache.take("t", torch.tensor([1]), used_at=2)             # 1 used since; 2 not
+    cache.store("t", torch.tensor([3]), rows_of(torch.tensor([3])), read_at=3)
+    assert cache.rows == 2
+    taken = cache.take("t", torch.tensor([1, 2, 3]), used_at=4)
+    assert taken.hit_ids.tolist() == [1, 3] and taken.miss_ids.tolist() == [2]
+
+
+def test_a_batch_gets_its_rows_in_its_order_and_gradients_reach_both_halves():
+    cache = HotRows(capacity=10, staleness=1)
+    cache.store("t", torch.tensor([7]), rows_of(torch.tensor([7])), read_at=1)
+    ids = torch.tensor([[7, 2], [2, 7]])
+    taken = cache.take("t", ids, used_at=2)
+    hits = taken.hit_rows.requires_grad_()
+    misses = rows_of(taken.miss_ids).requires_grad_()
+    batch = taken.assemble(hits, misses)
+    assert batch.shape == (2, 2, 4) and batch[:, :, 0].tolist() == [[7.0, 2.0], [2.0, 7.0]]
+    batch.sum().backward()
+    assert hits.grad.tolist() == [[2.0] * 4] and misses.grad.tolist() == [[2.0] * 4], "each id twice"
+    cache.count("t", taken)
+    assert (cache.counts.hits, cache.counts.misses, cache.counts.max_age) == (1, 1, 1)
+
+
+def test_copies_read_again_stay_when_new_ones_need_room():
+    cache = HotRows(capacity=2, staleness=10)
+    cache.store("t", torch.tensor([1, 2]), rows_of(torch.tensor([1, 2])), read_at=1)
+    cache.store("t", torch.tensor([1, 2, 3]), rows_of(torch.tensor([1, 2, 3])) + 0.5, read_at=2)
+    taken = cache.take("t", torch.tensor([1, 2, 3]), used_at=3)
+    assert taken.hit_ids.tolist() == [1, 2] and taken.hit_rows[:, 0].tolist() == [1.5, 2.5]
+    assert taken.miss_ids.tolist() == [3], "no room for 3 without dropping a copy just read"
