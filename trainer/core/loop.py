@@ -91,6 +91,9 @@ class TrainLoop:
         self.lookahead: Optional[Lookahead] = None
         if prefetch:
             self.lookahead = Lookahead(task, client, prefetch, dense=task.model.replica is None)
+        # With reads ahead, what a step moves is counted from the end of the step before: the
+        # answers to the reads it issued for the next one may land between the two.
+        self._moved_since: Optional[tuple[int, int, int]] = None
 
     @classmethod
     def of(cls, task: Task, cfg: Any, metrics: Any = None, prefetch: int = 0,
@@ -107,14 +110,18 @@ class TrainLoop:
 
     def idle(self) -> None:
         """No step follows soon (an episode ended): what was read ahead would be stale by then."""
+        self._moved_since = None
         if self.lookahead is not None:
             self.lookahead.drop_reads()
+
+    def _moved(self) -> tuple[int, int, int]:
+        """What this trainer has moved so far: RPC bytes, all-reduce bytes, RPC messages."""
+        return self.model.client.traffic.total, self.model.allreduce_bytes, self.model.client.traffic.calls
 
     def step(self) -> StepResult:
         client = self.model.client
         # The step boundary: in sync and ssp modes, wait for the step clock before taking the batch.
-        rpc_before, allreduce_before = client.traffic.total, self.model.allreduce_bytes
-        calls_before = client.traffic.calls
+        rpc_before, allreduce_before, calls_before = self._moved_since or self._moved()
         cached_before = replace(client.cache.counts) if client.cache is not None else None
         waited = client.begin()
         self.model.follow_group()
@@ -152,9 +159,12 @@ class TrainLoop:
                   "optimize": done.optimize, "barrier": waited + done.barrier, "total": total + waited}
         if self.lookahead is not None:
             phases["fetch_hidden"] = self.lookahead.hidden
+        rpc_now, allreduce_now, calls_now = moved = self._moved()
+        if self.lookahead is not None:
+            self._moved_since = moved
         result = StepResult(float(loss.detach()), self.task.units(batch), total + waited, done.grad_norm, phases,
-                            done.arrived_at, client.traffic.total - rpc_before,
-                            self.model.allreduce_bytes - allreduce_before, client.traffic.calls - calls_before)
+                            done.arrived_at, rpc_now - rpc_before, allreduce_now - allreduce_before,
+                            calls_now - calls_before)
         if cached_before is not None:
             now = client.cache.counts
             result.cache = CacheCounts(now.hits - cached_before.hits, now.misses - cached_before.misses,
