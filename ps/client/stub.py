@@ -268,22 +268,14 @@ class PsClient:
         (``ps/client/lookups.py``). Issued inside a step's autograd context, the answers carry the
         way back for that step's gradients. For a step (the one under way, or the one ``ahead``
         steps after the last begun) rows the cache holds fresh enough are taken from it instead."""
-        taken: dict[str, Taken] = {}
+        copies = None
         if self.cache is not None and (self.session is not None or ahead):
-            early, _ = self.pushable(lookups)
-            taken = {p: self.cache.take(p, ids, self.steps + ahead) for p, ids in early.items() if ids.numel()}
-            lookups = {p: ids for p, ids in lookups.items() if p not in taken}
-            lookups.update({p: t.miss_ids for p, t in taken.items() if t.miss_ids.numel()})
+            copies, lookups = Copies.take(self, lookups, ahead)
         plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids)
         answers = [self._async(self.ps_names[k], PsSurface.lookup_many, ask) for k, ask in plan.requests]
         dense_shards = self._dense_shards if dense else []
         dense_futures = [self._async(self.ps_names[k], PsSurface.dense_params) for k in dense_shards]
-        hits = plan_lookups({p: t.hit_ids for p, t in taken.items() if t.hit_ids.numel()}, self.plans, self.table_of,
-                            self.max_ids)
-        # What a read gives reflects every step applied before it: the one under way's not yet.
-        read_at = self.steps + (0 if self.session is not None else 1)
-        fetching = Fetching(plan, answers, dense_futures, dense_shards,
-                            Copies(self.cache, taken, hits, read_at) if taken else None)
+        fetching = Fetching(plan, answers, dense_futures, dense_shards, copies)
         if self.session is not None:
             self.session.track(fetching)
         return fetching
@@ -308,24 +300,6 @@ class PsClient:
     def op(self, name: str, *args: Any) -> list[Any]:
         """The model's server-side operation ``name`` on every shard at once; their answers in shard order."""
         return [wait(f) for f in [self._async(n, PsSurface.op, name, *args) for n in self.ps_names]]
-
-    def grad_norm(self, context_id: int) -> float:
-        """The global norm of every shard's gradients in ``context_id``; ``UpdateRefused`` if a
-        server found them not finite."""
-        parts, refused = wait_all([self._async(n, PsSurface.grad_sq_norm, context_id) for n in self.ps_names])
-        if refused is not None:
-            raise refused
-        norm = sum(parts) ** 0.5
-        if not math.isfinite(norm):   # finite parts, too large to add up
-            raise UpdateRefused(f"this step's gradient norm is {norm}: nothing of it was applied")
-        return norm
-
-    def clip_(self, context_id: int, norm: float, max_norm: float) -> None:
-        """Scale the gradients in ``context_id``, of global norm ``norm``, to at most ``max_norm``."""
-        coef = clip_coef(max_norm, norm)
-        if coef < 1.0:
-            for f in [self._async(n, PsSurface.scale_grads, context_id, float(coef)) for n in self.ps_names]:
-                wait(f)
 
 
 class Fetching:
@@ -406,6 +380,24 @@ class Copies:
     def __init__(self, cache: HotRows, taken: dict[str, Taken], hits: LookupPlan, read_at: int) -> None:
         self.cache, self.taken, self.hits, self.read_at = cache, taken, hits, read_at
         self._leaves: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def take(cls, client: PsClient, lookups: dict[str, torch.Tensor], ahead: int
+             ) -> tuple[Optional["Copies"], dict[str, torch.Tensor]]:
+        """What ``client``'s cache gives of ``lookups`` for the step ``ahead`` after the last one
+        begun (0: the one under way), and the lookups left to read."""
+        cache = client.cache
+        early, _ = client.pushable(lookups)
+        taken = {p: cache.take(p, ids, client.steps + ahead) for p, ids in early.items() if ids.numel()}
+        if not taken:
+            return None, lookups
+        left = {p: ids for p, ids in lookups.items() if p not in taken}
+        left.update({p: t.miss_ids for p, t in taken.items() if t.miss_ids.numel()})
+        hits = plan_lookups({p: t.hit_ids for p, t in taken.items() if t.hit_ids.numel()}, client.plans,
+                            client.table_of, client.max_ids)
+        # What a read gives reflects every step applied before it: the one under way's not yet.
+        read_at = client.steps + (0 if client.session is not None else 1)
+        return cls(cache, taken, hits, read_at), left
 
     def assemble(self, rows: dict[str, torch.Tensor], answers: list[dict[str, torch.Tensor]]) -> None:
         """``rows`` (what the plan collected: a cached parameter's as its ``miss_ids``) completed in
@@ -571,19 +563,39 @@ class StepSession:
             raise refused
         return Finished(applied.grad_norm, backward, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
 
+    def _grad_norm(self) -> float:
+        """The global norm of every shard's gradients of this step; ``UpdateRefused`` if a server
+        found them not finite."""
+        client = self.client
+        parts, refused = wait_all([client._async(n, PsSurface.grad_sq_norm, self.context_id) for n in client.ps_names])
+        if refused is not None:
+            raise refused
+        norm = sum(parts) ** 0.5
+        if not math.isfinite(norm):   # finite parts, too large to add up
+            raise UpdateRefused(f"this step's gradient norm is {norm}: nothing of it was applied")
+        return norm
+
+    def _clip(self, norm: float, max_norm: float) -> None:
+        """Scale this step's gradients, of global norm ``norm``, to at most ``max_norm``."""
+        coef = clip_coef(max_norm, norm)
+        if coef < 1.0:
+            client = self.client
+            for f in [client._async(n, PsSurface.scale_grads, self.context_id, float(coef)) for n in client.ps_names]:
+                wait(f)
+
     def _apply_own(self, backward: float, clip: float) -> Finished:
         """async and ssp: this trainer's own update, checked finite and clipped across every
         server, then applied on each; ssp then reports the step to the clock."""
         client = self.client
         t1 = time.perf_counter()
         try:
-            norm = client.grad_norm(self.context_id)
+            norm = self._grad_norm()
         except UpdateRefused:
             if client.consistency.clocked:
                 client.arrive(clip)      # ssp: its step is over, without an update
             raise
         if clip > 0:
-            client.clip_(self.context_id, norm, clip)
+            self._clip(norm, clip)
         t2 = time.perf_counter()
         for f in [client._async(n, PsSurface.apply, self.context_id) for n in client.ps_names]:
             wait(f)

@@ -2,7 +2,7 @@
 here, at most ``--max-ids-per-request`` of them. A bad one is a ``BadRequest`` to its caller."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,6 +38,25 @@ class RequestChecks:
                 raise BadRequest(f"{what} out of range: [{lo}, {hi}] not within [0, {plan.num_ids})")
         if not any_shard and bool((plan.owner(ids) != self.shard).any()):
             raise BadRequest(f"{what} holds ids that shard {self.shard} of {plan.num_shards} does not own")
+
+    def pushed(self, grads: dict[str, Any], dense: dict[str, Any], shape_of: Callable[[str], torch.Size]) -> None:
+        """A push's gradients, all of them before any joins a step: each table parameter's ``(ids,
+        a row's gradient per id)`` for a plain table, each dense tensor's shaped as it is here."""
+        mine = self.layout.dense_of(self.shard)
+        for name, grad in dense.items():
+            if name not in mine:
+                raise BadRequest(f"{name} is no dense tensor of this server (it holds {', '.join(mine) or 'none'})")
+            if not isinstance(grad, torch.Tensor) or grad.shape != shape_of(name):
+                raise BadRequest(f"the gradient of {name} must be a tensor {list(shape_of(name))}, got {describe(grad)}")
+        for param, (ids, grad) in grads.items():
+            table = self.table_of(param)
+            if table in self.layout.hashed_tables():
+                raise BadRequest(f"{param}: gradients of a hashed table's rows are not pushed (its rows change hands)")
+            self.ids(table, ids, f"ids of {param}")
+            row = shape_of(param)[1:]
+            if not isinstance(grad, torch.Tensor) or grad.shape != (ids.numel(), *row):
+                raise BadRequest(f"the gradient of {param} must be a tensor [{ids.numel()}, {', '.join(map(str, row))}] "
+                                 f"(a row per id), got {describe(grad)}")
 
     def count(self, n: int, what: str) -> None:
         if n > self.max_ids:

@@ -34,7 +34,7 @@ from ps.server.tables import ShardParams
 from ps.server.update import SharedOptimizer, SyncSteps
 from ps.server.work import Work
 from services.errors import BadRequest
-from services.remote import describe, remote
+from services.remote import remote
 
 log = logging.getLogger(__name__)
 
@@ -140,27 +140,14 @@ class ParameterServer(PsSurface):
     @remote
     def push(self, context_id: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
              dense: Optional[dict[str, torch.Tensor]] = None) -> None:
-        mine = self.layout.dense_of(self.shard)
-        for name, grad in (dense or {}).items():
-            if name not in mine:
-                raise BadRequest(f"{name} is no dense tensor of this server (it holds {', '.join(mine) or 'none'})")
-            weight = self.param(name)
-            if grad.shape != weight.shape:
-                raise BadRequest(f"the gradient of {name} must be a tensor {list(weight.shape)}, got {describe(grad)}")
+        dense = dense or {}
+        self.checks.pushed(grads, dense, lambda name: self.param(name).shape)
         for param, (ids, grad) in grads.items():
-            table = self.checks.table_of(param)
-            if table in self.hashed:
-                raise BadRequest(f"{param}: gradients of a hashed table's rows are not pushed (its rows change hands)")
-            self.checks.ids(table, ids, f"ids of {param}")
             weight = self.param(param)
-            if grad.shape != (ids.numel(), *weight.shape[1:]):
-                row = ", ".join(map(str, weight.shape[1:]))
-                raise BadRequest(f"the gradient of {param} must be a tensor [{ids.numel()}, {row}] (a row per id), "
-                                 f"got {describe(grad)}")
-            local = self.layout.plans[table].to_local(ids.long())
+            local = self.layout.plans[self.layout.table_of(param)].to_local(ids.long())
             sparse = torch.sparse_coo_tensor(local[None], grad.float(), weight.shape, check_invariants=False)
             self.contexts.push(self._call.caller, context_id, self.optimizer.steps, weight, sparse)
-        for name, grad in (dense or {}).items():
+        for name, grad in dense.items():
             self.contexts.push(self._call.caller, context_id, self.optimizer.steps, self.param(name), grad.float())
 
     @remote
