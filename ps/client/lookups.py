@@ -33,6 +33,7 @@ class LookupPlan:
 
     requests: list[tuple[int, dict[str, torch.Tensor]]]
     _gathers: dict[str, _Gather]
+    _row_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def collect(self, answers: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Each parameter's rows [*its ids' shape, *row shape] from the requests' ``answers``, in
@@ -40,6 +41,9 @@ class LookupPlan:
         the step computes with; their gradient goes back as they came."""
         rows: dict[str, torch.Tensor] = {}
         for param, gather in self._gathers.items():
+            if not gather.pieces:          # no id at all (an empty batch of a list column): no request asked
+                rows[param] = torch.zeros(*gather.shape, *self._row_shapes[param])
+                continue
             found = torch.cat([answers[r][param].float() for r, _ in gather.pieces])   # deduplicated, piece order
             order = torch.cat([places for _, places in gather.pieces])
             by_unique = found[torch.argsort(order)]
@@ -62,10 +66,11 @@ class LookupPlan:
 
 
 def plan_lookups(lookups: Mapping[str, torch.Tensor], plans: Mapping[str, Any], table_of: Mapping[str, str],
-                 max_ids: int) -> LookupPlan:
+                 max_ids: int, row_shapes: Mapping[str, tuple[int, ...]] | None = None) -> LookupPlan:
     """``lookups``: parameter -> ids [...] of its table; ``plans``: each table's sharding plan
-    (``ps/spec/sharding.py``); ``table_of``: each parameter's table. Each server's ids go in as few
-    requests as the cap allows, every parameter of a step together."""
+    (``ps/spec/sharding.py``); ``table_of``: each parameter's table; ``row_shapes``: each
+    parameter's row shape, which a parameter asked for no id at all is collected as. Each server's
+    ids go in as few requests as the cap allows, every parameter of a step together."""
     requests: list[tuple[int, dict[str, torch.Tensor]]] = []
     filled: list[int] = []
     open_request: dict[int, int] = {}          # server -> the request being filled for it
@@ -86,4 +91,4 @@ def plan_lookups(lookups: Mapping[str, torch.Tensor], plans: Mapping[str, Any], 
                 requests[r][1][param] = on_the_wire(piece, plan.id_max)
                 filled[r] += piece.numel()
                 gather.pieces.append((r, places[start:start + max_ids]))
-    return LookupPlan(requests, gathers)
+    return LookupPlan(requests, gathers, row_shapes or {})

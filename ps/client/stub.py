@@ -136,6 +136,7 @@ class PsClient:
         self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
         self._dense_shards = [k for k, info in enumerate(infos) if info.dense]
         self.max_ids = min(info.max_ids for info in infos)     # the most ids one request may name
+        self.row_shapes = infos[0].row_shapes
         ranks = member_ranks()
         self._ranks = {n: ranks.get(n) for n in ps_names}    # a server's rank changes when it restarts
 
@@ -271,7 +272,7 @@ class PsClient:
         copies = None
         if self.cache is not None and (self.session is not None or ahead):
             copies, lookups = Copies.take(self, lookups, ahead)
-        plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids)
+        plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids, self.row_shapes)
         answers = [self._async(self.ps_names[k], PsSurface.lookup_many, ask) for k, ask in plan.requests]
         dense_shards = self._dense_shards if dense else []
         dense_futures = [self._async(self.ps_names[k], PsSurface.dense_params) for k in dense_shards]

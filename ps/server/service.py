@@ -95,7 +95,8 @@ class ParameterServer(PsSurface):
         return ShardInfo(self.name, self.shard, self.layout.num_shards, self.spec.meta,
                          {t: p.rows(self.shard) for t, p in self.layout.plans.items()}, dict(self.layout.table_params),
                          tuple(self.layout.dense_of(self.shard)), self.optimizer.steps, str(self.consistency),
-                         {t: placement_of(p) for t, p in self.layout.plans.items()}, self.checks.max_ids)
+                         {t: placement_of(p) for t, p in self.layout.plans.items()}, self.checks.max_ids,
+                         {n: tuple(self.params[n].shape[1:]) for n in self.layout.row_params()})
 
     @remote
     def parameters(self) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ class ShardInfo:
     consistency: str = "async"  # how the job applies updates (``ps/spec/consistency.py``)
     placement: dict[str, tuple[str, int]] = field(default_factory=dict)   # table -> (kind, home): ps/spec/sharding.py
     max_ids: int = 65_536       # the most ids one request may name (--max-ids-per-request)
+    row_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)   # a row's shape, per table parameter
 
 
 @dataclass(frozen=True)

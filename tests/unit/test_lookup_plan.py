@@ -90,3 +90,14 @@ def test_gradients_are_spread_as_the_lookups_were_cut_a_repeated_ids_added_up(ma
             flat, rows = asked[param].reshape(-1), grads[param].reshape(-1, 2)
             for i, got in zip(ids.long().tolist(), grad):
                 assert torch.allclose(got, rows[flat == i].sum(0)), (param, i)
+
+
+def test_a_parameter_asked_for_no_id_comes_back_as_no_rows_without_a_request():
+    # A batch whose list column is empty in every sample names no id of its table: nothing to ask
+    # a server (which refuses an empty request), yet the step gets that table's [0, D] rows.
+    asked = {"a.weight": torch.tensor([3, 4]), "b.weight": torch.zeros(0, dtype=torch.long)}
+    plan = plan_lookups(asked, PLANS, TABLE_OF, 1000, {"a.weight": (2,), "b.weight": (2,)})
+    assert all("b.weight" not in request for _, request in plan.requests)
+    rows = plan.collect([{p: row_of(p, ids.long()) for p, ids in request.items()} for _, request in plan.requests])
+    assert rows["b.weight"].shape == (0, 2) and rows["a.weight"].shape == (2, 2)
+    assert plan.spread({"b.weight": torch.zeros(0, 2)}) == [{} for _ in plan.requests]
