@@ -3,12 +3,18 @@ one-process DLRM on the trainers' concatenated batches: every table and MLP para
 and row-wise Adagrad, tables placed row-wise and whole (table-wise), and with each step's lookups
 cut into many requests by a small --max-ids-per-request. And gradients pushed for rows a step did
 not read from the servers move them as distributed autograd's do; and sync steps whose reads were
-issued ahead (--prefetch) train bit for bit as those that read in the step."""
+issued ahead (--prefetch) train bit for bit as those that read in the step; a cached row serves up
+to its bound, and a trainer killed with a full cache, its step's gradients of the copies pushed,
+leaves nothing of that step applied."""
+
+import json
+import signal
 
 import pytest
 import torch
 
 from tests.support.cluster import Processes
+from tests.support.wait import wait_until
 
 STEPS = 3
 TRAINERS = 2
@@ -76,7 +82,7 @@ def test_sync_steps_read_ahead_train_bit_for_bit_as_steps_that_read_in_the_step(
 
 
 def test_a_cached_row_serves_up_to_its_bound_while_another_write_moves_it_and_never_after(procs):
-    procs.start_servers(2, **{**MODEL, "consistency": "async"}, table_rule="sgd")
+    servers = procs.start_servers(2, **{**MODEL, "consistency": "async"}, table_rule="sgd")
     # Steps: 1 reads X (copies kept), 2 writes X unseen, 3 and 4 read X, 5 reads it again.
     bounded = procs.run_driver("cached", "ctr0", 2, staleness=2, steps=3)
     first, third, fourth, fifth = bounded["steps"]
@@ -90,7 +96,20 @@ def test_a_cached_row_serves_up_to_its_bound_while_another_write_moves_it_and_ne
     for step in (third, fifth):    # a copy's gradient still reached the servers: SGD moved them by 0.1 w
         moved = torch.tensor(step["servers_after"]) - torch.tensor(step["servers_before"])
         assert torch.allclose(moved, -0.1 * torch.linspace(-1, 1, 12).reshape(3, 4), atol=1e-6), moved
+
+    # A trainer killed with a full cache, its step's gradients of the copies on the servers before
+    # its update: they are dropped with the step, the rows as they were.
+    dying = procs.spawn_driver("dies_cached", "ctr2", 2)
+    line = dying.stdout.readline()
+    assert line, dying.communicate(timeout=30)[1][-3000:]
+    pushed = json.loads(line)
+    assert pushed["hits"] == 3 and pushed["rows"] == 3, pushed
+    dying.send_signal(signal.SIGKILL)
+    dying.wait(timeout=30)
+    wait_until(lambda: any("autograd context(s) left by ctr2" in s.log_text() for s in servers), 60,
+               "the servers released the dead trainer's step")
     exact = procs.run_driver("cached", "ctr1", 2, staleness=0, steps=3)
+    assert exact["steps"][0]["servers_before"] == pushed["servers_before"], "nothing of the killed step applied"
     assert all(s["used"] == s["servers_before"] for s in exact["steps"]), "staleness 0: what no cache reads"
     assert exact["hits"] == 0 and exact["misses"] == 4 * 3 + 1, exact
 

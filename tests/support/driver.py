@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import sys
+import threading
 import time
 
 import torch
@@ -397,6 +398,30 @@ def cached(client: PsClient, args: argparse.Namespace) -> dict:
     return {"steps": steps, "hits": counts.hits, "misses": counts.misses, "oldest": counts.max_age}
 
 
+def dies_cached(client: PsClient, args: argparse.Namespace) -> dict:
+    """An async trainer with a full rows cache (X's rows of table C3, kept by a step that read
+    them) takes them from it in a step, and dies there once that step's gradients of the copies
+    are on the servers, before its update: it prints the servers' rows of X and waits to be killed."""
+    import torch.distributed.autograd as dist_autograd
+    from ps.client.cache import HotRows
+    param, x = "tables.weights.C3", torch.tensor([3, 7, 11])
+    w = torch.linspace(-1, 1, x.numel() * 4).reshape(x.numel(), 4)
+    client.cache = HotRows(capacity=x.numel(), staleness=1)
+    with client.step() as step:
+        rows, _ = step.fetch({param: x}, dense=False)
+        step.finish((rows[param] * w).sum(), clip=0.0)
+    with torch.no_grad():
+        before = client.fetch({param: x}, dense=False)[0][param].tolist()
+    with client.step() as step:
+        rows, _ = step.fetch({param: x}, dense=False)
+        dist_autograd.backward(step.context_id, [(rows[param] * w).sum()])
+        step._push_leaves()            # what finish does first; its update would come next
+        print(json.dumps({"servers_before": before, "hits": client.cache.counts.hits, "rows": client.cache.rows}),
+              flush=True)
+        threading.Event().wait(120)     # killed here
+    return {}
+
+
 def compared(client: PsClient, local: torch.nn.Module, ids: dict[str, torch.Tensor]) -> tuple[dict[str, float], float]:
     """The servers' rows ``ids`` of each table and their dense weights against the one-process
     module ``local`` (its tables in ``local.tables``): the largest difference of each, and the most
@@ -473,7 +498,7 @@ def bagged(client: PsClient, args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad", "tiny", "ctr",
-                                    "pushed", "poison_hashed", "bagged", "cached"))
+                                    "pushed", "poison_hashed", "bagged", "cached", "dies_cached"))
     p.add_argument("--name", required=True)
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
@@ -500,7 +525,7 @@ def main() -> None:
         client = PsClient(args.name, servers)
         modes = {"equivalence": equivalence, "sync": sync, "clocked": clocked, "hammer": hammer, "inspect": inspect,
                  "bad": bad, "tiny": tiny, "ctr": ctr, "pushed": pushed, "poison_hashed": poison_hashed,
-                 "bagged": bagged, "cached": cached}
+                 "bagged": bagged, "cached": cached, "dies_cached": dies_cached}
         result = modes[args.mode](client, args)
         del client
     finally:
