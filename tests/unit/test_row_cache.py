@@ -68,3 +68,21 @@ def test_copies_read_again_stay_when_new_ones_need_room():
     taken = cache.take("t", torch.tensor([1, 2, 3]), used_at=3)
     assert taken.hit_ids.tolist() == [1, 2] and taken.hit_rows[:, 0].tolist() == [1.5, 2.5]
     assert taken.miss_ids.tolist() == [3], "no room for 3 without dropping a copy just read"
+
+
+def test_bench_cache_reports_what_each_bound_gives_by_ids_and_by_lookups():
+    # As a user sizes a cache: `rpcps bench cache`, no servers. A bound of 0 gives nothing; an
+    # unbounded cache gives some; a hot id named many times counts once by ids, each time by lookups.
+    import json
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "services.cli", "bench", "cache", "--scale", "0.01", "--steps", "12",
+                        "--warmup", "4", "--tables", "1", "--shares", "0.05", "--staleness", "0,inf",
+                        "--cache-rows", "200"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    (table,) = out["tables"].values()
+    rates = table["hit_rate"]["0.05"]
+    assert rates["S=0"] == {"ids": 0.0, "lookups": 0.0}, rates
+    assert 0 < rates["S=inf"]["ids"] < rates["S=inf"]["lookups"] < 1, rates
+    assert 0 < out["all_tables"]["hit_rate"]["ids"] < 1 and out["all_tables"]["take_ms_per_step"] > 0, out

@@ -35,6 +35,8 @@ SPEC = WorkloadSpec(
                        "trainer.ctr.bench"),
              BenchSpec("serve", "rpcps serve, snapshot and online: latency of one row, rows/s batched, "
                                 "freshness, and what it costs training beside it", "trainer.ctr.serving.bench"),
+             BenchSpec("cache", "a trainer's rows cache alone on generated Criteo batches: hit rate per table by "
+                                "ids and by lookups, milliseconds a step", "trainer.ctr.bench_cache"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
                                      "eviction", "ps.server.hashed.bench")),
     examples=(("--workload ctr --steps 200 --scale 0.01", "a DLRM on generated data at 1 % of Criteo's rows: "
