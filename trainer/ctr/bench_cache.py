@@ -20,12 +20,7 @@ import json
 import os
 import statistics
 import time
-
-import torch
-
-from ps.client.cache import HotRows
-from trainer.ctr.source import GeneratedSource
-from trainer.ctr.synthetic import SyntheticCtr
+from typing import Any
 
 UNBOUNDED = 1 << 40                # steps: more than any run takes
 TARGET_LOOKUP_HIT_RATE = 0.85      # with 1 % of a big table's rows cached
@@ -55,7 +50,8 @@ class _Rates:
         self.ids = [0, 0]
         self.lookups = [0, 0]
 
-    def add(self, taken) -> None:
+    def add(self, taken: Any) -> None:
+        import torch
         self.ids[0] += taken.hit_ids.numel()
         self.ids[1] += taken.miss_ids.numel()
         named = torch.bincount(taken.inverse, minlength=taken.hit_places.numel() + taken.miss_places.numel())
@@ -67,10 +63,13 @@ class _Rates:
                 "lookups": round(self.lookups[0] / max(1, sum(self.lookups)), 4)}
 
 
-def _replay(batches: list[torch.Tensor], tables: list[int], capacity: int, staleness: int, warmup: int
+def _replay(batches: list[Any], tables: list[int], capacity: int, staleness: int, warmup: int
             ) -> tuple[_Rates, list[float], list[float]]:
-    """The cache over ``batches`` for columns ``tables``: its rates, and each counted step's
-    seconds taking and storing."""
+    """The cache over ``batches`` (id tensors [samples, tables]) for columns ``tables``: its
+    rates, and each counted step's seconds taking and storing."""
+    import torch
+
+    from ps.client.cache import HotRows
     cache, rates, took, stored = HotRows(capacity, staleness), _Rates(), [], []
     for step, batch in enumerate(batches):
         t0 = time.perf_counter()
@@ -90,6 +89,10 @@ def _replay(batches: list[torch.Tensor], tables: list[int], capacity: int, stale
 def run(args: argparse.Namespace) -> int:
     if args.steps <= args.warmup:
         raise SystemExit("rpcps bench cache: --steps must be more than --warmup")
+    import torch
+
+    from trainer.ctr.source import GeneratedSource
+    from trainer.ctr.synthetic import SyntheticCtr
     torch.set_num_threads(1)
     generator = SyntheticCtr(seed=1, scale=args.scale)
     source = GeneratedSource(generator, args.batch_size, 0, 2)
