@@ -3,7 +3,8 @@ separate host (a network namespace with its own address, found by name through D
 network finds it), running the service's own command and environment. The cluster trains; curl
 reaches the sidecars across hosts; Debian's Prometheus, started with the shipped
 deploy/prometheus.yml, scrapes every role; a machine outside the cluster reaches what compose
-publishes and nothing else; `down` leaves a final checkpoint and `up` resumes it.
+publishes and nothing else; `down` leaves a final checkpoint and `up` resumes it. And a host's
+link limited to a rate, as the link benchmark limits it.
 
 Skipped, saying why, where network namespaces cannot be made (not root, or no iproute2).
 """
@@ -18,13 +19,10 @@ import httpx
 import pytest
 import yaml
 
-from services.processes import stop_in_waves
-from tests.support.deploy import (REPO, compose, host_process, interpolate, k8s_prometheus_config, k8s_pod_targets,
-                                  start_order)
-from tests.support.netns import HostNetwork, HostProcess, Unavailable
+from tests.support.deploy import REPO, compose, interpolate, k8s_prometheus_config, k8s_pod_targets
+from tests.support.hosts import TOKEN, Hosts, get_json
+from tests.support.netns import HostNetwork, Unavailable
 from tests.support.wait import wait_until
-
-TOKEN = "netns-test-token"
 
 
 @pytest.fixture
@@ -50,76 +48,11 @@ def network():
             net.close()
 
 
-class Hosts:
-    """The running services: one process per host, reaped in compose's stop order."""
-
-    def __init__(self, net: HostNetwork, services: dict[str, dict], tmp: Path,
-                 environ: dict[str, str] | None = None) -> None:
-        """``environ``: what the user's shell or .env sets for compose to interpolate."""
-        self.net, self.services, self.tmp = net, services, tmp
-        self.environ = {"RPCPS_CONTROL_TOKEN": TOKEN, **(environ or {})}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.order = start_order(services)
-
-    def run_on(self, host: str, key: str, argv: list[str], workdir: Path, env: dict | None = None) -> None:
-        """``argv`` as a process on ``host``, known as ``key`` (extras are stopped first by ``down``)."""
-        workdir.mkdir(parents=True, exist_ok=True)
-        with open(self.tmp / f"{key}.log", "ab") as log:
-            self.procs[key] = HostProcess(self.net.exec_argv(host, argv), env=env, cwd=workdir, stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def up(self, names: list[str] | None = None) -> None:
-        for name in names or self.order:
-            argv, env = host_process(self.services[name], self.tmp / "volumes", self.environ)
-            self.run_on(name, name, argv, self.tmp / "workdir" / name, env)
-
-    def down(self, names: list[str] | None = None) -> dict[str, int]:
-        """SIGTERM in reverse start order, each wave waited for (what `docker compose down` does)."""
-        extras = [n for n in self.procs if n not in self.order and names is None]
-        names = extras + [n for n in reversed(self.order) if n in (names or self.order) and n in self.procs]
-        stop_in_waves([[(n, self.procs[n])] for n in names], timeout=60.0)
-        return {n: self.procs.pop(n).returncode for n in names}
-
-    def url(self, name: str, path: str) -> str:
-        return f"http://{self.net.addresses[name]}:8080{path}"
-
-    def log(self, name: str) -> str:
-        path = self.tmp / f"{name}.log"
-        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
-
-    def alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)}")
-
-    def wait_trained(self, trainers: list[str], steps: int) -> None:
-        def trained() -> bool:
-            self.alive()
-            try:
-                return all(get_json(self.url(t, "/status")).get("step", 0) >= steps for t in trainers)
-            except httpx.HTTPError:
-                return False
-        wait_until(trained, 180, f"{', '.join(trainers)} past step {steps}")
-
-    def curl(self, on: str, *args: str) -> str:
-        """curl run on host ``on`` (so names resolve through the network's DNS)."""
-        r = subprocess.run(self.net.exec_argv(on, ["curl", "-sS", "--max-time", "60", *args]),
-                           capture_output=True, text=True, timeout=90)
-        assert r.returncode == 0, f"curl {args} on {on}: {r.stderr}"
-        return r.stdout
-
-
 def _answers(hosts: Hosts, url: str) -> bool:
     """Whether ``url`` answers 200 to curl run on the Prometheus host."""
     r = subprocess.run(hosts.net.exec_argv("prometheus", ["curl", "-sf", "--max-time", "5", url]), capture_output=True,
                        timeout=30)
     return r.returncode == 0
-
-
-def get_json(url: str) -> dict:
-    r = httpx.get(url, timeout=5.0)
-    r.raise_for_status()
-    return r.json()
 
 
 def query(prometheus: str, expr: str) -> list[dict]:
@@ -365,3 +298,46 @@ def test_ctr_profile_as_separate_hosts(network, tmp_path):
         raise AssertionError(f"{exc}\n{logs}") from None
     finally:
         hosts.down()
+
+
+_RECEIVE = """
+import socket, sys, time
+s = socket.create_server((sys.argv[1], 9000))
+print("listening", flush=True)
+c, _ = s.accept()
+got, first = 0, None
+while data := c.recv(65536):
+    first = first or time.monotonic()
+    got += len(data)
+print(got, time.monotonic() - first, flush=True)
+"""
+_SEND = "import socket, sys; c = socket.create_connection((sys.argv[1], 9000)); c.sendall(bytes(2 << 20)); c.close()"
+
+
+def test_a_hosts_link_is_limited_to_its_rate_and_freed(network):
+    # What the link benchmark (tools/linkbench.py) rests on: 2 MiB out of a host limited to
+    # 8 Mbit/s take at least the time the rate allows beyond its 256 KiB burst (1.8 s), and
+    # nothing like it once the limit is lifted.
+    import sys
+    net = network({"a": {}, "b": {}})
+
+    def send() -> tuple[int, float]:
+        receiver = subprocess.Popen(net.exec_argv("b", [sys.executable, "-c", _RECEIVE, net.addresses["b"]]),
+                                    stdout=subprocess.PIPE, text=True)
+        try:
+            assert receiver.stdout.readline().strip() == "listening"
+            subprocess.run(net.exec_argv("a", [sys.executable, "-c", _SEND, net.addresses["b"]]), check=True,
+                           timeout=60)
+            got, seconds = receiver.communicate(timeout=60)[0].split()
+            return int(got), float(seconds)
+        finally:
+            receiver.kill()
+            receiver.wait()
+    net.limit("a", "8mbit")
+    got, limited = send()
+    assert got == 2 << 20 and limited >= (2 << 20) * 0.85 * 8 / 8e6, limited
+    net.limit("a", None)
+    got, free = send()
+    assert got == 2 << 20 and free < limited / 4, (free, limited)
+    with pytest.raises(Unavailable, match="cannot limit"):
+        net.limit("a", "fast")

@@ -123,6 +123,19 @@ class HostNetwork:
                               "/sys/class/net/eth0/statistics/tx_bytes"], capture_output=True, text=True, timeout=30)
         return sum(int(v) for v in out.stdout.split())
 
+    def limit(self, name: str, rate: Optional[str]) -> None:
+        """Host ``name`` sends at most ``rate`` (tc's units: ``1gbit``, ``100mbit``; None: as fast as
+        the veth pair goes), as a link of that speed out of it would: a token bucket on its ``eth0``
+        (``tc qdisc ... tbf``), queueing up to 200 ms of traffic."""
+        ns = self.namespace(name)
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"], capture_output=True,
+                       timeout=30)
+        if rate is not None:
+            r = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                                rate, "burst", "256kb", "latency", "200ms"], capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                raise Unavailable(f"tc cannot limit {name}'s link to {rate}: {r.stderr.strip()}")
+
     def listening(self, name: str) -> set[tuple[str, int]]:
         """The TCP (address, port) pairs something on host ``name`` listens on; a wildcard address
         is given as the host's own."""
