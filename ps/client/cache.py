@@ -12,6 +12,7 @@ was last used at); a sorted index of the ids finds their slots. When the slots a
 least recently used go. No RPC, no threads: the step that owns the client calls it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -112,10 +113,12 @@ class CacheCounts:
 
 @dataclass
 class HotRows:
-    """``capacity`` rows per table parameter at most, each served while ``staleness`` steps old at most."""
+    """Per table parameter at most ``capacity`` rows or ``share`` of its table's, whichever is
+    more; each served while ``staleness`` steps old at most."""
 
     capacity: int
     staleness: int
+    share: float = 0.0
     _tables: dict[str, _Slots] = field(default_factory=dict)
     _row_bytes: dict[str, int] = field(default_factory=dict)
     counts: CacheCounts = field(default_factory=CacheCounts)
@@ -154,23 +157,29 @@ class HotRows:
         if taken.ages.numel():
             c.max_age = max(c.max_age, int(taken.ages.max()))
 
-    def store(self, param: str, ids: torch.Tensor, rows: torch.Tensor, read_at: int) -> None:
-        """Copies of ``rows`` (of unique ``ids``), read at step ``read_at``: they replace older
-        copies of the same ids; the least recently used go beyond the capacity."""
-        if not ids.numel() or self.staleness <= 0:
+    def capacity_of(self, table_rows: int) -> int:
+        """The copies kept of a table of ``table_rows`` rows."""
+        return max(self.capacity, math.ceil(self.share * table_rows))
+
+    def store(self, param: str, ids: torch.Tensor, rows: torch.Tensor, read_at: int, table_rows: int = 0) -> None:
+        """Copies of ``rows`` (of unique ``ids`` of a table of ``table_rows`` rows), read at step
+        ``read_at``: they replace older copies of the same ids; the least recently used go beyond
+        the capacity."""
+        capacity = self.capacity_of(table_rows)
+        if not ids.numel() or self.staleness <= 0 or capacity <= 0:
             return
         rows = rows.detach()
         kept = self._tables.get(param)
         if kept is None:
-            kept = self._tables[param] = _Slots(rows.new_zeros(min(self.capacity, 2 * ids.numel()), *rows.shape[1:]))
+            kept = self._tables[param] = _Slots(rows.new_zeros(min(capacity, 2 * ids.numel()), *rows.shape[1:]))
         found, slot = kept.find(ids)
         new = ~found
-        fits = self.capacity - int(found.sum())         # the copies being replaced stay
+        fits = capacity - int(found.sum())              # the copies being replaced stay
         if int(new.sum()) > fits:                        # more than it holds: the first ones
             new &= torch.cumsum(new, 0) <= fits
         slot = torch.where(found, slot, torch.full_like(slot, -1))
         size = kept.size
-        slot[new] = kept.room(int(new.sum()), self.capacity, slot[found])
+        slot[new] = kept.room(int(new.sum()), capacity, slot[found])
         dropped = slot[new][slot[new] < size]            # slots whose copies went
         keep = slot >= 0
         added, added_slots = ids[new], slot[new]
@@ -187,6 +196,6 @@ class HotRows:
         self._tables.clear()
 
 
-def hot_rows(capacity: int, staleness: int) -> Optional[HotRows]:
-    """The cache the flags ask for (none for 0 rows)."""
-    return HotRows(capacity, staleness) if capacity > 0 else None
+def hot_rows(capacity: int, staleness: int, share: float = 0.0) -> Optional[HotRows]:
+    """The cache the flags ask for (none for 0 rows and a share of 0)."""
+    return HotRows(capacity, staleness, share) if capacity > 0 or share > 0 else None

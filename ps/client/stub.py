@@ -378,8 +378,9 @@ class Copies:
     put back among the rows read, which the cache then keeps; and the gradients of those taken,
     cut for their servers as ``hits`` plans them."""
 
-    def __init__(self, cache: HotRows, taken: dict[str, Taken], hits: LookupPlan, read_at: int) -> None:
-        self.cache, self.taken, self.hits, self.read_at = cache, taken, hits, read_at
+    def __init__(self, cache: HotRows, taken: dict[str, Taken], hits: LookupPlan, read_at: int,
+                 table_rows: dict[str, int]) -> None:
+        self.cache, self.taken, self.hits, self.read_at, self.table_rows = cache, taken, hits, read_at, table_rows
         self._leaves: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -398,7 +399,7 @@ class Copies:
                             client.table_of, client.max_ids)
         # What a read gives reflects every step applied before it: the one under way's not yet.
         read_at = client.steps + (0 if client.session is not None else 1)
-        return cls(cache, taken, hits, read_at), left
+        return cls(cache, taken, hits, read_at, {p: client.plans[client.table_of[p]].num_ids for p in taken}), left
 
     def assemble(self, rows: dict[str, torch.Tensor], answers: list[dict[str, torch.Tensor]]) -> None:
         """``rows`` (what the plan collected: a cached parameter's as its ``miss_ids``) completed in
@@ -409,7 +410,7 @@ class Copies:
                 read = taken.hit_rows[:0]
             else:
                 wire = next(a[param] for a in answers if param in a)
-                self.cache.store(param, taken.miss_ids, read, self.read_at)
+                self.cache.store(param, taken.miss_ids, read, self.read_at, self.table_rows[param])
                 self.cache.note_row_bytes(param, wire[0].numel() * wire.element_size() if wire.numel() else 0)
             leaf = self._leaves[param] = taken.hit_rows.requires_grad_()
             rows[param] = taken.assemble(leaf, read)

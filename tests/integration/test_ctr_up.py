@@ -17,6 +17,7 @@ from services.client import SidecarClient
 from tests.support.serverloss import lose_server
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
+from trainer.ctr.synthetic import SyntheticCtr
 
 SMALL = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "32", "--top", "32", "--batch-size", "256",
          "--eval-samples", "1000", "--progress-interval", "1"]
@@ -81,9 +82,10 @@ def test_ctr_on_criteo_files_trains_reports_quality_and_resumes_resharded(tmp_pa
 def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     # An unbounded episode, ended over HTTP: `up` then runs on, and the evaluation stays to be read
     # (with --steps, four tiny steps and their evaluation may be over before the first look).
-    # With a rows cache on the trainer: 50 copies of each table, each serving up to 3 steps.
+    # With a rows cache on the trainer: 20 copies of each table or 1 % of its rows, whichever is
+    # more (101 of C3's 10,131), each serving up to 3 steps.
     up = UpProcess(tmp_path, *SMALL, "--num-ps", "1", "--num-trainers", "1", "--no-final-checkpoint",
-                   "--cache-rows", "50", "--cache-staleness", "3")
+                   "--cache-rows", "20", "--cache-share", "0.01", "--cache-staleness", "3")
     cleanup(up)
     up.wait_event("started", 120)
     url = up.cluster()["sidecars"]["ctr0"]
@@ -111,7 +113,10 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     samples = f'rpcps_trainer_samples_total{{name="ctr0",role="ctr"}} {256.0 * status["step"]}'
     assert samples in metrics, metrics
     cache = status["cache"]
-    assert cache["hits"] > 0 and 0 < cache["hit_rate"] < 1 and 0 < cache["rows"] <= 26 * 50, cache
+    sizes = SyntheticCtr(scale=0.001).cardinalities
+    assert cache["hits"] > 0 and 0 < cache["hit_rate"] < 1, cache
+    # More copies than 20 a table could hold, no more than the share allows.
+    assert sum(min(20, n) for n in sizes) < cache["rows"] <= sum(max(20, math.ceil(0.01 * n)) for n in sizes), cache
     assert 0 < cache["oldest"] <= 3 and cache["bytes_saved"] == status["moved"]["bytes_saved"] > 0, cache
     hits = f'rpcps_trainer_cache_ids_total{{name="ctr0",outcome="hit",role="ctr"}} {float(cache["hits"])}'
     assert hits in metrics, [line for line in metrics.splitlines() if "cache" in line]

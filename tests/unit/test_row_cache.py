@@ -86,3 +86,15 @@ def test_bench_cache_reports_what_each_bound_gives_by_ids_and_by_lookups():
     assert rates["S=0"] == {"ids": 0.0, "lookups": 0.0}, rates
     assert 0 < rates["S=inf"]["ids"] < rates["S=inf"]["lookups"] < 1, rates
     assert 0 < out["all_tables"]["hit_rate"]["ids"] < 1 and out["all_tables"]["take_ms_per_step"] > 0, out
+
+
+def test_a_share_of_each_table_or_the_rows_whichever_is_more():
+    # --cache-share 0.01 --cache-rows 3: a table of 1,000 rows keeps 10 copies, one of 100 keeps 3.
+    cache = HotRows(capacity=3, staleness=5, share=0.01)
+    assert cache.capacity_of(1000) == 10 and cache.capacity_of(100) == 3 and cache.capacity_of(150) == 3
+    ids = torch.arange(20)
+    cache.store("big", ids, rows_of(ids), read_at=1, table_rows=1000)
+    cache.store("small", ids, rows_of(ids), read_at=1, table_rows=100)
+    assert cache.take("big", ids, used_at=2).hit_ids.numel() == 10
+    assert cache.take("small", ids, used_at=2).hit_ids.numel() == 3
+    assert HotRows(capacity=0, staleness=5, share=0.001).capacity_of(999) == 1, "a share rounds up"

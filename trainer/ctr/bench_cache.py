@@ -2,11 +2,11 @@
 alone, without servers, on the generated Criteo batches one of 2 trainers takes (``--scale``,
 ``--batch-size``): how much of each step it would give.
 
-* For the biggest tables, with a share of their rows cached (``--shares``), at each staleness
-  (``--staleness``; ``inf``: unbounded, as async allows): the hit rate counted by a step's
-  distinct ids (each a row not read from the servers: what ``/status``'s ``cache.hit_rate``
-  counts, and what saves bytes) and by lookups (each id as often as the batch names it, as HET
-  counts its cache's hits).
+* For the biggest tables, with a share of their rows cached (``--shares``, as ``--cache-share``
+  keeps them), at each staleness (``--staleness``; ``inf``: unbounded, as async allows): the hit
+  rate counted by a step's distinct ids (each a row not read from the servers: what
+  ``/status``'s ``cache.hit_rate`` counts, and what saves bytes) and by lookups (each id as
+  often as the batch names it, as HET counts its cache's hits).
 * Over all 26 tables with ``--cache-rows`` rows each and ``--cache-staleness``: the
   milliseconds a step spends taking copies and keeping the rows read (one thread), and the
   hit rate by distinct ids (as ``rpcps bench ctr``'s cache variants report it).
@@ -63,20 +63,20 @@ class _Rates:
                 "lookups": round(self.lookups[0] / max(1, sum(self.lookups)), 4)}
 
 
-def _replay(batches: list[Any], tables: list[int], capacity: int, staleness: int, warmup: int
+def _replay(batches: list[Any], sizes: list[int], tables: list[int], cache: Any, warmup: int
             ) -> tuple[_Rates, list[float], list[float]]:
-    """The cache over ``batches`` (id tensors [samples, tables]) for columns ``tables``: its
-    rates, and each counted step's seconds taking and storing."""
+    """``cache`` (a ``HotRows``) over ``batches`` (id tensors [samples, tables]) for columns
+    ``tables`` (of ``sizes`` rows each): its rates, and each counted step's seconds taking and
+    storing."""
     import torch
 
-    from ps.client.cache import HotRows
-    cache, rates, took, stored = HotRows(capacity, staleness), _Rates(), [], []
+    rates, took, stored = _Rates(), [], []
     for step, batch in enumerate(batches):
         t0 = time.perf_counter()
         taken = {t: cache.take(f"C{t + 1}", batch[:, t], step) for t in tables}
         t1 = time.perf_counter()
         for t, got in taken.items():
-            cache.store(f"C{t + 1}", got.miss_ids, torch.zeros(got.miss_ids.numel(), 16), step)
+            cache.store(f"C{t + 1}", got.miss_ids, torch.zeros(got.miss_ids.numel(), 16), step, sizes[t])
         t2 = time.perf_counter()
         if step >= warmup:
             for got in taken.values():
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("rpcps bench cache: --steps must be more than --warmup")
     import torch
 
+    from ps.client.cache import HotRows
     from trainer.ctr.source import GeneratedSource
     from trainer.ctr.synthetic import SyntheticCtr
     torch.set_num_threads(1)
@@ -104,11 +105,11 @@ def run(args: argparse.Namespace) -> int:
     for t in biggest:
         by_share = {}
         for share in [float(s) for s in args.shares.split(",") if s.strip()]:
-            capacity = max(1, int(sizes[t] * share))
-            by_share[str(share)] = {f"S={b}": _replay(batches, [t], capacity, _bound(b), args.warmup)[0].rates()
-                                    for b in bounds}
+            by_share[str(share)] = {f"S={b}": _replay(batches, sizes, [t], HotRows(0, _bound(b), share),
+                                                      args.warmup)[0].rates() for b in bounds}
         per_table[f"C{t + 1}"] = {"rows": sizes[t], "hit_rate": by_share}
-    rates, took, stored = _replay(batches, list(range(len(sizes))), args.cache_rows, args.cache_staleness, args.warmup)
+    rates, took, stored = _replay(batches, sizes, list(range(len(sizes))), HotRows(args.cache_rows, args.cache_staleness),
+                                  args.warmup)
     one_percent = [r["hit_rate"].get("0.01", {}).get(f"S={b}", {}).get("lookups") for r in per_table.values()
                    for b in bounds]
     print(json.dumps({

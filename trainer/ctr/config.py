@@ -200,10 +200,14 @@ class CtrDataSettings(SchemaSettings):
     cache_rows: int = Field(0, ge=0, le=100_000_000, description="keep copies of up to this many rows of each table "
                                                                  "on the trainer, the most recently used (0: none; "
                                                                  "hashed tables are never cached)")
-    cache_staleness: int = Field(1, ge=0, le=1_000_000, description="--cache-rows: a copy serves steps up to this "
-                                                                    "many of the trainer's steps after the one that "
-                                                                    "read it, then is read again (0: never: a row a "
-                                                                    "step reads, its update changes; sync needs 0)")
+    cache_share: float = Field(0.0, ge=0, le=1, description="keep copies of up to this share of each table's rows "
+                                                            "on the trainer (with --cache-rows: whichever is more, "
+                                                            "table by table; 0: --cache-rows alone)")
+    cache_staleness: int = Field(1, ge=0, le=1_000_000, description="--cache-rows, --cache-share: a copy serves "
+                                                                    "steps up to this many of the trainer's steps "
+                                                                    "after the one that read it, then is read again "
+                                                                    "(0: never: a row a step reads, its update "
+                                                                    "changes; sync needs 0)")
 
     @model_validator(mode="after")
     def _one_source(self) -> "CtrDataSettings":
@@ -242,5 +246,6 @@ class CtrUpSettings(CtrDataSettings, TrainersUpSettings, CtrModelSettings):
 
     @model_validator(mode="after")
     def _prefetch_within_consistency(self) -> "CtrUpSettings":
-        Consistency.parse(self.consistency).check_reads(self.prefetch, self.cache_staleness if self.cache_rows else 0)
+        cached = self.cache_rows or self.cache_share
+        Consistency.parse(self.consistency).check_reads(self.prefetch, self.cache_staleness if cached else 0)
         return self

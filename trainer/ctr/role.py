@@ -36,7 +36,7 @@ class CtrTrainer(ServedTrainer):
         return self.cfg.prefetch
 
     def cache(self) -> Optional[HotRows]:
-        return hot_rows(self.cfg.cache_rows, self.cfg.cache_staleness)
+        return hot_rows(self.cfg.cache_rows, self.cfg.cache_staleness, self.cfg.cache_share)
 
     def task(self, client: PsClient) -> CtrTask:
         cfg, hosted = self.cfg, client.model
