@@ -109,6 +109,8 @@ class CacheCounts:
     saved: int = 0               # bytes of rows not read from the servers, as they would have crossed the wire
     max_age: int = 0             # of the copies taken, in steps
     rows: int = 0                # copies held (set when reported)
+    hit_lookups: int = 0         # the hits counted as often as the step's batch names each (as HET counts)
+    lookups: int = 0             # every id the steps' batches named, repeats counted
 
 
 @dataclass
@@ -154,6 +156,10 @@ class HotRows:
         c.hits += taken.hit_ids.numel()
         c.misses += taken.miss_ids.numel()
         c.saved += taken.hit_ids.numel() * self._row_bytes.get(param, 0)
+        c.lookups += taken.inverse.numel()
+        if taken.hit_places.numel():
+            named = torch.bincount(taken.inverse, minlength=taken.hit_places.numel() + taken.miss_places.numel())
+            c.hit_lookups += int(named[taken.hit_places].sum())
         if taken.ages.numel():
             c.max_age = max(c.max_age, int(taken.ages.max()))
 

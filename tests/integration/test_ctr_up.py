@@ -115,11 +115,15 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     cache = status["cache"]
     sizes = SyntheticCtr(scale=0.001).cardinalities
     assert cache["hits"] > 0 and 0 < cache["hit_rate"] < 1, cache
+    # Counted by lookups (each id as often as the batches name it): the hot ids weigh more.
+    assert cache["hit_rate"] < cache["lookup_hit_rate"] < 1 and cache["lookups"] >= 26 * 256 * 4, cache
     # More copies than 20 a table could hold, no more than the share allows.
     assert sum(min(20, n) for n in sizes) < cache["rows"] <= sum(max(20, math.ceil(0.01 * n)) for n in sizes), cache
     assert 0 < cache["oldest"] <= 3 and cache["bytes_saved"] == status["moved"]["bytes_saved"] > 0, cache
     hits = f'rpcps_trainer_cache_ids_total{{name="ctr0",outcome="hit",role="ctr"}} {float(cache["hits"])}'
     assert hits in metrics, [line for line in metrics.splitlines() if "cache" in line]
+    named = [line for line in metrics.splitlines() if line.startswith("rpcps_trainer_cache_lookups_total{")]
+    assert sum(float(line.split()[-1]) for line in named) == cache["lookups"], named
 
     # Where the steps' time went: the server's rows and seconds, the trainer's messages and phases.
     def ps0_updated() -> bool:
@@ -137,7 +141,8 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     # gradients for the rows and the weights.
     assert done["per_step"]["rpcs"] >= 6, done["per_step"]
     assert {"fetch", "forward", "backward", "optimize", "total"} <= set(done["per_step"]["seconds"]), done
-    assert 0 < done["per_step"]["cache_hit_rate"] < 1 and done["bytes_per_step"]["saved"] > 0, done
+    assert 0 < done["per_step"]["cache_hit_rate"] < done["per_step"]["cache_lookup_hit_rate"] < 1, done
+    assert done["bytes_per_step"]["saved"] > 0, done
 
 
 def test_ctr_members_killed_at_random_and_the_leader_come_back(tmp_path, cleanup):

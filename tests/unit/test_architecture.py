@@ -148,6 +148,7 @@ SHARED_WORDS = {
     "serve": "serving an RPC surface (services/remote.py)", "cache": "functools.cache",
     "staleness": "how old a read may be (ssp's bound, a cache's)", "scale": "scaling a tensor (an update rule's factor)",
     "hits": "a cache's (ps/client/cache.py)", "misses": "a cache's, a membership probe's",
+    "lookups": "a step's requests for rows (ps/client/lookups.py), and a cache's count of them",
 }
 
 

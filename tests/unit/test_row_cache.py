@@ -98,3 +98,14 @@ def test_a_share_of_each_table_or_the_rows_whichever_is_more():
     assert cache.take("big", ids, used_at=2).hit_ids.numel() == 10
     assert cache.take("small", ids, used_at=2).hit_ids.numel() == 3
     assert HotRows(capacity=0, staleness=5, share=0.001).capacity_of(999) == 1, "a share rounds up"
+
+
+def test_hits_are_counted_by_distinct_ids_and_by_lookups():
+    # A step naming id 5 three times and 3 once: after 5 alone is kept, one of its two distinct
+    # ids hits, three of its four lookups.
+    cache = HotRows(capacity=10, staleness=2)
+    cache.store("t", torch.tensor([5]), rows_of(torch.tensor([5])), read_at=1)
+    taken = cache.take("t", torch.tensor([5, 3, 5, 5]), used_at=2)
+    cache.count("t", taken)
+    c = cache.counts
+    assert (c.hits, c.misses, c.hit_lookups, c.lookups) == (1, 1, 3, 4), c

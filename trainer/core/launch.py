@@ -162,4 +162,7 @@ def _per_step(statuses: list[Any]) -> dict[str, Any]:
     asked = sum(c.hits + c.misses for c in caches)
     if asked:           # --cache-rows: of a step's distinct ids, the share taken from the trainer's copies
         found["cache_hit_rate"] = sum(c.hits for c in caches) / asked
+    named = sum(c.lookups for c in caches)
+    if named:           # the same of every id its batch named, repeats counted
+        found["cache_lookup_hit_rate"] = sum(c.lookup_hit_rate * c.lookups for c in caches) / named
     return found

@@ -168,7 +168,8 @@ class TrainLoop:
         if cached_before is not None:
             now = client.cache.counts
             result.cache = CacheCounts(now.hits - cached_before.hits, now.misses - cached_before.misses,
-                                       now.saved - cached_before.saved, now.max_age, client.cache.rows)
+                                       now.saved - cached_before.saved, now.max_age, client.cache.rows,
+                                       now.hit_lookups - cached_before.hit_lookups, now.lookups - cached_before.lookups)
         if self.metrics is not None:
             self.metrics.stepped(result)
         return result

@@ -33,6 +33,9 @@ class TrainerMetrics(Metrics):
             self._step_seconds.labels(phase=phase, **self.labels)
         self._cache_ids = self.counter("rpcps_trainer_cache_ids_total", "--cache-rows: a step's distinct ids taken "
                                        "from the trainer's copies (hit) or read from the servers (miss)", ("outcome",))
+        self._cache_lookups = self.counter("rpcps_trainer_cache_lookups_total", "--cache-rows: the ids a step's "
+                                           "batch named, each as often as named, taken from the trainer's copies "
+                                           "(hit) or read from the servers (miss)", ("outcome",))
         self.cache_bytes_saved = self.counter("rpcps_trainer_cache_bytes_saved_total", "--cache-rows: bytes of rows "
                                               "taken from the trainer's copies instead of read").labels(**self.labels)
         self.cache_rows = self.gauge("rpcps_trainer_cache_rows", "--cache-rows: copies of rows the trainer holds")
@@ -49,6 +52,8 @@ class TrainerMetrics(Metrics):
         if result.cache is not None:
             self._cache_ids.labels(outcome="hit", **self.labels).inc(result.cache.hits)
             self._cache_ids.labels(outcome="miss", **self.labels).inc(result.cache.misses)
+            self._cache_lookups.labels(outcome="hit", **self.labels).inc(result.cache.hit_lookups)
+            self._cache_lookups.labels(outcome="miss", **self.labels).inc(result.cache.lookups - result.cache.hit_lookups)
             self.cache_bytes_saved.inc(result.cache.saved)
             self.cache_rows.set(result.cache.rows)
             self.cache_oldest.set(result.cache.max_age)

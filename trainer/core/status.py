@@ -48,6 +48,8 @@ class RowCacheState(BaseModel):
     hits: int = 0                      # ids its steps took from it
     misses: int = 0                    # ids they read from the servers instead
     hit_rate: float = 0.0
+    lookups: int = 0                   # ids the steps' batches named, each as often as named
+    lookup_hit_rate: float = 0.0       # of those, the share taken from the copies (as HET counts its hits)
     bytes_saved: int = 0               # of rows not read, as they would have crossed the wire
     oldest: int = 0                    # the oldest copy a step took, in the trainer's steps
 
