@@ -112,6 +112,19 @@ class CacheCounts:
     hit_lookups: int = 0         # the hits counted as often as the step's batch names each (as HET counts)
     lookups: int = 0             # every id the steps' batches named, repeats counted
 
+    _ADDED = ("hits", "misses", "saved", "hit_lookups", "lookups")     # what adds up over steps
+
+    def since(self, before: "CacheCounts", rows: int) -> "CacheCounts":
+        """What was counted after ``before`` (a copy of these counts), with ``rows`` copies held now."""
+        return CacheCounts(**{f: getattr(self, f) - getattr(before, f) for f in self._ADDED},
+                           max_age=self.max_age, rows=rows)
+
+    def add(self, step: "CacheCounts") -> None:
+        """A step's counts added to these (its oldest copy and the copies held taken as they are)."""
+        for f in self._ADDED:
+            setattr(self, f, getattr(self, f) + getattr(step, f))
+        self.max_age, self.rows = step.max_age, step.rows
+
 
 @dataclass
 class HotRows:

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ps.client.cache import CacheCounts
 from services.control import EpisodeGate, EpisodeStart, StepPause
 from services.errors import PeerUnavailable, ServerLost, StepLost, UpdateRefused
 from services.lifecycle import RoleState, StatusBoard
@@ -64,7 +65,7 @@ class EpisodeRunner:
         self._refused_in_a_row = 0
         self._traffic: dict[str, Any] = {"steps": 0, "rpc_bytes": 0, "rpcs": 0, "allreduce_bytes": 0,
                                          "bytes_saved": 0, "timed_steps": 0, "phase_seconds": {}}
-        self._cache: dict[str, Any] = {"hits": 0, "misses": 0, "bytes_saved": 0, "lookups": 0, "hit_lookups": 0}
+        self._cache = CacheCounts()        # --cache-rows: what the copies gave, over every step so far
         self._digests: deque[tuple[int, str]] = deque(maxlen=128)   # --dense allreduce: the replica's last steps
         self.progress = Progress(board, metrics)
 
@@ -210,14 +211,11 @@ class EpisodeRunner:
         if step is None:
             return {}
         c = self._cache
-        for key, more in (("hits", step.hits), ("misses", step.misses), ("bytes_saved", step.saved),
-                          ("lookups", step.lookups), ("hit_lookups", step.hit_lookups)):
-            c[key] += more
-        asked = c["hits"] + c["misses"]
-        return {"cache": {"hits": c["hits"], "misses": c["misses"], "bytes_saved": c["bytes_saved"],
-                          "lookups": c["lookups"], "rows": step.rows, "oldest": step.max_age,
-                          "hit_rate": c["hits"] / asked if asked else 0.0,
-                          "lookup_hit_rate": c["hit_lookups"] / c["lookups"] if c["lookups"] else 0.0}}
+        c.add(step)
+        asked = c.hits + c.misses
+        return {"cache": {"hits": c.hits, "misses": c.misses, "bytes_saved": c.saved, "lookups": c.lookups,
+                          "rows": c.rows, "oldest": c.max_age, "hit_rate": c.hits / asked if asked else 0.0,
+                          "lookup_hit_rate": c.hit_lookups / c.lookups if c.lookups else 0.0}}
 
     def _replica_status(self) -> dict[str, Any]:
         """--dense allreduce: which step the replica is at, its digest (equal on every trainer of

@@ -166,10 +166,7 @@ class TrainLoop:
                             done.arrived_at, rpc_now - rpc_before, allreduce_now - allreduce_before,
                             calls_now - calls_before)
         if cached_before is not None:
-            now = client.cache.counts
-            result.cache = CacheCounts(now.hits - cached_before.hits, now.misses - cached_before.misses,
-                                       now.saved - cached_before.saved, now.max_age, client.cache.rows,
-                                       now.hit_lookups - cached_before.hit_lookups, now.lookups - cached_before.lookups)
+            result.cache = client.cache.counts.since(cached_before, client.cache.rows)
         if self.metrics is not None:
             self.metrics.stepped(result)
         return result
