@@ -43,34 +43,20 @@ def _bound(word: str) -> int:
     return UNBOUNDED if word.strip() in ("inf", "unbounded") else int(word)
 
 
-class _Rates:
-    """Hits and misses of the steps after the warm-up, by distinct ids and by lookups."""
-
-    def __init__(self) -> None:
-        self.ids = [0, 0]
-        self.lookups = [0, 0]
-
-    def add(self, taken: Any) -> None:
-        import torch
-        self.ids[0] += taken.hit_ids.numel()
-        self.ids[1] += taken.miss_ids.numel()
-        named = torch.bincount(taken.inverse, minlength=taken.hit_places.numel() + taken.miss_places.numel())
-        self.lookups[0] += int(named[taken.hit_places].sum())
-        self.lookups[1] += int(named[taken.miss_places].sum())
-
-    def rates(self) -> dict[str, float]:
-        return {"ids": round(self.ids[0] / max(1, sum(self.ids)), 4),
-                "lookups": round(self.lookups[0] / max(1, sum(self.lookups)), 4)}
+def _rates(counts: Any) -> dict[str, float]:
+    """A cache's hit rates (its ``CacheCounts``) by distinct ids and by lookups."""
+    return {"ids": round(counts.hits / max(1, counts.hits + counts.misses), 4),
+            "lookups": round(counts.hit_lookups / max(1, counts.lookups), 4)}
 
 
 def _replay(batches: list[Any], sizes: list[int], tables: list[int], cache: Any, warmup: int
-            ) -> tuple[_Rates, list[float], list[float]]:
+            ) -> tuple[dict[str, float], list[float], list[float]]:
     """``cache`` (a ``HotRows``) over ``batches`` (id tensors [samples, tables]) for columns
-    ``tables`` (of ``sizes`` rows each): its rates, and each counted step's seconds taking and
-    storing."""
+    ``tables`` (of ``sizes`` rows each): its hit rates after the warm-up, and each counted step's
+    seconds taking and storing."""
     import torch
 
-    rates, took, stored = _Rates(), [], []
+    took, stored = [], []
     for step, batch in enumerate(batches):
         t0 = time.perf_counter()
         taken = {t: cache.take(f"C{t + 1}", batch[:, t], step) for t in tables}
@@ -79,11 +65,11 @@ def _replay(batches: list[Any], sizes: list[int], tables: list[int], cache: Any,
             cache.store(f"C{t + 1}", got.miss_ids, torch.zeros(got.miss_ids.numel(), 16), step, sizes[t])
         t2 = time.perf_counter()
         if step >= warmup:
-            for got in taken.values():
-                rates.add(got)
+            for t, got in taken.items():
+                cache.count(f"C{t + 1}", got)
             took.append(t1 - t0)
             stored.append(t2 - t1)
-    return rates, took, stored
+    return _rates(cache.counts), took, stored
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         by_share = {}
         for share in [float(s) for s in args.shares.split(",") if s.strip()]:
             by_share[str(share)] = {f"S={b}": _replay(batches, sizes, [t], HotRows(0, _bound(b), share),
-                                                      args.warmup)[0].rates() for b in bounds}
+                                                      args.warmup)[0] for b in bounds}
         per_table[f"C{t + 1}"] = {"rows": sizes[t], "hit_rate": by_share}
     rates, took, stored = _replay(batches, sizes, list(range(len(sizes))), HotRows(args.cache_rows, args.cache_staleness),
                                   args.warmup)
@@ -115,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({
         "bench": "cache", "tables": per_table,
         "all_tables": {"cache_rows": args.cache_rows, "cache_staleness": args.cache_staleness,
-                       "hit_rate": rates.rates(), "take_ms_per_step": round(1e3 * statistics.median(took), 2),
+                       "hit_rate": rates, "take_ms_per_step": round(1e3 * statistics.median(took), 2),
                        "store_ms_per_step": round(1e3 * statistics.median(stored), 2)},
         "target": {"lookup_hit_rate_at_1pct": TARGET_LOOKUP_HIT_RATE,
                    "met": any(r is not None and r >= TARGET_LOOKUP_HIT_RATE for r in one_percent)},
