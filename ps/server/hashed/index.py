@@ -33,23 +33,39 @@ def _home(key, num_slots):
 
 @numba.njit(nogil=True)
 def _find(slots, keys, wanted, out, last_seen, hits, step, hits_max, mark):
-    """Each wanted id's row (-1: none); with ``mark``, each found row seen at ``step``, once more."""
+    """Each wanted id's row (-1: none); with ``mark``, each found row seen at ``step``, once more.
+
+    In passes over the batch, not id by id: each pass's memory reads are independent of one
+    another, so the processor has many in flight at once (an id's home slot, then the id its row
+    holds, then the marks), where probing id by id waits for one cache miss after another. Only
+    the ids not at their home slot are probed further."""
     n = slots.shape[0]
+    home = np.empty(wanted.shape[0], dtype=np.int64)
     for i in range(wanted.shape[0]):
-        p = _home(wanted[i], n)
+        home[i] = _home(wanted[i], n)
+    for i in range(wanted.shape[0]):
+        out[i] = slots[home[i]]
+    for i in range(wanted.shape[0]):
+        row = out[i]
+        if row >= 0 and keys[row] == wanted[i]:
+            continue
         out[i] = -1
+        p = home[i]
         while True:
             row = slots[p]
             if row == EMPTY:
                 break
             if row >= 0 and keys[row] == wanted[i]:
                 out[i] = row
-                if mark:
-                    last_seen[row] = step
-                    if hits[row] < hits_max:
-                        hits[row] += 1
                 break
             p = p + 1 if p + 1 < n else 0
+    if mark:
+        for i in range(wanted.shape[0]):
+            row = out[i]
+            if row >= 0:
+                last_seen[row] = step
+                if hits[row] < hits_max:
+                    hits[row] += 1
 
 
 @numba.njit(nogil=True)
