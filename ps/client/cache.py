@@ -34,12 +34,14 @@ class _Slots:
         self.slot_of = torch.zeros(0, dtype=torch.long)
         self._place = torch.zeros(0, dtype=torch.long)
 
-    def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Of unique ``ids``, which have a copy, and its slot (meaningless where none)."""
+    def locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of sorted unique ``ids``: the places of those with a copy, and their slots. (Integer
+        places, not a mask: a mask would be turned into them again by every tensor it picks from.)"""
         if not self.size:
-            return torch.zeros(ids.numel(), dtype=torch.bool), torch.zeros(ids.numel(), dtype=torch.long)
+            return ids[:0], ids[:0]
         at = torch.searchsorted(self.keys, ids).clamp_(max=self.size - 1)
-        return self.keys[at] == ids, self.slot_of[at]
+        places = (self.keys[at] == ids).nonzero().squeeze(1)
+        return places, self.slot_of[at[places]]
 
     def room(self, n: int, capacity: int, keep: torch.Tensor) -> torch.Tensor:
         """Slots for ``n`` new copies (at most the free slots and those not in ``keep``): free
@@ -145,18 +147,17 @@ class HotRows:
     def take(self, param: str, ids: torch.Tensor, used_at: int) -> Taken:
         """``ids`` of ``param`` for the step ``used_at``: which copies it may take."""
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        places = torch.arange(unique.numel())
         kept = self._tables.get(param)
         if kept is None or self.staleness <= 0:
-            fresh, slot = torch.zeros(unique.numel(), dtype=torch.bool), places[:0]
-        else:
-            found, slot = kept.find(unique)
-            fresh = found & (used_at - kept.read_at[slot] <= self.staleness)
-            slot = slot[fresh]
-            kept.used_at[slot] = used_at
-        hit_rows = kept.rows[slot] if slot.numel() else torch.zeros(0)
-        ages = used_at - kept.read_at[slot] if slot.numel() else slot
-        return Taken(ids.shape, inverse, places[fresh], unique[fresh], hit_rows, places[~fresh], unique[~fresh], ages)
+            none = unique[:0]
+            return Taken(ids.shape, inverse, none, none, torch.zeros(0), torch.arange(unique.numel()), unique, none)
+        places, slot = kept.locate(unique)
+        ages = used_at - kept.read_at[slot]
+        fresh = (ages <= self.staleness).nonzero().squeeze(1)
+        if fresh.numel() < places.numel():
+            places, slot, ages = places[fresh], slot[fresh], ages[fresh]
+        kept.used_at[slot] = used_at
+        return Taken(ids.shape, inverse, places, unique[places], kept.rows[slot], *_others(places, unique), ages)
 
     def note_row_bytes(self, param: str, size: int) -> None:
         """A row of ``param`` as it crosses the wire (its wire precision's bytes)."""
@@ -191,28 +192,35 @@ class HotRows:
         kept = self._tables.get(param)
         if kept is None:
             kept = self._tables[param] = _Slots(rows.new_zeros(min(capacity, 2 * ids.numel()), *rows.shape[1:]))
-        found, slot = kept.find(ids)
-        new = ~found
-        fits = capacity - int(found.sum())              # the copies being replaced stay
-        if int(new.sum()) > fits:                        # more than it holds: the first ones
-            new &= torch.cumsum(new, 0) <= fits
-        slot = torch.where(found, slot, torch.full_like(slot, -1))
+        places, slot = kept.locate(ids)                  # copies replaced: they stay
+        new_places, added = _others(places, ids)
+        if added.numel() > capacity - places.numel():    # more than it holds: the first ones
+            new_places, added = new_places[:capacity - places.numel()], added[:capacity - places.numel()]
         size = kept.size
-        slot[new] = kept.room(int(new.sum()), capacity, slot[found])
-        dropped = slot[new][slot[new] < size]            # slots whose copies went
-        keep = slot >= 0
-        added, added_slots = ids[new], slot[new]
-        slot = slot[keep]
-        kept.ids[slot] = ids[keep]
-        kept.rows[slot] = rows[keep].to(kept.rows.dtype)
+        added_slots = kept.room(added.numel(), capacity, slot)
+        dropped = added_slots[added_slots < size]        # slots whose copies went
+        if added.numel():
+            slot, places = torch.cat([slot, added_slots]), torch.cat([places, new_places])
+            kept.ids[added_slots] = added
+        kept.rows[slot] = rows[places].to(kept.rows.dtype)
         kept.read_at[slot] = read_at
         kept.used_at[slot] = torch.clamp(kept.used_at[slot], min=read_at)
-        if new.any():
+        if added.numel():
             kept.reindex(added, added_slots, dropped)
 
     def forget(self) -> None:
         """Drop every copy (the servers' rows may have changed wholesale: a restore)."""
         self._tables.clear()
+
+
+def _others(places: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The places of ``ids`` not among ``places`` (increasing), and those ids."""
+    if places.numel() == ids.numel():
+        return places[:0], ids[:0]
+    rest = torch.ones(ids.numel(), dtype=torch.bool)
+    rest[places] = False
+    others = rest.nonzero().squeeze(1)
+    return others, ids[others]
 
 
 def hot_rows(capacity: int, staleness: int, share: float = 0.0) -> Optional[HotRows]:

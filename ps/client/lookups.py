@@ -8,7 +8,7 @@ tested alone."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
@@ -66,17 +66,23 @@ class LookupPlan:
 
 
 def plan_lookups(lookups: Mapping[str, torch.Tensor], plans: Mapping[str, Any], table_of: Mapping[str, str],
-                 max_ids: int, row_shapes: Mapping[str, tuple[int, ...]] | None = None) -> LookupPlan:
+                 max_ids: int, row_shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 distinct: Collection[str] = ()) -> LookupPlan:
     """``lookups``: parameter -> ids [...] of its table; ``plans``: each table's sharding plan
     (``ps/spec/sharding.py``); ``table_of``: each parameter's table; ``row_shapes``: each
-    parameter's row shape, which a parameter asked for no id at all is collected as. Each server's
-    ids go in as few requests as the cap allows, every parameter of a step together."""
+    parameter's row shape, which a parameter asked for no id at all is collected as; ``distinct``:
+    the parameters whose ids are already deduplicated and sorted (a cache's split), which are not
+    sorted again. Each server's ids go in as few requests as the cap allows, every parameter of a
+    step together."""
     requests: list[tuple[int, dict[str, torch.Tensor]]] = []
     filled: list[int] = []
     open_request: dict[int, int] = {}          # server -> the request being filled for it
     gathers: dict[str, _Gather] = {}
     for param, ids in lookups.items():
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        if param in distinct:
+            unique, inverse = ids.reshape(-1), torch.arange(ids.numel())
+        else:
+            unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         plan = plans[table_of[param]]
         gather = gathers[param] = _Gather(ids.shape, inverse, unique.numel())
         for server, (places, shard_ids) in enumerate(plan.partition(unique)):

@@ -272,7 +272,8 @@ class PsClient:
         copies = None
         if self.cache is not None and (self.session is not None or ahead):
             copies, lookups = Copies.take(self, lookups, ahead)
-        plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids, self.row_shapes)
+        plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids, self.row_shapes,
+                            copies.taken if copies is not None else ())
         answers = [self._async(self.ps_names[k], PsSurface.lookup_many, ask) for k, ask in plan.requests]
         dense_shards = self._dense_shards if dense else []
         dense_futures = [self._async(self.ps_names[k], PsSurface.dense_params) for k in dense_shards]
@@ -396,7 +397,7 @@ class Copies:
         left = {p: ids for p, ids in lookups.items() if p not in taken}
         left.update({p: t.miss_ids for p, t in taken.items() if t.miss_ids.numel()})
         hits = plan_lookups({p: t.hit_ids for p, t in taken.items() if t.hit_ids.numel()}, client.plans,
-                            client.table_of, client.max_ids)
+                            client.table_of, client.max_ids, distinct=taken)
         # What a read gives reflects every step applied before it: the one under way's not yet.
         read_at = client.steps + (0 if client.session is not None else 1)
         return cls(cache, taken, hits, read_at, {p: client.plans[client.table_of[p]].num_ids for p in taken}), left

@@ -101,3 +101,21 @@ def test_a_parameter_asked_for_no_id_comes_back_as_no_rows_without_a_request():
     rows = plan.collect([{p: row_of(p, ids.long()) for p, ids in request.items()} for _, request in plan.requests])
     assert rows["b.weight"].shape == (0, 2) and rows["a.weight"].shape == (2, 2)
     assert plan.spread({"b.weight": torch.zeros(0, 2)}) == [{} for _ in plan.requests]
+
+
+@pytest.mark.parametrize("max_ids", [4, 1000])
+def test_ids_already_distinct_plan_as_they_would_deduplicated(max_ids):
+    # A cache's split hands the plan sorted, distinct ids: planned without sorting them again, the
+    # requests, the rows collected and the gradients spread are those of the ordinary plan.
+    asked = {p: ids.unique() for p, ids in lookups().items()}
+    plain = plan_lookups(asked, PLANS, TABLE_OF, max_ids)
+    told = plan_lookups(asked, PLANS, TABLE_OF, max_ids, distinct=set(asked))
+    assert [(s, sorted(r)) for s, r in plain.requests] == [(s, sorted(r)) for s, r in told.requests]
+    for (_, a), (_, b) in zip(plain.requests, told.requests):
+        assert all(torch.equal(a[p], b[p]) for p in a)
+    answers = [{p: row_of(p, ids.long()) for p, ids in r.items()} for _, r in told.requests]
+    got, want = told.collect(answers), plain.collect(answers)
+    assert all(torch.equal(got[p], want[p]) for p in asked)
+    grads = {p: torch.randn(*ids.shape, 2) for p, ids in asked.items()}
+    for a, b in zip(plain.spread(grads), told.spread(grads)):
+        assert a.keys() == b.keys() and all(torch.equal(a[p][1], b[p][1]) for p in a)
