@@ -525,7 +525,7 @@ class StepSession:
         t0 = time.perf_counter()
         try:
             dist_autograd.backward(self.context_id, [loss])
-            self._push_leaves()
+            leaves = self._leaf_grads()
         except Exception as exc:
             # A sync step that cannot hand its gradients over still ends at the clock, or every
             # other trainer would wait for it (with a replica: a peer in its all-reduce died).
@@ -533,28 +533,38 @@ class StepSession:
                 raise
             raise (client.failed(exc, replica) or client.lose_step(exc, replica)) from exc
         backward = time.perf_counter() - t0
-        return self._hand_over(backward, clip, replica) if averaged else self._apply_own(backward, clip)
+        if averaged:
+            return self._hand_over(backward, clip, replica, leaves)
+        return self._apply_own(backward, clip, leaves)
 
-    def _push_leaves(self) -> None:
-        """The gradients of what the step adopted (read before it) or took from the cache, to the
-        servers that own it: a message per answer, or per request the copies would have made,
-        all at once (as distributed backward sends them)."""
+    def _leaf_grads(self) -> dict[int, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
+        """The gradients of what the step adopted (read before it) or took from the cache, for the
+        servers that own it: per server, its rows' parameter -> (ids, gradients) and its dense
+        tensors' name -> gradient, as ``PsSurface.push`` takes them. They go with the step's norm
+        round or hand-over, so they cost no round of their own."""
         if not any(f.has_leaves for f in self._fetched):
-            return
+            return {}
         grads = dist_autograd.get_gradients(self.context_id)
-        client = self.client
-        for f in [client._async(client.ps_names[k], PsSurface.push, self.context_id, rows, dense)
-                  for fetching in self._fetched for k, rows, dense in fetching.pushes(grads)]:
-            wait(f)
+        out: dict[int, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]] = {}
+        for fetching in self._fetched:
+            for k, rows, dense in fetching.pushes(grads):
+                kept_rows, kept_dense = out.setdefault(k, ({}, {}))
+                for param, (ids, grad) in rows.items():
+                    if param in kept_rows:       # the same table's rows from two answers (a cut request, a copy)
+                        ids, grad = torch.cat([kept_rows[param][0], ids]), torch.cat([kept_rows[param][1], grad])
+                    kept_rows[param] = (ids, grad)
+                kept_dense.update(dense)
+        return out
 
-    def _hand_over(self, backward: float, clip: float, replica: Optional[Replica]) -> Finished:
+    def _hand_over(self, backward: float, clip: float, replica: Optional[Replica],
+                   leaves: dict[int, tuple[dict, dict]]) -> Finished:
         """sync: hand the gradients to every server; the step clock has them applied, averaged
         with the other trainers', once every trainer has."""
         client = self.client
         t1 = time.perf_counter()
         replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None
-        _, refused = wait_all([client._async(n, PsSurface.contribute, self.context_id,
-                                             client.granted.step) for n in client.ps_names])
+        _, refused = wait_all([client._async(n, PsSurface.contribute, self.context_id, client.granted.step,
+                                             *leaves.get(k, ())) for k, n in enumerate(client.ps_names)])
         t3 = time.perf_counter()
         applied, arrived_at = client.arrive(clip, refused is not None,
                                             replica.sq_norm(replicated) if replica is not None else 0.0)
@@ -566,11 +576,12 @@ class StepSession:
             raise refused
         return Finished(applied.grad_norm, backward, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
 
-    def _grad_norm(self) -> float:
-        """The global norm of every shard's gradients of this step; ``UpdateRefused`` if a server
-        found them not finite."""
+    def _grad_norm(self, leaves: dict[int, tuple[dict, dict]]) -> float:
+        """The global norm of every shard's gradients of this step, ``leaves`` (``_leaf_grads``)
+        pushed with the question; ``UpdateRefused`` if a server found them not finite."""
         client = self.client
-        parts, refused = wait_all([client._async(n, PsSurface.grad_sq_norm, self.context_id) for n in client.ps_names])
+        parts, refused = wait_all([client._async(n, PsSurface.grad_sq_norm, self.context_id, *leaves.get(k, ()))
+                                   for k, n in enumerate(client.ps_names)])
         if refused is not None:
             raise refused
         norm = sum(parts) ** 0.5
@@ -578,29 +589,20 @@ class StepSession:
             raise UpdateRefused(f"this step's gradient norm is {norm}: nothing of it was applied")
         return norm
 
-    def _clip(self, norm: float, max_norm: float) -> None:
-        """Scale this step's gradients, of global norm ``norm``, to at most ``max_norm``."""
-        coef = clip_coef(max_norm, norm)
-        if coef < 1.0:
-            client = self.client
-            for f in [client._async(n, PsSurface.scale_grads, self.context_id, float(coef)) for n in client.ps_names]:
-                wait(f)
-
-    def _apply_own(self, backward: float, clip: float) -> Finished:
-        """async and ssp: this trainer's own update, checked finite and clipped across every
-        server, then applied on each; ssp then reports the step to the clock."""
+    def _apply_own(self, backward: float, clip: float, leaves: dict[int, tuple[dict, dict]]) -> Finished:
+        """async and ssp: this trainer's own update, checked finite across every server, then
+        applied on each, clipped as the norm says (in the same call); ssp then reports the step
+        to the clock."""
         client = self.client
         t1 = time.perf_counter()
         try:
-            norm = self._grad_norm()
+            norm = self._grad_norm(leaves)
         except UpdateRefused:
             if client.consistency.clocked:
                 client.arrive(clip)      # ssp: its step is over, without an update
             raise
-        if clip > 0:
-            self._clip(norm, clip)
         t2 = time.perf_counter()
-        for f in [client._async(n, PsSurface.apply, self.context_id) for n in client.ps_names]:
+        for f in [client._async(n, PsSurface.apply, self.context_id, clip_coef(clip, norm)) for n in client.ps_names]:
             wait(f)
         t3, arrived_at = time.perf_counter(), 0.0
         if client.consistency.clocked:

@@ -176,33 +176,34 @@ class ParameterServer(PsSurface):
         return operation(self, *args)
 
     @remote
-    def grad_sq_norm(self, context_id: int) -> float:
+    def grad_sq_norm(self, context_id: int, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
+                     dense: Optional[dict[str, torch.Tensor]] = None) -> float:
+        self.push(context_id, rows or {}, dense)      # what came with it (or nothing)
         sq = self.refusals.finite_sq_norm(self._grads(context_id), self._call.caller, f"update in context {context_id}")
         self.contexts.mark_checked(self._call.caller, context_id)
         return sq
 
     @remote
-    def scale_grads(self, context_id: int, coef: float) -> None:
+    def apply(self, context_id: int, coef: float = 1.0) -> None:
+        self.consistency.require(False, "apply one trainer's update")
         if not (0.0 <= coef <= 1.0):
             raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
-        for g in self._grads(context_id).values():
-            g.mul_(coef)  # the very tensors ``apply`` will apply
-
-    @remote
-    def apply(self, context_id: int) -> None:
-        self.consistency.require(False, "apply one trainer's update")
         grads = self._grads(context_id)
         known = self.contexts.get(self._call.caller, context_id)
         if known is None or not known.checked:     # a caller that skipped the norm round
             self.refusals.finite_sq_norm(grads, self._call.caller, f"update in context {context_id}")
+        if coef < 1.0:
+            grads = {p: g * coef for p, g in grads.items()}
         before = self.optimizer.apply(grads, self._current(context_id))
         if known is not None:
             self.metrics.staleness.observe(before - known.read_at)
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote
-    def contribute(self, context_id: int, step: int) -> None:
+    def contribute(self, context_id: int, step: int, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
+                   dense: Optional[dict[str, torch.Tensor]] = None) -> None:
         self.consistency.require(True, "hand over gradients")
+        self.push(context_id, rows or {}, dense)      # what came with it (or nothing)
         grads = self._grads(context_id)
         self.refusals.finite_sq_norm(grads, self._call.caller, f"gradients for step {step}")
         with self.optimizer.lock:

@@ -67,29 +67,29 @@ class PsSurface(Service):
         ``ids`` [n] this shard owns, their gradients [n, *row shape])), and of ``dense`` tensors
         of this shard (name -> gradient): part of that step's update, as if they had come back
         through distributed autograd (a prefetched read's, a cached row's). Before the step's
-        norm round or hand-over; not for a hashed table."""
+        norm round or hand-over (or with it); not for a hashed table."""
         raise NotImplementedError
 
     @remote
-    def grad_sq_norm(self, context_id: int) -> float:
+    def grad_sq_norm(self, context_id: int, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
+                     dense: Optional[dict[str, torch.Tensor]] = None) -> float:
         """The squared norm of the caller's gradients here: the first half of an async or ssp
-        update, where gradients that are not finite are refused before any server applies any."""
+        update, where gradients that are not finite are refused before any server applies any.
+        ``rows`` and ``dense``: gradients pushed with it, as ``push`` takes them, one round fewer."""
         raise NotImplementedError
 
     @remote
-    def scale_grads(self, context_id: int, coef: float) -> None:
-        """Scale the caller's gradients in ``context_id`` by ``coef`` in [0, 1] (the global clip)."""
-        raise NotImplementedError
-
-    @remote
-    def apply(self, context_id: int) -> None:
-        """async and ssp modes: apply the caller's gradients in ``context_id`` now, all or none."""
+    def apply(self, context_id: int, coef: float = 1.0) -> None:
+        """async and ssp modes: apply the caller's gradients in ``context_id`` now, all or none,
+        scaled by ``coef`` in [0, 1] (the global clip)."""
         raise NotImplementedError
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote
-    def contribute(self, context_id: int, step: int) -> None:
-        """The caller's gradients in ``context_id``, for step ``step`` (the open one)."""
+    def contribute(self, context_id: int, step: int, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
+                   dense: Optional[dict[str, torch.Tensor]] = None) -> None:
+        """The caller's gradients in ``context_id``, for step ``step`` (the open one); ``rows`` and
+        ``dense``: gradients pushed with them, as ``push`` takes them."""
         raise NotImplementedError
 
     @remote

@@ -14,6 +14,8 @@ def test_bad_requests_get_errors_and_server_keeps_serving(procs):
     for case in ("too many ids", "too many targets"):      # 262,144 ids: a 200 MB answer, never built
         assert "262144 ids, more than the 65536" in result["cases"][case]["message"], result["cases"][case]
     assert "80000 ids, more than the 65536" in result["cases"]["too many ids in all"]["message"]
+    assert "coef must be a float in [0, 1]" in result["cases"]["clip past 1"]["message"]
+    assert "must be a tensor [1," in result["cases"]["pushed with the norm, wrong shape"]["message"]
     assert result["good_rows"] == [2, SMALL_MODEL["emsize"]]
 
     # Still up, healthy and serving a new member after all of that.

@@ -222,6 +222,8 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
         "target out of range": (decode, "decode", torch.zeros(2, m.nhid), torch.tensor([0, m.ntoken])),
         "no such operation": (decode, "encode", torch.zeros(2, m.nhid)),
         "unknown context": (PsSurface.grad_sq_norm, 123456789),
+        "clip past 1": (PsSurface.apply, 123456789, 2.0),
+        "pushed with the norm, wrong shape": (PsSurface.grad_sq_norm, 123456789, {emb: (torch.tensor([0]), torch.zeros(3))}),
         "not a remote method": (ParameterServer.export_state,),
         "missing argument": (lookup, emb),
         "no lookups": (PsSurface.lookup_many, {}),
@@ -401,7 +403,7 @@ def cached(client: PsClient, args: argparse.Namespace) -> dict:
 def dies_cached(client: PsClient, args: argparse.Namespace) -> dict:
     """An async trainer with a full rows cache (X's rows of table C3, kept by a step that read
     them) takes them from it in a step, and dies there once that step's gradients of the copies
-    are on the servers, before its update: it prints the servers' rows of X and waits to be killed."""
+    are on the servers (pushed with its norm round), before its update: it prints the servers' rows of X and waits to be killed."""
     import torch.distributed.autograd as dist_autograd
     from ps.client.cache import HotRows
     param, x = "tables.weights.C3", torch.tensor([3, 7, 11])
@@ -415,7 +417,7 @@ def dies_cached(client: PsClient, args: argparse.Namespace) -> dict:
     with client.step() as step:
         rows, _ = step.fetch({param: x}, dense=False)
         dist_autograd.backward(step.context_id, [(rows[param] * w).sum()])
-        step._push_leaves()            # what finish does first; its update would come next
+        step._grad_norm(step._leaf_grads())     # what finish does first, with the copies' gradients; its update next
         print(json.dumps({"servers_before": before, "hits": client.cache.counts.hits, "rows": client.cache.rows}),
               flush=True)
         threading.Event().wait(120)     # killed here
