@@ -456,6 +456,7 @@ class Finished:
     optimize: float           # sync: handing the gradients over
     barrier: float = 0.0      # at the step clock (sync: until the step was applied everywhere)
     arrived_at: float = 0.0   # time.monotonic() when it reported the step to the step clock (0: async)
+    weights: Optional["Fetching"] = None    # the dense tensors as the update left them, when asked for
 
 
 class StepSession:
@@ -512,10 +513,13 @@ class StepSession:
               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return self.client.fetch(lookups, dense)
 
-    def finish(self, loss: torch.Tensor, clip: float, replica: Optional[Replica] = None) -> Finished:
+    def finish(self, loss: torch.Tensor, clip: float, replica: Optional[Replica] = None,
+               weights: bool = False) -> Finished:
         """Send ``loss``'s gradients back to the servers, clip their global norm to ``clip`` (0:
         off), and apply them as the job's consistency says; sync mode also updates the trainers'
-        ``replica`` of the weights they hold themselves (``--dense allreduce``)."""
+        ``replica`` of the weights they hold themselves (``--dense allreduce``). With ``weights``
+        (async and ssp), the servers answer the apply with their dense tensors as it left them:
+        ``Finished.weights``, a read the next step may adopt."""
         client = self.client
         averaged = client.consistency.averaged
         if averaged and client.granted is None:
@@ -535,7 +539,7 @@ class StepSession:
         backward = time.perf_counter() - t0
         if averaged:
             return self._hand_over(backward, clip, replica, leaves)
-        return self._apply_own(backward, clip, leaves)
+        return self._apply_own(backward, clip, leaves, weights)
 
     def _leaf_grads(self) -> dict[int, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
         """The gradients of what the step adopted (read before it) or took from the cache, for the
@@ -589,7 +593,8 @@ class StepSession:
             raise UpdateRefused(f"this step's gradient norm is {norm}: nothing of it was applied")
         return norm
 
-    def _apply_own(self, backward: float, clip: float, leaves: dict[int, tuple[dict, dict]]) -> Finished:
+    def _apply_own(self, backward: float, clip: float, leaves: dict[int, tuple[dict, dict]], weights: bool
+                   ) -> Finished:
         """async and ssp: this trainer's own update, checked finite across every server, then
         applied on each, clipped as the norm says (in the same call); ssp then reports the step
         to the clock."""
@@ -602,12 +607,17 @@ class StepSession:
                 client.arrive(clip)      # ssp: its step is over, without an update
             raise
         t2 = time.perf_counter()
-        for f in [client._async(n, PsSurface.apply, self.context_id, clip_coef(clip, norm)) for n in client.ps_names]:
+        dense = client._dense_shards if weights else []
+        applies = [client._async(n, PsSurface.apply, self.context_id, clip_coef(clip, norm), k in dense)
+                   for k, n in enumerate(client.ps_names)]
+        for f in applies:
             wait(f)
         t3, arrived_at = time.perf_counter(), 0.0
         if client.consistency.clocked:
             _, arrived_at = client.arrive(clip)
-        return Finished(norm, backward, t2 - t1, t3 - t2, time.perf_counter() - t3, arrived_at)
+        left = Fetching(plan_lookups({}, client.plans, client.table_of, client.max_ids), [],
+                        [applies[k] for k in dense], dense) if dense else None
+        return Finished(norm, backward, t2 - t1, t3 - t2, time.perf_counter() - t3, arrived_at, left)
 
 
 class ClockPause:

@@ -184,7 +184,7 @@ class ParameterServer(PsSurface):
         return sq
 
     @remote
-    def apply(self, context_id: int, coef: float = 1.0) -> None:
+    def apply(self, context_id: int, coef: float = 1.0, weights: bool = False) -> Optional[dict[str, torch.Tensor]]:
         self.consistency.require(False, "apply one trainer's update")
         if not (0.0 <= coef <= 1.0):
             raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
@@ -197,6 +197,7 @@ class ParameterServer(PsSurface):
         before = self.optimizer.apply(grads, self._current(context_id))
         if known is not None:
             self.metrics.staleness.observe(before - known.read_at)
+        return {n: w.detach() for n, w in self.dense_params().items()} if weights else None
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote

@@ -79,9 +79,10 @@ class PsSurface(Service):
         raise NotImplementedError
 
     @remote
-    def apply(self, context_id: int, coef: float = 1.0) -> None:
+    def apply(self, context_id: int, coef: float = 1.0, weights: bool = False) -> Optional[dict[str, torch.Tensor]]:
         """async and ssp modes: apply the caller's gradients in ``context_id`` now, all or none,
-        scaled by ``coef`` in [0, 1] (the global clip)."""
+        scaled by ``coef`` in [0, 1] (the global clip); with ``weights``, answer this server's
+        dense tensors as the update left them (``dense_params``, without a round of its own)."""
         raise NotImplementedError
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step

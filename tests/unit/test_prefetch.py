@@ -75,6 +75,19 @@ def test_async_reads_the_next_batches_while_a_step_computes_and_saves_the_positi
     assert client.steps_on == {0: 1, 1: 2, 2: 3, 3: 3}, "each read for the step that will use it"
 
 
+def test_dense_weights_answered_by_the_apply_are_the_next_steps_read():
+    # async and ssp: the apply answers with the dense weights it left (StepSession.finish(...,
+    # weights=True)); the next step adopts them, and no read of its own goes out for them.
+    client, task = FakeClient("async"), FakeTask()
+    ahead = Lookahead(task, client, 1, dense=True)
+    ahead.next()
+    answered = SimpleNamespace(hidden=lambda: 0.25)     # landed with the apply, long before the step
+    ahead.applied(answered)
+    assert client.issued == [0, "w", 1], "no read of the dense weights after the apply"
+    ahead.next()
+    assert client.issued == [0, "w", 1, 2] and ahead.hidden == 0.25, "the step waits on the apply's answer"
+
+
 def test_sync_reads_the_next_batch_only_once_the_step_before_it_is_applied():
     client, task = FakeClient("sync"), FakeTask()
     ahead = Lookahead(task, client, 1, dense=True)

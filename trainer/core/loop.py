@@ -91,6 +91,8 @@ class TrainLoop:
         self.lookahead: Optional[Lookahead] = None
         if prefetch:
             self.lookahead = Lookahead(task, client, prefetch, dense=task.model.replica is None)
+        # Read ahead, the next step's dense weights come with this step's apply (async and ssp).
+        self._weights_with_apply = self.lookahead is not None and self.lookahead.dense
         # With reads ahead, what a step moves is counted from the end of the step before: the
         # answers to the reads it issued for the next one may land between the two.
         self._moved_since: Optional[tuple[int, int, int]] = None
@@ -136,7 +138,7 @@ class TrainLoop:
                     t_fetch = time.perf_counter()
                     loss = self.task.loss(batch, fetched)
                     t_forward = time.perf_counter()
-                    done = step.finish(loss, self.clip, self.model.replica)
+                    done = step.finish(loss, self.clip, self.model.replica, weights=self._weights_with_apply)
                 except Exception as exc:
                     # Inside the step's context: ``failed`` holds its release until a lost server
                     # has left this process's view of the group (``PsClient.failed``).
@@ -148,7 +150,7 @@ class TrainLoop:
             self.idle()        # what was read ahead may predate the failure's consequences
             raise
         if self.lookahead is not None:
-            self.lookahead.applied()
+            self.lookahead.applied(done.weights)
         total = time.perf_counter() - t0
         self.task.stepped()
         if self.slow_down > 1.0 and self._slow.random() < self.slow_fraction:

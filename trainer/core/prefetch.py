@@ -88,11 +88,12 @@ class Lookahead:
             rows.update(step.fetch(ahead.late, dense=False)[0])
         return rows, weights
 
-    def applied(self) -> None:
+    def applied(self, weights: Optional[Fetching] = None) -> None:
         """The step ended, applied (sync: everywhere): the next step's dense weights may be read,
-        and in sync its rows."""
+        and in sync its rows. ``weights``: the dense weights the apply answered with (async and
+        ssp: ``StepSession.finish(..., weights=True)``), read with it instead of after it."""
         if self.dense:
-            self._weights = self.client.issue({}, dense=True)
+            self._weights = weights if weights is not None else self.client.issue({}, dense=True)
         if self.after_apply:
             self._top_up(1)
 
