@@ -48,6 +48,10 @@ from services.remote import call_async, in_autograd_context, wait
 
 log = logging.getLogger(__name__)
 
+# Gradients pushed with a step's norm round or hand-over, per server: its rows' parameter ->
+# (ids, gradients), and its dense tensors' name -> gradient (``PsSurface.push``'s arguments).
+Pushes = dict[int, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]
+
 PROBE_SECONDS = 2.0    # a server that does not answer a no-op within this is counted lost
 FORGET_SECONDS = 15.0  # the leader evicts a dead member within about 3 s (two missed probes)
 
@@ -541,15 +545,14 @@ class StepSession:
             return self._hand_over(backward, clip, replica, leaves)
         return self._apply_own(backward, clip, leaves, weights)
 
-    def _leaf_grads(self) -> dict[int, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
+    def _leaf_grads(self) -> Pushes:
         """The gradients of what the step adopted (read before it) or took from the cache, for the
-        servers that own it: per server, its rows' parameter -> (ids, gradients) and its dense
-        tensors' name -> gradient, as ``PsSurface.push`` takes them. They go with the step's norm
-        round or hand-over, so they cost no round of their own."""
+        servers that own it. They go with the step's norm round or hand-over, so they cost no
+        round of their own."""
         if not any(f.has_leaves for f in self._fetched):
             return {}
         grads = dist_autograd.get_gradients(self.context_id)
-        out: dict[int, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]] = {}
+        out: Pushes = {}
         for fetching in self._fetched:
             for k, rows, dense in fetching.pushes(grads):
                 kept_rows, kept_dense = out.setdefault(k, ({}, {}))
@@ -560,8 +563,7 @@ class StepSession:
                 kept_dense.update(dense)
         return out
 
-    def _hand_over(self, backward: float, clip: float, replica: Optional[Replica],
-                   leaves: dict[int, tuple[dict, dict]]) -> Finished:
+    def _hand_over(self, backward: float, clip: float, replica: Optional[Replica], leaves: Pushes) -> Finished:
         """sync: hand the gradients to every server; the step clock has them applied, averaged
         with the other trainers', once every trainer has."""
         client = self.client
@@ -580,7 +582,7 @@ class StepSession:
             raise refused
         return Finished(applied.grad_norm, backward, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
 
-    def _grad_norm(self, leaves: dict[int, tuple[dict, dict]]) -> float:
+    def _grad_norm(self, leaves: Pushes) -> float:
         """The global norm of every shard's gradients of this step, ``leaves`` (``_leaf_grads``)
         pushed with the question; ``UpdateRefused`` if a server found them not finite."""
         client = self.client
@@ -593,8 +595,7 @@ class StepSession:
             raise UpdateRefused(f"this step's gradient norm is {norm}: nothing of it was applied")
         return norm
 
-    def _apply_own(self, backward: float, clip: float, leaves: dict[int, tuple[dict, dict]], weights: bool
-                   ) -> Finished:
+    def _apply_own(self, backward: float, clip: float, leaves: Pushes, weights: bool) -> Finished:
         """async and ssp: this trainer's own update, checked finite across every server, then
         applied on each, clipped as the norm says (in the same call); ssp then reports the step
         to the clock."""
@@ -615,8 +616,7 @@ class StepSession:
         t3, arrived_at = time.perf_counter(), 0.0
         if client.consistency.clocked:
             _, arrived_at = client.arrive(clip)
-        left = Fetching(plan_lookups({}, client.plans, client.table_of, client.max_ids), [],
-                        [applies[k] for k in dense], dense) if dense else None
+        left = Fetching(LookupPlan([], {}), [], [applies[k] for k in dense], dense) if dense else None
         return Finished(norm, backward, t2 - t1, t3 - t2, time.perf_counter() - t3, arrived_at, left)
 
 

@@ -91,8 +91,6 @@ class TrainLoop:
         self.lookahead: Optional[Lookahead] = None
         if prefetch:
             self.lookahead = Lookahead(task, client, prefetch, dense=task.model.replica is None)
-        # Read ahead, the next step's dense weights come with this step's apply (async and ssp).
-        self._weights_with_apply = self.lookahead is not None and self.lookahead.dense
         # With reads ahead, what a step moves is counted from the end of the step before: the
         # answers to the reads it issued for the next one may land between the two.
         self._moved_since: Optional[tuple[int, int, int]] = None
@@ -138,7 +136,9 @@ class TrainLoop:
                     t_fetch = time.perf_counter()
                     loss = self.task.loss(batch, fetched)
                     t_forward = time.perf_counter()
-                    done = step.finish(loss, self.clip, self.model.replica, weights=self._weights_with_apply)
+                    # Read ahead, the next step's dense weights come with this step's apply (async, ssp).
+                    done = step.finish(loss, self.clip, self.model.replica,
+                                       weights=self.lookahead is not None and self.lookahead.dense)
                 except Exception as exc:
                     # Inside the step's context: ``failed`` holds its release until a lost server
                     # has left this process's view of the group (``PsClient.failed``).
