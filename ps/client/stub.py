@@ -128,8 +128,10 @@ class PsClient:
         # sync: with weights replicated among the trainers, steps begin in lockstep, and the job
         # starts with this many trainers (0: not in lockstep)
         self.lockstep = 0
-        self.ahead = 0          # ssp: the steps further on whose rows each step reads (a prefetch, a cache)
-        self.cache: Optional[HotRows] = None       # copies of the rows read most (``ps/client/cache.py``)
+        # What ``read_ahead`` set: ssp's steps further on whose rows each step reads (a prefetch,
+        # a cache), and the copies of the rows read most (``ps/client/cache.py``).
+        self.ahead = 0
+        self.cache: Optional[HotRows] = None
         self.steps = 0                             # steps begun: the cache counts its copies' ages in them
         self.session: Optional[StepSession] = None   # the step under way
         self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
@@ -150,6 +152,10 @@ class PsClient:
         if info.shard != k or info.num_shards != len(self.ps_names):
             raise PeerUnavailable(f"{name} serves shard {info.shard} of {info.num_shards}, "
                                   f"expected shard {k} of {len(self.ps_names)}: check --num-ps everywhere")
+        shapes = getattr(info, "row_shapes", None)      # an older server's answer has none
+        if shapes is None or set(shapes) != {p for params in info.table_params.values() for p in params}:
+            raise PeerUnavailable(f"{name} does not say the shapes of its rows: it runs an older rpcps than "
+                                  "this trainer; run one version on every member")
         if info.model != first.model:
             raise PeerUnavailable(f"{name} hosts a different model than {self.ps_names[0]}")
         if info.consistency != first.consistency:
@@ -164,6 +170,20 @@ class PsClient:
     def call(self, ps: str, method: Callable[..., Any], *args: Any) -> Any:
         """One method of one server, synchronously."""
         return wait(self._async(ps, method, *args))
+
+    def read_ahead(self, early: int = 0, cache: Optional[HotRows] = None) -> None:
+        """Steps read their rows ``early`` steps before they train with them (``--prefetch``,
+        ``trainer/core/prefetch.py``) and take copies from ``cache``: ``ValueError`` if either is
+        staler than the servers' consistency allows. In ssp the step clock counts them as steps
+        ahead (``begin``)."""
+        kept = cache.staleness if cache is not None else 0
+        try:
+            self.consistency.check_reads(early, kept)
+        except ValueError as exc:
+            raise ValueError(f"the servers run {self.consistency}: {exc}") from None
+        ssp = self.consistency.clocked and not self.consistency.averaged
+        self.ahead = max(early, kept) if ssp else 0
+        self.cache = cache
 
     def step(self) -> "StepSession":
         """A training step: ``with client.step() as step: ... step.finish(loss, clip)``."""

@@ -154,7 +154,14 @@ class ParameterServer(PsSurface):
     @remote
     def dense_params(self) -> dict[str, torch.Tensor]:
         with self.optimizer.lock:
-            return {n: self.param(n).clone() for n in self.layout.dense_of(self.shard)}
+            return self._dense_copy()
+
+    def _dense_copy(self, way_back: bool = True) -> dict[str, torch.Tensor]:
+        """This shard's dense tensors, copied (under the optimizer's lock). With ``way_back``, an
+        answer in a step's context carries the way back for their gradients, as distributed
+        autograd records it; the apply's answer needs none."""
+        params = {n: self.param(n) for n in self.layout.dense_of(self.shard)}
+        return {n: p.clone() if way_back else p.detach().clone() for n, p in params.items()}
 
     @remote
     def dense_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -194,10 +201,11 @@ class ParameterServer(PsSurface):
             self.refusals.finite_sq_norm(grads, self._call.caller, f"update in context {context_id}")
         if coef < 1.0:
             grads = {p: g * coef for p, g in grads.items()}
-        before = self.optimizer.apply(grads, self._current(context_id))
+        before, left = self.optimizer.apply(grads, self._current(context_id),
+                                           functools.partial(self._dense_copy, False) if weights else None)
         if known is not None:
             self.metrics.staleness.observe(before - known.read_at)
-        return {n: w.detach() for n, w in self.dense_params().items()} if weights else None
+        return left
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote

@@ -18,12 +18,14 @@ import functools
 import os
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 
 from ps.spec.rules import RuleOptimizer, UpdateRule, grad_sq_norm
 from services.errors import BadRequest
+
+T = TypeVar("T")
 
 
 def average(grads: list[torch.Tensor], n: int) -> torch.Tensor:
@@ -98,9 +100,12 @@ class SharedOptimizer:
         self.steps = 0  # updates applied: the cluster's step, the same on every server at a pause
 
     def apply(self, grads: dict[torch.Tensor, torch.Tensor],
-              keep: Optional[Callable[[dict], dict]] = None) -> int:
+              keep: Optional[Callable[[dict], dict]] = None, then: Optional[Callable[[], T]] = None
+              ) -> tuple[int, Optional[T]]:
         """Apply ``grads`` (parameter -> gradient; parameters left out are not updated), as
-        ``keep(grads)`` leaves them, under the lock. The number of updates applied before this one."""
+        ``keep(grads)`` leaves them, under the lock. The number of updates applied before this one,
+        and what ``then()`` read under the same lock: the parameters as this update left them,
+        before another's."""
         with self.lock:
             before = self.steps
             started = time.perf_counter()
@@ -108,9 +113,10 @@ class SharedOptimizer:
                 grads = keep(grads)
             rows = self._step(grads)
             seconds = time.perf_counter() - started
+            after = then() if then is not None else None
         if self._on_step is not None:
             self._on_step(rows, seconds)
-        return before
+        return before, after
 
     def advance_to(self, steps: int) -> int:
         """Count on from ``steps`` if the cluster has come further than this server (never back)."""

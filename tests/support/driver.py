@@ -375,7 +375,7 @@ def cached(client: PsClient, args: argparse.Namespace) -> dict:
     from ps.client.cache import HotRows
     param, x = "tables.weights.C3", torch.tensor([3, 7, 11])
     w = torch.linspace(-1, 1, x.numel() * 4).reshape(x.numel(), 4)
-    client.cache = HotRows(capacity=100, staleness=args.staleness)
+    client.read_ahead(cache=HotRows(capacity=100, staleness=args.staleness))
 
     def servers() -> list:                      # outside a step: read from the servers, never the cache
         with torch.no_grad():
@@ -408,7 +408,7 @@ def dies_cached(client: PsClient, args: argparse.Namespace) -> dict:
     from ps.client.cache import HotRows
     param, x = "tables.weights.C3", torch.tensor([3, 7, 11])
     w = torch.linspace(-1, 1, x.numel() * 4).reshape(x.numel(), 4)
-    client.cache = HotRows(capacity=x.numel(), staleness=1)
+    client.read_ahead(cache=HotRows(capacity=x.numel(), staleness=1))
     with client.step() as step:
         rows, _ = step.fetch({param: x}, dense=False)
         step.finish((rows[param] * w).sum(), clip=0.0)

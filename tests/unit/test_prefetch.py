@@ -2,13 +2,14 @@
 out when in each consistency (the dense weights always once the step before is applied), for
 which step, what a checkpoint's position says with batches taken and not trained, and reads
 dropped after a failure going out again when their batch is due. And what each consistency lets
-a trainer read ahead or keep (``TrainLoop``)."""
+a trainer read ahead or keep (``PsClient.read_ahead``, which ``TrainLoop`` calls)."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ps.client.cache import HotRows
+from ps.client.stub import PsClient
 from ps.spec.consistency import Consistency
 from trainer.core.loop import TrainLoop
 from trainer.core.prefetch import Lookahead
@@ -23,6 +24,8 @@ class Reads:
 
 
 class FakeClient:
+    read_ahead = PsClient.read_ahead      # the real rule of what a consistency lets a trainer read early
+
     def __init__(self, consistency):
         self.consistency = Consistency.parse(consistency)
         self.ahead = 0

@@ -1,11 +1,20 @@
-"""A server's account of its work, and what a trainer's request carries."""
+"""A server's account of its work, what an update answers with, what a trainer's request
+carries, and which servers a trainer works with."""
+import dataclasses
 import threading
+from types import SimpleNamespace
+
+import pytest
 
 import torch
 
 from ps.client.lookups import on_the_wire
-from ps.client.stub import Traffic
+from ps.client.stub import PsClient, Traffic
+from ps.spec.messages import ShardInfo
+from services.errors import PeerUnavailable
+from ps.server.update import SharedOptimizer
 from ps.server.work import Work
+from ps.spec.rules import rule
 
 
 def test_work_adds_rows_and_seconds_from_many_threads():
@@ -25,6 +34,15 @@ def test_work_adds_rows_and_seconds_from_many_threads():
 
 def test_an_idle_server_reports_no_rate():
     assert Work().describe()["update"] == {"rows": 0, "seconds": 0.0, "rows_per_s": 0.0}
+
+
+def test_an_update_answers_with_what_it_left_before_any_other_update():
+    w = torch.nn.Parameter(torch.zeros(2))
+    optimizer = SharedOptimizer([w], [rule("sgd")], lr=1.0)
+    before, (held, left) = optimizer.apply({w: torch.ones(2)}, then=lambda: (optimizer.lock.locked(), w.detach().clone()))
+    assert before == 0 and held, "read under the update's own hold of the lock"
+    assert torch.equal(left, -torch.ones(2))
+    assert optimizer.apply({w: torch.ones(2)}) == (1, None), "nothing asked, nothing read"
 
 
 def test_ids_travel_as_int32_unless_the_table_needs_more():
@@ -49,3 +67,20 @@ def test_traffic_counts_calls_and_the_gradient_messages_their_answers_bring():
     ahead.set_result({"rows": torch.zeros(4, 16, requires_grad=True)})
     assert traffic.calls == 4
     assert traffic.total == 2 * (16 + 2 * 4 * 16 * 4) - 4 * 16 * 4
+
+
+def test_a_trainer_refuses_servers_that_disagree_on_the_job_or_run_an_older_version():
+    first = ShardInfo("ps0", 0, 2, {"kind": "ctr"}, {"C1": 5}, {"C1": ("tables.C1",)}, (), consistency="sync",
+                      row_shapes={"tables.C1": (16,)})
+    client = SimpleNamespace(ps_names=["ps0", "ps1"], _first=first)
+    second = dataclasses.replace(first, name="ps1", shard=1)
+    PsClient._check(client, 1, second)                         # the same job: accepted
+    older = SimpleNamespace(**{f.name: getattr(second, f.name) for f in dataclasses.fields(second)
+                               if f.name != "row_shapes"})     # what an older server's answer unpickles to
+    for info, why in [(dataclasses.replace(second, shard=0), "serves shard 0 of 2, expected shard 1"),
+                      (dataclasses.replace(second, model={"kind": "lm"}), "a different model"),
+                      (dataclasses.replace(second, consistency="async"), "the same --consistency"),
+                      (dataclasses.replace(second, row_shapes={}), "an older rpcps"),
+                      (older, "an older rpcps than this trainer")]:
+        with pytest.raises(PeerUnavailable, match=why):
+            PsClient._check(client, 1, info)

@@ -80,14 +80,7 @@ class TrainLoop:
         self.metrics = metrics
         self._slow = random.Random(f"{seed}/{name}")   # which steps --slow-fraction slows
         client = task.model.client
-        cached = cache.staleness if cache is not None else 0
-        try:
-            client.consistency.check_reads(prefetch, cached)
-        except ValueError as exc:
-            raise ValueError(f"the servers run {client.consistency}: {exc}") from None
-        if client.consistency.clocked and not client.consistency.averaged:
-            client.ahead = max(prefetch, cached)     # ssp: the step clock counts them as steps ahead
-        client.cache = cache
+        client.read_ahead(prefetch, cache)
         self.lookahead: Optional[Lookahead] = None
         if prefetch:
             self.lookahead = Lookahead(task, client, prefetch, dense=task.model.replica is None)
