@@ -23,7 +23,12 @@ process's peak resident memory, and what a step moves over RPC per sample beside
 batch's deduplicated rows (a row goes out, its gradient comes back). And where the time goes (the
 ``account``, of the last round): a trainer's messages, bytes and milliseconds per phase per step,
 and each server's lookup and update rows/s and its milliseconds on them per trainer step, read
-from the servers' /status while the trainers train. Prints JSON lines, the last one the summary.
+from the servers' /status while the trainers train. And where the CPU goes (``cpu``): the CPU
+seconds a sample cost, one process's over its timed steps, a cluster's members' (trainers and
+servers apart, from /proc while every trainer trains; ``rpcps up`` itself left out), the cores
+busy on average, and a cluster's beside one process's in the same round (``vs_local``): on a
+machine whose cores are all busy, samples/s can be no more than that ratio allows. Prints JSON
+lines, the last one the summary.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from services.client import SidecarClient
 
@@ -84,27 +90,42 @@ def bench_local(args: dict) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
     model = LocalModel.of(CtrModelSettings(scale=args["scale"]))
     source = GeneratedSource(SyntheticCtr(seed=1, scale=args["scale"]), args["batch_size"] * TRAINERS)
-    times = []
+    times, cpu = [], []
     for _ in range(args["steps"]):
-        t0 = time.perf_counter()      # making the batch counts, as it does in a trainer's step
+        t0, c0 = time.perf_counter(), time.process_time()   # making the batch counts, as it does in a trainer's step
         model.step(source.next())
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     timed = times[args["warmup"]:]
+    samples = args["batch_size"] * TRAINERS * len(timed)
     held = list(source.held_out(args["eval_samples"], 4096))
     scores = np.concatenate([model.predict(b) for b in held])
     labels = np.concatenate([b.labels.numpy() for b in held])
     truth = np.concatenate([b.p for b in held])
-    return {"samples_per_s": args["batch_size"] * TRAINERS * len(timed) / sum(timed), "auc": auc(scores, labels),
-            "logloss": logloss(scores, labels), "oracle_auc": auc(truth, labels), "rss_mb": _peak_rss_mb()}
+    return {"samples_per_s": samples / sum(timed), "auc": auc(scores, labels),
+            "logloss": logloss(scores, labels), "oracle_auc": auc(truth, labels), "rss_mb": _peak_rss_mb(),
+            "cpu": {"us_per_sample": 1e6 * sum(cpu[args["warmup"]:]) / samples,
+                    "cores_busy": sum(cpu[args["warmup"]:]) / sum(timed)}}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The CPU a process has used so far (user and system), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _sample(state: Path, peaks: dict[str, float], training: dict) -> None:
     """Each member's peak resident memory so far (VmHWM, by its pid in cluster.json); and, while
-    every trainer trains (before any evaluates), each server's work and the trainers' steps so far."""
+    every trainer trains (before any evaluates), each server's work, the trainers' steps so far
+    and each member's CPU seconds so far (``training["first"]``: the same at the first such sample)."""
     try:
         cluster = json.loads((state / "cluster.json").read_text())
     except (OSError, ValueError):
         return
+    try:
+        cpu = {name: _cpu_seconds(pid) for name, pid in cluster.get("pids", {}).items()}
+    except OSError:       # a member gone: stopping
+        cpu = {}
     for name, pid in cluster.get("pids", {}).items():
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -123,6 +144,24 @@ def _sample(state: Path, peaks: dict[str, float], training: dict) -> None:
     if trainers and all(st.get("state") == "running" and not st.get("evaluating") for st in trainers):
         training.update(steps=sum(st.get("step", 0) for st in trainers),
                         work={n: st.get("work") or {} for n, st in statuses.items() if n.startswith("ps")})
+        if cpu:
+            training.update(cpu=cpu, at=time.monotonic(), cpu_steps=training["steps"])
+            training.setdefault("first", {k: training[k] for k in ("cpu", "at", "cpu_steps")})
+
+
+def cpu_account(training: dict, batch_size: int) -> Optional[dict]:
+    """The CPU the members used a sample while every trainer trained (between the first and the
+    last samples of ``_sample``), the trainers' and the servers' apart, and the cores busy on average."""
+    first = training.get("first")
+    if first is None or training["cpu_steps"] <= first["cpu_steps"] or training["at"] <= first["at"]:
+        return None
+    samples = (training["cpu_steps"] - first["cpu_steps"]) * batch_size
+    used = {n: training["cpu"][n] - first["cpu"].get(n, training["cpu"][n]) for n in training["cpu"]}
+    servers = sum(v for n, v in used.items() if n.startswith("ps"))
+    trainers = sum(used.values()) - servers
+    return {"us_per_sample": 1e6 * (servers + trainers) / samples, "trainers_us_per_sample": 1e6 * trainers / samples,
+            "servers_us_per_sample": 1e6 * servers / samples,
+            "cores_busy": (servers + trainers) / (training["at"] - first["at"])}
 
 
 def account(done: dict, training: dict) -> dict:
@@ -175,7 +214,7 @@ def bench_cluster(args: dict, extra: tuple[str, ...]) -> dict:
             "cache_lookup_hit_rate": d["per_step"].get("cache_lookup_hit_rate"),
             "allreduce_bytes_per_sample": d["bytes_per_step"]["allreduce"] / args["batch_size"],
             "rss_mb": {n: round(v, 1) for n, v in sorted(peaks.items())},
-            "account": account(d, training)}
+            "cpu": cpu_account(training, args["batch_size"]), "account": account(d, training)}
 
 
 def rows_bytes_per_sample(args: dict, batches: int = 5) -> float:
@@ -250,6 +289,12 @@ def run(ns: argparse.Namespace) -> int:
             if rounds[-1][name]["cache_hit_rate"] is not None:
                 results[name]["cache_hit_rate"] = median(name, "cache_hit_rate")
                 results[name]["cache_lookup_hit_rate"] = median(name, "cache_lookup_hit_rate")
+        cpus = [r[name]["cpu"] for r in rounds if r[name].get("cpu")]
+        if cpus:      # what a sample cost in CPU, and beside one process's in the same round
+            results[name]["cpu"] = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
+            if name != "local" and "local" in names:
+                results[name]["cpu"]["vs_local"] = statistics.median(
+                    r[name]["cpu"]["us_per_sample"] / r["local"]["cpu"]["us_per_sample"] for r in rounds if r[name]["cpu"])
     rows = rows_bytes_per_sample(args)
     ratios = {}
     if "async" in results and "local" in results:
