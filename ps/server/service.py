@@ -209,7 +209,8 @@ class ParameterServer(PsSurface):
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote
-    def contribute(self, context_id: int, step: int, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
+    def contribute(self, context_id: int, step: int,
+                   rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
                    dense: Optional[dict[str, torch.Tensor]] = None) -> None:
         self.consistency.require(True, "hand over gradients")
         self.push(context_id, rows or {}, dense)      # what came with it (or nothing)

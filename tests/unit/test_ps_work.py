@@ -5,16 +5,15 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 
 from ps.client.lookups import on_the_wire
 from ps.client.stub import PsClient, Traffic
-from ps.spec.messages import ShardInfo
-from services.errors import PeerUnavailable
 from ps.server.update import SharedOptimizer
 from ps.server.work import Work
+from ps.spec.messages import ShardInfo
 from ps.spec.rules import rule
+from services.errors import PeerUnavailable
 
 
 def test_work_adds_rows_and_seconds_from_many_threads():
@@ -39,7 +38,8 @@ def test_an_idle_server_reports_no_rate():
 def test_an_update_answers_with_what_it_left_before_any_other_update():
     w = torch.nn.Parameter(torch.zeros(2))
     optimizer = SharedOptimizer([w], [rule("sgd")], lr=1.0)
-    before, (held, left) = optimizer.apply({w: torch.ones(2)}, then=lambda: (optimizer.lock.locked(), w.detach().clone()))
+    before, (held, left) = optimizer.apply({w: torch.ones(2)},
+                                           then=lambda: (optimizer.lock.locked(), w.detach().clone()))
     assert before == 0 and held, "read under the update's own hold of the lock"
     assert torch.equal(left, -torch.ones(2))
     assert optimizer.apply({w: torch.ones(2)}) == (1, None), "nothing asked, nothing read"

@@ -294,7 +294,8 @@ def run(ns: argparse.Namespace) -> int:
             results[name]["cpu"] = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
             if name != "local" and "local" in names:
                 results[name]["cpu"]["vs_local"] = statistics.median(
-                    r[name]["cpu"]["us_per_sample"] / r["local"]["cpu"]["us_per_sample"] for r in rounds if r[name]["cpu"])
+                    r[name]["cpu"]["us_per_sample"] / r["local"]["cpu"]["us_per_sample"]
+                    for r in rounds if r[name]["cpu"])
     rows = rows_bytes_per_sample(args)
     ratios = {}
     if "async" in results and "local" in results:
