@@ -233,6 +233,8 @@ class EmbeddingBags(nn.Module):
 def pool(rows: torch.Tensor, feature: Jagged, pooling: str) -> torch.Tensor:
     """[N, D] the rows of a feature's ids -> [B, D], each sample's summed or averaged."""
     lengths = feature.lengths
+    if rows.shape[0] == feature.batch_size and bool((lengths == 1).all()):
+        return rows      # one id a sample (a one-hot column): its row is its bag, summed or averaged
     owner = torch.repeat_interleave(torch.arange(feature.batch_size), lengths)
     out = rows.new_zeros(feature.batch_size, rows.shape[1]).index_add(0, owner, rows)
     return out / lengths.clamp(min=1).unsqueeze(1).to(out.dtype) if pooling == "mean" else out

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 import rpcps
 from tests.support.bagged import TABLES, batch, build
 from ps.server.participant import differences
+from rpcps.tables import pool
 from trainer.core.hosted import hosted_spec
 
 
@@ -33,6 +34,18 @@ def test_bags_pool_by_sum_and_mean_and_give_empty_bags_zeros():
     assert torch.allclose(out["b"][1], w[1]), "features sharing a table read the same rows"
     assert torch.allclose(out["s"][0], 2 * s[1]), "a sum counts an id as often as it comes"
     assert float(w.abs().max()) <= 1 / 10 ** 0.5
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_served_rows_pool_as_the_tables_own_do(pooling):
+    # A trainer pools the rows the servers sent for a feature's ids (``pool``) as the module pools
+    # its own: a one-hot column's rows are its bags, a list column's are summed or averaged.
+    table = torch.randn(10, 3)
+    for ids in ([[1], [4], [1]], [[1, 2], [], [3]], [[5, 6], []]):
+        f = rpcps.Jagged.of(ids)
+        served = pool(table[f.values], f, pooling)
+        own = torch.nn.functional.embedding_bag(f.values, table, f.offsets, mode=pooling, include_last_offset=True)
+        assert torch.allclose(served, own), (ids, served, own)
 
 
 def test_a_hashed_table_gives_raw_ids_rows_until_full():
