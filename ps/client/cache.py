@@ -100,8 +100,8 @@ class Taken:
         """The batch's rows [*shape, *row shape] from the copies (``hits``) and the rows read
         (``misses``, in ``miss_ids``' order), with the way back to both for gradients."""
         order = torch.argsort(torch.cat([self.miss_places, self.hit_places]))
-        by_unique = torch.cat([misses, hits.to(misses.dtype)])[order]
-        return by_unique[self.inverse].view(*self.shape, *by_unique.shape[1:])
+        by_unique = torch.cat([misses, hits.to(misses.dtype)]).index_select(0, order)   # as LookupPlan.collect
+        return by_unique.index_select(0, self.inverse).view(*self.shape, *by_unique.shape[1:])
 
 
 @dataclass

@@ -46,8 +46,10 @@ class LookupPlan:
                 continue
             found = torch.cat([answers[r][param].float() for r, _ in gather.pieces])   # deduplicated, piece order
             order = torch.cat([places for _, places in gather.pieces])
-            by_unique = found[torch.argsort(order)]
-            rows[param] = by_unique[gather.inverse].view(*gather.shape, *found.shape[1:])
+            # index_select, not indexing: its backward adds the gradients up (index_add) a third
+            # faster than indexing's accumulating put.
+            by_unique = found.index_select(0, torch.argsort(order))
+            rows[param] = by_unique.index_select(0, gather.inverse).view(*gather.shape, *found.shape[1:])
         return rows
 
 
