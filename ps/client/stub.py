@@ -114,6 +114,24 @@ class Traffic:
             return self.messages
 
 
+def check_server(ps_names: list[str], k: int, info: ShardInfo, first: ShardInfo) -> None:
+    """``info``, the answer of server ``k`` of ``ps_names``, against the first server's:
+    ``PeerUnavailable`` saying what differs."""
+    name = ps_names[k]
+    if info.shard != k or info.num_shards != len(ps_names):
+        raise PeerUnavailable(f"{name} serves shard {info.shard} of {info.num_shards}, "
+                              f"expected shard {k} of {len(ps_names)}: check --num-ps everywhere")
+    shapes = getattr(info, "row_shapes", None)      # an older server's answer has none
+    if shapes is None or set(shapes) != {p for params in info.table_params.values() for p in params}:
+        raise PeerUnavailable(f"{name} does not say the shapes of its rows: it runs an older rpcps than "
+                              "this trainer; run one version on every member")
+    if info.model != first.model:
+        raise PeerUnavailable(f"{name} hosts a different model than {ps_names[0]}")
+    if info.consistency != first.consistency:
+        raise PeerUnavailable(f"{name} runs consistency {info.consistency}, {ps_names[0]} "
+                              f"{first.consistency}: start every server with the same --consistency")
+
+
 class PsClient:
     def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:
         self.me, self.ps_names, self.timeout = me, ps_names, timeout
@@ -121,7 +139,7 @@ class PsClient:
         infos: list[ShardInfo] = [wait(f) for f in [self._async(n, PsSurface.info) for n in ps_names]]
         self._first = infos[0]        # what every server, and one back from a restart, must agree with
         for k, info in enumerate(infos):
-            self._check(k, info)
+            check_server(ps_names, k, info, infos[0])
         self.consistency = Consistency.parse(infos[0].consistency)
         self.leader = ps_names[0]                             # keeps the step clock
         self.granted: Optional[Granted] = None                # the step under way, as the clock granted it
@@ -145,22 +163,6 @@ class PsClient:
         self.row_shapes = infos[0].row_shapes
         ranks = member_ranks()
         self._ranks = {n: ranks.get(n) for n in ps_names}    # a server's rank changes when it restarts
-
-    def _check(self, k: int, info: ShardInfo) -> None:
-        """``info``, the answer of server ``k``, against the first server's."""
-        name, first = self.ps_names[k], self._first
-        if info.shard != k or info.num_shards != len(self.ps_names):
-            raise PeerUnavailable(f"{name} serves shard {info.shard} of {info.num_shards}, "
-                                  f"expected shard {k} of {len(self.ps_names)}: check --num-ps everywhere")
-        shapes = getattr(info, "row_shapes", None)      # an older server's answer has none
-        if shapes is None or set(shapes) != {p for params in info.table_params.values() for p in params}:
-            raise PeerUnavailable(f"{name} does not say the shapes of its rows: it runs an older rpcps than "
-                                  "this trainer; run one version on every member")
-        if info.model != first.model:
-            raise PeerUnavailable(f"{name} hosts a different model than {self.ps_names[0]}")
-        if info.consistency != first.consistency:
-            raise PeerUnavailable(f"{name} runs consistency {info.consistency}, {self.ps_names[0]} "
-                                  f"{first.consistency}: start every server with the same --consistency")
 
     def _async(self, ps: str, method: Callable[..., Any], *args: Any) -> torch.futures.Future:
         future = call_async(ps, method, *args, timeout=self.timeout)
@@ -275,7 +277,7 @@ class PsClient:
                 info: ShardInfo = wait(call_async(name, PsSurface.info, timeout=PROBE_SECONDS))
             except Exception:  # noqa: BLE001 - joining, restoring its shard, or gone again: not yet
                 continue
-            self._check(self.ps_names.index(name), info)
+            check_server(self.ps_names, self.ps_names.index(name), info, self._first)
             self._ranks[name] = ranks[name]
             back.append(name)
         return back

@@ -58,6 +58,11 @@ class RequestChecks:
                 raise BadRequest(f"the gradient of {param} must be a tensor [{ids.numel()}, {', '.join(map(str, row))}] "
                                  f"(a row per id), got {describe(grad)}")
 
+    def coef(self, coef: Any) -> None:
+        """A clip factor: the global norm's scale for a step's gradients."""
+        if not 0.0 <= coef <= 1.0:
+            raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
+
     def count(self, n: int, what: str) -> None:
         if n > self.max_ids:
             raise BadRequest(f"{what}: {n} ids, more than the {self.max_ids} one request may name "

@@ -154,14 +154,7 @@ class ParameterServer(PsSurface):
     @remote
     def dense_params(self) -> dict[str, torch.Tensor]:
         with self.optimizer.lock:
-            return self._dense_copy()
-
-    def _dense_copy(self, way_back: bool = True) -> dict[str, torch.Tensor]:
-        """This shard's dense tensors, copied (under the optimizer's lock). With ``way_back``, an
-        answer in a step's context carries the way back for their gradients, as distributed
-        autograd records it; the apply's answer needs none."""
-        params = {n: self.param(n) for n in self.layout.dense_of(self.shard)}
-        return {n: p.clone() if way_back else p.detach().clone() for n, p in params.items()}
+            return self.params.dense_copy()
 
     @remote
     def dense_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -193,8 +186,7 @@ class ParameterServer(PsSurface):
     @remote
     def apply(self, context_id: int, coef: float = 1.0, weights: bool = False) -> Optional[dict[str, torch.Tensor]]:
         self.consistency.require(False, "apply one trainer's update")
-        if not (0.0 <= coef <= 1.0):
-            raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
+        self.checks.coef(coef)
         grads = self._grads(context_id)
         known = self.contexts.get(self._call.caller, context_id)
         if known is None or not known.checked:     # a caller that skipped the norm round
@@ -202,7 +194,7 @@ class ParameterServer(PsSurface):
         if coef < 1.0:
             grads = {p: g * coef for p, g in grads.items()}
         before, left = self.optimizer.apply(grads, self._current(context_id),
-                                           functools.partial(self._dense_copy, False) if weights else None)
+                                           functools.partial(self.params.dense_copy, False) if weights else None)
         if known is not None:
             self.metrics.staleness.observe(before - known.read_at)
         return left
@@ -228,8 +220,7 @@ class ParameterServer(PsSurface):
     @remote
     def sync_apply(self, step: int, trainers: list[str], coef: float) -> None:
         self.consistency.require(True, "apply a step")
-        if not (0.0 <= coef <= 1.0):
-            raise BadRequest(f"coef must be a float in [0, 1], got {coef!r}")
+        self.checks.coef(coef)
         self.sync.apply(step, tuple(trainers), coef)
         for _ in trainers:
             self.metrics.staleness.observe(0)    # each read the parameters this update changes

@@ -58,7 +58,8 @@ class ShardParams:
         self._layout = layout
         tables = {n: spec.tables[layout.table_of(n)] for n in layout.row_params()}
         self.rows = nn.ModuleDict({_key(n): RowShard(values[n], dtype_of(t.dtype)) for n, t in tables.items()})
-        self.dense = nn.ParameterDict({_key(n): nn.Parameter(values[n]) for n in layout.dense_of(shard)})
+        self.dense_names = list(layout.dense_of(shard))
+        self.dense = nn.ParameterDict({_key(n): nn.Parameter(values[n]) for n in self.dense_names})
         self.names = [*layout.row_params(), *layout.dense_of(shard)]
         self.rules = [spec.rule_of(layout.table_of(n) if n in tables else None) for n in self.names]
         self.wire = {n: dtype_of(t.wire_dtype) for n, t in tables.items()}     # how its rows are sent
@@ -71,6 +72,12 @@ class ShardParams:
         """The live parameter ``name`` (a table's rows on this shard, or a dense tensor)."""
         key = _key(name)
         return self.rows[key].weight if key in self.rows else self.dense[key]
+
+    def dense_copy(self, way_back: bool = True) -> dict[str, torch.Tensor]:
+        """Copies of the dense tensors, by name (take them under the optimizer's lock). With
+        ``way_back``, an answer in a step's context carries the way back for their gradients, as
+        distributed autograd records it; an apply's answer needs none."""
+        return {n: self[n].clone() if way_back else self[n].detach().clone() for n in self.dense_names}
 
     def row_shard(self, name: str) -> RowShard:
         return self.rows[_key(name)]

@@ -87,7 +87,8 @@ class PsSurface(Service):
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote
-    def contribute(self, context_id: int, step: int, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
+    def contribute(self, context_id: int, step: int,
+                   rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
                    dense: Optional[dict[str, torch.Tensor]] = None) -> None:
         """The caller's gradients in ``context_id``, for step ``step`` (the open one); ``rows`` and
         ``dense``: gradients pushed with them, as ``push`` takes them."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ps.client.lookups import on_the_wire
-from ps.client.stub import PsClient, Traffic
+from ps.client.stub import Traffic, check_server
 from ps.server.update import SharedOptimizer
 from ps.server.work import Work
 from ps.spec.messages import ShardInfo
@@ -72,9 +72,9 @@ def test_traffic_counts_calls_and_the_gradient_messages_their_answers_bring():
 def test_a_trainer_refuses_servers_that_disagree_on_the_job_or_run_an_older_version():
     first = ShardInfo("ps0", 0, 2, {"kind": "ctr"}, {"C1": 5}, {"C1": ("tables.C1",)}, (), consistency="sync",
                       row_shapes={"tables.C1": (16,)})
-    client = SimpleNamespace(ps_names=["ps0", "ps1"], _first=first)
+    names = ["ps0", "ps1"]
     second = dataclasses.replace(first, name="ps1", shard=1)
-    PsClient._check(client, 1, second)                         # the same job: accepted
+    check_server(names, 1, second, first)                      # the same job: accepted
     older = SimpleNamespace(**{f.name: getattr(second, f.name) for f in dataclasses.fields(second)
                                if f.name != "row_shapes"})     # what an older server's answer unpickles to
     for info, why in [(dataclasses.replace(second, shard=0), "serves shard 0 of 2, expected shard 1"),
@@ -83,4 +83,4 @@ def test_a_trainer_refuses_servers_that_disagree_on_the_job_or_run_an_older_vers
                       (dataclasses.replace(second, row_shapes={}), "an older rpcps"),
                       (older, "an older rpcps than this trainer")]:
         with pytest.raises(PeerUnavailable, match=why):
-            PsClient._check(client, 1, info)
+            check_server(names, 1, info, first)

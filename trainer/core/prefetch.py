@@ -12,10 +12,10 @@ for them. What may be read early is the consistency's to say:
 
 The dense weights, which every step changes, are read in every mode the moment the step before
 is applied: as fresh as a step that reads them itself (in async and ssp the apply answers with
-them, ``StepSession.finish(..., weights=True)``, so they cost no round of their own). A read's answers are the step's own
-leaves: their gradients are pushed to the servers that sent them (``StepSession.adopt`` in
-``ps/client/stub.py``). A hashed table's rows are read in the step itself, as without prefetch
-(reading admits its ids, and its rows change hands).
+them, ``StepSession.finish(..., weights=True)``, so they cost no round of their own). A read's
+answers are the step's own leaves: their gradients are pushed to the servers that sent them
+(``StepSession.adopt`` in ``ps/client/stub.py``). A hashed table's rows are read in the step
+itself, as without prefetch (reading admits its ids, and its rows change hands).
 
 Batches taken ahead are not trained yet: the position a checkpoint saves is the one before the
 oldest of them. Reads are dropped (the batches kept, read again when due) whenever a step fails
