@@ -39,6 +39,16 @@ class RequestChecks:
         if not any_shard and bool((plan.owner(ids) != self.shard).any()):
             raise BadRequest(f"{what} holds ids that shard {self.shard} of {plan.num_shards} does not own")
 
+    def lookups(self, lookups: dict[str, Any]) -> int:
+        """A read of rows (table parameter -> ids): the ids it names in all."""
+        if not lookups:
+            raise BadRequest("lookup_many names no parameter")
+        for param, ids in lookups.items():
+            self.ids(self.table_of(param), ids, "ids" if len(lookups) == 1 else f"ids of {param}")
+        total = sum(ids.numel() for ids in lookups.values())
+        self.count(total, "the lookups")
+        return total
+
     def pushed(self, grads: dict[str, Any], dense: dict[str, Any], shape_of: Callable[[str], torch.Size]) -> None:
         """A push's gradients, all of them before any joins a step: each table parameter's ``(ids,
         a row's gradient per id)`` for a plain table, each dense tensor's shaped as it is here."""

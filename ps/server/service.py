@@ -63,7 +63,7 @@ class ParameterServer(PsSurface):
                                    self.optimizer.clear_rows, self.params.touched)
         self.hashed.restore(kept)
         self.contexts = Contexts()
-        self.replica = ReplicaWrites({n: self.param(n) for n in self.layout.dense_of(shard)}, self.optimizer)
+        self.replica = ReplicaWrites(self.params, self.optimizer, self.checks)
         self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
         self.refusals = Refusals(metrics)
 
@@ -108,13 +108,7 @@ class ParameterServer(PsSurface):
 
     @remote
     def lookup_many(self, lookups: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not lookups:
-            raise BadRequest("lookup_many names no parameter")
-        total = 0
-        for param, ids in lookups.items():
-            self.checks.ids(self.checks.table_of(param), ids, "ids" if len(lookups) == 1 else f"ids of {param}")
-            total += ids.numel()
-        self.checks.count(total, "the lookups")
+        total = self.checks.lookups(lookups)
         with self.optimizer.lock:  # rows are read whole, never mid-update
             started = time.perf_counter()
             rows = {param: self._rows_of(param, ids).to(self.params.wire[param]) for param, ids in lookups.items()}
@@ -144,10 +138,8 @@ class ParameterServer(PsSurface):
         dense = dense or {}
         self.checks.pushed(grads, dense, lambda name: self.param(name).shape)
         for param, (ids, grad) in grads.items():
-            weight = self.param(param)
-            local = self.layout.plans[self.layout.table_of(param)].to_local(ids.long())
-            sparse = torch.sparse_coo_tensor(local[None], grad.float(), weight.shape, check_invariants=False)
-            self.contexts.push(self._call.caller, context_id, self.optimizer.steps, weight, sparse)
+            self.contexts.push(self._call.caller, context_id, self.optimizer.steps, self.param(param),
+                               self.params.sparse_grad(param, ids, grad))
         for name, grad in dense.items():
             self.contexts.push(self._call.caller, context_id, self.optimizer.steps, self.param(name), grad.float())
 
@@ -158,14 +150,20 @@ class ParameterServer(PsSurface):
 
     @remote
     def dense_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        with self.optimizer.lock:
-            states = {n: self.optimizer.state_of(self.param(n)) for n in self.layout.dense_of(self.shard)}
-        return {n: state for n, state in states.items() if state}
+        return self.replica.read_state()
 
     @remote
     def set_dense(self, weights: dict[str, torch.Tensor], step: int,
                   state: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> bool:
         return self.replica.write(weights, step, state)
+
+    @remote
+    def hold_rows(self, lookups: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        return self.replica.read_rows(lookups)
+
+    @remote
+    def return_rows(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]], step: int) -> bool:
+        return self.replica.write_rows(rows, step)
 
     @remote
     def op(self, name: str, *args: Any) -> Any:

@@ -79,6 +79,11 @@ class ShardParams:
         distributed autograd records it; an apply's answer needs none."""
         return {n: self[n].clone() if way_back else self[n].detach().clone() for n in self.dense_names}
 
+    def sparse_grad(self, name: str, ids: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """A row per global id of table parameter ``name`` as the sparse fp32 gradient of its rows here."""
+        local = self._layout.plans[self._layout.table_of(name)].to_local(ids.long())
+        return torch.sparse_coo_tensor(local[None], grad.float(), self[name].shape, check_invariants=False)
+
     def row_shard(self, name: str) -> RowShard:
         return self.rows[_key(name)]
 

@@ -56,6 +56,21 @@ class PsSurface(Service):
         raise NotImplementedError
 
     @remote
+    def hold_rows(self, lookups: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """Rows of plain tables (parameter -> ids this shard owns), fp32, each with its rows of the
+        optimizer's state (name -> [n, ...]): what the trainers hold and step themselves while
+        they replicate a hot row (``--cache-staleness 0``). The servers' copies stay as they are
+        until ``return_rows``."""
+        raise NotImplementedError
+
+    @remote
+    def return_rows(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]], step: int) -> bool:
+        """Rows the trainers held, as of the step clock's ``step``: parameter -> (ids, values,
+        their state's rows as ``hold_rows`` gave them). Refused (False) when a replica of a later
+        step was written already (``ps/server/replica_writes.py``)."""
+        raise NotImplementedError
+
+    @remote
     def op(self, name: str, *args: Any) -> Any:
         """The model's server-side operation ``name`` on this shard."""
         raise NotImplementedError
