@@ -5,7 +5,9 @@ its update, serves steps t .. t + S; one read between steps t - 1 and t the same
 read again. The gradients of a row taken from here go to the servers with the step's others
 (``Copies`` in ``ps/client/stub.py``), so the servers' rows miss nothing; what the cache costs is
 only that a step computes with a row that may miss up to S steps of updates (its own among them).
-S = 0 takes nothing from here: every row a step reads, that step's own update changes.
+S = 0 is another kind of cache: rows replicated among the trainers, which step them themselves
+(``trainer/core/hot_rows.py``), since a copy kept here would be stale by the next step: every row
+a step reads, that step's own update changes.
 
 Per table parameter the copies sit in slots (ids, rows, the step each was read at, the step each
 was last used at); a sorted index of the ids finds their slots. When the slots are full, the
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -136,6 +138,7 @@ class HotRows:
     capacity: int
     staleness: int
     share: float = 0.0
+    replicated: ClassVar[bool] = False    # the copies are replicas the trainers step themselves (trainer/core/hot_rows.py)
     _tables: dict[str, _Slots] = field(default_factory=dict)
     _row_bytes: dict[str, int] = field(default_factory=dict)
     counts: CacheCounts = field(default_factory=CacheCounts)
@@ -157,7 +160,7 @@ class HotRows:
         if fresh.numel() < places.numel():
             places, slot, ages = places[fresh], slot[fresh], ages[fresh]
         kept.used_at[slot] = used_at
-        return Taken(ids.shape, inverse, places, unique[places], kept.rows[slot], *_others(places, unique), ages)
+        return Taken(ids.shape, inverse, places, unique[places], kept.rows[slot], *others(places, unique), ages)
 
     def note_row_bytes(self, param: str, size: int) -> None:
         """A row of ``param`` as it crosses the wire (its wire precision's bytes)."""
@@ -193,7 +196,7 @@ class HotRows:
         if kept is None:
             kept = self._tables[param] = _Slots(rows.new_zeros(min(capacity, 2 * ids.numel()), *rows.shape[1:]))
         places, slot = kept.locate(ids)                  # copies replaced: they stay
-        new_places, added = _others(places, ids)
+        new_places, added = others(places, ids)
         if added.numel() > capacity - places.numel():    # more than it holds: the first ones
             new_places, added = new_places[:capacity - places.numel()], added[:capacity - places.numel()]
         size = kept.size
@@ -213,16 +216,12 @@ class HotRows:
         self._tables.clear()
 
 
-def _others(places: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def others(places: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The places of ``ids`` not among ``places`` (increasing), and those ids."""
     if places.numel() == ids.numel():
         return places[:0], ids[:0]
     rest = torch.ones(ids.numel(), dtype=torch.bool)
     rest[places] = False
-    others = rest.nonzero().squeeze(1)
-    return others, ids[others]
+    left = rest.nonzero().squeeze(1)
+    return left, ids[left]
 
-
-def hot_rows(capacity: int, staleness: int, share: float = 0.0) -> Optional[HotRows]:
-    """The cache the flags ask for (none for 0 rows and a share of 0)."""
-    return HotRows(capacity, staleness, share) if capacity > 0 or share > 0 else None

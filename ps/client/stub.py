@@ -296,7 +296,7 @@ class PsClient:
         way back for that step's gradients. For a step (the one under way, or the one ``ahead``
         steps after the last begun) rows the cache holds fresh enough are taken from it instead."""
         copies = None
-        if self.cache is not None and (self.session is not None or ahead):
+        if self.cache is not None and (self.session is not None or ahead or self.cache.replicated):
             copies, lookups = Copies.take(self, lookups, ahead)
         plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids, self.row_shapes,
                             copies.taken if copies is not None else ())
@@ -444,8 +444,10 @@ class Copies:
             self.cache.count(param, taken)
 
     def pushes(self, grads: dict[torch.Tensor, torch.Tensor]) -> list[tuple[int, dict, dict]]:
+        """The gradients of the copies taken, for their servers (none for replicas: the trainers
+        average and apply those themselves)."""
         got = {p: grads[t] for p, t in self._leaves.items() if t in grads and self.taken[p].hit_ids.numel()}
-        if not got:
+        if not got or self.cache.replicated:
             return []
         parts = self.hits.spread(got)
         return [(k, part, {}) for (k, _), part in zip(self.hits.requests, parts)]

@@ -86,7 +86,7 @@ class ReplicaWrites:
         """Rows of plain tables (parameter -> ids this shard owns) as fp32, with the rows of their
         optimizer state (zeros before the table's first step): what a trainer holds of them."""
         local = self._local(lookups, "hold_rows")
-        with self.optimizer.lock:
+        with self.optimizer.lock, torch.no_grad():     # no way back: the trainers step these rows themselves
             return {param: (self.shard[param][at].float(), {k: v[at].clone() for k, v in self._row_state(param).items()})
                     for param, at in local.items()}
 

@@ -70,7 +70,8 @@ class Sync(Consistency):
                              "next batch is read ahead: --prefetch 1")
         if kept:
             raise ValueError("in sync mode every step reads the rows the step before it left: a cached copy may "
-                             "serve no later step (--cache-staleness 0)")
+                             "serve no later step (--cache-staleness 0 replicates the hot rows among the trainers "
+                             "instead, with --dense allreduce)")
 
     def __str__(self) -> str:
         return "sync"

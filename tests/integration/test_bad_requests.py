@@ -16,6 +16,9 @@ def test_bad_requests_get_errors_and_server_keeps_serving(procs):
     assert "80000 ids, more than the 65536" in result["cases"]["too many ids in all"]["message"]
     assert "coef must be a float in [0, 1]" in result["cases"]["clip past 1"]["message"]
     assert "must be a tensor [1," in result["cases"]["pushed with the norm, wrong shape"]["message"]
+    assert "name a row twice" in result["cases"]["rows held, an id twice"]["message"]
+    assert f"must be a float tensor [1, {SMALL_MODEL['emsize']}]" in \
+        result["cases"]["rows given back, wrong width"]["message"]
     assert result["good_rows"] == [2, SMALL_MODEL["emsize"]]
 
     # Still up, healthy and serving a new member after all of that.

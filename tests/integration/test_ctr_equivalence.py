@@ -3,8 +3,8 @@ one-process DLRM on the trainers' concatenated batches: every table and MLP para
 and row-wise Adagrad, tables placed row-wise and whole (table-wise), and with each step's lookups
 cut into many requests by a small --max-ids-per-request. And gradients pushed for rows a step did
 not read from the servers move them as distributed autograd's do; and sync steps whose reads were
-issued ahead (--prefetch) train bit for bit as those that read in the step; a cached row serves up
-to its bound, and a trainer killed with a full cache, its step's gradients of the copies pushed,
+issued ahead (--prefetch) train bit for bit as those that read in the step, as do steps that take
+hot rows replicated among the trainers (--cache-staleness 0); a cached row serves up to its bound, and a trainer killed with a full cache, its step's gradients of the copies pushed,
 leaves nothing of that step applied."""
 
 import json
@@ -57,11 +57,30 @@ def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement, ca
         assert diff < TOLERANCE[table_rule], f"{name} differs by {diff} after {STEPS} steps"
 
 
-def _trained(procs, **driver):
-    """Both trainers' results after STEPS sync steps of two servers (trainer0's first)."""
+def _trained(procs, steps=STEPS, **driver):
+    """Both trainers' results after ``steps`` sync steps of two servers (trainer0's first)."""
     procs.start_servers(2, **MODEL, table_rule="rowwise_adagrad")
-    return procs.finish_drivers([procs.spawn_driver("ctr", f"ctr{k}", 2, steps=STEPS, trainers=TRAINERS, **driver)
+    return procs.finish_drivers([procs.spawn_driver("ctr", f"ctr{k}", 2, steps=steps, trainers=TRAINERS, **driver)
                                  for k in range(TRAINERS)])
+
+
+def test_hot_rows_replicated_among_the_trainers_train_bit_for_bit_as_rows_read_from_the_servers(procs, tmp_path):
+    """--cache-staleness 0: the hot rows chosen every 2 steps, held and stepped by both trainers
+    (whose dense weights are replicated too), read ahead as well; then given back to the servers."""
+    plain = _trained(procs, steps=7, dense="allreduce")
+    procs.stop_all()
+    (tmp_path / "hot").mkdir()
+    again = Processes(tmp_path / "hot")
+    try:
+        hot = _trained(again, steps=7, dense="allreduce", hot_rows=30, prefetch=1)
+    finally:
+        again.stop_all()
+    assert [r["hits"][:2] for r in hot] == [[0, 0]] * TRAINERS, "nothing hot before the first choice"
+    assert all(sum(r["hits"][2:]) > 0 for r in hot), [r["hits"] for r in hot]
+    for p, h in zip(plain, hot):
+        assert p["losses"] == h["losses"], (p["losses"], h["losses"])
+    assert plain[0]["tables_moved"] > 1e-3, "the steps changed the tables"
+    assert plain[0]["digest"] == hot[0]["digest"], "every row and weight on the servers, bit for bit"
 
 
 def test_sync_steps_read_ahead_train_bit_for_bit_as_steps_that_read_in_the_step(procs, tmp_path):

@@ -27,6 +27,7 @@ from tests.support.wait import wait_until
 from trainer.lm.config import LmModelConfig, TrainerConfig
 from trainer.lm.data import BatchStream
 from trainer.core.loop import TrainLoop
+from trainer.core.hot_rows import ReplicatedRows
 from trainer.core.replica import GROUP_PREFIX
 from trainer.lm.model import DistributedLM, LocalLM, init_hidden
 from trainer.lm.task import LmTask
@@ -224,6 +225,9 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
         "unknown context": (PsSurface.grad_sq_norm, 123456789),
         "clip past 1": (PsSurface.apply, 123456789, 2.0),
         "pushed with the norm, wrong shape": (PsSurface.grad_sq_norm, 123456789, {emb: (torch.tensor([0]), torch.zeros(3))}),
+        "rows held, an id twice": (PsSurface.hold_rows, {emb: torch.tensor([0, 0])}),
+        "rows given back, wrong width": (PsSurface.return_rows, {emb: (torch.tensor([0]), torch.zeros(1, 1), {})}, 1),
+        "rows given back, not a triple": (PsSurface.return_rows, {emb: (torch.tensor([0]),)}, 1),
         "not a remote method": (ParameterServer.export_state,),
         "missing argument": (lookup, emb),
         "no lookups": (PsSurface.lookup_many, {}),
@@ -302,14 +306,22 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
     generator = SyntheticCtr.fitting(hosted["criteo"]["cardinalities"], seed=3)
     task = CtrTask(SchemaModel(client, hosted_module(hosted)), GeneratedSource(generator, batch, index, args.trainers),
                    name=args.name, num_trainers=args.trainers)
-    loop = TrainLoop(task, clip=0.0, prefetch=args.prefetch)
+    hot = ReplicatedRows(args.hot_rows, every=2) if args.hot_rows else None
+    if args.dense == "allreduce":
+        task.model.replicate(lambda key: args.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", 60), args.trainers, 60,
+                             hot=hot)
+    loop = TrainLoop(task, clip=0.0, prefetch=args.prefetch, cache=hot)
     client.begin()
     wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
     steps = [loop.step() for _ in range(args.steps)]
     client.end()
     result: dict = {"losses": [s.loss for s in steps], "consistency": str(client.consistency),
-                    "hidden": [s.phases.get("fetch_hidden") for s in steps]}
+                    "hidden": [s.phases.get("fetch_hidden") for s in steps],
+                    "hits": [s.cache.hits if s.cache is not None else 0 for s in steps]}
+    if task.model.replica is not None:
+        task.model.write_replica()      # as a trainer's stop does: the servers then hold the whole model
+        client.read_ahead()             # what follows reads the servers' rows, not the replica's
     if index != 0:
         return result
     local = hosted_module(hosted)
@@ -513,6 +525,7 @@ def main() -> None:
     p.add_argument("--dense", default="ps", choices=("ps", "allreduce"), help="sync: where the LSTM lives")
     p.add_argument("--prefetch", type=int, default=0, help="ctr: batches read ahead")
     p.add_argument("--staleness", type=int, default=0, help="cached: the rows cache's bound, in steps")
+    p.add_argument("--hot-rows", type=int, default=0, help="ctr --dense allreduce: hot rows replicated, per table")
     args = p.parse_args()
     init_logging(args.name, "warning")
     torch.set_num_threads(1)

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ps.spec.messages import Granted
 from ps.spec.rules import UpdateRule, grad_sq_norm, make_optimizer
+from trainer.core.hot_rows import ReplicatedRows
 from trainer.core.position import Hold
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,16 @@ def _finite_mean(state: _Reduced, bucket: dist.GradBucket) -> torch.futures.Futu
     return pending.then(averaged)
 
 
+class _Bucket:
+    """One tensor as DDP hands a bucket to its communication hook (``_finite_mean``)."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self._flat = flat
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat
+
+
 class DenseReplica:
     """This trainer's replica of the dense weights, their update, and its place in the group of
     trainers that keeps the replicas equal. ``module``: what DDP runs, whose parameters are the
@@ -86,7 +97,7 @@ class DenseReplica:
 
     def __init__(self, me: str, module: nn.Module, rule: "UpdateRule | str", lr: float,
                  weights: dict[str, torch.Tensor], store_for: Callable[[str], dist.Store], timeout: float,
-                 named: Optional[nn.Module] = None) -> None:
+                 named: Optional[nn.Module] = None, hot: Optional[ReplicatedRows] = None) -> None:
         self.named = named if named is not None else module
         params = dict(self.named.named_parameters())
         with torch.no_grad():
@@ -95,6 +106,7 @@ class DenseReplica:
         for p in module.parameters():
             p.requires_grad_(True)
         self.me, self._store_for, self._timeout = me, store_for, timeout
+        self.hot = hot                   # the tables' hot rows, replicated too (--cache-staleness 0)
         self.module = module
         self.params = list(self.module.parameters())
         if {id(p) for p in self.params} != {id(p) for p in params.values()}:
@@ -161,7 +173,8 @@ class DenseReplica:
         steps: list[Optional[int]] = [None] * dist.get_world_size()
         dist.all_gather_object(steps, self.step)
         source = steps.index(max(steps))
-        state = [{"step": self.step, "weights": self.weights(), "optimizer": self.optimizer.state_dict()}
+        state = [{"step": self.step, "weights": self.weights(), "optimizer": self.optimizer.state_dict(),
+                  "hot": self.hot.state() if self.hot is not None else {}}
                  if dist.get_rank() == source else None]
         dist.broadcast_object_list(state, src=source)
         if dist.get_rank() != source:
@@ -170,6 +183,8 @@ class DenseReplica:
                 for name, p in self.named.named_parameters():
                     p.copy_(taken["weights"][name])
             self.optimizer.load_state_dict(taken["optimizer"])
+            if self.hot is not None:
+                self.hot.load(taken["hot"])
             if taken["step"] != self.step:
                 log.info("took the replica at step %d from rank %d (mine was at %d)", taken["step"], source, self.step)
             self.step = taken["step"]
@@ -187,11 +202,21 @@ class DenseReplica:
         """The replica's part of the step's gradients (``grads``: the step's autograd context's,
         where DDP left the average), or None when a trainer's were not finite (then every trainer
         skips this part of the step alike)."""
+        hot = self._hot_mean(grads)
         if not self._reduced.whole:
             log.warning("the replicas' gradients of this step were not finite on every trainer (%s of %d): "
                         "the replicas skip it", self._reduced.counts, self._reduced.world_size)
             return None
-        return {p: grads[p] for p in self.params}
+        return {**{p: grads[p] for p in self.params}, **hot}
+
+    def _hot_mean(self, grads: dict[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+        """The hot rows' gradients averaged over the group as DDP's bucket is (``_finite_mean``),
+        by the rows they change."""
+        if self.hot is None or not self.hot.held:
+            return {}
+        flat = self.hot.gradients(grads)
+        bucket = _Bucket(flat)
+        return self.hot.split(_finite_mean(self._reduced, bucket).wait())   # type: ignore[arg-type]
 
     @staticmethod
     def sq_norm(grads: Optional[dict[torch.Tensor, torch.Tensor]]) -> float:
@@ -201,13 +226,32 @@ class DenseReplica:
         """The servers' rule on the replica: the averaged gradient scaled by ``coef``; the weights
         are then at the clock's ``step``."""
         self.step = step
-        if grads is None:
-            return
-        for p in self.params:
-            p.grad = grads[p] * coef if coef < 1.0 else grads[p]
-        self.optimizer.step()
-        for p in self.params:
-            p.grad = None
+        if grads is not None:
+            for p in self.params:
+                p.grad = grads[p] * coef if coef < 1.0 else grads[p]
+            self.optimizer.step()
+            for p in self.params:
+                p.grad = None
+            if self.hot is not None:
+                self.hot.apply(grads, coef)
+        if self.hot is not None:
+            self._choose_hot(step)
+
+    def _choose_hot(self, step: int) -> None:
+        """The group's choice of hot rows, where it is due (before the next step's rows are read,
+        which may take them). A member that fails in it leaves the group, whose next forming
+        gives every member the hot rows of one (``_take_from_the_furthest``)."""
+        try:
+            self.hot.choose(step, self._gather, writes=dist.get_rank() == 0)
+        except Exception as exc:  # noqa: BLE001 - the step itself is applied; the group re-forms
+            log.warning("the trainers could not choose their hot rows at step %d: %s", step, str(exc).splitlines()[0])
+            self.leave_group()
+
+    @staticmethod
+    def _gather(mine: Any) -> list[Any]:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer's state of each replicated tensor, by name (none for SGD)."""

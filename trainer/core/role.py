@@ -27,7 +27,7 @@ from services.membership import current_members
 from services.remote import withdraw
 from services.role import RoleBase, RoleContext
 from services.torchrun import workers_store
-from trainer.core.config import TrainerSettings, dense_needs_sync
+from trainer.core.config import REPLICATED_ROWS, TrainerSettings, dense_needs_sync
 from trainer.core.episodes import EpisodeRunner
 from trainer.core.loop import Task, TrainLoop
 from trainer.core.position import PositionPart
@@ -119,14 +119,19 @@ class ServedTrainer(RoleBase):
         client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
         task = self.task(client)
         model = task.model
+        cache = self.cache()
+        replicated = cache is not None and cache.replicated
+        if replicated and cfg.dense != "allreduce":
+            raise ConfigError(REPLICATED_ROWS)
         if cfg.dense == "allreduce":
             try:
                 dense_needs_sync(cfg.dense, str(client.consistency))
             except ValueError as exc:
                 raise ConfigError(f"{exc} (the servers run {client.consistency})") from None
-            model.replicate(self._group_stores(), cfg.num_trainers, cfg.group_timeout)
+            model.replicate(self._group_stores(), cfg.num_trainers, cfg.group_timeout,
+                            hot=cache if replicated else None)
         try:
-            loop = TrainLoop.of(task, cfg, self.metrics, self.prefetch(), self.cache())
+            loop = TrainLoop.of(task, cfg, self.metrics, self.prefetch(), cache)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         steps = self._restore_position(task)

@@ -14,6 +14,7 @@ from torch.func import functional_call
 from ps.spec.surface import PsSurface
 from ps.client.stub import PsClient
 from services.errors import ConfigError
+from trainer.core.hot_rows import ReplicatedRows, ServerRows, table_rules
 from trainer.core.replica import DenseReplica
 
 
@@ -31,20 +32,24 @@ class ServedModel(nn.Module):
             p.requires_grad_(False)
         self.replica: Optional[DenseReplica] = None
 
-    def replicate(self, store_for: Callable[[str], Store], start_with: int, timeout: float) -> None:
+    def replicate(self, store_for: Callable[[str], Store], start_with: int, timeout: float,
+                  hot: Optional[ReplicatedRows] = None) -> None:
         """``--dense allreduce``: hold the dense weights here, starting from the servers' weights and
         their optimizer state, kept equal to the other trainers' replicas by a process group of the
         trainers of each step, whose members meet in ``store_for(key)`` and wait ``timeout`` for
         each other. Steps begin in lockstep; the job starts once ``start_with`` trainers ask for
-        its first step."""
+        its first step. ``hot``: the tables' hot rows, replicated with them (``--cache-staleness 0``)."""
         _, weights = self.client.fetch({})
         model = self.client.model
         if "optimizer" not in model or "lr" not in model:
             raise ConfigError("--dense allreduce steps the dense weights by the servers' rule, but their model "
                               "names no optimizer and lr (its ModelSpec.meta)")
         rule, lr = model["optimizer"], float(model["lr"])
+        if hot is not None:
+            hot.bind(ServerRows(self.client), table_rules(model), lr,
+                     {p: self.client.plans[t].num_ids for p, t in self.client.table_of.items()})
         self.replica = DenseReplica(self.client.me, self.forward_module, rule, lr, weights, store_for, timeout,
-                                    named=self.dense)
+                                    named=self.dense, hot=hot)
         for state in self.client.each_dense_shard(PsSurface.dense_state):
             self.replica.load_optimizer_state(state)
         self.client.lockstep = start_with
@@ -67,11 +72,14 @@ class ServedModel(nn.Module):
         return self.replica.sum_over_group(values) if self.replica is not None else None
 
     def write_replica(self) -> None:
-        """The replica's weights and optimizer state into the servers' dense tensors (for a
-        checkpoint), unless it has taken no step: then it holds the servers' own."""
+        """The replica's weights and optimizer state into the servers' dense tensors, and its hot
+        rows into their tables (for a checkpoint), unless it has taken no step: then it holds the
+        servers' own."""
         if self.replica.step >= 0:
             self.client.each_dense_shard(PsSurface.set_dense, self.replica.weights(), self.replica.step,
                                          self.replica.optimizer_state())
+            if self.replica.hot is not None:
+                self.replica.hot.give_back(self.replica.step)
 
     def fetch_rows(self, lookups: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The servers' current rows of ``lookups`` and dense weights (unless this trainer holds a

@@ -13,7 +13,7 @@ from ps.spec.config import PsConfig, TablePrecisionSettings
 from ps.spec.consistency import Consistency
 from ps.spec.hashed_settings import HashedTableSettings
 from services.config import ConfigBase
-from trainer.core.config import TrainerSettings, TrainersUpSettings
+from trainer.core.config import TrainerSettings, TrainersUpSettings, replicated_rows_need_replica
 
 if TYPE_CHECKING:
     from rpcps.schema import Schema
@@ -206,8 +206,9 @@ class CtrDataSettings(SchemaSettings):
     cache_staleness: int = Field(1, ge=0, le=1_000_000, description="--cache-rows, --cache-share: a copy serves "
                                                                     "steps up to this many of the trainer's steps "
                                                                     "after the one that read it, then is read again "
-                                                                    "(0: never: a row a step reads, its update "
-                                                                    "changes; sync needs 0)")
+                                                                    "(async, ssp); 0: the hot rows replicated "
+                                                                    "among the trainers and stepped by them, "
+                                                                    "exact (sync with --dense allreduce)")
 
     @model_validator(mode="after")
     def _one_source(self) -> "CtrDataSettings":
@@ -229,6 +230,7 @@ class CtrTrainerConfig(CtrDataSettings, TrainerSettings):
     @model_validator(mode="after")
     def _check(self) -> "CtrTrainerConfig":
         self._check_role("ctr")
+        replicated_rows_need_replica(bool(self.cache_rows or self.cache_share), self.cache_staleness, self.dense)
         return self
 
 
@@ -248,4 +250,5 @@ class CtrUpSettings(CtrDataSettings, TrainersUpSettings, CtrModelSettings):
     def _prefetch_within_consistency(self) -> "CtrUpSettings":
         cached = self.cache_rows or self.cache_share
         Consistency.parse(self.consistency).check_reads(self.prefetch, self.cache_staleness if cached else 0)
+        replicated_rows_need_replica(bool(cached), self.cache_staleness, self.dense)
         return self

@@ -7,11 +7,12 @@ import logging
 
 from typing import Optional
 
-from ps.client.cache import HotRows, hot_rows
+from ps.client.cache import HotRows
 from ps.client.stub import PsClient
 from services.errors import ConfigError
 from services.names import parse_name
 from services.role import RoleContext
+from trainer.core.hot_rows import row_cache
 from trainer.core.role import ServedTrainer
 from trainer.ctr import builtin
 from trainer.ctr.config import CtrTrainerConfig
@@ -36,7 +37,7 @@ class CtrTrainer(ServedTrainer):
         return self.cfg.prefetch
 
     def cache(self) -> Optional[HotRows]:
-        return hot_rows(self.cfg.cache_rows, self.cfg.cache_staleness, self.cfg.cache_share)
+        return row_cache(self.cfg.cache_rows, self.cfg.cache_staleness, self.cfg.cache_share)
 
     def task(self, client: PsClient) -> CtrTask:
         cfg, hosted = self.cfg, client.model

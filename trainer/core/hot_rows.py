@@ -1,0 +1,263 @@
+"""``--cache-staleness 0`` under ``--consistency sync --dense allreduce``: the rows the trainers read
+most, replicated among them as Bagpipe keeps its hot embeddings, so that a cached row is exact.
+
+Every trainer of the group holds the same hot rows with their optimizer state. A step takes them
+from here, never from the servers; its gradients of them are averaged over the group with the
+dense weights' (``DenseReplica``), and each trainer steps them by the table's own rule, as the
+servers would have: the replicas stay equal, and a step computes what it would without the cache
+(bit for bit where the servers' average and this one add up alike: two trainers, no clipping).
+The servers' copies of hot rows stand still until the rows go back to them (``return_rows``):
+when they leave the hot set, at a checkpoint, and when a trainer stops.
+
+Which rows are hot is the group's choice every ``every`` steps of the step clock: each trainer
+counts the ids its training batches named since the last choice, the group adds the counts up,
+and each table keeps its most named (ties to the lower id), the same on every trainer. Rows that
+leave go back to the servers; rows that come are read from them with their state (``hold_rows``).
+No RPC or collective of its own: the servers and the group are the caller's (``ServerRows``,
+``DenseReplica``), so it is tested alone."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+
+from ps.client.cache import HotRows, Taken, others
+from ps.client.lookups import plan_lookups
+from ps.client.stub import PsClient
+from ps.spec.rules import UpdateRule, rule
+from services.errors import ConfigError
+from ps.spec.surface import PsSurface
+
+log = logging.getLogger(__name__)
+
+EVERY = 20      # steps between the group's choices of hot rows
+
+Held = dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]   # param -> (ids, rows, state)
+
+
+@dataclass
+class _Rows:
+    """One table parameter's hot rows: ``ids`` sorted, ``rows`` a leaf the steps' gradients reach,
+    ``state`` the rule's rows of state."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
+class ServerRows:
+    """The servers' side of hot rows: each table parameter's rows with their state read from the
+    servers that own them, and written back, cut as lookups are."""
+
+    def __init__(self, client: PsClient) -> None:
+        self.client = client
+
+    def hold(self, lookups: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """Rows [n, *row] and their state of ``lookups`` (parameter -> sorted unique ids)."""
+        out = {}
+        for param, ids in lookups.items():
+            plan = self._plan(param, ids)
+            answers = [self.client.call(self.client.ps_names[k], PsSurface.hold_rows, ask)[param]
+                       for k, ask in plan.requests]
+            rows = plan.collect([{param: rows} for rows, _ in answers])[param]
+            keys = answers[0][1] if answers else {}
+            out[param] = (rows, {k: plan.collect([{param: state[k]} for _, state in answers])[param] for k in keys})
+        return out
+
+    def give_back(self, held: Held, step: int) -> None:
+        """``held`` rows and their state into the servers' tables, as of the step clock's ``step``."""
+        for param, (ids, rows, state) in held.items():
+            if not ids.numel():
+                continue
+            plan = self._plan(param, ids)
+            parts = plan.spread({param: rows})
+            states = {k: plan.spread({param: v}) for k, v in state.items()}
+            for r, (k, ask) in enumerate(plan.requests):
+                sent = (ask[param], parts[r][param][1], {key: s[r][param][1] for key, s in states.items()})
+                self.client.call(self.client.ps_names[k], PsSurface.return_rows, {param: sent}, step)
+
+    def _plan(self, param: str, ids: torch.Tensor) -> Any:
+        c = self.client
+        return plan_lookups({param: ids}, c.plans, c.table_of, c.max_ids, c.row_shapes, distinct=(param,))
+
+
+@dataclass
+class ReplicatedRows(HotRows):
+    """Per table parameter at most ``capacity`` rows or ``share`` of its table's, whichever is
+    more, chosen every ``every`` steps. ``bind`` gives it the servers and each table's rule."""
+
+    staleness: int = 0
+    every: int = EVERY
+    replicated: ClassVar[bool] = True
+    held: dict[str, _Rows] = field(default_factory=dict)
+    _named: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    _servers: Optional[ServerRows] = None
+    _rules: dict[str, UpdateRule] = field(default_factory=dict)
+    _lr: float = 0.0
+    _table_rows: dict[str, int] = field(default_factory=dict)
+
+    def bind(self, servers: ServerRows, rules: dict[str, UpdateRule], lr: float, table_rows: dict[str, int]) -> None:
+        """``rules``, ``table_rows``: each table parameter's update rule and its table's rows."""
+        self._servers, self._rules, self._lr, self._table_rows = servers, rules, lr, table_rows
+
+    @property
+    def rows(self) -> int:
+        return sum(h.ids.numel() for h in self.held.values())
+
+    def take(self, param: str, ids: torch.Tensor, used_at: int) -> Taken:
+        """The hot rows among ``ids``, as the replica holds them now (the way back for their
+        gradients leads to it). A training read's ids are counted for the next choice."""
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        if torch.is_grad_enabled():
+            self._named.setdefault(param, []).append((unique, torch.bincount(inverse, minlength=unique.numel())))
+        held = self.held.get(param)
+        places, hit_rows = unique[:0], torch.zeros(0)
+        if held is not None and held.ids.numel():
+            at = torch.searchsorted(held.ids, unique).clamp_(max=held.ids.numel() - 1)
+            places = (held.ids[at] == unique).nonzero().squeeze(1)
+            hit_rows = held.rows.index_select(0, at[places])
+        return Taken(ids.shape, inverse, places, unique[places], hit_rows, *others(places, unique), places.new_zeros(0))
+
+    def store(self, param: str, ids: torch.Tensor, rows: torch.Tensor, read_at: int, table_rows: int = 0) -> None:
+        """Rows read from the servers are not kept: only the group's choice makes a row hot."""
+
+    def forget(self) -> None:
+        """The replica is where hot rows live: a server back from a checkpoint leaves them be."""
+
+    # --- the group's step (``DenseReplica``) ---------------------------------------------------------
+    def gradients(self, grads: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """This trainer's gradients of every hot row (``grads``: the step context's), in one flat
+        tensor, zeros where the step took none: what the group averages."""
+        parts = [grads.get(h.rows, torch.zeros_like(h.rows)).reshape(-1) for _, h in sorted(self.held.items())]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def split(self, flat: torch.Tensor) -> dict[torch.Tensor, torch.Tensor]:
+        """``gradients``' order undone: the averaged gradient of each parameter's hot rows, by
+        the rows (the tensor) it changes."""
+        out, start = {}, 0
+        for _, h in sorted(self.held.items()):
+            out[h.rows] = flat[start:start + h.rows.numel()].view_as(h.rows)
+            start += h.rows.numel()
+        return out
+
+    @torch.no_grad()
+    def apply(self, averaged: dict[torch.Tensor, torch.Tensor], coef: float) -> None:
+        """Each table's rule on its hot rows (``averaged``: ``split``'s, among others), over the
+        rows the group's gradient touched: a sparse gradient, as the servers step a table."""
+        for param, h in self.held.items():
+            grad = averaged[h.rows]
+            if coef < 1.0:
+                grad = grad * coef
+            touched = grad.reshape(grad.shape[0], -1).ne(0).any(1).nonzero().squeeze(1)
+            if touched.numel():
+                sparse = torch.sparse_coo_tensor(touched[None], grad[touched], h.rows.shape, check_invariants=False)
+                self._rules[param].step(h.rows, sparse, h.state, self._lr)
+
+    def choose(self, step: int, gather: Callable[[Any], list[Any]], writes: bool) -> bool:
+        """At the step clock's ``step``, every ``every`` steps: the group's hot rows chosen anew
+        (``gather``: every member's object, in rank order, the same on every member). Rows that
+        leave go back to the servers (by this member if it ``writes``), rows that come are read.
+        Whether it chose."""
+        if step % self.every or self._servers is None:
+            return False
+        mine = {p: self._counted(p) for p in sorted(self._named)}
+        self._named.clear()
+        counted: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for theirs in gather(mine):
+            for param, pair in theirs.items():
+                counted.setdefault(param, []).append(pair)
+        leaving: Held = {}
+        coming: dict[str, torch.Tensor] = {}
+        kept: dict[str, _Rows] = {}
+        for param in sorted(set(counted) | set(self.held)):
+            chosen = self._top(counted.get(param, []), self.capacity_of(self._table_rows.get(param, 0)))
+            h = self.held.get(param) or _Rows(chosen[:0], torch.zeros(0), {})
+            stays = torch.isin(h.ids, chosen)
+            if not bool(stays.all()):
+                gone = (~stays).nonzero().squeeze(1)
+                leaving[param] = (h.ids[gone], h.rows.detach()[gone], {k: v[gone] for k, v in h.state.items()})
+            kept[param] = _Rows(h.ids[stays], h.rows.detach()[stays], {k: v[stays] for k, v in h.state.items()})
+            new = chosen[~torch.isin(chosen, h.ids)]
+            if new.numel():
+                coming[param] = new
+        if writes and leaving:
+            self._servers.give_back(leaving, step)
+        read = self._servers.hold(coming) if coming else {}
+        self.held = {p: self._merged(kept[p], coming.get(p), read.get(p)) for p in kept}
+        self.held = {p: h for p, h in self.held.items() if h.ids.numel()}
+        log.info("hot rows at step %d: %d held, %d came, %d left", step, self.rows,
+                 sum(c.numel() for c in coming.values()), sum(ids.numel() for ids, _, _ in leaving.values()))
+        return True
+
+    def give_back(self, step: int) -> None:
+        """Every hot row and its state into the servers' tables (a checkpoint, a stop), as of ``step``."""
+        if self._servers is not None and self.held:
+            self._servers.give_back({p: (h.ids, h.rows.detach(), h.state) for p, h in self.held.items()}, step)
+
+    def state(self) -> dict[str, Any]:
+        """What a newcomer to the group takes (``load``): the hot rows, their ids and state."""
+        return {p: (h.ids.clone(), h.rows.detach().clone(), {k: v.clone() for k, v in h.state.items()})
+                for p, h in self.held.items()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.held = {p: _Rows(ids, rows.requires_grad_(), dict(s)) for p, (ids, rows, s) in state.items()}
+
+    def _counted(self, param: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids this trainer's batches named since the last choice, and how often: at most the
+        table's capacity of them, the most named (the rest cannot make it on this trainer's count
+        alone, and the group adds counts of ids some trainer ranks high)."""
+        pairs = self._named[param]
+        ids, inverse = torch.unique(torch.cat([i for i, _ in pairs]), return_inverse=True)
+        counts = torch.zeros(ids.numel(), dtype=torch.long).index_add_(0, inverse, torch.cat([c for _, c in pairs]))
+        keep = self.capacity_of(self._table_rows.get(param, 0))
+        if ids.numel() > keep:
+            top = _ranked(ids, counts)[:keep]
+            ids, counts = ids[top], counts[top]
+        return ids, counts
+
+    @staticmethod
+    def _top(pairs: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> torch.Tensor:
+        """The ``capacity`` ids named most over every member's counts, sorted by id."""
+        if not pairs or capacity <= 0:
+            return torch.zeros(0, dtype=torch.long)
+        ids, inverse = torch.unique(torch.cat([i for i, _ in pairs]), return_inverse=True)
+        counts = torch.zeros(ids.numel(), dtype=torch.long).index_add_(0, inverse, torch.cat([c for _, c in pairs]))
+        return ids[_ranked(ids, counts)[:capacity]].sort().values
+
+    @staticmethod
+    def _merged(kept: _Rows, ids: Optional[torch.Tensor], read: Optional[tuple]) -> _Rows:
+        """The rows that stay and those read (``ids``, ``read``: their rows and state), by id: a
+        new leaf, as a step's gradients must reach the rows it took."""
+        if ids is None:
+            return _Rows(kept.ids, kept.rows.clone().requires_grad_(), kept.state)
+        rows, state = read
+        rows = rows.detach()
+        if not kept.ids.numel():
+            return _Rows(ids, rows.clone().requires_grad_(), state)
+        order = torch.argsort(torch.cat([kept.ids, ids]))
+        return _Rows(torch.cat([kept.ids, ids])[order], torch.cat([kept.rows, rows])[order].requires_grad_(),
+                     {k: torch.cat([kept.state[k], state[k]])[order] for k in state})
+
+
+def table_rules(model: dict[str, Any]) -> dict[str, UpdateRule]:
+    """Each table parameter's update rule, as the servers' model names it (``ModelSpec.meta``)."""
+    tables = model.get("restorable", {}).get("tables", {})
+    if not tables:
+        raise ConfigError("--cache-staleness 0 steps hot rows by their tables' rules, but the servers' model "
+                          "names none (its ModelSpec.meta['restorable'])")
+    return {param: rule(t["rule"]) for param, t in tables.items()}
+
+
+def row_cache(capacity: int, staleness: int, share: float = 0.0) -> Optional[HotRows]:
+    """The cache the flags ask for: none for 0 rows and a share of 0; hot rows replicated among
+    the trainers for staleness 0 (which needs ``--dense allreduce``); else copies."""
+    if capacity <= 0 and share <= 0:
+        return None
+    return ReplicatedRows(capacity, 0, share) if staleness == 0 else HotRows(capacity, staleness, share)
+
+
+def _ranked(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Places of ``ids`` (sorted) from the most counted down, ties to the lower id."""
+    return torch.sort(counts, descending=True, stable=True).indices
