@@ -266,10 +266,14 @@ class DenseReplica:
                 self.optimizer.state[p] = {k: v.clone() for k, v in state[n].items()}
 
     def digest(self) -> str:
-        """The replica's weights, bit for bit, as a short hash: equal on every trainer of a group."""
+        """The replica's weights (and hot rows, by id), bit for bit, as a short hash: equal on every
+        trainer of a group."""
         h = hashlib.sha256()
         for _, p in sorted(self.named.named_parameters()):
             h.update(p.detach().contiguous().numpy())   # the buffer itself, not a copy
+        for _, held in sorted(self.hot.held.items() if self.hot is not None else ()):
+            h.update(held.ids.numpy())
+            h.update(held.rows.detach().numpy())
         return h.hexdigest()[:16]
 
     def weights(self) -> dict[str, torch.Tensor]:
