@@ -138,7 +138,8 @@ class HotRows:
     capacity: int
     staleness: int
     share: float = 0.0
-    replicated: ClassVar[bool] = False    # the copies are replicas the trainers step themselves (trainer/core/hot_rows.py)
+    # Whether the copies are replicas the trainers step themselves (``trainer/core/hot_rows.py``).
+    replicated: ClassVar[bool] = False
     _tables: dict[str, _Slots] = field(default_factory=dict)
     _row_bytes: dict[str, int] = field(default_factory=dict)
     counts: CacheCounts = field(default_factory=CacheCounts)

@@ -173,6 +173,10 @@ class PsClient:
         """One method of one server, synchronously."""
         return wait(self._async(ps, method, *args))
 
+    def ask(self, ps: str, method: Callable[..., Any], *args: Any) -> torch.futures.Future:
+        """One method of one server, its answer to wait for (``services.remote.wait``)."""
+        return self._async(ps, method, *args)
+
     def read_ahead(self, early: int = 0, cache: Optional[HotRows] = None) -> None:
         """Steps read their rows ``early`` steps before they train with them (``--prefetch``,
         ``trainer/core/prefetch.py``) and take copies from ``cache``: ``ValueError`` if either is

@@ -87,7 +87,8 @@ class ReplicaWrites:
         optimizer state (zeros before the table's first step): what a trainer holds of them."""
         local = self._local(lookups, "hold_rows")
         with self.optimizer.lock, torch.no_grad():     # no way back: the trainers step these rows themselves
-            return {param: (self.shard[param][at].float(), {k: v[at].clone() for k, v in self._row_state(param).items()})
+            return {param: (self.shard[param][at].float(),
+                            {k: v[at].clone() for k, v in self._row_state(param).items()})
                     for param, at in local.items()}
 
     def write_rows(self, rows: Any, step: Any) -> bool:
@@ -139,7 +140,8 @@ class ReplicaWrites:
     def _check_rows(self, param: str, n: int, values: Any, state: Any) -> None:
         row = tuple(self.shard[param].shape[1:])
         if not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.shape != (n, *row):
-            raise BadRequest(f"return_rows: the rows of {param} must be a float tensor {[n, *row]}, got {describe(values)}")
+            raise BadRequest(f"return_rows: the rows of {param} must be a float tensor {[n, *row]}, "
+                             f"got {describe(values)}")
         with self.optimizer.lock:
             shapes = {k: (n, *v.shape[1:]) for k, v in self._row_state(param).items()}
         if not isinstance(state, dict) or set(state) != set(shapes) or not all(

@@ -162,7 +162,8 @@ class ParameterServer(PsSurface):
         return self.replica.read_rows(lookups)
 
     @remote
-    def return_rows(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]], step: int) -> bool:
+    def return_rows(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]],
+                    step: int) -> bool:
         return self.replica.write_rows(rows, step)
 
     @remote

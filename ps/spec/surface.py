@@ -64,7 +64,8 @@ class PsSurface(Service):
         raise NotImplementedError
 
     @remote
-    def return_rows(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]], step: int) -> bool:
+    def return_rows(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]],
+                    step: int) -> bool:
         """Rows the trainers held, as of the step clock's ``step``: parameter -> (ids, values,
         their state's rows as ``hold_rows`` gave them). Refused (False) when a replica of a later
         step was written already (``ps/server/replica_writes.py``)."""

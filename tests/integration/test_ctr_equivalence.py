@@ -4,8 +4,9 @@ and row-wise Adagrad, tables placed row-wise and whole (table-wise), and with ea
 cut into many requests by a small --max-ids-per-request. And gradients pushed for rows a step did
 not read from the servers move them as distributed autograd's do; and sync steps whose reads were
 issued ahead (--prefetch) train bit for bit as those that read in the step, as do steps that take
-hot rows replicated among the trainers (--cache-staleness 0); a cached row serves up to its bound, and a trainer killed with a full cache, its step's gradients of the copies pushed,
-leaves nothing of that step applied."""
+hot rows replicated among the trainers (--cache-staleness 0); a cached row serves up to its bound,
+and a trainer killed with a full cache, its step's gradients of the copies pushed, leaves nothing
+of that step applied."""
 
 import json
 import signal

@@ -110,15 +110,32 @@ def test_the_rule_steps_held_rows_as_a_server_steps_its_table_and_leaves_the_unt
     choose_together([hot], 2)
     table, state = servers.rows.clone(), {"sum": servers.sum.clone()}
     grad = torch.tensor([[0.5, -1.0], [0.0, 0.0], [2.0, 0.25]])       # rows 3, 5, 9: 5 untouched
-    flat = hot.gradients({hot.held[P].rows: grad})
-    assert torch.equal(flat, grad.reshape(-1))
-    hot.apply(hot.split(flat), 1.0)
+    crossed = []
+    averaged = hot.averaged({hot.held[P].rows: grad}, lambda mask: mask,
+                            lambda flat: crossed.append(flat.clone()) or flat)
+    assert crossed[0].tolist() == [0.5, -1.0, 2.0, 0.25], "only touched rows cross"
+    hot.apply(averaged, 1.0)
     touched = torch.tensor([3, 9])
     sparse = torch.sparse_coo_tensor(touched[None], grad[[0, 2]], table.shape)
     rule("rowwise_adagrad").step(table, sparse, state, 0.5)
     assert torch.equal(hot.held[P].rows.detach(), table[[3, 5, 9]])
     assert torch.equal(hot.held[P].state["sum"], state["sum"][[3, 5, 9]])
     assert hot.held[P].rows[1].tolist() == [5.0, 5.0]
+
+
+def test_the_group_averages_the_rows_any_member_touched_and_no_other():
+    a = member(FakeServers())
+    named(a, [1, 2, 3])
+    choose_together([a], 2)
+    mine = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])          # this member touched row 1
+    theirs = torch.tensor([False, False, True])                         # another touched row 3
+    sent = []
+    averaged = a.averaged({a.held[P].rows: mine}, lambda mask: mask | theirs,
+                          lambda flat: sent.append(flat) or flat / 2)
+    assert sent[0].tolist() == [1.0, 1.0, 0.0, 0.0], "row 1's gradient and row 3's zeros"
+    assert averaged[a.held[P].rows].tolist() == [[0.5, 0.5], [0.0, 0.0], [0.0, 0.0]]
+    untouched = member(FakeServers())
+    assert untouched.averaged({}, lambda mask: mask, lambda flat: flat) == {}, "nothing held, nothing sent"
 
 
 def test_a_newcomer_takes_the_groups_rows_from_its_state():

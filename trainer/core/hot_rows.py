@@ -18,6 +18,7 @@ No RPC or collective of its own: the servers and the group are the caller's (``S
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
@@ -28,6 +29,7 @@ from ps.client.lookups import plan_lookups
 from ps.client.stub import PsClient
 from ps.spec.rules import UpdateRule, rule
 from services.errors import ConfigError
+from services.remote import wait
 from ps.spec.surface import PsSurface
 
 log = logging.getLogger(__name__)
@@ -48,39 +50,49 @@ class _Rows:
 
 
 class ServerRows:
-    """The servers' side of hot rows: each table parameter's rows with their state read from the
-    servers that own them, and written back, cut as lookups are."""
+    """The servers' side of hot rows: rows with their state read from the servers that own them,
+    and written back, one request a server (or as many as ``--max-ids-per-request`` needs), all
+    at once."""
 
     def __init__(self, client: PsClient) -> None:
         self.client = client
 
     def hold(self, lookups: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """Rows [n, *row] and their state of ``lookups`` (parameter -> sorted unique ids)."""
-        out = {}
-        for param, ids in lookups.items():
-            plan = self._plan(param, ids)
-            answers = [self.client.call(self.client.ps_names[k], PsSurface.hold_rows, ask)[param]
-                       for k, ask in plan.requests]
-            rows = plan.collect([{param: rows} for rows, _ in answers])[param]
-            keys = answers[0][1] if answers else {}
-            out[param] = (rows, {k: plan.collect([{param: state[k]} for _, state in answers])[param] for k in keys})
+        plan = self._plan(lookups)
+        answers = [wait(f) for f in [self.client.ask(self.client.ps_names[k], PsSurface.hold_rows, ask)
+                                     for k, ask in plan.requests]]
+        out: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+        for (_, ask), answer in zip(plan.requests, answers):
+            for param, (rows, state) in answer.items():
+                ids = lookups[param]
+                if param not in out:
+                    out[param] = (rows.new_empty(ids.numel(), *rows.shape[1:]),
+                                  {k: v.new_empty(ids.numel(), *v.shape[1:]) for k, v in state.items()})
+                at = torch.searchsorted(ids, ask[param].long())      # ``ids`` sorted: each asked id's place
+                out[param][0][at] = rows
+                for k, v in state.items():
+                    out[param][1][k][at] = v
         return out
 
     def give_back(self, held: Held, step: int) -> None:
-        """``held`` rows and their state into the servers' tables, as of the step clock's ``step``."""
-        for param, (ids, rows, state) in held.items():
-            if not ids.numel():
-                continue
-            plan = self._plan(param, ids)
-            parts = plan.spread({param: rows})
-            states = {k: plan.spread({param: v}) for k, v in state.items()}
-            for r, (k, ask) in enumerate(plan.requests):
-                sent = (ask[param], parts[r][param][1], {key: s[r][param][1] for key, s in states.items()})
-                self.client.call(self.client.ps_names[k], PsSurface.return_rows, {param: sent}, step)
+        """``held`` rows (by sorted ids) and their state into the servers' tables, as of the step
+        clock's ``step``."""
+        plan = self._plan({p: ids for p, (ids, _, _) in held.items() if ids.numel()})
+        sends = []
+        for k, ask in plan.requests:
+            sent = {}
+            for param, asked in ask.items():
+                ids, rows, state = held[param]
+                at = torch.searchsorted(ids, asked.long())
+                sent[param] = (asked, rows[at], {key: v[at] for key, v in state.items()})
+            sends.append(self.client.ask(self.client.ps_names[k], PsSurface.return_rows, sent, step))
+        for f in sends:
+            wait(f)
 
-    def _plan(self, param: str, ids: torch.Tensor) -> Any:
+    def _plan(self, lookups: dict[str, torch.Tensor]) -> Any:
         c = self.client
-        return plan_lookups({param: ids}, c.plans, c.table_of, c.max_ids, c.row_shapes, distinct=(param,))
+        return plan_lookups(lookups, c.plans, c.table_of, c.max_ids, c.row_shapes, distinct=tuple(lookups))
 
 
 @dataclass
@@ -127,19 +139,28 @@ class ReplicatedRows(HotRows):
         """The replica is where hot rows live: a server back from a checkpoint leaves them be."""
 
     # --- the group's step (``DenseReplica``) ---------------------------------------------------------
-    def gradients(self, grads: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """This trainer's gradients of every hot row (``grads``: the step context's), in one flat
-        tensor, zeros where the step took none: what the group averages."""
-        parts = [grads.get(h.rows, torch.zeros_like(h.rows)).reshape(-1) for _, h in sorted(self.held.items())]
-        return torch.cat(parts) if parts else torch.zeros(0)
-
-    def split(self, flat: torch.Tensor) -> dict[torch.Tensor, torch.Tensor]:
-        """``gradients``' order undone: the averaged gradient of each parameter's hot rows, by
-        the rows (the tensor) it changes."""
-        out, start = {}, 0
-        for _, h in sorted(self.held.items()):
-            out[h.rows] = flat[start:start + h.rows.numel()].view_as(h.rows)
-            start += h.rows.numel()
+    def averaged(self, grads: dict[torch.Tensor, torch.Tensor], union: Callable[[torch.Tensor], torch.Tensor],
+                 mean: Callable[[torch.Tensor], torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+        """The group's average of the step's gradients of the hot rows (``grads``: this trainer's,
+        the step context's), by the rows (the tensor) each changes. Only rows some member's step
+        touched cross: ``union`` takes the group's most of a mask [rows], ``mean`` its average of
+        a flat tensor, as Bagpipe all-reduces a step's hot rows, not all it holds."""
+        held = [h for _, h in sorted(self.held.items())]
+        if not held:
+            return {}
+        mine = [grads.get(h.rows) for h in held]
+        flat = [g.reshape(g.shape[0], -1) if g is not None else None for g in mine]
+        touched = union(torch.cat([f.ne(0).any(1) if f is not None else torch.zeros(h.ids.numel(), dtype=torch.bool)
+                                   for h, f in zip(held, flat)]))
+        cut = torch.split(touched, [h.ids.numel() for h in held])
+        sent = [f[t] if f is not None else h.rows.new_zeros(int(t.sum()), h.rows[0].numel())
+                for h, f, t in zip(held, flat, cut)]
+        got = torch.split(mean(torch.cat([x.reshape(-1) for x in sent])), [x.numel() for x in sent])
+        out = {}
+        for h, t, g in zip(held, cut, got):
+            whole = h.rows.new_zeros(h.rows.shape)
+            whole.view(h.ids.numel(), -1)[t] = g.view(-1, h.rows[0].numel())
+            out[h.rows] = whole
         return out
 
     @torch.no_grad()
@@ -152,7 +173,9 @@ class ReplicatedRows(HotRows):
                 grad = grad * coef
             touched = grad.reshape(grad.shape[0], -1).ne(0).any(1).nonzero().squeeze(1)
             if touched.numel():
-                sparse = torch.sparse_coo_tensor(touched[None], grad[touched], h.rows.shape, check_invariants=False)
+                # Rows in order, each once: coalesced as it is, which spares the rule a sort.
+                sparse = torch.sparse_coo_tensor(touched[None], grad[touched], h.rows.shape, check_invariants=False,
+                                                 is_coalesced=True)
                 self._rules[param].step(h.rows, sparse, h.state, self._lr)
 
     def choose(self, step: int, gather: Callable[[Any], list[Any]], writes: bool) -> bool:
@@ -162,6 +185,7 @@ class ReplicatedRows(HotRows):
         Whether it chose."""
         if step % self.every or self._servers is None:
             return False
+        started = time.perf_counter()
         mine = {p: self._counted(p) for p in sorted(self._named)}
         self._named.clear()
         counted: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -187,8 +211,9 @@ class ReplicatedRows(HotRows):
         read = self._servers.hold(coming) if coming else {}
         self.held = {p: self._merged(kept[p], coming.get(p), read.get(p)) for p in kept}
         self.held = {p: h for p, h in self.held.items() if h.ids.numel()}
-        log.info("hot rows at step %d: %d held, %d came, %d left", step, self.rows,
-                 sum(c.numel() for c in coming.values()), sum(ids.numel() for ids, _, _ in leaving.values()))
+        log.info("hot rows at step %d: %d held, %d came, %d left (%.0f ms)", step, self.rows,
+                 sum(c.numel() for c in coming.values()), sum(ids.numel() for ids, _, _ in leaving.values()),
+                 1000 * (time.perf_counter() - started))
         return True
 
     def give_back(self, step: int) -> None:

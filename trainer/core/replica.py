@@ -212,11 +212,16 @@ class DenseReplica:
     def _hot_mean(self, grads: dict[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
         """The hot rows' gradients averaged over the group as DDP's bucket is (``_finite_mean``),
         by the rows they change."""
-        if self.hot is None or not self.hot.held:
+        if self.hot is None:
             return {}
-        flat = self.hot.gradients(grads)
-        bucket = _Bucket(flat)
-        return self.hot.split(_finite_mean(self._reduced, bucket).wait())   # type: ignore[arg-type]
+        return self.hot.averaged(grads, self._union, lambda flat: _finite_mean(self._reduced, _Bucket(flat)).wait())
+
+    def _union(self, mask: torch.Tensor) -> torch.Tensor:
+        """True where any member's ``mask`` is."""
+        mine = mask.to(torch.uint8)
+        self._reduced.sent += mine.numel()
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return mine.bool()
 
     @staticmethod
     def sq_norm(grads: Optional[dict[torch.Tensor, torch.Tensor]]) -> float:

@@ -10,6 +10,8 @@
   while the step before computes (async), or the moment it is applied (sync: its AUC is sync's);
 * ``async-cache``, ``async-prefetch-cache``: async with a rows cache on each trainer (``CACHE``),
   without and with ``--prefetch 1``: its hit rate and the bytes it saved;
+* ``sync-allreduce-hot``: ``sync-allreduce`` with the hot rows replicated among the trainers
+  (``HOT``, ``--cache-staleness 0``): exact, so its AUC is ``sync-allreduce``'s;
 * ``hashed``, ``hashed-10``: sync, the big tables keyed by raw 64-bit ids (``--tables C3,…``), with
   room for twice their ids (``--capacity-share 2``: nothing evicted) and for a tenth of them
   (``--capacity-share 0.1``): what a bounded table costs in AUC;
@@ -47,9 +49,11 @@ from typing import Optional
 from services.client import SidecarClient
 
 VARIANTS = ("local", "async", "sync", "async-prefetch", "sync-prefetch", "async-cache", "async-prefetch-cache",
-            "sync-allreduce", "hashed", "hashed-10", "fp16", "bf16", "wire-fp16")
+            "sync-allreduce", "sync-allreduce-hot", "hashed", "hashed-10", "fp16", "bf16", "wire-fp16")
 # The rows cache of the cache variants: 1 % of the biggest table at --scale 0.1, each copy serving up to 10 steps.
 CACHE = ("--cache-rows", "10000", "--cache-staleness", "10")
+# The hot rows of sync-allreduce-hot: up to 2,000 rows of each table replicated among the trainers (exact).
+HOT = ("--cache-rows", "2000", "--cache-staleness", "0")
 HALF = {"fp16": ("--table-dtype", "fp16"), "bf16": ("--table-dtype", "bf16"), "wire-fp16": ("--wire-dtype", "fp16")}
 TRAINERS = 2
 TARGETS = {"async_vs_local": 0.8, "sync_auc_minus_local": 0.002, "rows_bytes_ratio": 2.0,
@@ -248,7 +252,8 @@ def extra(variant: str, scale: float) -> tuple[str, ...]:
     return {"async": (), "sync": ("--consistency", "sync"), "async-prefetch": ("--prefetch", "1"),
             "sync-prefetch": ("--consistency", "sync", "--prefetch", "1"), "async-cache": CACHE,
             "async-prefetch-cache": ("--prefetch", "1", *CACHE),
-            "sync-allreduce": ("--consistency", "sync", "--dense", "allreduce")}[variant]
+            "sync-allreduce": ("--consistency", "sync", "--dense", "allreduce"),
+            "sync-allreduce-hot": ("--consistency", "sync", "--dense", "allreduce", *HOT)}[variant]
 
 
 def _run_variant(name: str, args: dict) -> dict:
@@ -285,6 +290,7 @@ def run(ns: argparse.Namespace) -> int:
         else:
             results[name].update(bytes_per_sample=median(name, "bytes_per_sample"), rss_mb=rounds[-1][name]["rss_mb"],
                                  saved_bytes_per_sample=median(name, "saved_bytes_per_sample"),
+                                 allreduce_bytes_per_sample=median(name, "allreduce_bytes_per_sample"),
                                  account=rounds[-1][name]["account"])
             if rounds[-1][name]["cache_hit_rate"] is not None:
                 results[name]["cache_hit_rate"] = median(name, "cache_hit_rate")
@@ -303,16 +309,16 @@ def run(ns: argparse.Namespace) -> int:
                                                      for r in rounds)
     if "sync" in results and "local" in results:
         ratios["sync_auc_minus_local"] = results["sync"]["auc"] - results["local"]["auc"]
-    for name in ("async-prefetch", "sync-prefetch", "async-cache", "async-prefetch-cache"):
-        plain = name.split("-")[0]
-        key = name.replace("-", "_")
+    for name in ("async-prefetch", "sync-prefetch", "async-cache", "async-prefetch-cache", "sync-allreduce-hot"):
+        plain = name.removesuffix("-hot") if name.endswith("-hot") else name.split("-")[0]
+        key, plain_key = name.replace("-", "_"), plain.replace("-", "_")
         if name in results and "local" in results:
             ratios[f"{key}_vs_local"] = statistics.median(
                 r[name]["samples_per_s"] / r["local"]["samples_per_s"] for r in rounds)
         if name in results and plain in results:
-            ratios[f"{key}_vs_{plain}"] = statistics.median(
+            ratios[f"{key}_vs_{plain_key}"] = statistics.median(
                 r[name]["samples_per_s"] / r[plain]["samples_per_s"] for r in rounds)
-            ratios[f"{key}_auc_minus_{plain}"] = results[name]["auc"] - results[plain]["auc"]
+            ratios[f"{key}_auc_minus_{plain_key}"] = results[name]["auc"] - results[plain]["auc"]
     for name in ("async", "sync", "sync-allreduce", "wire-fp16"):
         if name in results:
             ratios[f"{name}_bytes_vs_rows"] = results[name]["bytes_per_sample"] / rows
