@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from services.client import SidecarClient
+from tests.support.replicas import agree
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
 from trainer.lm.config import LmModelConfig
@@ -43,23 +44,6 @@ def digest_of(lstm: dict[str, torch.Tensor]) -> str:
     for _, t in sorted(lstm.items()):
         h.update(t.numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def agree(urls: dict[str, str], names: list[str], group: list[str], after: int = -1):
-    """The step after ``after`` that all of ``names`` took last, once all of them all-reduce in
-    ``group``; their replicas' digests must be equal at every step they all took (a difference
-    fails at once)."""
-    seen = {}
-    for name in names:
-        with SidecarClient(urls[name], timeout=2.0) as c:
-            seen[name] = c.status().get("dense_replica")
-    if any(r is None or r["allreduce_group"] != group for r in seen.values()):
-        return None
-    by_step = [dict(r["digests"]) for r in seen.values()]
-    common = set.intersection(*(set(steps) for steps in by_step))
-    for step in common:
-        assert len({steps[step] for steps in by_step}) == 1, f"replicas differ at step {step}: {seen}"
-    return max((s for s in common if s > after), default=None)
 
 
 def test_a_killed_trainer_leaves_the_others_training_with_equal_replicas_and_its_replacement_joins(tmp_path, cleanup):

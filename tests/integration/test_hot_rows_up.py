@@ -1,18 +1,25 @@
 """`rpcps up --workload ctr --consistency sync --dense allreduce --cache-rows N --cache-staleness 0`
 as a user runs it: the trainers replicate the hot rows, take them instead of reading them, and
 end where the same run without them ends, bit for bit: its held-out evaluation (which reads the
-hot rows from the replica) and the final checkpoint (which the trainers gave the rows back to)."""
+hot rows from the replica) and the final checkpoint (which the trainers gave the rows back to).
+A trainer killed leaves the others training with equal hot rows, and its replacement takes them."""
+import os
+import signal
+
+import httpx
 import torch
 
+from tests.support.replicas import agree
 from tests.support.upcli import UpProcess
+from tests.support.wait import wait_until
 
 SMALL = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "32", "--top", "32", "--batch-size", "256",
-         "--eval-samples", "1000", "--progress-interval", "1", "--consistency", "sync", "--dense", "allreduce",
-         "--steps", "45"]
+         "--eval-samples", "1000", "--progress-interval", "1", "--consistency", "sync", "--dense", "allreduce"]
+HOT = ["--cache-rows", "20", "--cache-staleness", "0"]
 
 
 def run(tmp_path, cleanup, *extra):
-    up = UpProcess(tmp_path, *SMALL, *extra)
+    up = UpProcess(tmp_path, *SMALL, "--steps", "45", *extra)
     cleanup(up)
     done = up.wait_event("done", 240)
     assert up.proc.wait(60) == 0, up.logs()
@@ -28,7 +35,7 @@ def run(tmp_path, cleanup, *extra):
 
 def test_hot_rows_replicated_end_where_rows_read_from_the_servers_end(tmp_path, cleanup):
     plain, plain_tables, _ = run(tmp_path / "plain", cleanup)
-    hot, hot_tables, logs = run(tmp_path / "hot", cleanup, "--cache-rows", "20", "--cache-staleness", "0")
+    hot, hot_tables, logs = run(tmp_path / "hot", cleanup, *HOT)
     assert "hot rows at step 40" in logs, "chosen at steps 20 and 40"
     assert 0 < hot["per_step"]["cache_hit_rate"] < hot["per_step"]["cache_lookup_hit_rate"], hot["per_step"]
     assert hot["bytes_per_step"]["saved"] > 0 and hot["bytes_per_step"]["rpc"] < plain["bytes_per_step"]["rpc"]
@@ -37,3 +44,29 @@ def test_hot_rows_replicated_end_where_rows_read_from_the_servers_end(tmp_path, 
     assert hot_tables.keys() == plain_tables.keys()
     differ = [k for k in plain_tables if not torch.equal(plain_tables[k], hot_tables[k])]
     assert not differ, f"the final checkpoints differ in {differ}"
+
+
+def test_a_killed_trainer_leaves_the_others_equal_hot_rows_and_its_replacement_takes_them(tmp_path, cleanup):
+    up = UpProcess(tmp_path, *SMALL, *HOT, "--num-trainers", "3", "--no-final-checkpoint", "--restart-backoff", "0.25",
+                   "--restart-backoff-max", "1")
+    cleanup(up)
+    urls = up.wait_event("started", 120)["sidecars"]
+    everyone = ["ctr0", "ctr1", "ctr2"]
+
+    def holding(names):       # the replicas' digests cover their hot rows: equal digests, equal rows
+        return all(httpx.get(f"{urls[n]}/status", timeout=5).json().get("cache", {}).get("rows", 0) > 0
+                   for n in names)
+    wait_until(lambda: holding(everyone), 120, "every trainer holding hot rows")
+    before = wait_until(lambda: agree(urls, everyone, everyone), 60, "three equal replicas at one step")
+
+    victim = up.cluster()["pids"]["ctr1"]
+    os.kill(victim, signal.SIGKILL)
+    survivors = ["ctr0", "ctr2"]
+    after = wait_until(lambda: agree(urls, survivors, survivors, before), 60,
+                       "the two survivors stepping on, with equal replicas at one step")
+    up.wait_event("restart", 30, name="ctr1")
+    wait_until(lambda: holding(everyone) and agree(urls, everyone, everyone, after), 120,
+               "the replacement in the group, its hot rows the others'")
+    assert up.cluster()["pids"]["ctr1"] != victim
+    assert "took the replica at step" in up.full_logs()
+    assert up.terminate() == 0
