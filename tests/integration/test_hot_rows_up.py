@@ -3,15 +3,11 @@ as a user runs it: the trainers replicate the hot rows, take them instead of rea
 end where the same run without them ends, bit for bit: its held-out evaluation (which reads the
 hot rows from the replica) and the final checkpoint (which the trainers gave the rows back to).
 A trainer killed leaves the others training with equal hot rows, and its replacement takes them."""
-import os
-import signal
-
 import httpx
 import torch
 
-from tests.support.replicas import agree
+from tests.support.replicas import kill_one_and_see_it_rejoin
 from tests.support.upcli import UpProcess
-from tests.support.wait import wait_until
 
 SMALL = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "32", "--top", "32", "--batch-size", "256",
          "--eval-samples", "1000", "--progress-interval", "1", "--consistency", "sync", "--dense", "allreduce"]
@@ -51,22 +47,9 @@ def test_a_killed_trainer_leaves_the_others_equal_hot_rows_and_its_replacement_t
                    "--restart-backoff-max", "1")
     cleanup(up)
     urls = up.wait_event("started", 120)["sidecars"]
-    everyone = ["ctr0", "ctr1", "ctr2"]
 
     def holding(names):       # the replicas' digests cover their hot rows: equal digests, equal rows
         return all(httpx.get(f"{urls[n]}/status", timeout=5).json().get("cache", {}).get("rows", 0) > 0
                    for n in names)
-    wait_until(lambda: holding(everyone), 120, "every trainer holding hot rows")
-    before = wait_until(lambda: agree(urls, everyone, everyone), 60, "three equal replicas at one step")
-
-    victim = up.cluster()["pids"]["ctr1"]
-    os.kill(victim, signal.SIGKILL)
-    survivors = ["ctr0", "ctr2"]
-    after = wait_until(lambda: agree(urls, survivors, survivors, before), 60,
-                       "the two survivors stepping on, with equal replicas at one step")
-    up.wait_event("restart", 30, name="ctr1")
-    wait_until(lambda: holding(everyone) and agree(urls, everyone, everyone, after), 120,
-               "the replacement in the group, its hot rows the others'")
-    assert up.cluster()["pids"]["ctr1"] != victim
-    assert "took the replica at step" in up.full_logs()
+    kill_one_and_see_it_rejoin(up, urls, ["ctr0", "ctr1", "ctr2"], "ctr1", ready=holding)
     assert up.terminate() == 0

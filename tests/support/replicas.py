@@ -1,6 +1,12 @@
 """What the trainers' sidecars say of their replicas (``--dense allreduce``), for tests that kill
 one and watch the others."""
+import os
+import signal
+from typing import Callable
+
 from services.client import SidecarClient
+from tests.support.upcli import UpProcess
+from tests.support.wait import wait_until
 
 
 def agree(urls: dict[str, str], names: list[str], group: list[str], after: int = -1):
@@ -18,3 +24,22 @@ def agree(urls: dict[str, str], names: list[str], group: list[str], after: int =
     for step in common:
         assert len({steps[step] for steps in by_step}) == 1, f"replicas differ at step {step}: {seen}"
     return max((s for s in common if s > after), default=None)
+
+
+def kill_one_and_see_it_rejoin(up: UpProcess, urls: dict[str, str], everyone: list[str], victim: str,
+                               ready: Callable[[list[str]], bool] = lambda names: True) -> None:
+    """Three trainers (``everyone``) in one group with equal replicas (once ``ready``); ``victim``
+    SIGKILLed; the others step on with equal replicas; its replacement, restarted by ``up``,
+    joins them with the same replica, taken from them."""
+    before = wait_until(lambda: ready(everyone) and agree(urls, everyone, everyone), 120,
+                        "three equal replicas at one step")
+    killed = up.cluster()["pids"][victim]
+    os.kill(killed, signal.SIGKILL)
+    survivors = [n for n in everyone if n != victim]
+    after = wait_until(lambda: agree(urls, survivors, survivors, before), 60,
+                       "the two survivors all-reducing on, with equal replicas at one step")
+    up.wait_event("restart", 30, name=victim)
+    wait_until(lambda: ready(everyone) and agree(urls, everyone, everyone, after), 120,
+               "the replacement in the group, its replica equal to the others'")
+    assert up.cluster()["pids"][victim] != killed
+    assert "took the replica at step" in up.full_logs(), "the replacement took its replica from the survivors"
