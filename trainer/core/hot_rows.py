@@ -10,8 +10,9 @@ The servers' copies of hot rows stand still until the rows go back to them (``re
 when they leave the hot set, at a checkpoint, and when a trainer stops.
 
 Which rows are hot is the group's choice every ``every`` steps of the step clock: each trainer
-counts the ids its training batches named since the last choice, the group adds the counts up,
-and each table keeps its most named (ties to the lower id), the same on every trainer. Rows that
+counts the ids its training batches named since the last choice and offers its most named (a
+table's capacity of them), the group adds the offers up, and each table keeps the most named
+(ties to the lower id), the same on every trainer. Rows that
 leave go back to the servers; rows that come are read from them with their state (``hold_rows``).
 No RPC or collective of its own: the servers and the group are the caller's (``ServerRows``,
 ``DenseReplica``), so it is tested alone."""
@@ -165,8 +166,8 @@ class ReplicatedRows(HotRows):
 
     @torch.no_grad()
     def apply(self, averaged: dict[torch.Tensor, torch.Tensor], coef: float) -> None:
-        """Each table's rule on its hot rows (``averaged``: ``split``'s, among others), over the
-        rows the group's gradient touched: a sparse gradient, as the servers step a table."""
+        """Each table's rule on its hot rows (``averaged``: what ``averaged`` gave, among others),
+        over the rows the group's gradient touched: a sparse gradient, as the servers step a table."""
         for param, h in self.held.items():
             grad = averaged[h.rows]
             if coef < 1.0:
@@ -230,15 +231,12 @@ class ReplicatedRows(HotRows):
         self.held = {p: _Rows(ids, rows.requires_grad_(), dict(s)) for p, (ids, rows, s) in state.items()}
 
     def _counted(self, param: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids this trainer's batches named since the last choice, and how often: at most the
-        table's capacity of them, the most named (the rest cannot make it on this trainer's count
-        alone, and the group adds counts of ids some trainer ranks high)."""
-        pairs = self._named[param]
-        ids, inverse = torch.unique(torch.cat([i for i, _ in pairs]), return_inverse=True)
-        counts = torch.zeros(ids.numel(), dtype=torch.long).index_add_(0, inverse, torch.cat([c for _, c in pairs]))
+        """The ids this trainer's batches named since the last choice, and how often: the table's
+        capacity of them at most, the most named, which is what this member offers the group."""
+        ids, counts = _summed(self._named[param])
         keep = self.capacity_of(self._table_rows.get(param, 0))
         if ids.numel() > keep:
-            top = _ranked(ids, counts)[:keep]
+            top = _ranked(counts)[:keep]
             ids, counts = ids[top], counts[top]
         return ids, counts
 
@@ -247,9 +245,8 @@ class ReplicatedRows(HotRows):
         """The ``capacity`` ids named most over every member's counts, sorted by id."""
         if not pairs or capacity <= 0:
             return torch.zeros(0, dtype=torch.long)
-        ids, inverse = torch.unique(torch.cat([i for i, _ in pairs]), return_inverse=True)
-        counts = torch.zeros(ids.numel(), dtype=torch.long).index_add_(0, inverse, torch.cat([c for _, c in pairs]))
-        return ids[_ranked(ids, counts)[:capacity]].sort().values
+        ids, counts = _summed(pairs)
+        return ids[_ranked(counts)[:capacity]].sort().values
 
     @staticmethod
     def _merged(kept: _Rows, ids: Optional[torch.Tensor], read: Optional[tuple]) -> _Rows:
@@ -283,6 +280,12 @@ def row_cache(capacity: int, staleness: int, share: float = 0.0) -> Optional[Hot
     return ReplicatedRows(capacity, 0, share) if staleness == 0 else HotRows(capacity, staleness, share)
 
 
-def _ranked(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Places of ``ids`` (sorted) from the most counted down, ties to the lower id."""
+def _summed(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, counts) pairs added up: each id once, sorted, with its counts' sum."""
+    ids, inverse = torch.unique(torch.cat([i for i, _ in pairs]), return_inverse=True)
+    return ids, torch.zeros(ids.numel(), dtype=torch.long).index_add_(0, inverse, torch.cat([c for _, c in pairs]))
+
+
+def _ranked(counts: torch.Tensor) -> torch.Tensor:
+    """Places of sorted ids' ``counts`` from the most counted down, ties to the lower id."""
     return torch.sort(counts, descending=True, stable=True).indices
