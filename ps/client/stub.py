@@ -596,7 +596,10 @@ class StepSession:
         with the other trainers', once every trainer has."""
         client = self.client
         t1 = time.perf_counter()
-        replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None
+        try:        # the replica's average may all-reduce (hot rows): a peer may die in it
+            replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None
+        except Exception as exc:
+            raise (client.failed(exc, replica) or client.lose_step(exc, replica)) from exc
         _, refused = wait_all([client._async(n, PsSurface.contribute, self.context_id, client.granted.step,
                                              *leaves.get(k, ())) for k, n in enumerate(client.ps_names)])
         t3 = time.perf_counter()

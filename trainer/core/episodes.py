@@ -223,10 +223,10 @@ class EpisodeRunner:
         replica = self.loop.model.replica
         if replica is None:
             return {}
-        digest = replica.digest()
-        if not self._digests or self._digests[-1][0] != replica.step:
-            self._digests.append((replica.step, digest))
-        return {"dense_replica": {"step": replica.step, "digest": digest, "allreduce_group": list(replica.group),
+        step, digest = replica.digested()       # as one: the weights at that step
+        if not self._digests or self._digests[-1][0] != step:
+            self._digests.append((step, digest))
+        return {"dense_replica": {"step": step, "digest": digest, "allreduce_group": list(replica.group),
                                   "group_id": replica.group_key, "digests": list(self._digests)}}
 
     def _leave_clock(self) -> None:

@@ -29,9 +29,9 @@ from ps.client.cache import HotRows, Taken, others
 from ps.client.lookups import plan_lookups
 from ps.client.stub import PsClient
 from ps.spec.rules import UpdateRule, rule
+from ps.spec.surface import PsSurface
 from services.errors import ConfigError
 from services.remote import wait
-from ps.spec.surface import PsSurface
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ a survivor whose last step failed half-way catches up. Nothing restarts from a c
 import datetime
 import hashlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -77,6 +78,13 @@ def _finite_mean(state: _Reduced, bucket: dist.GradBucket) -> torch.futures.Futu
     return pending.then(averaged)
 
 
+def _gather(mine: Any) -> list[Any]:
+    """Every member's ``mine``, in rank order."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 class _Bucket:
     """One tensor as DDP hands a bucket to its communication hook (``_finite_mean``)."""
 
@@ -107,6 +115,7 @@ class DenseReplica:
             p.requires_grad_(True)
         self.me, self._store_for, self._timeout = me, store_for, timeout
         self.hot = hot                   # the tables' hot rows, replicated too (--cache-staleness 0)
+        self._lock = threading.Lock()    # the weights and step as one, against /status's reads
         self.module = module
         self.params = list(self.module.parameters())
         if {id(p) for p in self.params} != {id(p) for p in params.values()}:
@@ -179,15 +188,16 @@ class DenseReplica:
         dist.broadcast_object_list(state, src=source)
         if dist.get_rank() != source:
             taken = state[0]
-            with torch.no_grad():
+            with self._lock, torch.no_grad():
                 for name, p in self.named.named_parameters():
                     p.copy_(taken["weights"][name])
-            self.optimizer.load_state_dict(taken["optimizer"])
-            if self.hot is not None:
-                self.hot.load(taken["hot"])
-            if taken["step"] != self.step:
-                log.info("took the replica at step %d from rank %d (mine was at %d)", taken["step"], source, self.step)
-            self.step = taken["step"]
+                self.optimizer.load_state_dict(taken["optimizer"])
+                if self.hot is not None:
+                    self.hot.load(taken["hot"])
+                if taken["step"] != self.step:
+                    log.info("took the replica at step %d from rank %d (mine was at %d)", taken["step"], source,
+                             self.step)
+                self.step = taken["step"]
 
     def forward(self, *inputs: Any, training: bool) -> Any:
         self.module.train(training)
@@ -229,34 +239,29 @@ class DenseReplica:
 
     def apply(self, grads: Optional[dict[torch.Tensor, torch.Tensor]], coef: float, step: int) -> None:
         """The servers' rule on the replica: the averaged gradient scaled by ``coef``; the weights
-        are then at the clock's ``step``."""
-        self.step = step
-        if grads is not None:
-            for p in self.params:
-                p.grad = grads[p] * coef if coef < 1.0 else grads[p]
-            self.optimizer.step()
-            for p in self.params:
-                p.grad = None
+        are then at the clock's ``step`` (under the lock ``digested`` reads them with)."""
+        with self._lock:
+            if grads is not None:
+                for p in self.params:
+                    p.grad = grads[p] * coef if coef < 1.0 else grads[p]
+                self.optimizer.step()
+                for p in self.params:
+                    p.grad = None
+                if self.hot is not None:
+                    self.hot.apply(grads, coef)
             if self.hot is not None:
-                self.hot.apply(grads, coef)
-        if self.hot is not None:
-            self._choose_hot(step)
+                self._choose_hot(step)
+            self.step = step
 
     def _choose_hot(self, step: int) -> None:
         """The group's choice of hot rows, where it is due (before the next step's rows are read,
         which may take them). A member that fails in it leaves the group, whose next forming
         gives every member the hot rows of one (``_take_from_the_furthest``)."""
         try:
-            self.hot.choose(step, self._gather, writes=dist.get_rank() == 0)
+            self.hot.choose(step, _gather, writes=dist.get_rank() == 0)
         except Exception as exc:  # noqa: BLE001 - the step itself is applied; the group re-forms
             log.warning("the trainers could not choose their hot rows at step %d: %s", step, str(exc).splitlines()[0])
             self.leave_group()
-
-    @staticmethod
-    def _gather(mine: Any) -> list[Any]:
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        return everyone
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer's state of each replicated tensor, by name (none for SGD)."""
@@ -270,16 +275,18 @@ class DenseReplica:
             if n in state:
                 self.optimizer.state[p] = {k: v.clone() for k, v in state[n].items()}
 
-    def digest(self) -> str:
-        """The replica's weights (and hot rows, by id), bit for bit, as a short hash: equal on every
-        trainer of a group."""
+    def digested(self) -> tuple[int, str]:
+        """The step the replica is at and its weights (and hot rows, by id), bit for bit, as a
+        short hash: equal on every trainer of a group at that step. Read from another thread
+        (``/status``), so under the lock the steps update them with."""
         h = hashlib.sha256()
-        for _, p in sorted(self.named.named_parameters()):
-            h.update(p.detach().contiguous().numpy())   # the buffer itself, not a copy
-        for _, held in sorted(self.hot.held.items() if self.hot is not None else ()):
-            h.update(held.ids.numpy())
-            h.update(held.rows.detach().numpy())
-        return h.hexdigest()[:16]
+        with self._lock:
+            for _, p in sorted(self.named.named_parameters()):
+                h.update(p.detach().contiguous().numpy())   # the buffer itself, not a copy
+            for _, held in sorted(self.hot.held.items() if self.hot is not None else ()):
+                h.update(held.ids.numpy())
+                h.update(held.rows.detach().numpy())
+            return self.step, h.hexdigest()[:16]
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.named.named_parameters()}
