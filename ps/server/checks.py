@@ -68,6 +68,17 @@ class RequestChecks:
                 raise BadRequest(f"the gradient of {param} must be a tensor [{ids.numel()}, {', '.join(map(str, row))}] "
                                  f"(a row per id), got {describe(grad)}")
 
+    def held(self, param: str, ids: Any, what: str) -> str:
+        """Rows the trainers hold (``hold_rows``, ``return_rows``): a plain table's, each named once.
+        Their table."""
+        table = self.table_of(param)
+        if table in self.layout.hashed_tables():
+            raise BadRequest(f"{what}: {param} is a hashed table's, whose rows change hands: trainers hold none")
+        self.ids(table, ids, f"{what}: ids of {param}")
+        if ids.unique().numel() != ids.numel():
+            raise BadRequest(f"{what}: ids of {param} name a row twice")
+        return table
+
     def coef(self, coef: Any) -> None:
         """A clip factor: the global norm's scale for a step's gradients."""
         if not 0.0 <= coef <= 1.0:

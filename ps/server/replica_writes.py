@@ -115,16 +115,8 @@ class ReplicaWrites:
     def _local(self, lookups: Any, what: str) -> dict[str, torch.Tensor]:
         if not isinstance(lookups, dict) or not lookups:
             raise BadRequest(f"{what}: name at least one table parameter and its ids, got {describe(lookups)}")
-        out = {}
-        for param, ids in lookups.items():
-            table = self.checks.table_of(param)
-            if table in self.checks.layout.hashed_tables():
-                raise BadRequest(f"{what}: {param} is a hashed table's, whose rows change hands: trainers hold none")
-            self.checks.ids(table, ids, f"{what}: ids of {param}")
-            if ids.unique().numel() != ids.numel():
-                raise BadRequest(f"{what}: ids of {param} name a row twice")
-            out[param] = self.checks.layout.plans[table].to_local(ids.long())
-        return out
+        return {param: self.checks.layout.plans[self.checks.held(param, ids, what)].to_local(ids.long())
+                for param, ids in lookups.items()}
 
     def _row_state(self, param: str, make: bool = False) -> dict[str, torch.Tensor]:
         """The live rows of ``param``'s optimizer state, by name (zeros, not kept, before its

@@ -21,14 +21,14 @@ def dense_needs_sync(dense: str, consistency: str) -> None:
                          f"consistency is {consistency}: use --consistency sync, or --dense ps")
 
 
-REPLICATED_ROWS = ("--cache-staleness 0 keeps the hot rows exact by replicating them among the trainers, which step "
+_REPLICATED_ROWS = ("--cache-staleness 0 keeps the hot rows exact by replicating them among the trainers, which step "
                    "them together with the dense weights: it needs --consistency sync --dense allreduce (or give "
                    "--cache-staleness S > 0 for copies up to S steps old, in async or ssp)")
 
 
 def replicated_rows_need_replica(cached: bool, staleness: int, dense: str) -> None:
     if cached and staleness == 0 and dense != "allreduce":
-        raise ValueError(REPLICATED_ROWS)
+        raise ValueError(_REPLICATED_ROWS)
 
 
 class TrainerSettings(ServersConfig):

@@ -210,8 +210,8 @@ class ReplicatedRows(HotRows):
         if writes and leaving:
             self._servers.give_back(leaving, step)
         read = self._servers.hold(coming) if coming else {}
-        self.held = {p: self._merged(kept[p], coming.get(p), read.get(p)) for p in kept}
-        self.held = {p: h for p, h in self.held.items() if h.ids.numel()}
+        merged = {p: self._merged(kept[p], coming.get(p), read.get(p)) for p in kept}
+        self.held = {p: h for p, h in merged.items() if h.ids.numel()}
         log.info("hot rows at step %d: %d held, %d came, %d left (%.0f ms)", step, self.rows,
                  sum(c.numel() for c in coming.values()), sum(ids.numel() for ids, _, _ in leaving.values()),
                  1000 * (time.perf_counter() - started))

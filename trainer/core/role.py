@@ -27,7 +27,7 @@ from services.membership import current_members
 from services.remote import withdraw
 from services.role import RoleBase, RoleContext
 from services.torchrun import workers_store
-from trainer.core.config import REPLICATED_ROWS, TrainerSettings, dense_needs_sync
+from trainer.core.config import TrainerSettings, dense_needs_sync
 from trainer.core.episodes import EpisodeRunner
 from trainer.core.loop import Task, TrainLoop
 from trainer.core.position import PositionPart
@@ -119,10 +119,8 @@ class ServedTrainer(RoleBase):
         client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
         task = self.task(client)
         model = task.model
-        cache = self.cache()
+        cache = self.cache()      # staleness 0 (replicated) with --dense allreduce only: the settings checked it
         replicated = cache is not None and cache.replicated
-        if replicated and cfg.dense != "allreduce":
-            raise ConfigError(REPLICATED_ROWS)
         if cfg.dense == "allreduce":
             try:
                 dense_needs_sync(cfg.dense, str(client.consistency))
