@@ -57,7 +57,7 @@ class ConfigBase(BaseModel):
 class CommonConfig(ConfigBase):
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "cluster": ("name", "master_addr", "master_port", "ps_addr", "sidecar_host", "sidecar_port", "control_token",
-                    "threads", "rpc_timeout", "join_timeout", "rpc_transport"),
+                    "http_read_timeout", "threads", "rpc_timeout", "join_timeout", "rpc_transport"),
         "checkpoints": ("checkpoint_dir",),
         "failures": ("restarts_in_a_row",),
         "output": ("log_level",),
@@ -69,6 +69,9 @@ class CommonConfig(ConfigBase):
                                                      "MASTER_ADDR/MASTER_PORT (which torchrun sets for its workers' own group)")
     sidecar_host: str = Field("127.0.0.1", description="address the HTTP sidecar binds")
     sidecar_port: int = Field(8080, ge=0, le=65535, description="port of the HTTP sidecar (0: any free port)")
+    http_read_timeout: float = Field(10.0, gt=0, le=3600, description="seconds a client has to send the sidecar a "
+                                                                     "whole request, headers and body (slower: 408 "
+                                                                     "and the connection closed)")
     checkpoint_dir: Path = Field(Path("checkpoints"), description="folder of the cluster checkpoints")
     control_token: Optional[SecretStr] = Field(None, description="bearer token required by the routes that change "
                                                                  "state (POST /checkpoint, /episode/*)")

@@ -21,7 +21,7 @@ from services.workload import Launch
 log = logging.getLogger("services.launcher")
 
 STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
-_COMMON_FLAGS = ("threads", "log_level", "sidecar_host", "rpc_transport")
+_COMMON_FLAGS = ("threads", "log_level", "sidecar_host", "http_read_timeout", "rpc_transport")
 
 
 @dataclass

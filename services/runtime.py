@@ -119,7 +119,8 @@ def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     context.board.update(restarts_in_a_row=cfg.restarts_in_a_row)
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
     routes = resolve(spec.routes) if spec.routes else None
-    sidecar = SidecarServer(create_app(role, registry, token, routes), cfg.sidecar_host, cfg.sidecar_port).start()
+    sidecar = SidecarServer(create_app(role, registry, token, routes), cfg.sidecar_host, cfg.sidecar_port,
+                            cfg.http_read_timeout).start()
     log.info("%s %s: sidecar %s", spec.name, cfg.name, sidecar.url)
     worker = _RoleThread(role, context.leader_lost)
     code = worker.run_until_stopped(cfg.name)

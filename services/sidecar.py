@@ -12,6 +12,7 @@ the same terms.
 from __future__ import annotations
 
 import hmac
+import math
 from typing import Any, Callable, Optional
 
 from fastapi import Depends, FastAPI, Request
@@ -47,6 +48,27 @@ def error_answers(*codes: int) -> dict:
     return {code: {"model": ErrorBody, "description": what[code]} for code in codes}
 
 
+class FiniteJSON(JSONResponse):
+    """JSON that any client parses: a value that is not a finite number (a NaN loss before the
+    first step) is ``null``, where the standard encoder would fail the whole answer."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except ValueError:
+            return super().render(_finite(content))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 _CONTROL = (401, 501, 503)   # every POST: the token, roles without the operation, not joined yet
 
 
@@ -55,7 +77,7 @@ Routes = Callable[[FastAPI, Any], None]     # adds a role's own routes, each cal
 
 def create_app(control: Controllable, registry: CollectorRegistry, token: Optional[str] = None,
                routes: Optional[Routes] = None) -> FastAPI:
-    app = FastAPI(title="rpcps sidecar", docs_url=None, redoc_url=None)
+    app = FastAPI(title="rpcps sidecar", docs_url=None, redoc_url=None, default_response_class=FiniteJSON)
 
     def require_token(request: Request) -> None:
         if token is None:
@@ -80,6 +102,13 @@ def create_app(control: Controllable, registry: CollectorRegistry, token: Option
         # Starlette's own answers (unknown path, wrong method, an unreadable body) in our shape.
         return JSONResponse({"error": str(exc.detail), "type": "".join(str(exc.detail).title().split())},
                             status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    def _bug(_: Request, exc: Exception) -> JSONResponse:
+        # A failure nobody foresaw is still an answer in the documented shape (Starlette raises it
+        # again after this answer, so uvicorn logs its trace).
+        return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"[:500], "type": "InternalError"},
+                            status_code=500)
 
     probe = {503: {"description": "not healthy or not ready; the body says why"}}
 

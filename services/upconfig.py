@@ -26,6 +26,8 @@ class LauncherConfig(ConfigBase):
     master_port: int = Field(0, ge=0, le=65535, description="rendezvous port (0: a free port)")
     sidecar_host: str = Field("127.0.0.1", description="address the sidecars bind")
     sidecar_port: int = Field(0, ge=0, le=65535, description="first sidecar port, one per role in order (0: free ports)")
+    http_read_timeout: float = Field(10.0, gt=0, le=3600, description="seconds a client has to send a sidecar a "
+                                                                     "whole request (slower: cut off)")
     progress_interval: float = Field(5.0, gt=0, description="seconds between progress lines")
     restart_backoff: float = Field(1.0, gt=0, description="seconds before a dead member is restarted; doubled "
                                                           "for each death in a row, up to --restart-backoff-max")
@@ -50,7 +52,7 @@ class LauncherConfig(ConfigBase):
     workload_settings: ClassVar[dict[str, type[ConfigBase]]] = {}
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "cluster": ("workload", "local", "threads", "rpc_transport", "master_addr", "master_port", "sidecar_host",
-                    "sidecar_port", "control_token"),
+                    "sidecar_port", "http_read_timeout", "control_token"),
         "checkpoints": ("checkpoint_dir", "resume", "resume_from", "keep_checkpoints", "final_checkpoint"),
         "failures": ("restart_backoff", "restart_backoff_max", "restart_window", "max_restarts", "ready_timeout"),
         "output": ("as_json", "progress_interval", "state_dir", "log_level"),

@@ -76,8 +76,11 @@ def http_page() -> str:
     text = [HEADER, "# HTTP API\n\n",
             "Every role serves these routes on its sidecar (`--sidecar-host`, `--sidecar-port`). The POST routes "
             "that change state need `Authorization: Bearer $RPCPS_CONTROL_TOKEN` when the role has a control "
-            "token. Every error is JSON `{\"error\": …, \"type\": …}`. The full OpenAPI document is served at "
-            "`GET /openapi.json`.\n\n"]
+            "token. Every error is JSON `{\"error\": …, \"type\": …}`, a failure nobody foresaw too (500, type "
+            "`InternalError`, its trace in the role's log); a value JSON cannot hold (a NaN loss) is `null`. A "
+            "client that has not sent a whole request, headers and body, within `--http-read-timeout` seconds "
+            "(10) of its connection's opening or of the answer before is cut off: 408, type `RequestTimeout`, "
+            "while no request has begun. The full OpenAPI document is served at `GET /openapi.json`.\n\n"]
     text += _routes(spec)
     for name, role in roles().items():
         if role.routes:

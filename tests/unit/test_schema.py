@@ -99,15 +99,20 @@ def test_lines_become_a_batch_as_the_schema_says(tmp_path):
 def test_every_wrong_line_is_skipped_and_counted_with_its_file_line_and_column(tmp_path):
     schema = rpcps.load_schema(schema_file(tmp_path))
     paths = write(tmp_path, "1,2,30,a,b,u", "x,2,30,a,b,u", "2,2,30,a,b,u", "1,abc,30,a,b,u", "1,2,inf,a,b,u",
-                  "1,2,30,a,b", '1,2,30,"a,b",b,u', "1,2,30,a,b,u")
+                  "1,2,30,a,b", '1,2,30,"a,b",b,u', "1,2,30,a,b,u", "1,2,1e308,a,b,u", "1,-3.5e38,30,a,b,u",
+                  "1,3.4e38,-3.4e38,a,b,u")
     stream = rows_of(schema, paths, logged=False)
-    assert len(list(stream)) == 3 and stream.skipped == 5, stream.reasons
+    assert len(list(stream)) == 4 and stream.skipped == 7, stream.reasons
     where = str(paths[0])
     assert stream.reasons == [f"{where}:3: the label y must be a number in [0, 1], got 'x'",
                               f"{where}:4: the label y must be a number in [0, 1], got '2'",
                               f"{where}:5: column price is not a number: 'abc'",
                               f"{where}:6: column age is not a finite number: 'inf'",
-                              f"{where}:7: expected 6 CSV fields, found 5"]
+                              f"{where}:7: expected 6 CSV fields, found 5",
+                              f"{where}:10: column age is '1e308', beyond float32's range (±3.403e+38), which the model "
+                              f"computes in",
+                              f"{where}:11: column price is '-3.5e38', beyond float32's range (±3.403e+38), which the "
+                              f"model computes in"]
 
 
 def test_a_header_without_a_column_refuses_the_files_before_anything_starts(tmp_path):

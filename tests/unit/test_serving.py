@@ -12,7 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import rpcps
-from services.errors import InvalidInput, NotReady, Overloaded
+from services.errors import InvalidInput, NotReady, Overloaded, PeerUnavailable
 from services.lifecycle import StatusBoard
 from services.role import RoleContext
 from services.sidecar import create_app
@@ -79,7 +79,8 @@ def test_the_builtin_dlrm_reads_a_row_as_its_trainers_read_a_criteo_line(tmp_pat
     assert snapshot.rows.cardinalities[2] == snapshot.rows.cardinalities[11] == 0      # C3, C12: raw ids
     for row, said in [(dict(rows[0], C5="xyz"), "rows[0]: categorical C5 is not 1 to 8 hexadecimal digits: 'xyz'"),
                       (dict(rows[0], I2=1.5), "rows[0].I2: expected an integer or null, got a number 1.5"),
-                      (dict(rows[0], C1=7), "rows[0].C1: expected 1 to 8 hexadecimal digits as a string or null")]:
+                      (dict(rows[0], C1=7), "rows[0].C1: expected 1 to 8 hexadecimal digits as a string or null"),
+                      (dict(rows[0], C1="\ud800"), "rows[0].C1: expected 1 to 8 hexadecimal digits as a string")]:
         with pytest.raises(InvalidInput) as refused:
             snapshot.rows.rows({"rows": [row]})
         assert str(refused.value).startswith(said), str(refused.value)
@@ -89,7 +90,13 @@ def test_the_builtin_dlrm_reads_a_row_as_its_trainers_read_a_criteo_line(tmp_pat
     ({k: v for k, v in ROW.items() if k != "age"}, "rows[0]: missing column age"),
     (dict(ROW, age="25"), 'rows[0].age: expected a number or null, got a string "25"'),
     (dict(ROW, age=True), "rows[0].age: expected a number or null, got a boolean"),
-    (dict(ROW, age=float("nan")), "rows[0].age: expected a finite number"),
+    (dict(ROW, age=float("nan")), "rows[0].age: expected a number within float32's range"),
+    (dict(ROW, age=1e308), "rows[0].age: expected a number within float32's range (±3.403e+38), the model's, got 1e+308"),
+    (dict(ROW, age=-1.7e308), "rows[0].age: expected a number within float32's range"),
+    (dict(ROW, age=7.26e92), "rows[0].age: expected a number within float32's range"),
+    (dict(ROW, age=10 ** 400), "rows[0].age: expected a number within float32's range"),
+    (dict(ROW, user_id="\ud800"), 'rows[0].user_id: not text (it holds a lone UTF-16 surrogate): "\\ud800"'),
+    (dict(ROW, genres=["Drama", "x\udfff"]), "rows[0].genres[1]: not text"),
     (dict(ROW, movie_id=3.5), "rows[0].movie_id: expected a string or an integer, got a number 3.5"),
     (dict(ROW, movie_id=["1"]), "rows[0].movie_id: one value (the column is not a list)"),
     (dict(ROW, genres=["a", "b", "c"]), "rows[0].genres: 3 values, at most 2"),
@@ -163,6 +170,49 @@ def test_a_full_queue_refuses_at_once_and_a_failed_pass_fails_only_its_requests(
         batcher.close()
     with pytest.raises(NotReady):
         batcher.submit(["e"])
+
+
+def test_a_bad_request_fails_alone_in_a_shared_pass_and_a_lost_server_fails_the_pass():
+    gate, calls = threading.Event(), []
+
+    def answer(rows):
+        calls.append(list(rows))
+        gate.wait(10)
+        if "bad" in rows:
+            raise ValueError("broken pass")
+        if "server lost" in rows:
+            raise PeerUnavailable("ps1 is gone")
+        return [float("nan") if r == "nan" else 1.0 for r in rows], None
+
+    batcher = MicroBatcher(answer, batch_rows=8, wait=0.0, queue_rows=100)
+    try:
+        # Requests that share a pass with a bad one: the pass runs again request by request.
+        busy = batcher.submit(["e"])
+        while not calls:
+            threading.Event().wait(0.01)
+        good, bad, nan = batcher.submit(["f"]), batcher.submit(["g", "bad"]), batcher.submit(["h", "nan"])
+        gate.set()
+        assert busy.result(10)[0] == good.result(10)[0] == [1.0]
+        with pytest.raises(ValueError, match="broken pass"):
+            bad.result(10)
+        with pytest.raises(InvalidInput, match=r"rows\[1\]: the model's answer is nan, not a number"):
+            nan.result(10)
+        assert calls == [["e"], ["f", "g", "bad", "h", "nan"], ["f"], ["g", "bad"], ["h", "nan"]]
+        # A domain error (a server lost) is the whole pass's: it is not run again row by row.
+        gate.clear()
+        calls.clear()
+        busy = batcher.submit(["i"])
+        while not calls:
+            threading.Event().wait(0.01)
+        lost = [batcher.submit(["j"]), batcher.submit(["server lost"])]
+        gate.set()
+        for future in lost:
+            with pytest.raises(PeerUnavailable):
+                future.result(10)
+        assert calls == [["i"], ["j", "server lost"]]
+    finally:
+        gate.set()
+        batcher.close()
 
 
 def test_a_request_whose_caller_gave_up_is_dropped_and_the_batcher_goes_on():

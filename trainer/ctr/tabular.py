@@ -24,6 +24,7 @@ from rpcps.schema import Numeric, Schema
 from trainer.core.lines import LineError, Lines, check_files, quoted, text_of
 from trainer.ctr.config import data_files
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)   # a numeric value beyond it is inf in the model's float32
 MEASURED_LINES = 10_000       # lines of the data's start that measure a standardized column's mean and std
 CACHED_IDS = 1 << 20          # values whose ids a table keeps at hand (most lines repeat the hot values)
 
@@ -88,7 +89,7 @@ class SchemaLines:
         a plain finite number (the common case), else one by one for the sentence."""
         try:
             values = [float(t) if t and not t.isspace() else None for t in texts]
-            if math.isfinite(sum(v for v in values if v is not None)):
+            if sum(abs(v) for v in values if v is not None) <= FLOAT32_MAX:     # False for inf and NaN too
                 if not any(values[j] is not None and values[j] <= -1 for j in self._log1p):
                     return values
         except ValueError:
@@ -119,6 +120,9 @@ def _number(text: str, column: str, where: str) -> Optional[float]:
         raise LineError(f"{where}: column {column} is not a number: {quoted(text)}") from None
     if not math.isfinite(value):
         raise LineError(f"{where}: column {column} is not a finite number: {quoted(text)}")
+    if abs(value) > FLOAT32_MAX:
+        raise LineError(f"{where}: column {column} is {quoted(text)}, beyond float32's range (±{FLOAT32_MAX:.4g}), "
+                        f"which the model computes in")
     return value
 
 

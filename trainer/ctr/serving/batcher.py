@@ -4,17 +4,22 @@ them (up to ``batch_rows``), and a pass that is not full waits ``wait`` seconds 
 
 Request threads ``submit`` and wait on the future; one thread runs the passes, so the model and
 its encoder are only ever used from it.
+
+No request fails another: a pass that fails for a reason other than the member's own state (a
+domain error: a server lost, stopping) runs again request by request, so only the request whose
+rows broke it fails; a score that is not finite fails only the request whose row it answers.
 """
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
-from services.errors import NotReady, Overloaded
+from services.errors import InvalidInput, NotReady, Overloaded, RpcpsError
 
 log = logging.getLogger(__name__)
 
@@ -88,18 +93,30 @@ class MicroBatcher(Generic[R, A]):
 
     def _run(self) -> None:
         while (taken := self._take()) is not None:
-            if not taken:           # every request taken had been given up
-                continue
-            rows = [row for request, _ in taken for row in request]
-            started = time.perf_counter()
-            try:
-                scores, said = self._answer(rows)
-            except BaseException as exc:  # noqa: BLE001 - each waiting request gets the error, the thread goes on
-                for _, future in taken:
-                    future.set_exception(exc)
-                continue
-            self._on_pass(len(rows), time.perf_counter() - started)
-            at = 0
-            for request, future in taken:
-                future.set_result((list(scores[at:at + len(request)]), said))
-                at += len(request)
+            if taken:           # else every request taken had been given up
+                self._pass(taken)
+
+    def _pass(self, taken: list[tuple[list[R], Future]]) -> None:
+        rows = [row for request, _ in taken for row in request]
+        started = time.perf_counter()
+        try:
+            scores, said = self._answer(rows)
+        except BaseException as exc:  # noqa: BLE001 - the requests get the error, the thread goes on
+            if len(taken) > 1 and not isinstance(exc, RpcpsError):
+                for request in taken:
+                    self._pass([request])
+                return
+            for _, future in taken:
+                future.set_exception(exc)
+            return
+        self._on_pass(len(rows), time.perf_counter() - started)
+        at = 0
+        for request, future in taken:
+            mine = [float(s) for s in scores[at:at + len(request)]]
+            at += len(request)
+            bad = next((k for k, score in enumerate(mine) if not math.isfinite(score)), None)
+            if bad is None:
+                future.set_result((mine, said))
+            else:
+                future.set_exception(InvalidInput(f"rows[{bad}]: the model's answer is {mine[bad]}, not a number: a "
+                                                  f"value of the row is far outside what the model was trained on"))

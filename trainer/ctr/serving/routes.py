@@ -9,6 +9,7 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
 
 from services.errors import InvalidInput, RpcpsError, TooLarge
 from services.sidecar import error_answers
@@ -40,10 +41,13 @@ async def _body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"the body holds {declared} bytes, at most {limit} (--body-bytes)")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise TooLarge(f"the body holds more than {limit} bytes (--body-bytes)")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise TooLarge(f"the body holds more than {limit} bytes (--body-bytes)")
+    except ClientDisconnect:        # it went away, or was cut off for sending too slowly
+        raise InvalidInput("the client closed the connection before the whole body came") from None
     return bytes(body)
 
 
@@ -58,6 +62,8 @@ def add_routes(app: FastAPI, control: Any) -> None:
                 payload = json.loads(body)
             except (UnicodeDecodeError, ValueError) as exc:
                 raise InvalidInput(f"the body is not JSON: {exc}") from None
+            except RecursionError:
+                raise InvalidInput("the body nests lists or objects deeper than JSON is read here") from None
         except RpcpsError as exc:
             control.refuse_body(exc)
             raise

@@ -25,7 +25,7 @@ from services.errors import ConfigError, InvalidInput
 from trainer.ctr.builtin import features
 from trainer.ctr.criteo import CATEGORICAL, CriteoError, Parsed, batch_of, parse
 from trainer.ctr.synthetic import DENSE
-from trainer.ctr.tabular import Encoder, Row, clipped, values_of
+from trainer.ctr.tabular import FLOAT32_MAX, Encoder, Row, clipped, values_of
 
 R = TypeVar("R")
 
@@ -101,9 +101,14 @@ class SchemaRows(RowFormat[Row]):
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidInput(f"{where}: expected a number or null, got {_kind(value)} {_shown(value)}")
-        value = float(value)
-        if not math.isfinite(value):
-            raise InvalidInput(f"{where}: expected a finite number, got {value}")
+        try:
+            number = float(value)
+        except OverflowError:       # an integer of hundreds of digits
+            number = math.inf
+        if not abs(number) <= FLOAT32_MAX:
+            raise InvalidInput(f"{where}: expected a number within float32's range (±{FLOAT32_MAX:.4g}), the model's, "
+                               f"got {_shown(value)}")
+        value = number
         if n.log1p and clipped(value, n.clip) <= -1:
             raise InvalidInput(f"{where}: the column takes log1p, which needs a value above -1, got {value:g}")
         return value
@@ -111,6 +116,12 @@ class SchemaRows(RowFormat[Row]):
     @staticmethod
     def _value(where: str, value: Any) -> str:
         if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:      # JSON's "\ud800": a lone surrogate is no text
+                    raise InvalidInput(f"{where}: not text (it holds a lone UTF-16 surrogate): {_shown(value)}") \
+                        from None
             return value
         if isinstance(value, int) and not isinstance(value, bool):
             return str(value)
@@ -156,7 +167,7 @@ class CriteoRows(RowFormat[Parsed]):
                 fields.append("")
             elif j < DENSE and isinstance(value, int) and not isinstance(value, bool):
                 fields.append(str(value))
-            elif j >= DENSE and isinstance(value, str) and "\t" not in value:
+            elif j >= DENSE and isinstance(value, str) and value.isascii() and "\t" not in value:
                 fields.append(value)
             else:
                 wanted = "an integer" if j < DENSE else "1 to 8 hexadecimal digits as a string"
