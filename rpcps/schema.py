@@ -44,7 +44,8 @@ class Numeric(BaseModel):
 
     model_config = _STRICT
 
-    column: str = Field(description="the column's name")
+    column: str = Field(description="the column's name; a list of names says the same of each (an entry each)",
+                        json_schema_extra={"written": "text or list of text"})
     fill: float = Field(0.0, description="the value of an empty field")
     clip: Optional[tuple[Optional[float], Optional[float]]] = Field(
         None, description="[low, high]: values outside are moved to the nearer bound (null: no bound on that side)")
@@ -76,7 +77,8 @@ class Categorical(BaseModel):
 
     model_config = _STRICT
 
-    column: str = Field(description="the column's name")
+    column: str = Field(description="the column's name; a list of names says the same of each (an entry each)",
+                        json_schema_extra={"written": "text or list of text"})
     feature: Optional[str] = Field(None, description="the feature's name in Batch.sparse (none: the column's)")
     table: Optional[str] = Field(None, description="the table it is looked up in (none: the one named as the "
                                                    "feature)")

@@ -57,8 +57,8 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
         return f"waiting for {', '.join(e['waiting'])} ({e['ready']}/{e['members']} ready)"
     if kind == "checkpoint":
         return f"checkpoint {e['id']} (step {e['step']}) in {e['path']}"
-    if kind == "error":
-        return f"error: {e['message']}"
+    if kind in ("error", "warning"):
+        return f"{kind}: {e['message']}"
     text = workload.human(e) if workload is not None else None
     return text if text is not None else " ".join(f"{k}={v}" for k, v in e.items())
 
@@ -85,6 +85,11 @@ class Launcher:
     # --- building the cluster ----------------------------------------------------------------------
     # --- running -------------------------------------------------------------------------------------
     def run(self) -> int:
+        # A workload that can try its model and data before anything starts says so with ``check()``,
+        # which returns warnings or raises a ConfigError (``rpcps up`` exits 2 with its sentence).
+        check = getattr(self.workload, "check", None)
+        for warning in check() if check is not None else ():
+            self.emit({"event": "warning", "message": warning})
         if self.cfg.local:
             # A workload that can train in one process says so with ``run_local(emit, should_stop)``.
             local = getattr(self.workload, "run_local", None)

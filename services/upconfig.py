@@ -61,6 +61,17 @@ class LauncherConfig(ConfigBase):
     _folders = field_validator("checkpoint_dir", "state_dir")(
         classmethod(lambda cls, v: v if v is None else writable_folder(v)))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _workload_of_its_settings(cls, values: Any) -> Any:
+        """No --workload given: the one workload whose settings were given, when only one has them
+        all (``--model`` is a setting of one workload alone); else the default."""
+        if not isinstance(values, dict) or values.get("workload") is not None:
+            return values
+        given = {k for k, v in values.items() if v is not None and k not in LauncherConfig.model_fields}
+        fits = [name for name, model in cls.workload_settings.items() if given <= set(model.model_fields)]
+        return {**values, "workload": fits[0]} if given and len(fits) == 1 else values
+
     @model_validator(mode="after")
     def _check(self) -> "LauncherConfig":
         settings = type(self).workload_settings
@@ -119,7 +130,8 @@ def compose_up_config() -> type[LauncherConfig]:
         fields[setting] = (Optional[first.annotation], FieldInfo.merge_field_infos(
             first, default=None, description=about, json_schema_extra=extra))
     specs = workloads()
-    about = "which workload to run: " + ", ".join(f"{name} ({spec.help})" for name, spec in specs.items())
+    about = "which workload to run: " + ", ".join(f"{name} ({spec.help})" for name, spec in specs.items()) + \
+        "; without it, the one workload whose settings are given (--model: ctr), else the first"
     fields["workload"] = (Literal[tuple(specs)], Field(next(iter(specs)), description=about))
     composed = create_model("UpConfig", __base__=LauncherConfig, **fields)
     composed.workload_settings = settings

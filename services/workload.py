@@ -100,7 +100,9 @@ class Planned:
 
 
 class Launch(Protocol):
-    """What ``rpcps up`` asks a workload: what to start, how to read its progress, when it is done."""
+    """What ``rpcps up`` asks a workload: what to start, how to read its progress, when it is done.
+    Optional: ``check()``, warnings about its settings before anything starts (or a
+    ``ConfigError``), and ``run_local(emit, should_stop)``, its one-process mode."""
 
     def plan(self) -> list[Planned]: ...
     def watched(self, names: list[str]) -> list[str]: ...

@@ -51,9 +51,10 @@ def _help(argv: list[str]) -> str:
 
 
 def cli_page() -> str:
-    from services.workload import benches, data_writers, roles
+    from services.workload import benches, commands as workload_commands, data_writers, roles
     commands = [[], ["up"], ["status"], ["checkpoint"], ["episode"], ["chaos"], *[[r] for r in roles()],
-                ["bench"], *[["bench", b] for b in benches()], ["data"], *[["data", d] for d in data_writers()]]
+                *[[c] for c in workload_commands()], ["bench"], *[["bench", b] for b in benches()], ["data"],
+                *[["data", d] for d in data_writers()]]
     text = [HEADER, "# Command line\n\n",
             "Every setting of a role or of `rpcps up` is also an environment variable (`[env …]` below; "
             "see [Environment variables](environment.md)); a flag wins over its variable.\n"]
@@ -226,7 +227,8 @@ def schema_page() -> str:
                 continue                  # a schema says a table's features on its categorical entries
             default = "required" if info.is_required() else f"`{json.dumps(info.default)}`"
             about = (info.description or "").replace("|", "\\|")
-            text.append(f"| `{field}` | {_kind(info.annotation)} | {default} | {about} |\n")
+            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+            text.append(f"| `{field}` | {extra.get('written') or _kind(info.annotation)} | {default} | {about} |\n")
     return "".join(text)
 
 
@@ -244,6 +246,14 @@ def _signature(fn: Any) -> str:
     return text.replace("(self, ", "(").replace("(self)", "()").removesuffix(" -> None")
 
 
+def _annotation(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if not getattr(annotation, "__args__", None) else None
+    text = text or str(annotation)
+    for module in ("typing.", "rpcps.schema.", "rpcps.tables.", "pathlib."):
+        text = text.replace(module, "")
+    return text
+
+
 def api_page() -> str:
     import inspect
 
@@ -258,7 +268,12 @@ def api_page() -> str:
         signature = "" if unsigned else _signature(obj)
         text.append(f"\n## `rpcps.{name}{signature}`\n\n{inspect.cleandoc(obj.__doc__ or '')}\n")
         if inspect.isclass(obj) and hasattr(obj, "model_fields"):
-            text.append("\nIts keys and what each means: [Feature schema](schema.md).\n")
+            text.append("\nIts keys and what each means: [Feature schema](schema.md). Each is an attribute of the "
+                        "same name; the object is frozen, and `model_copy(update={key: value, ...})` gives a copy "
+                        "with keys changed (the examples change a table's `name` and `dim` so).\n")
+            for field, info in obj.model_fields.items():
+                about = (info.description or "").rstrip(".")
+                text.append(f"\n### `{name}.{field}: {_annotation(info.annotation)}`\n\n{about[:1].upper()}{about[1:]}.\n")
         if inspect.isclass(obj):
             for member, fn in vars(obj).items():
                 if member.startswith("_") or not (inspect.isfunction(fn) or isinstance(fn, property)) or not fn.__doc__:

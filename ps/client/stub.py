@@ -143,9 +143,10 @@ class PsClient:
         self.consistency = Consistency.parse(infos[0].consistency)
         self.leader = ps_names[0]                             # keeps the step clock
         self.granted: Optional[Granted] = None                # the step under way, as the clock granted it
-        # sync: with weights replicated among the trainers, steps begin in lockstep, and the job
-        # starts with this many trainers (0: not in lockstep)
-        self.lockstep = 0
+        # sync: the trainers the job starts with, whom its first step waits for (0: none said),
+        # and whether weights replicated among the trainers make steps begin in lockstep
+        self.start_with = 0
+        self.lockstep = False
         # What ``read_ahead`` set: ssp's steps further on whose rows each step reads (a prefetch,
         # a cache), and the copies of the rows read most (``ps/client/cache.py``).
         self.ahead = 0
@@ -202,7 +203,7 @@ class PsClient:
         if not self.consistency.clocked or self.granted is not None:
             return 0.0
         started = time.perf_counter()
-        self.granted = wait(self._async(self.leader, ClockSurface.begin, self.lockstep, self.ahead))
+        self.granted = wait(self._async(self.leader, ClockSurface.begin, self.start_with, self.ahead, self.lockstep))
         return time.perf_counter() - started
 
     def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0,

@@ -130,10 +130,11 @@ class ClockSurface(Service):
         raise NotImplementedError
 
     @remote(asynchronous=True)
-    def begin(self, lockstep: int = 0, ahead: int = 0) -> torch.futures.Future:
-        """``Granted`` the caller's next step, once it may begin it (``lockstep``: the trainers its job
-        starts with, when it steps in lockstep; ``ahead``: ssp, the steps further on whose rows it
-        reads during this one, a prefetch, which count toward the staleness bound)."""
+    def begin(self, start_with: int = 0, ahead: int = 0, lockstep: bool = False) -> torch.futures.Future:
+        """``Granted`` the caller's next step, once it may begin it (``start_with``: sync, the
+        trainers its job starts with, whom the job's first step waits for; ``ahead``: ssp, the steps
+        further on whose rows it reads during this one, a prefetch, which count toward the staleness
+        bound; ``lockstep``: sync, it replicates weights with the other trainers)."""
         raise NotImplementedError
 
     @remote(asynchronous=True)

@@ -1,5 +1,6 @@
-"""sync and ssp modes on real processes: the ssp bound under a straggler, and a job that survives a
-SIGKILLed trainer, a checkpoint and a stopped episode."""
+"""sync and ssp modes on real processes: the ssp bound under a straggler; a sync job's first step
+waiting for the trainers it starts with; a job that survives a SIGKILLed trainer, a checkpoint and
+a stopped episode."""
 import json
 import signal
 import time
@@ -35,6 +36,21 @@ def test_ssp_bound_holds_at_every_read_with_a_straggler(procs):
             at_the_bound += finished == step - bound - 1
     assert at_the_bound > 0, "the straggler never held the fast trainer back: the test proves nothing"
     assert [s for s, _ in runs["trainer0"]["reads"]] == list(range(1, steps + 1))
+
+
+def test_a_sync_job_trains_no_step_before_every_trainer_it_starts_with_is_in(procs):
+    ps0, _ = procs.start_servers(2, workload="ctr", scale=0.0005, dim=4, bottom="8", top="8", consistency="sync")
+    trainer = {"num_ps": 2, "num_trainers": 2, "start": True, "steps": 8, "batch_size": 64, "eval_samples": 256}
+    first = procs.start_rl("ctr", "ctr1", **trainer)
+    wait_until(lambda: (clock_of(ps0).get("waiting") or {}).get("on") == ["1 more of the trainers the job starts with"],
+               90, "ctr1 waiting at step 1 for the other trainer")
+    assert clock_of(ps0)["step"] == 0 and status(first)["step"] == 0
+    second = procs.start_rl("ctr", "ctr0", **trainer)
+    for t in (first, second):
+        wait_until(lambda t=t: (status(t).get("episode") or {}).get("done"), 120, f"{t.name}'s 8 steps")
+    wait_until(lambda: "ctr0 left the step clock" in ps0.log_text() and "ctr1 left" in ps0.log_text(), 30, "both left")
+    # One averaged update a step, each step both trainers'.
+    assert "ctr0 left the step clock at step 8" in ps0.log_text() and "ctr1 left the step clock at step 8" in ps0.log_text()
 
 
 def clock_of(ps0) -> dict:

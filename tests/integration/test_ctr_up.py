@@ -8,6 +8,7 @@ come back and training goes on (with hashed tables)."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -77,6 +78,21 @@ def test_ctr_on_criteo_files_trains_reports_quality_and_resumes_resharded(tmp_pa
     assert "resumed position from step-" in logs and "same trainers, same data" in logs, again.logs()
     assert again.proc.wait(30) == 0, again.logs()
     assert math.isfinite(done["auc"]), done
+
+
+def test_a_short_sync_run_is_in_step_from_its_first_step_and_repeats_itself(tmp_path, cleanup):
+    """Two trainers in sync for 8 steps: neither trains a step before the other is in, so both
+    evaluate the same model, and a second run from the same seed ends where the first did."""
+    done = []
+    for run in ("first", "second"):
+        up = UpProcess(tmp_path / run, *SMALL, "--consistency", "sync", "--steps", "8", "--num-ps", "2")
+        cleanup(up)
+        done.append(up.wait_event("done", 300))
+        assert up.proc.wait(30) == 0, up.logs()
+        left = re.findall(r"(ctr\d) left the step clock at step (\d+)", up.full_logs())
+        assert sorted(left) == [("ctr0", "8"), ("ctr1", "8")], left
+    assert [d["auc_spread"] for d in done] == [0.0, 0.0], done
+    assert done[0]["auc"] == done[1]["auc"] and done[0]["logloss"] == done[1]["logloss"], done
 
 
 def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):

@@ -70,3 +70,30 @@ def test_a_users_model_and_schema_train_check_and_resume_resharded(tmp_path, cle
     assert "same trainers, same data" in logs, again.logs()
     assert again.proc.wait(30) == 0, again.logs()
     assert math.isfinite(done["auc"]), done
+
+
+def test_a_model_in_the_working_folder_runs_locally_and_a_broken_one_stops_up_before_any_member(tmp_path):
+    """As a user runs it: the model file beside the data, no PYTHONPATH set, `--model` naming the
+    CTR workload alone."""
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+                                       timeout=120, cwd=tmp_path, env=env)
+    assert run("data", "ratings", "--rows", "1200", "--out", str(data)).returncode == 0
+    (tmp_path / "mymodel.py").write_text((REPO / "tests" / "support" / "ratings_model.py").read_text())
+    local = run("up", "--local", "--model", "mymodel:RatingsModel", "--schema", str(SCHEMA), "--data", "data",
+                "--steps", "2", "--batch-size", "64", "--eval-samples", "200", "--json")
+    assert local.returncode == 0, local.stderr
+    done = json.loads(local.stdout.splitlines()[-1])
+    assert done["event"] == "done" and math.isfinite(done["auc"]), done
+
+    (tmp_path / "broken.py").write_text(
+        "import torch.nn as nn\nclass M(nn.Module):\n    def __init__(self, schema):\n        super().__init__()\n"
+        "    def forward(self, batch):\n        return batch.dense.sum()\n")
+    refused = run("up", "--model", "broken:M", "--schema", str(SCHEMA), "--data", "data", "--eval-samples", "200",
+                  "--steps", "2", "--state-dir", "state")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "rpcps up: --model broken:M: its forward over 64 samples gave a tensor of shape [] (torch.float32); it must "
+        "give a logit a sample, a float tensor of shape [64]"), refused.stderr
+    assert not (tmp_path / "state" / "logs").exists(), "no member started"

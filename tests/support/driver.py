@@ -86,13 +86,10 @@ def sync(client: PsClient, args: argparse.Namespace) -> dict:
     dist_model = DistributedLM(client, 0.0)
     initial = full_parameters(client)
     if args.dense == "allreduce":
-        dist_model.replicate(lambda key: args.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", 60), args.trainers, 60)
+        dist_model.replicate(lambda key: args.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", 60), 60)
     loop = TrainLoop.of(LmTask(dist_model, BatchStream(data[:, index * batch:(index + 1) * batch], cfg.bptt), cfg), cfg)
-    # Everyone in step 1: a trainer joins the open step only while nobody has finished it (in
-    # lockstep, the first step waits for every trainer anyway).
+    client.start_with = args.trainers       # everyone in step 1, as a trainer role says
     client.begin()
-    wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
-               "every trainer on the step clock")
     losses = [loop.step().loss for _ in range(args.steps)]
     result: dict = {"losses": losses, "consistency": str(client.consistency)}
     trained = full_parameters(client)
@@ -308,12 +305,10 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
                    name=args.name, num_trainers=args.trainers)
     hot = ReplicatedRows(args.hot_rows, every=2) if args.hot_rows else None
     if args.dense == "allreduce":
-        task.model.replicate(lambda key: args.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", 60), args.trainers, 60,
-                             hot=hot)
+        task.model.replicate(lambda key: args.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", 60), 60, hot=hot)
     loop = TrainLoop(task, clip=0.0, prefetch=args.prefetch, cache=hot)
+    client.start_with = args.trainers
     client.begin()
-    wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
-               "every trainer on the step clock")
     steps = [loop.step() for _ in range(args.steps)]
     client.end()
     result: dict = {"losses": [s.loss for s in steps], "consistency": str(client.consistency),

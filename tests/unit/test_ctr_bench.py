@@ -30,3 +30,25 @@ def test_a_samples_cpu_counts_only_the_stretch_every_trainer_trained(tmp_path):
     assert cpu_account({**training, "cpu_steps": 4}, 100) is None, "no step between the readings"
     _sample(tmp_path, {}, training)             # no cluster.json yet: nothing read, nothing changed
     assert training["cpu_steps"] == 14
+
+
+def _variant(samples_per_s, auc, **more):
+    return {"samples_per_s": samples_per_s, "auc": auc, "logloss": 0.5, "rss_mb": 100, "bytes_per_sample": 800.0,
+            "saved_bytes_per_sample": 0.0, "allreduce_bytes_per_sample": 0.0, "account": {}, "cache_hit_rate": None,
+            "cpu": {"us_per_sample": 1e6 / samples_per_s}, **more}
+
+
+def test_the_summary_takes_medians_and_ratios_within_each_round_and_says_which_targets_were_met():
+    from trainer.ctr.bench import TARGETS, _medians, _met, _ratios
+    rounds = [{"local": _variant(100, 0.70), "async": _variant(90, 0.69), "sync": _variant(60, 0.70)},
+              {"local": _variant(50, 0.72), "async": _variant(40, 0.71), "sync": _variant(30, 0.72)},
+              {"local": _variant(80, 0.70), "async": _variant(70, 0.69), "sync": _variant(50, 0.70)}]
+    results = {name: _medians(name, rounds, True) for name in ("local", "async", "sync")}
+    assert results["async"]["samples_per_s"] == 70 and results["local"]["rss_mb"] == 100
+    # Ratios are taken round by round, then their median: 0.9, 0.8, 0.875.
+    assert results["async"]["cpu"]["vs_local"] == pytest.approx(80 / 70)      # median of 100/90, 50/40, 80/70
+    ratios = _ratios(results, rounds, 400.0)
+    assert ratios["async_vs_local"] == pytest.approx(0.875) and ratios["sync_auc_minus_local"] == 0.0
+    assert ratios["async_bytes_vs_rows"] == 2.0
+    met = _met(results, ratios)
+    assert met == {"async_vs_local": 0.875 >= TARGETS["async_vs_local"], "sync_auc_minus_local": True}

@@ -26,7 +26,15 @@ def test_the_site_builds_strictly(tmp_path):
     r = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=REPO,
                        capture_output=True, text=True, timeout=300, env={"NO_MKDOCS_2_WARNING": "1", "PATH": ""})
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (tmp_path / "site" / "reference" / "cli" / "index.html").is_file()
+    site = tmp_path / "site"
+    assert (site / "reference" / "cli" / "index.html").is_file()
+    # Every page with a diagram loads the diagrams' library from the site itself: drawn offline.
+    drawn = [page for page in site.rglob("*.html") if 'class="mermaid"' in page.read_text()]
+    assert len(drawn) >= 3, drawn
+    for page in drawn:
+        script = re.search(r'<script src="([^"]*javascripts/mermaid\.min\.js)"', page.read_text())
+        assert script and (page.parent / script.group(1)).resolve().is_file(), page
+    assert (site / "javascripts" / "mermaid.min.js").read_bytes().startswith(b'"use strict";var __esbuild_esm_mermaid')
 
 
 def test_the_readme_is_a_front_page():

@@ -42,10 +42,18 @@ def named(hot, *batches):
         hot.take(P, torch.tensor(ids), 0)
 
 
-def choose_together(members, step, writer=0):
-    """Every member's choice at ``step``, over every member's counts (as all_gather_object gives them)."""
+def choose_together(members, step, writer=0, log=None):
+    """Every member's choice at ``step``, over every member's counts (as all_gather_object gives them);
+    ``log`` records each member's collectives, and the servers' writes, in order."""
     everyone = [{p: hot._counted(p) for p in sorted(hot._named)} for hot in members]
-    return [hot.choose(step, lambda obj: everyone, writes=k == writer) for k, hot in enumerate(members)]
+
+    def gather(k):
+        def collective(obj):
+            if log is not None:
+                log.append((k, "gather" if obj is not None else "barrier", len(members[0]._servers.given)))
+            return everyone
+        return collective
+    return [hot.choose(step, gather(k), writes=k == writer) for k, hot in enumerate(members)]
 
 
 def test_the_group_chooses_the_same_rows_whatever_each_member_counted():
@@ -78,8 +86,12 @@ def test_rows_that_leave_go_back_once_with_their_state_and_rows_that_come_are_re
             hot.held[P].state["sum"].add_(7)
     named(a, [2, 3, 3, 3])
     named(b, [3, 2])
-    choose_together([a, b], 4, writer=1)
+    log = []
+    choose_together([a, b], 4, writer=1, log=log)
     assert servers.given == [([1], 4)], "row 1 left, given back by the writer alone"
+    # Each member waits at a barrier once rows leave; the writer reaches it after its write, so no
+    # member reads a row that left (its reads ahead go out next) before the servers hold it again.
+    assert log == [(0, "gather", 0), (0, "barrier", 0), (1, "gather", 0), (1, "barrier", 1)], log
     assert servers.rows[1].tolist() == [101.0, 101.0] and servers.sum[1] == 7
     for hot in (a, b):
         assert hot.held[P].ids.tolist() == [2, 3]

@@ -79,7 +79,9 @@ def test_up_refuses_a_setting_of_the_other_workload():
     with pytest.raises(ConfigError, match="--num-ps: not a setting of --workload rl"):
         load(UpConfig, {"workload": "rl", "num_ps": "3"}, {})
     with pytest.raises(ConfigError, match="--episodes: not a setting of --workload lm"):
-        load(UpConfig, {"episodes": "3"}, {})
+        load(UpConfig, {"workload": "lm", "episodes": "3"}, {})
+    # Without --workload, settings of one workload alone choose it.
+    assert load(UpConfig, {"episodes": "3"}, {}).workload == "rl"
 
 
 def test_a_workload_setting_is_checked_when_up_loads_it():

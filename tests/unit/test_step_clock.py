@@ -5,6 +5,7 @@ from concurrent.futures import Future
 import pytest
 
 from ps.leader.clock import StepClock
+from ps.leader.clock.pace import START_WAIT_SECONDS
 from ps.spec.consistency import Consistency
 from services.errors import BadRequest
 
@@ -55,7 +56,7 @@ def begin(clock, name) -> Future:
 
 def lockstep(clock, name, start_with=2) -> Future:
     f: Future = Future()
-    clock.begin(name, f, start_with)
+    clock.begin(name, f, start_with, lockstep=True)
     return f
 
 
@@ -251,6 +252,41 @@ def test_resumed_ssp_clocks_continue_and_sync_counts_on_from_the_servers_step():
     assert begin(sync, "trainer0").result(0) == 41
     arrive(sync, "trainer0").result(0)
     assert applied == [(41, ["trainer0"], 0.25)]
+
+
+def test_sync_first_step_waits_for_the_trainers_the_job_starts_with():
+    clock, applied, _, _ = make("sync", step=40)
+    first = StepOf()
+    clock.begin("trainer1", first, 2)
+    assert not first.done(), "the job starts with two trainers: one alone does not train a step"
+    assert clock.describe()["waiting"]["on"] == ["1 more of the trainers the job starts with"]
+    second = StepOf()
+    clock.begin("trainer0", second, 2)
+    assert first.result(0) == second.result(0) == 41
+    step_all(clock, ["trainer0", "trainer1"])
+    assert applied == [(41, ["trainer0", "trainer1"], 0.25)]
+    # Once the job runs, a newcomer joins as before, and one that says nothing never waits.
+    late = StepOf()
+    clock.begin("trainer2", late, 3)
+    assert late.result(0) == 42
+    alone, _, _, _ = make("sync")
+    assert begin(alone, "trainer0").result(0) == 1
+
+
+def test_sync_first_step_begins_without_a_trainer_that_never_comes(caplog):
+    clock, applied, time, _ = make("sync")
+    waiting = [StepOf() for _ in range(2)]
+    for k, f in enumerate(waiting):
+        clock.begin(f"trainer{k}", f, 3)
+    time.t = START_WAIT_SECONDS - 1
+    clock.tick()
+    assert not any(f.done() for f in waiting)
+    time.t = START_WAIT_SECONDS
+    clock.tick()
+    assert [f.result(0) for f in waiting] == [1, 1]
+    assert "step 1 begins with 2 of the 3 trainers the job starts with" in caplog.text
+    step_all(clock, ["trainer0", "trainer1"])
+    assert applied == [(1, ["trainer0", "trainer1"], 0.25)]
 
 
 # --- lockstep: trainers that all-reduce replicated weights (--dense allreduce) ---------------------

@@ -207,8 +207,12 @@ class ReplicatedRows(HotRows):
             new = chosen[~torch.isin(chosen, h.ids)]
             if new.numel():
                 coming[param] = new
-        if writes and leaving:
-            self._servers.give_back(leaving, step)
+        if leaving:
+            if writes:
+                self._servers.give_back(leaving, step)
+            # Every member waits for the write: a member's next reads (read ahead, they go out
+            # right after this) must find the rows that left as the group left them.
+            gather(None)
         read = self._servers.hold(coming) if coming else {}
         merged = {p: self._merged(kept[p], coming.get(p), read.get(p)) for p in kept}
         self.held = {p: h for p, h in merged.items() if h.ids.numel()}

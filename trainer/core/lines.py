@@ -95,9 +95,10 @@ def check_files(paths: Sequence[Path], parse: Parse, lines: int = CHECKED_LINES,
                 error: type[LineError] = LineError) -> None:
     """Raise ``error`` naming the first problem in the first ``lines`` lines of each file: none
     given, an empty or unreadable file, a truncated gzip stream, a malformed line (``header``
-    reads each file's first line, when the format has one)."""
+    reads each file's first line, when the format has one), files of headers and no data line."""
     if not paths:
         raise error("no data files")
+    data_lines, cut = 0, False
     for path in paths:
         seen = 0
         try:
@@ -105,11 +106,16 @@ def check_files(paths: Sequence[Path], parse: Parse, lines: int = CHECKED_LINES,
                 for seen, line in enumerate(bounded_lines(f), start=1):
                     (header if header is not None and seen == 1 else parse)(line, f"{path}:{seen}")
                     if seen >= lines:
+                        cut = True
                         break
         except (OSError, EOFError) as exc:
             raise error(f"{path}: cannot be read past line {seen}: {why(exc)}") from None
         if seen == 0:
             raise error(f"{path} is empty")
+        data_lines += seen - (header is not None)
+    if not data_lines and not cut:
+        raise error(f"{paths[0] if len(paths) == 1 else paths[0].parent}: no data lines, only "
+                    f"{'a header' if len(paths) == 1 else 'headers'}")
 
 
 @dataclass

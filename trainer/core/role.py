@@ -117,6 +117,7 @@ class ServedTrainer(RoleBase):
         servers = ps_names(cfg.num_ps)
         self._await_members(servers, cfg.join_timeout, self._wake, lambda: self.gate.closing)
         client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
+        client.start_with = cfg.num_trainers        # sync: the job's first step waits for them all
         task = self.task(client)
         model = task.model
         cache = self.cache()      # staleness 0 (replicated) with --dense allreduce only: the settings checked it
@@ -126,8 +127,7 @@ class ServedTrainer(RoleBase):
                 dense_needs_sync(cfg.dense, str(client.consistency))
             except ValueError as exc:
                 raise ConfigError(f"{exc} (the servers run {client.consistency})") from None
-            model.replicate(self._group_stores(), cfg.num_trainers, cfg.group_timeout,
-                            hot=cache if replicated else None)
+            model.replicate(self._group_stores(), cfg.group_timeout, hot=cache if replicated else None)
         try:
             loop = TrainLoop.of(task, cfg, self.metrics, self.prefetch(), cache)
         except ValueError as exc:

@@ -32,13 +32,11 @@ class ServedModel(nn.Module):
             p.requires_grad_(False)
         self.replica: Optional[DenseReplica] = None
 
-    def replicate(self, store_for: Callable[[str], Store], start_with: int, timeout: float,
-                  hot: Optional[ReplicatedRows] = None) -> None:
+    def replicate(self, store_for: Callable[[str], Store], timeout: float, hot: Optional[ReplicatedRows] = None) -> None:
         """``--dense allreduce``: hold the dense weights here, starting from the servers' weights and
         their optimizer state, kept equal to the other trainers' replicas by a process group of the
         trainers of each step, whose members meet in ``store_for(key)`` and wait ``timeout`` for
-        each other. Steps begin in lockstep; the job starts once ``start_with`` trainers ask for
-        its first step. ``hot``: the tables' hot rows, replicated with them (``--cache-staleness 0``)."""
+        each other. Steps begin in lockstep. ``hot``: the tables' hot rows, replicated with them (``--cache-staleness 0``)."""
         _, weights = self.client.fetch({})
         model = self.client.model
         if "optimizer" not in model or "lr" not in model:
@@ -52,7 +50,7 @@ class ServedModel(nn.Module):
                                     named=self.dense, hot=hot)
         for state in self.client.each_dense_shard(PsSurface.dense_state):
             self.replica.load_optimizer_state(state)
-        self.client.lockstep = start_with
+        self.client.lockstep = True
 
     def follow_group(self) -> None:
         """At a step's beginning: with a replica, be in the group the step was granted with."""

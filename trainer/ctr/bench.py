@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from services.client import SidecarClient
 
@@ -279,79 +279,88 @@ def run(ns: argparse.Namespace) -> int:
             result[name] = _run_variant(name, args)
             print(json.dumps({"bench": "ctr", "round": i, "variant": name, **result[name]}), flush=True)
         rounds.append(result)
-
-    def median(name: str, key: str) -> float:
-        return statistics.median(r[name][key] for r in rounds)
-
-    results = {}
-    for name in names:
-        results[name] = {k: median(name, k) for k in ("samples_per_s", "auc", "logloss")}
-        if name == "local":
-            results[name]["rss_mb"] = median(name, "rss_mb")
-        else:
-            results[name].update(bytes_per_sample=median(name, "bytes_per_sample"), rss_mb=rounds[-1][name]["rss_mb"],
-                                 saved_bytes_per_sample=median(name, "saved_bytes_per_sample"),
-                                 allreduce_bytes_per_sample=median(name, "allreduce_bytes_per_sample"),
-                                 account=rounds[-1][name]["account"])
-            if rounds[-1][name]["cache_hit_rate"] is not None:
-                results[name]["cache_hit_rate"] = median(name, "cache_hit_rate")
-                results[name]["cache_lookup_hit_rate"] = median(name, "cache_lookup_hit_rate")
-        cpus = [r[name]["cpu"] for r in rounds if r[name].get("cpu")]
-        if cpus:      # what a sample cost in CPU, and beside one process's in the same round
-            results[name]["cpu"] = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
-            if name != "local" and "local" in names:
-                results[name]["cpu"]["vs_local"] = statistics.median(
-                    r[name]["cpu"]["us_per_sample"] / r["local"]["cpu"]["us_per_sample"]
-                    for r in rounds if r[name]["cpu"])
+    results = {name: _medians(name, rounds, "local" in names) for name in names}
     rows = rows_bytes_per_sample(args)
-    ratios = {}
-    if "async" in results and "local" in results:
-        ratios["async_vs_local"] = statistics.median(r["async"]["samples_per_s"] / r["local"]["samples_per_s"]
-                                                     for r in rounds)
-    if "sync" in results and "local" in results:
-        ratios["sync_auc_minus_local"] = results["sync"]["auc"] - results["local"]["auc"]
-    for name in ("async-prefetch", "sync-prefetch", "async-cache", "async-prefetch-cache", "sync-allreduce-hot"):
-        plain = name.removesuffix("-hot") if name.endswith("-hot") else name.split("-")[0]
-        key, plain_key = name.replace("-", "_"), plain.replace("-", "_")
-        if name in results and "local" in results:
-            ratios[f"{key}_vs_local"] = statistics.median(
-                r[name]["samples_per_s"] / r["local"]["samples_per_s"] for r in rounds)
-        if name in results and plain in results:
-            ratios[f"{key}_vs_{plain_key}"] = statistics.median(
-                r[name]["samples_per_s"] / r[plain]["samples_per_s"] for r in rounds)
-            ratios[f"{key}_auc_minus_{plain_key}"] = results[name]["auc"] - results[plain]["auc"]
-    for name in ("async", "sync", "sync-allreduce", "wire-fp16"):
-        if name in results:
-            ratios[f"{name}_bytes_vs_rows"] = results[name]["bytes_per_sample"] / rows
-    met = {}
-    if "async_vs_local" in ratios:
-        met["async_vs_local"] = ratios["async_vs_local"] >= TARGETS["async_vs_local"]
-    if "sync_auc_minus_local" in ratios:
-        met["sync_auc_minus_local"] = abs(ratios["sync_auc_minus_local"]) <= TARGETS["sync_auc_minus_local"]
-    for key in ("sync_prefetch_vs_local", "sync_prefetch_auc_minus_sync", "async_prefetch_cache_vs_local"):
-        if key in ratios:
-            met[key] = ratios[key] >= TARGETS[key] if key.endswith("local") else ratios[key] == TARGETS[key]
-    if "async-cache" in results:       # counted by distinct ids (the bytes spared) and by lookups (as HET counts)
-        met["cache_hit_rate"] = results["async-cache"]["cache_hit_rate"] >= TARGETS["cache_hit_rate"]
-        met["cache_lookup_hit_rate"] = results["async-cache"]["cache_lookup_hit_rate"] >= TARGETS["cache_hit_rate"]
-    key = "sync_allreduce_hot_auc_minus_sync_allreduce"     # exact: within the bar, as equal as measured
-    if key in ratios:
-        met[key] = abs(ratios[key]) <= TARGETS[key]
-    if "sync-allreduce_bytes_vs_rows" in ratios:
-        met["rows_bytes_ratio"] = ratios["sync-allreduce_bytes_vs_rows"] <= TARGETS["rows_bytes_ratio"]
-    if "hashed" in results and "hashed-10" in results:
-        key = "hashed_10_auc_minus_hashed"
-        ratios[key] = results["hashed-10"]["auc"] - results["hashed"]["auc"]
-        met[key] = abs(ratios[key]) <= TARGETS[key]
-    for name in HALF:
-        if name in results and "sync" in results:      # each beside full precision, at equal samples
-            ratios[f"{name}_auc_minus_sync"] = results[name]["auc"] - results["sync"]["auc"]
+    ratios = _ratios(results, rounds, rows)
+    met = _met(results, ratios)
     oracle = next((r[n]["oracle_auc"] for r in rounds for n in names if r[n].get("oracle_auc") is not None), None)
     print(json.dumps({"bench": "ctr", "oracle_auc": oracle, "results": results, "rows_bytes_per_sample": rows,
                       "ratios": ratios, "targets": TARGETS, "met": met,
                       "config": {**args, "trainers": TRAINERS, "servers": 2, "rounds": ns.rounds,
                                  "cpus": os.cpu_count(), "load_avg": os.getloadavg()}}), flush=True)
     return 0
+
+
+def _medians(name: str, rounds: list[dict[str, dict]], with_local: bool) -> dict[str, Any]:
+    """A variant's figures over the rounds: medians, and the last round's account and memory."""
+    def median(key: str) -> float:
+        return statistics.median(r[name][key] for r in rounds)
+
+    out: dict[str, Any] = {k: median(k) for k in ("samples_per_s", "auc", "logloss")}
+    if name == "local":
+        out["rss_mb"] = median("rss_mb")
+    else:
+        out.update(bytes_per_sample=median("bytes_per_sample"), rss_mb=rounds[-1][name]["rss_mb"],
+                   saved_bytes_per_sample=median("saved_bytes_per_sample"),
+                   allreduce_bytes_per_sample=median("allreduce_bytes_per_sample"), account=rounds[-1][name]["account"])
+        if rounds[-1][name]["cache_hit_rate"] is not None:
+            out["cache_hit_rate"] = median("cache_hit_rate")
+            out["cache_lookup_hit_rate"] = median("cache_lookup_hit_rate")
+    cpus = [r[name]["cpu"] for r in rounds if r[name].get("cpu")]
+    if cpus:      # what a sample cost in CPU, and beside one process's in the same round
+        out["cpu"] = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
+        if name != "local" and with_local:
+            out["cpu"]["vs_local"] = statistics.median(r[name]["cpu"]["us_per_sample"] / r["local"]["cpu"]["us_per_sample"]
+                                                       for r in rounds if r[name]["cpu"])
+    return out
+
+
+def _ratios(results: dict[str, dict], rounds: list[dict[str, dict]], rows: float) -> dict[str, float]:
+    """Each variant beside one process and beside its plain mode, measured in the same round."""
+    def side_by_side(name: str, other: str) -> float:
+        return statistics.median(r[name]["samples_per_s"] / r[other]["samples_per_s"] for r in rounds)
+
+    ratios = {}
+    if "async" in results and "local" in results:
+        ratios["async_vs_local"] = side_by_side("async", "local")
+    if "sync" in results and "local" in results:
+        ratios["sync_auc_minus_local"] = results["sync"]["auc"] - results["local"]["auc"]
+    for name in ("async-prefetch", "sync-prefetch", "async-cache", "async-prefetch-cache", "sync-allreduce-hot"):
+        plain = name.removesuffix("-hot") if name.endswith("-hot") else name.split("-")[0]
+        key, plain_key = name.replace("-", "_"), plain.replace("-", "_")
+        if name in results and "local" in results:
+            ratios[f"{key}_vs_local"] = side_by_side(name, "local")
+        if name in results and plain in results:
+            ratios[f"{key}_vs_{plain_key}"] = side_by_side(name, plain)
+            ratios[f"{key}_auc_minus_{plain_key}"] = results[name]["auc"] - results[plain]["auc"]
+    for name in ("async", "sync", "sync-allreduce", "wire-fp16"):
+        if name in results:
+            ratios[f"{name}_bytes_vs_rows"] = results[name]["bytes_per_sample"] / rows
+    if "hashed" in results and "hashed-10" in results:
+        ratios["hashed_10_auc_minus_hashed"] = results["hashed-10"]["auc"] - results["hashed"]["auc"]
+    for name in HALF:
+        if name in results and "sync" in results:      # each beside full precision, at equal samples
+            ratios[f"{name}_auc_minus_sync"] = results[name]["auc"] - results["sync"]["auc"]
+    return ratios
+
+
+def _met(results: dict[str, dict], ratios: dict[str, float]) -> dict[str, bool]:
+    """Each target the run measured, met or not."""
+    met = {}
+    if "async_vs_local" in ratios:
+        met["async_vs_local"] = ratios["async_vs_local"] >= TARGETS["async_vs_local"]
+    for key in ("sync_auc_minus_local", "sync_allreduce_hot_auc_minus_sync_allreduce", "hashed_10_auc_minus_hashed"):
+        if key in ratios:        # exact: within the bar, as equal as measured
+            met[key] = abs(ratios[key]) <= TARGETS[key]
+    for key in ("sync_prefetch_vs_local", "sync_prefetch_auc_minus_sync", "async_prefetch_cache_vs_local"):
+        if key in ratios:
+            met[key] = ratios[key] >= TARGETS[key] if key.endswith("local") else ratios[key] == TARGETS[key]
+    if "async-cache" in results:       # counted by distinct ids (the bytes spared) and by lookups (as HET counts)
+        met["cache_hit_rate"] = results["async-cache"]["cache_hit_rate"] >= TARGETS["cache_hit_rate"]
+        met["cache_lookup_hit_rate"] = results["async-cache"]["cache_lookup_hit_rate"] >= TARGETS["cache_hit_rate"]
+    if "sync-allreduce_bytes_vs_rows" in ratios:
+        met["rows_bytes_ratio"] = ratios["sync-allreduce_bytes_vs_rows"] <= TARGETS["rows_bytes_ratio"]
+    return met
 
 
 if __name__ == "__main__":

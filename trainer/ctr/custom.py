@@ -28,18 +28,30 @@ def models_from_here() -> None:
         sys.path.insert(0, os.getcwd())
 
 
+def _said(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def build_model(ref: str, schema: Schema, seed: int, options: Optional[dict[str, Any]] = None) -> nn.Module:
     """``Class(schema, **options)`` for ``ref`` = ``module:Class``, its dense layers drawn from
-    ``seed`` (so every process builds the same), or a ``ConfigError`` saying what is wrong."""
+    ``seed`` (so every process builds the same), or a ``ConfigError`` saying what is wrong. The
+    module is found on the path, the working folder first, in every process alike."""
+    models_from_here()
     module_name, _, attribute = ref.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attribute)
     except ModuleNotFoundError as exc:
-        raise ConfigError(f"--model {ref}: no module {exc.name} (is it installed, or on PYTHONPATH?)") from None
+        raise ConfigError(f"--model {ref}: no module {exc.name} (is it installed, or in the working folder or on "
+                          f"PYTHONPATH?)") from None
     except AttributeError:
         raise ConfigError(f"--model {ref}: {module_name} has no {attribute}") from None
+    except Exception as exc:    # noqa: BLE001 - a syntax error, or its top level raising: the user's to mend
+        raise ConfigError(f"--model {ref}: importing {module_name} failed: {_said(exc)}") from None
     torch.manual_seed(seed)
-    model = cls(schema, **(options or {}))
+    try:
+        model = cls(schema, **(options or {}))
+    except Exception as exc:    # noqa: BLE001 - as above
+        raise ConfigError(f"--model {ref}: {attribute}(schema) raised {_said(exc)}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {ref}: {attribute}(schema) gave a {type(model).__name__}, not a torch.nn.Module")
     features = set(schema.features)
@@ -49,6 +61,24 @@ def build_model(ref: str, schema: Schema, seed: int, options: Optional[dict[str,
             raise ConfigError(f"--model {ref} looks up feature {', '.join(unknown)}, which the schema does not declare "
                               f"(it declares {', '.join(schema.features)})")
     return model
+
+
+def tried(ref: str, schema: Schema, seed: int, options: Optional[dict[str, Any]], batch: Batch) -> None:
+    """Build the model and run it forward over ``batch`` (the data's first lines): a mistake in the
+    model file is a ``ConfigError`` saying what, before any member starts."""
+    model = build_model(ref, schema, seed, options)
+    try:
+        with torch.no_grad():
+            out = model(batch)
+    except Exception as exc:    # noqa: BLE001 - the user's forward
+        raise ConfigError(f"--model {ref}: its forward over {len(batch)} samples of --data raised {_said(exc)}") \
+            from None
+    wanted = tuple(batch.labels.shape)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != wanted or not out.is_floating_point():
+        got = f"a tensor of shape {list(out.shape)} ({out.dtype})" if isinstance(out, torch.Tensor) \
+            else f"a {type(out).__name__}"
+        raise ConfigError(f"--model {ref}: its forward over {len(batch)} samples gave {got}; it must give a logit a "
+                          f"sample, a float tensor of shape [{len(batch)}]")
 
 
 def schema_model_spec(ref: str, schema: Schema, *, seed: int, optimizer: str, lr: float, table_rule: str,

@@ -1,8 +1,9 @@
 """``rpcps data check --schema S --data D``: read the first lines of data files as a schema says, and
-show each column as the model will see it (cardinality, missing rate, list lengths, value range),
-so a user sees their data before training on it. Exit 0: every line read; 1: some lines are
+show each column as the model will see it (cardinality, missing rate, list lengths, value range)
+and each table as its rows will hold the values (how many share a row), so a user sees their data
+before training on it. Exit 0: every line read; 1: some lines are
 malformed (each reason is printed; training would skip and count them); 2: the schema or the files
-cannot be used."""
+cannot be used, or hold no data line."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def summary(schema, paths: list[Path], count: int) -> dict:
     import numpy as np
 
-    from trainer.ctr.tabular import Encoder, measure, rows_of, transformed, values_of
+    from trainer.ctr.tabular import Encoder, measure, occupancy, rows_of, transformed, values_of
 
     stream = rows_of(schema, paths, stop=count, logged=False)
     rows = list(stream)
@@ -55,6 +56,8 @@ def summary(schema, paths: list[Path], count: int) -> dict:
             entry.update(mean_length=float(lengths.mean()), max_length=int(lengths.max()),
                          truncated_rate=_share(int((lengths > c.max_length).sum()), len(lists)))
         out["categorical"].append(entry)
+    out["tables"] = [{"table": o.table, "rows": o.rows, "hashed": o.rows == 0, "distinct": o.distinct,
+                      "rows_used": o.rows_used, "sharing": o.sharing} for o in occupancy(schema, rows)]
     if rows:
         Encoder(schema, stats).batch(rows[:8])        # what a trainer makes of them
     return out
@@ -80,9 +83,13 @@ def _table(s: dict) -> str:
         size = "hashed" if c["hashed"] else str(c["rows"])
         lengths = f"{c['mean_length']:.2f} (max {c['max_length']})" if "mean_length" in c else "one"
         note = f", {c['truncated_rate']:.1%} cut" if c.get("truncated_rate") else ""
-        crowded = " (more values than rows: they share rows)" if not c["hashed"] and c["distinct"] > c["rows"] else ""
         lines.append(f"{c['feature']:<20}{c['table']:<14}{size:>10}{c['distinct']:>10}{c['missing_rate']:>9.1%}"
-                     f"{lengths:>16}{note}{crowded}")
+                     f"{lengths:>16}{note}")
+    lines.append(f"{'table':<20}{'rows':>10}{'distinct':>10}{'rows used':>11}{'sharing':>9}")
+    for t in s["tables"]:
+        size = "hashed" if t["hashed"] else str(t["rows"])
+        note = "  values share rows: they train as one" if t["sharing"] else ""
+        lines.append(f"{t['table']:<20}{size:>10}{t['distinct']:>10}{t['rows_used']:>11}{t['sharing']:>9}{note}")
     return "\n".join(lines)
 
 
@@ -105,5 +112,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"rpcps data check: {exc}", file=sys.stderr)
         return 2
     s = summary(schema, paths, args.lines)
+    if not s["lines"]:
+        print(f"rpcps data check: {args.data} holds no data lines" + (" (only a header)" if schema.header else ""),
+              file=sys.stderr)
+        return 2
     print(json.dumps(s) if args.json else _table(s), flush=True)
     return 1 if s["malformed"] else 0

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=Path, metavar="PATH",
                    help="the training files: a standardized column without a mean and std in the schema is "
                         "measured on their first lines, as the trainers measured it, and recorded in the export "
-                        "(rpcps serve needs it)")
+                        "(such a schema's export is refused without it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +82,11 @@ def export(checkpoint: Path, out: Path, data: Optional[Path] = None, replace: bo
         raise ValueError(f"{info.id} holds a model that is not over a feature schema (the CTR workload's "
                          f"built-in DLRM or your --model): nothing here exports it")
     schema = measured(Schema.model_validate(hosted["schema"]), data)
+    unmeasured = [n.column for n in schema.numeric if n.standardize and n.mean is None]
+    if unmeasured:
+        raise ValueError(f"{info.id}: standardized column {', '.join(unmeasured)} has no mean and std in the schema, "
+                         f"and a model scores only as training read it: give --data (the training files), where they "
+                         f"are measured as the trainers measured them")
     module = hosted_module(hosted)
     spec = hosted_spec(module, optimizer=hosted["optimizer"], lr=hosted["lr"], table_rule=hosted.get("table_rule"),
                        meta=hosted)

@@ -47,6 +47,12 @@ class CtrLaunch(TrainersLaunch):
                 "skipped_lines": sum(s.skipped_lines for s in statuses),
                 "truncated_lists": sum(s.truncated_lists for s in statuses)}
 
+    def check(self) -> list[str]:
+        """Before any member starts: a user's model run forward over the data's first lines, and
+        what the data would do without a word (``trainer/ctr/preflight.py``); the warnings."""
+        from trainer.ctr.preflight import preflight
+        return preflight(self.cfg)
+
     def run_local(self, emit: Callable[[dict], None], should_stop: Callable[[], bool]) -> int:
         """``--local``: the same model and data in this one process (``trainer/ctr/local.py``)."""
         from trainer.ctr.local import run_local

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -200,6 +201,39 @@ class Encoder:
             sparse[c.name] = Jagged(torch.tensor(ids, dtype=torch.int64),
                                     torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
         return Batch(sparse, self.numeric(rows), torch.tensor([r.label for r in rows], dtype=torch.float32))
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """How a table's rows hold the distinct values some rows named: a plain table's value takes row
+    ``hash % rows``, so values share rows well below ``rows`` (a hashed table keys rows by the
+    64-bit hash itself: ``rows`` 0)."""
+
+    table: str
+    rows: int
+    distinct: int           # distinct values named
+    rows_used: int          # the rows they take
+    sharing: int            # values on a row another value takes too
+
+    @property
+    def sharing_share(self) -> float:
+        return self.sharing / self.distinct if self.distinct else 0.0
+
+
+def occupancy(schema: Schema, rows: Sequence[Row]) -> list[Occupancy]:
+    """Per table, how its rows hold the values ``rows`` name (every feature that uses it)."""
+    tables = {t.name: t for t in schema.tables}
+    named: dict[str, set[str]] = {name: set() for name in tables}
+    for j, c in enumerate(schema.categorical):
+        seen = named[c.table_name]
+        for r in rows:
+            seen.update(values_of(r.categorical[j], c.separator))
+    out = []
+    for name, t in tables.items():
+        size = 0 if t.hashed else t.rows
+        taken = Counter(value_id(name, v) % size if size else value_id(name, v) for v in named[name])
+        out.append(Occupancy(name, size, len(named[name]), len(taken), sum(n for n in taken.values() if n > 1)))
+    return out
 
 
 def transformed(x: np.ndarray, n: Numeric) -> np.ndarray:

@@ -30,7 +30,7 @@ class ClockMetrics(Protocol):
 class _Member:
     clock: int                  # steps it has completed under this clock
     working: bool = False       # began a step and has not arrived
-    lockstep: int = 0           # the trainers its job starts with when it steps in lockstep (0: it does not)
+    lockstep: bool = False      # it replicates weights with the others, so steps begin for all at once
 
 
 @dataclass
@@ -40,8 +40,9 @@ class _Waiting:
     clip: float = 0.0
     refused: bool = False     # sync: the servers refused its gradients; the step goes on without them
     replica_sq: float = 0.0   # sync: squared norm of the averaged gradient of weights the trainers replicate
-    lockstep: int = 0         # begin: as ``_Member.lockstep``
+    lockstep: bool = False    # begin: as ``_Member.lockstep``
     ahead: int = 0            # begin, ssp: the steps further on whose rows it reads during this one
+    start_with: int = 0       # begin, sync: the trainers its job starts with (0: it does not say)
 
 
 @dataclass
@@ -69,10 +70,11 @@ class StepClock:
             self.step = max(self.step, step)
 
     # --- a trainer's calls ---------------------------------------------------------------------------
-    def begin(self, name: str, pending: Pending, lockstep: int = 0, ahead: int = 0) -> None:
-        """``lockstep``: the trainer replicates weights with the others, and the job starts with
-        this many trainers (sync only; 0: it does not). ``ahead``: the steps further on whose rows
-        it reads during this one (a prefetch), which the pace counts as steps ahead."""
+    def begin(self, name: str, pending: Pending, start_with: int = 0, ahead: int = 0, lockstep: bool = False) -> None:
+        """``start_with``: the trainers its job starts with (sync: the job's first step waits for
+        them). ``ahead``: the steps further on whose rows it reads during this one (a prefetch),
+        which the pace counts as steps ahead. ``lockstep``: the trainer replicates weights with the
+        others (sync only)."""
         with self.lock:
             member = self.members.get(name)
             if member is not None and member.working:
@@ -83,13 +85,13 @@ class StepClock:
                 raise BadRequest(f"lockstep steps need the sync mode; the servers run {self.consistency}")
             others = [(n, m.lockstep) for n, m in self.members.items() if n != name] + \
                      [(n, w.lockstep) for n, w in self.begins.items()]
-            mixed = [n for n, other in others if bool(other) != bool(lockstep)]
+            mixed = [n for n, other in others if other != lockstep]
             if mixed:
                 raise BadRequest(f"{name} {'replicates' if lockstep else 'does not replicate'} dense weights and "
                                  f"{mixed[0]} {'does not' if lockstep else 'does'}: every trainer of a job needs the "
                                  f"same --dense")
             self.pace.check_ahead(ahead)
-            self.begins[name] = _Waiting(pending, self.now(), lockstep=lockstep, ahead=ahead)
+            self.begins[name] = _Waiting(pending, self.now(), lockstep=lockstep, ahead=ahead, start_with=start_with)
             actions = self.settle()
         run(actions)
 

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ps.leader.clock")
 
 STALL_WARNING_SECONDS = 10.0   # a barrier waiting this long names whom it waits for in the log
+# sync: a job's first step waits this long at most for the trainers it starts with (one that never
+# comes must not hold the others for ever); then it begins with those there.
+START_WAIT_SECONDS = 120.0
 
 Actions = list[Callable[[], None]]
 
@@ -97,6 +100,7 @@ class SyncPace:
         self.applying = False
         self.short = False                          # a member of the open step was dropped
         self.group = Lockstep()
+        self._started_short = False                 # the job's start lapsed (warned once)
 
     def lockstep(self) -> bool:
         clock = self.clock
@@ -121,8 +125,33 @@ class SyncPace:
             return False
         if name in self.clock.members:
             return True
+        if not self.clock.members:
+            return self._all_in([n for n in self.clock.begins if not self.clock.frozen_out(n)])
         # New to the clock: it may join the open step while nobody has finished it, else the next.
         return not self.arrivals
+
+    def _all_in(self, waiting: list[str]) -> bool:
+        """The job's start (no member yet): its first step begins once the trainers it starts with
+        all ask for it, so none trains a step alone before the others are in; or once the first
+        has waited ``START_WAIT_SECONDS``."""
+        clock = self.clock
+        expected = max((clock.begins[n].start_with for n in waiting), default=0)
+        if len(waiting) >= expected:
+            return True
+        if clock.now() - min(clock.begins[n].since for n in waiting) < START_WAIT_SECONDS:
+            return False
+        if not self._started_short:
+            self._started_short = True
+            log.warning("step %d begins with %d of the %d trainers the job starts with: the others have not asked "
+                        "within %.0fs", clock.step + 1, len(waiting), expected, START_WAIT_SECONDS)
+        return True
+
+    def _missing(self) -> int:
+        """At the job's start: the trainers the first step still waits for."""
+        clock = self.clock
+        if clock.members or not clock.begins:
+            return 0
+        return max(w.start_with for w in clock.begins.values()) - len(clock.begins)
 
     def start_clock(self, name: str) -> int:
         return self.clock.step
@@ -155,7 +184,7 @@ class SyncPace:
         ready = sorted(n for n in clock.begins if not clock.frozen_out(n))
         if any(n not in ready for n in clock.members):
             return []
-        if not clock.members and len(ready) < max((clock.begins[n].lockstep for n in ready), default=1):
+        if not clock.members and (not ready or not self._all_in(ready)):
             return []
         self.group.form(tuple(ready), clock.step + 1)
         return [clock.grant(name, now) for name in ready]
@@ -216,6 +245,10 @@ class SyncPace:
 
     def stall(self, now: float) -> Optional[Stall]:
         clock = self.clock
+        missing = self._missing()
+        if missing > 0 and clock.frozen_at is None:
+            first = min(w.since for w in clock.begins.values())
+            return Stall(clock.step + 1, (f"{missing} more of the trainers the job starts with",), now - first)
         if self.lockstep() and clock.begins and not self.arrivals and not self.applying and clock.frozen_at is None:
             # Lockstep: the step begins once every member asks to.
             late = tuple(sorted(n for n, m in clock.members.items() if n not in clock.begins and not m.working))

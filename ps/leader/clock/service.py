@@ -30,12 +30,14 @@ class StepClockService(ClockSurface):
         return self.clock.describe()
 
     @remote(asynchronous=True)
-    def begin(self, lockstep: int = 0, ahead: int = 0) -> torch.futures.Future:
+    def begin(self, start_with: int = 0, ahead: int = 0, lockstep: bool = False) -> torch.futures.Future:
         """``Granted`` the caller's next step, once it may begin it."""
-        for what, value in (("lockstep", lockstep), ("ahead", ahead)):
+        for what, value in (("start_with", start_with), ("ahead", ahead)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise BadRequest(f"{what} must be an int >= 0, got {value!r}")
-        return self._pending(lambda f: self.clock.begin(self._caller.name, f, lockstep, ahead))
+        if not isinstance(lockstep, bool):
+            raise BadRequest(f"lockstep must be a bool, got {lockstep!r}")
+        return self._pending(lambda f: self.clock.begin(self._caller.name, f, start_with, ahead, lockstep))
 
     @remote(asynchronous=True)
     def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0,

@@ -1,0 +1,112 @@
+"""What `rpcps up --workload ctr` tries before any member starts, without a cluster: a user's model
+that cannot be imported, built or run forward is one sentence; a held-out set that leaves nothing
+to train on is refused and one that takes most of the data warned of; values sharing a plain
+table's rows are counted and warned of; `--model` alone chooses the CTR workload."""
+import random
+
+import pytest
+
+from services.config import load
+from services.errors import ConfigError
+from services.upconfig import UpConfig
+from tests.support.cluster import REPO
+from trainer.core.lines import LineError
+from trainer.ctr.config import CtrUpSettings
+from trainer.ctr.preflight import preflight
+from trainer.ctr.tabular import check, occupancy, rows_of
+from rpcps.schema import load_schema
+
+SCHEMA = REPO / "tests" / "support" / "ratings_schema.yaml"
+GOOD = "tests.support.ratings_model:RatingsModel"
+GENRES = ["Action", "Comedy", "Drama", "War", "Horror", "Crime", "Western", "Musical", "Mystery", "Romance", "Sci-Fi",
+          "Thriller", "Film-Noir", "Fantasy", "Documentary", "Children", "Animation", "Adventure"]
+
+
+def ratings(path, lines: int, header: bool = True):
+    rng = random.Random(5)
+    path.mkdir(exist_ok=True)
+    rows = ["label,user_id,movie_id,genres,occupation,age,year"] if header else []
+    for _ in range(lines):
+        rows.append(f"{rng.randrange(2)},{rng.randrange(300)},{rng.randrange(5)},"
+                    f"{'|'.join(rng.sample(GENRES, 2))},{rng.randrange(21)},{rng.randrange(18, 60)},"
+                    f"{rng.randrange(1950, 2000)}")
+    (path / "part_0.csv").write_text("\n".join(rows) + "\n")
+    return path
+
+
+def settings(data, model=GOOD, **more) -> CtrUpSettings:
+    return CtrUpSettings(user_model=model, schema_file=SCHEMA, data=data, **more)
+
+
+def test_a_good_model_passes_and_plain_tables_whose_values_share_rows_are_warned_of(tmp_path):
+    warnings = preflight(settings(ratings(tmp_path / "d", 600), eval_samples=100))
+    shared = sorted(w.split(":")[0] for w in warnings)
+    # genre: 18 values over 18 rows, occupation: 21 over 21 (plain tables); user is hashed, and
+    # 5 movies over 500 rows share none.
+    assert shared == ["table genre", "table occupation"], warnings
+    genre = next(o for o in occupancy(load_schema(SCHEMA), list(rows_of(load_schema(SCHEMA),
+                                                                        [tmp_path / "d" / "part_0.csv"])))
+                 if o.table == "genre")
+    assert genre.distinct == 18 and genre.rows_used < 18 and genre.sharing > 0
+    assert f"{genre.sharing} of the 18 distinct values" in next(w for w in warnings if w.startswith("table genre"))
+
+
+@pytest.mark.parametrize("source,said", [
+    ("class M(:\n", "importing {mod} failed: SyntaxError: invalid syntax"),
+    ("raise RuntimeError('no GPU here')\n", "importing {mod} failed: RuntimeError: no GPU here"),
+    ("import not_a_module_anywhere\n", "no module not_a_module_anywhere (is it installed"),
+    ("class Other: pass\n", "{mod} has no M"),
+    ("import torch.nn as nn\nclass M(nn.Module):\n    def __init__(self, schema):\n        raise KeyError('x')\n",
+     "M(schema) raised KeyError: 'x'"),
+    ("import torch.nn as nn\nclass M(nn.Module):\n    def __init__(self, schema):\n        super().__init__()\n"
+     "    def forward(self, batch):\n        return batch.dense @ 3\n",
+     "M: its forward over 64 samples of --data raised TypeError: unsupported operand"),
+    ("import torch, torch.nn as nn\nclass M(nn.Module):\n    def __init__(self, schema):\n        super().__init__()\n"
+     "    def forward(self, batch):\n        return torch.zeros(len(batch), 1)\n",
+     "its forward over 64 samples gave a tensor of shape [64, 1] (torch.float32); it must give a logit a sample, "
+     "a float tensor of shape [64]"),
+    ("import torch.nn as nn\nclass M(nn.Module):\n    def __init__(self, schema):\n        super().__init__()\n"
+     "    def forward(self, batch):\n        return [0.0]\n",
+     "its forward over 64 samples gave a list"),
+])
+def test_a_mistake_in_the_model_file_is_one_sentence(tmp_path, monkeypatch, source, said):
+    mod = f"usermodel_{abs(hash(source))}"
+    (tmp_path / f"{mod}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)        # found in the working folder, as `rpcps up` finds it
+    monkeypatch.delitem(__import__("sys").modules, mod, raising=False)
+    data = ratings(tmp_path / "d", 100)
+    with pytest.raises(ConfigError) as refused:
+        preflight(settings(data, f"{mod}:M", eval_samples=10))
+    assert str(refused.value).startswith(f"--model {mod}:M: ") and said.format(mod=mod) in str(refused.value), \
+        str(refused.value)
+
+
+def test_a_held_out_set_of_every_line_is_refused_and_one_of_most_lines_warned_of(tmp_path):
+    data = ratings(tmp_path / "d", 300)
+    with pytest.raises(ConfigError, match="--eval-samples 300 holds out every one of the 300 data lines"):
+        preflight(settings(data, eval_samples=300))
+    held = [w for w in preflight(settings(data, eval_samples=200)) if w.startswith("--eval-samples")]
+    assert held == ["--eval-samples 200 holds out 67% of the 300 data lines of --data and trains on the other 100 "
+                    "(set it lower to train on more)"]
+    assert not [w for w in preflight(settings(data, eval_samples=100)) if w.startswith("--eval-samples")]
+    assert not [w for w in preflight(settings(data, eval_samples=0)) if w.startswith("--eval-samples")]
+
+
+def test_files_of_a_header_and_no_line_are_refused_before_anything_starts(tmp_path):
+    data = ratings(tmp_path / "d", 0)
+    with pytest.raises(LineError, match="part_0.csv: no data lines, only a header"):
+        check(load_schema(SCHEMA), [data / "part_0.csv"], 1000)
+    check(load_schema(SCHEMA), [data / "part_0.csv"], 1)     # a look at the header alone says nothing of lines
+    with pytest.raises(ConfigError, match="no data lines, only a header"):
+        load(UpConfig, {"model": GOOD, "schema": str(SCHEMA), "data": str(data)}, {})
+
+
+def test_model_alone_chooses_the_ctr_workload_and_nothing_changes_the_default():
+    data = REPO / "examples"        # not read: --schema without the CTR settings is what is asked here
+    assert load(UpConfig, {}, {}).workload == "lm"
+    assert load(UpConfig, {"steps": 5}, {}).workload == "lm"
+    assert load(UpConfig, {"scale": 0.01}, {}).workload == "ctr"
+    with pytest.raises(ConfigError, match="--model builds your model from a feature schema: give --schema too"):
+        load(UpConfig, {"model": GOOD, "steps": 5}, {})
+    with pytest.raises(ConfigError, match="not a setting of --workload lm"):
+        load(UpConfig, {"workload": "lm", "model": GOOD, "data": str(data)}, {})

@@ -1,0 +1,74 @@
+"""What `rpcps up --workload ctr` tries before any member starts (``CtrLaunch.check``): a user's model
+built and run forward over the data's first lines, so a mistake in the model file is one sentence
+and exit 2 within seconds; and what the data would otherwise do without a word: hold out most of
+itself, or put distinct values of a table on shared rows, where they train as one."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from rpcps.schema import Schema
+from services.errors import ConfigError
+from trainer.core.lines import bounded_lines, open_lines
+from trainer.ctr.config import CtrUpSettings, data_files
+from trainer.ctr.custom import tried
+from trainer.ctr.tabular import Encoder, Occupancy, measure, occupancy, rows_of
+
+SAMPLE_LINES = 10_000        # the data's first lines, whose values are counted
+FORWARD_SAMPLES = 64         # the samples the model is run forward over
+SHARED_WARNING = 0.01        # a table whose values share rows past this share of them is warned of
+HELD_OUT_WARNING = 0.5       # a held-out set past this share of the data is warned of
+
+
+def preflight(cfg: CtrUpSettings) -> list[str]:
+    """The warnings to show, or a ``ConfigError`` for what cannot train."""
+    warnings = []
+    if cfg.data is not None:
+        schema = cfg.loaded_schema()
+        warnings += held_out(data_files(cfg.data), cfg.eval_samples, schema is not None and schema.header)
+        if cfg.user_model:
+            assert schema is not None      # the settings refuse --model without --schema
+            warnings += tried_on_data(cfg, schema, cfg.data)
+    return warnings
+
+
+def held_out(paths: list[Path], eval_samples: int, headers: bool) -> list[str]:
+    """The files' first ``eval_samples`` lines are held out: refuse a held-out set that leaves no
+    line to train on, and warn of one that takes most of the data."""
+    if not eval_samples:
+        return []
+    limit = 2 * eval_samples + 1        # counted no further: past it the share is below a half
+    total = 0
+    for path in paths:
+        with open_lines(path) as f:
+            for _ in bounded_lines(f):
+                total += 1
+                if total - headers * len(paths) >= limit:
+                    return []
+    total -= headers * len(paths)
+    if eval_samples >= total:
+        raise ConfigError(f"--eval-samples {eval_samples} holds out every one of the {total} data lines of --data: "
+                          f"nothing is left to train on (set it lower, or 0 for no held-out evaluation)")
+    if eval_samples / total > HELD_OUT_WARNING:
+        return [f"--eval-samples {eval_samples} holds out {eval_samples / total:.0%} of the {total} data lines of "
+                f"--data and trains on the other {total - eval_samples} (set it lower to train on more)"]
+    return []
+
+
+def tried_on_data(cfg: CtrUpSettings, schema: Schema, data: Path) -> list[str]:
+    paths = data_files(data)
+    rows = list(rows_of(schema, paths, stop=SAMPLE_LINES, logged=False))
+    if not rows:
+        raise ConfigError(f"--data {data}: none of its first {SAMPLE_LINES} data lines can be read as --schema "
+                          f"says (rpcps data check shows why)")
+    batch = Encoder(schema, measure(schema, paths)).batch(rows[:FORWARD_SAMPLES])
+    tried(cfg.user_model, schema, cfg.seed, None, batch)
+    return [w for o in occupancy(schema, rows) if (w := shared(o, len(rows))) is not None]
+
+
+def shared(o: Occupancy, lines: int) -> Optional[str]:
+    if o.rows == 0 or o.sharing_share <= SHARED_WARNING:
+        return None
+    return (f"table {o.table}: {o.sharing} of the {o.distinct} distinct values in the data's first {lines} lines "
+            f"share a row with another value (they take {o.rows_used} of its {o.rows} rows), and values on one row "
+            f"train as one: give it more rows (about 100 times its values keeps the share near 1 %)")
