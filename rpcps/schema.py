@@ -19,8 +19,9 @@ rows unless the table is hashed (keyed by the raw ids). An empty value, or an em
 list, is no id: a sample's bag may be empty.
 
 A numeric value is read as a float; an empty one takes ``fill``; then ``clip``, ``log1p`` and
-``standardize`` apply, in that order. ``standardize`` with no ``mean`` and ``std`` uses the ones
-measured on the data's first lines (``rpcps data check`` prints them).
+``standardize`` apply, in that order. ``standardize`` with no ``mean`` and ``std`` uses measured ones:
+``rpcps up`` measures them once on the training lines and gives every member the schema with them;
+a role started alone measures its data's first lines (``rpcps data check`` prints them).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class Numeric(BaseModel):
     log1p: bool = Field(False, description="take log(1 + value) (after clip; the value must be above -1)")
     standardize: bool = Field(False, description="subtract mean and divide by std (after log1p)")
     mean: Optional[float] = Field(None, description="standardize: the mean to subtract (none: measured on the "
-                                                    "data's first lines)")
+                                                    "training lines)")
     std: Optional[float] = Field(None, gt=0, description="standardize: the deviation to divide by (none: measured)")
 
     @model_validator(mode="after")

@@ -85,10 +85,11 @@ class Launcher:
     # --- building the cluster ----------------------------------------------------------------------
     # --- running -------------------------------------------------------------------------------------
     def run(self) -> int:
-        # A workload that can try its model and data before anything starts says so with ``check()``,
-        # which returns warnings or raises a ConfigError (``rpcps up`` exits 2 with its sentence).
-        check = getattr(self.workload, "check", None)
-        for warning in check() if check is not None else ():
+        # A workload with work to do before anything starts (try its model and data, settle what
+        # every member must share) says so with ``prepare()``, which returns warnings or raises a
+        # ConfigError (``rpcps up`` exits 2 with its sentence).
+        prepare = getattr(self.workload, "prepare", None)
+        for warning in prepare() if prepare is not None else ():
             self.emit({"event": "warning", "message": warning})
         if self.cfg.local:
             # A workload that can train in one process says so with ``run_local(emit, should_stop)``.

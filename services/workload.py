@@ -101,7 +101,7 @@ class Planned:
 
 class Launch(Protocol):
     """What ``rpcps up`` asks a workload: what to start, how to read its progress, when it is done.
-    Optional: ``check()``, warnings about its settings before anything starts (or a
+    Optional: ``prepare()``, work before anything starts, returning warnings (or raising a
     ``ConfigError``), and ``run_local(emit, should_stop)``, its one-process mode."""
 
     def plan(self) -> list[Planned]: ...

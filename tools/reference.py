@@ -273,7 +273,8 @@ def api_page() -> str:
                         "with keys changed (the examples change a table's `name` and `dim` so).\n")
             for field, info in obj.model_fields.items():
                 about = (info.description or "").rstrip(".")
-                text.append(f"\n### `{name}.{field}: {_annotation(info.annotation)}`\n\n{about[:1].upper()}{about[1:]}.\n")
+                text.append(f"\n### `{name}.{field}: {_annotation(info.annotation)}`\n\n"
+                            f"{about[:1].upper()}{about[1:]}.\n")
         if inspect.isclass(obj):
             for member, fn in vars(obj).items():
                 if member.startswith("_") or not (inspect.isfunction(fn) or isinstance(fn, property)) or not fn.__doc__:

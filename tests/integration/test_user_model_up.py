@@ -55,7 +55,11 @@ def test_a_users_model_and_schema_train_check_and_resume_resharded(tmp_path, cle
     assert done["steps"] == 12 and done["samples_per_s"] > 0, done
     assert 0.5 < done["auc"] < 1 and 0 < done["logloss"] < 1 and done["eval_samples"] == 500, done
     assert done["skipped_lines"] == 1, done
-    assert "column age standardized by the mean" in up.full_logs(), up.logs()
+    # The age column, standardized without a mean and std in the schema: measured once by `up` on
+    # the training lines (after the 500 held out), every member given the schema with them.
+    recorded = (up.state_dir / "schema.yaml").read_text()
+    assert f"measured by rpcps up on data lines 500 to 10500 of {data}" in recorded and "# age (mean " in recorded
+    assert "column age standardized by the mean" not in up.full_logs(), "no member measured it again"
     assert done["truncated_lists"] > 0, "genre lists of 3 cut to the schema's 2"
     checkpoints = sorted((tmp_path / "first" / "ckpt").glob("step-*"))
     assert checkpoints, "the final checkpoint"
@@ -80,12 +84,13 @@ def test_a_model_in_the_working_folder_runs_locally_and_a_broken_one_stops_up_be
     run = lambda *args: subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
                                        timeout=120, cwd=tmp_path, env=env)
     assert run("data", "ratings", "--rows", "1200", "--out", str(data)).returncode == 0
+    assert run("data", "ratings", "--rows", "300", "--seed", "2", "--out", "held").returncode == 0
     (tmp_path / "mymodel.py").write_text((REPO / "tests" / "support" / "ratings_model.py").read_text())
     local = run("up", "--local", "--model", "mymodel:RatingsModel", "--schema", str(SCHEMA), "--data", "data",
-                "--steps", "2", "--batch-size", "64", "--eval-samples", "200", "--json")
+                "--eval-data", "held", "--steps", "2", "--batch-size", "64", "--eval-samples", "200", "--json")
     assert local.returncode == 0, local.stderr
     done = json.loads(local.stdout.splitlines()[-1])
-    assert done["event"] == "done" and math.isfinite(done["auc"]), done
+    assert done["event"] == "done" and math.isfinite(done["auc"]) and done["eval_samples"] == 200, done
 
     (tmp_path / "broken.py").write_text(
         "import torch.nn as nn\nclass M(nn.Module):\n    def __init__(self, schema):\n        super().__init__()\n"

@@ -38,3 +38,19 @@ def test_what_cannot_be_exported_is_a_sentence_and_writes_nothing(tmp_path, caps
 def test_a_folder_that_is_not_an_exported_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="is not an exported model: model.json is missing"):
         rpcps.load_model(tmp_path)
+
+
+def test_a_schema_without_the_statistics_it_standardizes_by_is_refused_without_data(tmp_path, capsys, monkeypatch):
+    """A checkpoint of roles started alone, whose schema gives no mean and std: only the training
+    files can say how training standardized."""
+    from types import SimpleNamespace
+
+    import trainer.ctr.export as export
+    from tests.support.exported import HERE
+    from rpcps.schema import load_schema
+    schema = load_schema(HERE / "ratings_schema.yaml").model_dump(mode="json")
+    taken = SimpleNamespace(id="step-3", meta={"model": {"schema": schema}})
+    monkeypatch.setattr(export, "_checkpoint", lambda path: (None, taken))
+    said = refused(capsys, tmp_path / "ck", tmp_path / "model")
+    assert "step-3: standardized column age has no mean and std in the schema" in said, said
+    assert "give --data (the training files)" in said and not (tmp_path / "model").exists()

@@ -22,8 +22,8 @@ GENRES = ["Action", "Comedy", "Drama", "War", "Horror", "Crime", "Western", "Mus
           "Thriller", "Film-Noir", "Fantasy", "Documentary", "Children", "Animation", "Adventure"]
 
 
-def ratings(path, lines: int, header: bool = True):
-    rng = random.Random(5)
+def ratings(path, lines: int, header: bool = True, seed: int = 5):
+    rng = random.Random(seed)
     path.mkdir(exist_ok=True)
     rows = ["label,user_id,movie_id,genres,occupation,age,year"] if header else []
     for _ in range(lines):
@@ -110,3 +110,39 @@ def test_model_alone_chooses_the_ctr_workload_and_nothing_changes_the_default():
         load(UpConfig, {"model": GOOD, "steps": 5}, {})
     with pytest.raises(ConfigError, match="not a setting of --workload lm"):
         load(UpConfig, {"workload": "lm", "model": GOOD, "data": str(data)}, {})
+
+
+def test_standardized_columns_are_measured_once_on_training_lines_and_recorded_for_every_member(tmp_path):
+    from trainer.ctr.preflight import recorded_statistics
+    data = ratings(tmp_path / "d", 400)
+    lines = (data / "part_0.csv").read_text().splitlines()
+    # The first 100 lines (held out) are 90 years old; the training lines keep their ages (18-59).
+    lines[1:101] = [",".join(line.split(",")[:5] + ["90", line.split(",")[6]]) for line in lines[1:101]]
+    (data / "part_0.csv").write_text("\n".join(lines) + "\n")
+    path = recorded_statistics(settings(data, eval_samples=100), tmp_path / "state")
+    written = load_schema(path)
+    age = next(n for n in written.numeric if n.column == "age")
+    assert 18 <= age.mean < 60 and age.std > 0, age
+    assert next(n for n in written.numeric if n.column == "year").mean == 1985, "given statistics stay"
+    assert written.tables == load_schema(SCHEMA).tables and written.categorical == load_schema(SCHEMA).categorical
+    assert recorded_statistics(settings(data, eval_samples=100).model_copy(update={"schema_file": path}),
+                               tmp_path / "again") is None, "nothing left to measure"
+
+
+def test_held_out_files_of_their_own_are_evaluated_and_every_data_line_trained_on(tmp_path):
+    from trainer.ctr.source import schema_source
+    data, held = ratings(tmp_path / "d", 300), ratings(tmp_path / "e", 50, seed=6)
+    schema = load_schema(SCHEMA)
+    apart = schema_source(schema, data, 100, held=40, eval_data=held)
+    together = schema_source(schema, data, 100, held=40)
+    evaluated = [len(b) for b in apart.held_out(40, 16)]
+    assert sum(evaluated) == 40 and sum(len(b) for b in together.held_out(40, 16)) == 40
+    labels = [float(line.split(",")[0]) for line in (held / "part_0.csv").read_text().splitlines()[1:41]]
+    assert [x for b in apart.held_out(40, 16) for x in b.labels.tolist()] == labels, "--eval-data's first lines"
+    assert [x for b in together.held_out(40, 16) for x in b.labels.tolist()] != labels
+    assert apart.next() is not None and apart.cursor == 100 and together.next() is not None and together.cursor == 140
+    assert "held out: " in apart.description and "the first 40 lines held out" in together.description
+    # No line of --data is held out, so none is refused or warned of for it.
+    assert not [w for w in preflight(settings(data, eval_samples=300, eval_data=held)) if "--eval-samples" in w]
+    with pytest.raises(ConfigError, match="--eval-data holds lines out of data files: give --data too"):
+        load(UpConfig, {"workload": "ctr", "eval_data": str(held)}, {})

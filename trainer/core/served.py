@@ -32,11 +32,13 @@ class ServedModel(nn.Module):
             p.requires_grad_(False)
         self.replica: Optional[DenseReplica] = None
 
-    def replicate(self, store_for: Callable[[str], Store], timeout: float, hot: Optional[ReplicatedRows] = None) -> None:
+    def replicate(self, store_for: Callable[[str], Store], timeout: float,
+                  hot: Optional[ReplicatedRows] = None) -> None:
         """``--dense allreduce``: hold the dense weights here, starting from the servers' weights and
         their optimizer state, kept equal to the other trainers' replicas by a process group of the
         trainers of each step, whose members meet in ``store_for(key)`` and wait ``timeout`` for
-        each other. Steps begin in lockstep. ``hot``: the tables' hot rows, replicated with them (``--cache-staleness 0``)."""
+        each other. Steps begin in lockstep. ``hot``: the tables' hot rows, replicated with them
+        (``--cache-staleness 0``)."""
         _, weights = self.client.fetch({})
         model = self.client.model
         if "optimizer" not in model or "lr" not in model:

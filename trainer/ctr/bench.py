@@ -310,8 +310,8 @@ def _medians(name: str, rounds: list[dict[str, dict]], with_local: bool) -> dict
     if cpus:      # what a sample cost in CPU, and beside one process's in the same round
         out["cpu"] = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
         if name != "local" and with_local:
-            out["cpu"]["vs_local"] = statistics.median(r[name]["cpu"]["us_per_sample"] / r["local"]["cpu"]["us_per_sample"]
-                                                       for r in rounds if r[name]["cpu"])
+            out["cpu"]["vs_local"] = statistics.median(
+                r[name]["cpu"]["us_per_sample"] / r["local"]["cpu"]["us_per_sample"] for r in rounds if r[name]["cpu"])
     return out
 
 

@@ -192,7 +192,10 @@ class CtrDataSettings(SchemaSettings):
     data_seed: int = Field(1, description="generated data: which data set (its hidden ground truth and samples)")
     eval_samples: int = Field(16384, ge=0, description="held-out samples every trainer evaluates at an episode's "
                                                        "end (0: none); with --data, the files' first lines, never "
-                                                       "trained on")
+                                                       "trained on (or --eval-data's)")
+    eval_data: Optional[Path] = Field(None, description="held-out files, in --data's format, whose first "
+                                                        "--eval-samples lines are evaluated instead of --data's: "
+                                                        "then every line of --data is trained on")
     clip: float = Field(0.0, ge=0, description="global gradient-norm clip (0: off)")
     prefetch: int = Field(0, ge=0, le=16, description="read the rows of this many batches ahead while a step "
                                                       "computes (async; ssp:K up to K; sync 1, read once the step "
@@ -216,8 +219,17 @@ class CtrDataSettings(SchemaSettings):
             raise ValueError("--hot shapes generated data; Criteo files have one value per feature")
         if self.schema_file is not None and self.data is None:
             raise ValueError("--schema describes data files: give --data too")
+        if self.eval_data is not None and self.data is None:
+            raise ValueError("--eval-data holds lines out of data files: give --data too (generated data holds out "
+                             "its own)")
         checked_data(self.data, self.loaded_schema())
+        checked_data(self.eval_data, self.loaded_schema())
         return self
+
+    @property
+    def held_in_data(self) -> int:
+        """The lines of --data held out for evaluation: its first --eval-samples, unless --eval-data."""
+        return 0 if self.eval_data is not None else self.eval_samples
 
 
 # The data settings come first: their clip (0, DLRM's) wins over every trainer's (0.25).

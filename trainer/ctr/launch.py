@@ -16,8 +16,8 @@ MODEL_FLAGS = tuple(f for f in CtrModelSettings.model_fields if f not in SERVER_
 class CtrLaunch(TrainersLaunch):
     workload, trainer, unit = "ctr", "ctr", "samples"
     server_flags = MODEL_FLAGS
-    trainer_flags = ("batch_size", "hot", "data_seed", "eval_samples", "data", "schema_file", "prefetch",
-                     "cache_rows", "cache_share", "cache_staleness")
+    trainer_flags = ("batch_size", "hot", "data_seed", "eval_samples", "eval_data", "data", "schema_file",
+                     "prefetch", "cache_rows", "cache_share", "cache_staleness")
 
     def plan(self) -> list[Planned]:
         """The servers and trainers, and ``--serve`` serving members reading the live servers (told
@@ -47,11 +47,16 @@ class CtrLaunch(TrainersLaunch):
                 "skipped_lines": sum(s.skipped_lines for s in statuses),
                 "truncated_lists": sum(s.truncated_lists for s in statuses)}
 
-    def check(self) -> list[str]:
-        """Before any member starts: a user's model run forward over the data's first lines, and
-        what the data would do without a word (``trainer/ctr/preflight.py``); the warnings."""
-        from trainer.ctr.preflight import preflight
-        return preflight(self.cfg)
+    def prepare(self) -> list[str]:
+        """Before any member starts (``trainer/ctr/preflight.py``): a user's model run forward over
+        the data's first lines, and what the data would do without a word (the warnings); the
+        schema's statistics measured once on training lines, the schema every member is given."""
+        from trainer.ctr.preflight import preflight, recorded_statistics
+        warnings = preflight(self.cfg)
+        recorded = recorded_statistics(self.cfg, self.common.state_dir)
+        if recorded is not None:
+            self.cfg = self.cfg.model_copy(update={"schema_file": recorded})
+        return warnings
 
     def run_local(self, emit: Callable[[dict], None], should_stop: Callable[[], bool]) -> int:
         """``--local``: the same model and data in this one process (``trainer/ctr/local.py``)."""

@@ -55,12 +55,12 @@ def run_local(cfg: CtrUpSettings, emit: Callable[[dict], None], should_stop: Cal
               interval: float) -> int:
     samples = cfg.batch_size * cfg.num_trainers          # a cluster step's samples, every trainer's
     if cfg.user_model:
-        source = schema_source(cfg.loaded_schema(), cfg.data, samples, cfg.eval_samples)
+        source = schema_source(cfg.loaded_schema(), cfg.data, samples, cfg.eval_samples, eval_data=cfg.eval_data)
     else:
         if cfg.hashed_tables():
             raise ConfigError("--local trains the built-in DLRM with plain tables only: leave out --tables")
         source = criteo_source(cfg.data, cfg.cardinalities(), (), samples, cfg.eval_samples, hot=cfg.hot,
-                               data_seed=cfg.data_seed)
+                               data_seed=cfg.data_seed, eval_data=cfg.eval_data)
     model = LocalModel.of(cfg)
     task = CtrTask(model, source, name="local", num_trainers=1, eval_samples=cfg.eval_samples)
     losses, step, trained, started = [], 0, 0, time.monotonic()

@@ -1,18 +1,21 @@
-"""What `rpcps up --workload ctr` tries before any member starts (``CtrLaunch.check``): a user's model
-built and run forward over the data's first lines, so a mistake in the model file is one sentence
-and exit 2 within seconds; and what the data would otherwise do without a word: hold out most of
-itself, or put distinct values of a table on shared rows, where they train as one."""
+"""What `rpcps up --workload ctr` does before any member starts (``CtrLaunch.prepare``): a user's
+model built and run forward over the data's first lines, so a mistake in the model file is one
+sentence and exit 2 within seconds; what the data would otherwise do without a word (hold out
+most of itself, put distinct values of a table on shared rows, where they train as one); and the
+standardized columns' statistics measured once, on training lines, for every member."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
+
+import yaml
 
 from rpcps.schema import Schema
 from services.errors import ConfigError
 from trainer.core.lines import bounded_lines, open_lines
 from trainer.ctr.config import CtrUpSettings, data_files
 from trainer.ctr.custom import tried
-from trainer.ctr.tabular import Encoder, Occupancy, measure, occupancy, rows_of
+from trainer.ctr.tabular import MEASURED_LINES, Encoder, Occupancy, measure, measured, occupancy, rows_of
 
 SAMPLE_LINES = 10_000        # the data's first lines, whose values are counted
 FORWARD_SAMPLES = 64         # the samples the model is run forward over
@@ -25,7 +28,7 @@ def preflight(cfg: CtrUpSettings) -> list[str]:
     warnings = []
     if cfg.data is not None:
         schema = cfg.loaded_schema()
-        warnings += held_out(data_files(cfg.data), cfg.eval_samples, schema is not None and schema.header)
+        warnings += held_out(data_files(cfg.data), cfg.held_in_data, schema is not None and schema.header)
         if cfg.user_model:
             assert schema is not None      # the settings refuse --model without --schema
             warnings += tried_on_data(cfg, schema, cfg.data)
@@ -72,3 +75,23 @@ def shared(o: Occupancy, lines: int) -> Optional[str]:
     return (f"table {o.table}: {o.sharing} of the {o.distinct} distinct values in the data's first {lines} lines "
             f"share a row with another value (they take {o.rows_used} of its {o.rows} rows), and values on one row "
             f"train as one: give it more rows (about 100 times its values keeps the share near 1 %)")
+
+
+def recorded_statistics(cfg: CtrUpSettings, folder: Path) -> Optional[Path]:
+    """A schema whose standardized columns give no mean and std, with them measured on the
+    training lines (the held-out ones skipped), written in ``folder`` for every member to read:
+    the servers host it, so checkpoints, exports and serving standardize as training did. None
+    when there is nothing to measure."""
+    schema = cfg.loaded_schema()
+    if schema is None or cfg.data is None or not any(n.standardize and n.mean is None for n in schema.numeric):
+        return None
+    filled = measured(schema, cfg.data, start=cfg.held_in_data)
+    said = ", ".join(f"{n.column} (mean {n.mean:.6g}, std {n.std:.6g})"
+                     for n, was in zip(filled.numeric, schema.numeric) if was.standardize and was.mean is None)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "schema.yaml"
+    path.write_text(f"# {cfg.schema_file}, its standardized columns measured by rpcps up on data lines "
+                    f"{cfg.held_in_data} to {cfg.held_in_data + MEASURED_LINES} of {cfg.data} (training lines):\n"
+                    f"# {said}\n"
+                    + yaml.safe_dump(filled.model_dump(mode="json", exclude_defaults=True), sort_keys=False))
+    return path

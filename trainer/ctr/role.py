@@ -49,7 +49,7 @@ class CtrTrainer(ServedTrainer):
                                   f"Criteo's format; start them with --model and --schema")
             data = hosted["criteo"]
             source = criteo_source(cfg.data, data["cardinalities"], data["hashed"], cfg.batch_size, cfg.eval_samples,
-                                   share, cfg.num_trainers, cfg.hot, cfg.data_seed)
+                                   share, cfg.num_trainers, cfg.hot, cfg.data_seed, cfg.eval_data)
             return self._task(model, source, share)
         # A user's model over a schema: this trainer reads the schema's files.
         schema = cfg.loaded_schema()
@@ -59,7 +59,8 @@ class CtrTrainer(ServedTrainer):
         if schema.model_dump(mode="json") != hosted["schema"]:
             raise ConfigError(f"--schema {cfg.schema_file} is not the schema the servers host {hosted['model']} with: "
                               f"start every role with the same file")
-        source = schema_source(schema, cfg.data, cfg.batch_size, cfg.eval_samples, share, cfg.num_trainers)
+        source = schema_source(schema, cfg.data, cfg.batch_size, cfg.eval_samples, share, cfg.num_trainers,
+                               cfg.eval_data)
         return self._task(model, source, share)
 
     def _task(self, model: CtrModel, source: Source, share: int) -> CtrTask:

@@ -91,7 +91,8 @@ def criteo_files(paths: Sequence[Path], cardinalities: Sequence[int]) -> OpenStr
 @dataclass
 class FileSource:
     """Trainer ``share`` of ``shares`` takes lines ``k`` with ``k % shares == share`` of the
-    files after the first ``held`` (the held-out lines); ``cursor``: the lines passed, every
+    files after the first ``held`` (the held-out lines), or of all of them when ``evaluated``
+    opens held-out files of their own (``--eval-data``); ``cursor``: the lines passed, every
     share's, in this pass (``epoch``) over the files. ``what``: the files, in words."""
 
     what: str
@@ -104,12 +105,16 @@ class FileSource:
     epoch: int = 0
     skipped: int = 0
     last_skip: Optional[str] = None
+    evaluated: Optional[OpenStream] = None
+    evaluated_what: str = ""
     _stream: Optional[Stream] = field(default=None, init=False, repr=False)
     _batches: Optional[Iterator[Any]] = field(default=None, init=False, repr=False)
 
     @property
     def description(self) -> str:
-        return f"{self.what} (the first {self.held} lines held out)"
+        held = (f"held out: {self.evaluated_what}" if self.evaluated is not None
+                else f"the first {self.held} lines held out")
+        return f"{self.what} ({held})"
 
     @property
     def truncated(self) -> int:
@@ -137,14 +142,17 @@ class FileSource:
         raise ValueError(f"{self.description}: no training lines for share {self.share} of {self.shares}")
 
     def held_out(self, count: int, batch_size: int) -> Iterator[Any]:
+        if self.evaluated is not None:
+            return self.evaluated(0, 1, 0, count).batches(batch_size)
         return self.open(0, 1, 0, min(count, self.held)).batches(batch_size)
 
 
 def criteo_source(data: Optional[Path], cardinalities: Sequence[int], hashed: Sequence[int], batch_size: int,
-                  held: int, share: int = 0, shares: int = 1, hot: int = 1, data_seed: int = 1
-                  ) -> "GeneratedSource | FileSource":
+                  held: int, share: int = 0, shares: int = 1, hot: int = 1, data_seed: int = 1,
+                  eval_data: Optional[Path] = None) -> "GeneratedSource | FileSource":
     """The built-in DLRM's data (``trainer/ctr/builtin.py``): generated (no ``data``) or Criteo
-    files, as the schema's features; the tables in ``hashed`` take raw 64-bit ids."""
+    files, as the schema's features; the tables in ``hashed`` take raw 64-bit ids. ``held``
+    lines of ``data`` are held out, or none when ``eval_data`` are files held out of their own."""
     if data is None:
         try:
             generator = SyntheticCtr.fitting(cardinalities, data_seed)
@@ -152,20 +160,36 @@ def criteo_source(data: Optional[Path], cardinalities: Sequence[int], hashed: Se
             raise ConfigError(f"the servers' {exc}: generated data cannot fill them; use --data") from None
         return GeneratedSource(generator, batch_size, share, shares, hot, hashed=tuple(hashed))
     paths = data_files(data)
-    files = criteo_files(paths, table_sizes(cardinalities, hashed))     # a hashed table: the raw 64-bit hash
-    return FileSource(f"Criteo files {', '.join(map(str, paths))}", files, batch_size, held,
-                      share, shares)
+    sizes = table_sizes(cardinalities, hashed)     # a hashed table: the raw 64-bit hash
+    source = FileSource(f"Criteo files {', '.join(map(str, paths))}", criteo_files(paths, sizes), batch_size, held,
+                        share, shares)
+    return _held_apart(source, eval_data, lambda p: criteo_files(p, sizes))
 
 
-def schema_source(schema: "Schema", data: Path, batch_size: int, held: int, share: int = 0, shares: int = 1
-                  ) -> FileSource:
-    """A schema's files; its standardized columns without statistics measured on their first lines."""
+def schema_source(schema: "Schema", data: Path, batch_size: int, held: int, share: int = 0, shares: int = 1,
+                  eval_data: Optional[Path] = None) -> FileSource:
+    """A schema's files; its standardized columns without statistics measured on their first lines.
+    ``held`` lines of ``data`` are held out, or none when ``eval_data`` are files of their own."""
     from trainer.ctr.tabular import Encoder, SchemaStream, measure
     paths = data_files(data)
     stats = measure(schema, paths)
     for column, (mean, std) in stats.items():
         log.info("column %s standardized by the mean %.6g and std %.6g of the data's first lines", column, mean, std)
     encoder = Encoder(schema, stats)
-    return FileSource(f"{schema.format.upper()} files {', '.join(map(str, paths))}",
-                      lambda s, n, start, stop: SchemaStream(encoder, paths, s, n, start, stop),
-                      batch_size, held, share, shares)
+
+    def files(read: Sequence[Path]) -> OpenStream:
+        return lambda s, n, start, stop: SchemaStream(encoder, read, s, n, start, stop)
+    source = FileSource(f"{schema.format.upper()} files {', '.join(map(str, paths))}", files(paths), batch_size,
+                        held, share, shares)
+    return _held_apart(source, eval_data, files)
+
+
+def _held_apart(source: FileSource, eval_data: Optional[Path], files: Callable[[Sequence[Path]], OpenStream]
+                ) -> FileSource:
+    """``source`` evaluated on the files ``eval_data`` names, when it names any: then every line
+    of its own files is trained on."""
+    if eval_data is None:
+        return source
+    paths = data_files(eval_data)
+    source.held, source.evaluated, source.evaluated_what = 0, files(paths), ", ".join(map(str, paths))
+    return source

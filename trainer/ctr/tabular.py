@@ -263,13 +263,14 @@ def rows_of(schema: Schema, paths: Sequence[Path], share: int = 0, shares: int =
                  logged=logged)
 
 
-def measure(schema: Schema, paths: Sequence[Path], count: int = MEASURED_LINES) -> dict[str, tuple[float, float]]:
-    """The mean and std of each standardized column that gives none, over the first ``count``
-    data lines (every trainer reads the same ones, so all standardize alike)."""
+def measure(schema: Schema, paths: Sequence[Path], count: int = MEASURED_LINES,
+            start: int = 0) -> dict[str, tuple[float, float]]:
+    """The mean and std of each standardized column that gives none, over ``count`` data lines
+    from line ``start`` (every trainer reads the same ones, so all standardize alike)."""
     wanted = [(j, n) for j, n in enumerate(schema.numeric) if n.standardize and n.mean is None]
     if not wanted:
         return {}
-    rows = list(rows_of(schema, paths, stop=count, logged=False))
+    rows = list(rows_of(schema, paths, start=start, stop=start + count, logged=False))
     out = {}
     for j, n in wanted:
         x = transformed(np.array([n.fill if r.numeric[j] is None else r.numeric[j] for r in rows], dtype=np.float64), n)
@@ -278,16 +279,16 @@ def measure(schema: Schema, paths: Sequence[Path], count: int = MEASURED_LINES) 
     return out
 
 
-def measured(schema: Schema, data: Optional[Path]) -> Schema:
+def measured(schema: Schema, data: Optional[Path], start: int = 0) -> Schema:
     """``schema`` with the mean and std of each standardized column that gives none measured on
-    ``data``'s first lines, as a trainer measures them (no ``data``: as it is)."""
+    ``data``'s lines from ``start``, as a trainer measures them (no ``data``: as it is)."""
     wanted = [n for n in schema.numeric if n.standardize and n.mean is None]
     if data is None or not wanted:
         return schema
     paths = data_files(data)
     if not paths:
         raise ValueError(f"--data {data}: no data files")
-    stats = measure(schema, paths)
+    stats = measure(schema, paths, start=start)
     numeric = tuple(n.model_copy(update=dict(zip(("mean", "std"), stats[n.column]))) if n in wanted else n
                     for n in schema.numeric)
     return schema.model_copy(update={"numeric": numeric})
