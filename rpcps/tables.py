@@ -41,6 +41,14 @@ class TableConfig(BaseModel):
                           "`local_optimizer`'s `table_rule`, else the model's optimizer)")
     hashed: bool = Field(False, description="keyed by raw 64-bit ids, which get rows as they come, within "
                                             "its capacity, instead of by ids 0 .. rows - 1")
+    vocabulary: bool = Field(False, description="each value the training data names at least `min_count` times "
+                                                "gets a row of its own, the most named first, up to `rows` - 1; "
+                                                "any other value, and one never seen, reads row 0 (`rpcps up` "
+                                                "counts the values and records them in `values`)")
+    min_count: int = Field(1, ge=1, description="vocabulary: the times a value must be named to get its row")
+    values: Optional[tuple[str, ...]] = Field(None, description="vocabulary: the values of rows 1, 2, ..., as "
+                                                                "`rpcps up` recorded them (a role started alone "
+                                                                "needs them written here)")
     admit_after: int = Field(1, ge=1, description="hashed: requests an id must appear in before it gets a row")
     evict_after_steps: int = Field(0, ge=0, description="hashed: rows unseen this many steps are evicted first "
                                                         "(0: age alone evicts nothing)")
@@ -56,6 +64,18 @@ class TableConfig(BaseModel):
     def _features_distinct(self) -> "TableConfig":
         if len(set(self.features)) != len(self.features):
             raise ValueError(f"table {self.name} names a feature twice: {list(self.features)}")
+        if self.vocabulary and self.hashed:
+            raise ValueError(f"table {self.name}: a vocabulary gives values rows 1 .. rows - 1, a hashed table keys "
+                             f"rows by raw ids: choose one")
+        if self.vocabulary and self.rows < 2:
+            raise ValueError(f"table {self.name}: a vocabulary needs 2 rows at least (row 0 for values outside it)")
+        if self.values is not None:
+            if not self.vocabulary:
+                raise ValueError(f"table {self.name}: `values` are a vocabulary's: say `vocabulary: true`")
+            if len(self.values) > self.rows - 1:
+                raise ValueError(f"table {self.name}: {len(self.values)} values, at most rows - 1 = {self.rows - 1}")
+            if len(set(self.values)) != len(self.values):
+                raise ValueError(f"table {self.name}: `values` names a value twice")
         return self
 
     @property

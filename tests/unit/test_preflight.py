@@ -13,8 +13,9 @@ from tests.support.cluster import REPO
 from trainer.core.lines import LineError
 from trainer.ctr.config import CtrUpSettings
 from trainer.ctr.preflight import preflight
-from trainer.ctr.tabular import check, occupancy, rows_of
+from trainer.ctr.tabular import check, named, occupancy, rows_of
 from rpcps.schema import load_schema
+from rpcps.tables import TableConfig as rpcps_table
 
 SCHEMA = REPO / "tests" / "support" / "ratings_schema.yaml"
 GOOD = "tests.support.ratings_model:RatingsModel"
@@ -113,20 +114,20 @@ def test_model_alone_chooses_the_ctr_workload_and_nothing_changes_the_default():
 
 
 def test_standardized_columns_are_measured_once_on_training_lines_and_recorded_for_every_member(tmp_path):
-    from trainer.ctr.preflight import recorded_statistics
+    from trainer.ctr.preflight import recorded_schema
     data = ratings(tmp_path / "d", 400)
     lines = (data / "part_0.csv").read_text().splitlines()
     # The first 100 lines (held out) are 90 years old; the training lines keep their ages (18-59).
     lines[1:101] = [",".join(line.split(",")[:5] + ["90", line.split(",")[6]]) for line in lines[1:101]]
     (data / "part_0.csv").write_text("\n".join(lines) + "\n")
-    path = recorded_statistics(settings(data, eval_samples=100), tmp_path / "state")
+    path = recorded_schema(settings(data, eval_samples=100), tmp_path / "state")
     written = load_schema(path)
     age = next(n for n in written.numeric if n.column == "age")
     assert 18 <= age.mean < 60 and age.std > 0, age
     assert next(n for n in written.numeric if n.column == "year").mean == 1985, "given statistics stay"
     assert written.tables == load_schema(SCHEMA).tables and written.categorical == load_schema(SCHEMA).categorical
-    assert recorded_statistics(settings(data, eval_samples=100).model_copy(update={"schema_file": path}),
-                               tmp_path / "again") is None, "nothing left to measure"
+    assert recorded_schema(settings(data, eval_samples=100).model_copy(update={"schema_file": path}),
+                           tmp_path / "again") is None, "nothing left to measure"
 
 
 def test_held_out_files_of_their_own_are_evaluated_and_every_data_line_trained_on(tmp_path):
@@ -146,3 +147,57 @@ def test_held_out_files_of_their_own_are_evaluated_and_every_data_line_trained_o
     assert not [w for w in preflight(settings(data, eval_samples=300, eval_data=held)) if "--eval-samples" in w]
     with pytest.raises(ConfigError, match="--eval-data holds lines out of data files: give --data too"):
         load(UpConfig, {"workload": "ctr", "eval_data": str(held)}, {})
+
+
+def vocabulary_schema(tmp_path, min_count=1, genre_rows=32):
+    text = SCHEMA.read_text().replace("{name: genre, rows: 18, dim: 8, pooling: mean, rule: sgd}",
+                                      f"{{name: genre, rows: {genre_rows}, dim: 8, pooling: mean, rule: sgd, "
+                                      f"vocabulary: true, min_count: {min_count}}}")
+    (tmp_path / "vocabulary.yaml").write_text(text.replace("{name: occupation, rows: 21, dim: 8}",
+                                                           "{name: occupation, rows: 8, dim: 8, vocabulary: true}"))
+    return tmp_path / "vocabulary.yaml"
+
+
+def test_a_vocabulary_gives_each_value_named_enough_a_row_of_its_own_and_the_rest_row_0(tmp_path):
+    from trainer.ctr.tabular import Encoder, named, vocabularies
+    schema = load_schema(vocabulary_schema(tmp_path, min_count=3))
+    data = ratings(tmp_path / "d", 0)
+    (data / "part_0.csv").write_text("label,user_id,movie_id,genres,occupation,age,year\n" + "".join(
+        f"1,1,1,{g},{o},30,1990\n" for g, o in [("War|Drama", 1), ("War", 2), ("War|Drama", 3), ("Drama|Crime", 1),
+                                                 ("Crime", 1), ("Crime", 4), ("Western", 5), ("War", 6)]))
+    rows = list(rows_of(schema, [data / "part_0.csv"]))
+    built = vocabularies(schema, named(schema, rows))
+    tables = {t.name: t for t in built.tables}
+    # War x4, Drama x3, Crime x3 (ties in the values' order), Western x1 below min_count 3.
+    assert tables["genre"].values == ("War", "Crime", "Drama")
+    # occupation: 7 rows, 6 values at most, the most named first; "1" x3, then the others once each.
+    assert tables["occupation"].values == ("1", "2", "3", "4", "5", "6") and tables["user"].values is None
+    encoder = Encoder(built, {"age": (30.0, 1.0)})
+    batch = encoder.batch(rows)
+    assert batch.sparse["genres"].values.tolist() == [1, 3, 1, 1, 3, 3, 2, 2, 2, 0, 1]
+    with pytest.raises(ValueError, match="table genre, occupation takes its vocabulary from the data"):
+        Encoder(schema, {"age": (30.0, 1.0)})
+    o = {x.table: x for x in occupancy(built, rows)}
+    assert (o["genre"].distinct, o["genre"].rows_used, o["genre"].sharing) == (4, 4, 0), "Western alone on row 0"
+    # The model runs forward over a vocabulary of the sample's; every value has a row: nothing to warn of.
+    assert preflight(settings(data, eval_samples=2).model_copy(update={"schema_file": vocabulary_schema(tmp_path)})) \
+        == []
+    with pytest.raises(ValueError, match="a vocabulary gives values rows 1 .. rows - 1, a hashed table"):
+        rpcps_table(name="t", rows=4, dim=2, vocabulary=True, hashed=True)
+    with pytest.raises(ValueError, match="3 values, at most rows - 1 = 2"):
+        rpcps_table(name="t", rows=3, dim=2, vocabulary=True, values=("a", "b", "c"))
+
+
+def test_up_records_the_vocabulary_counted_over_every_training_line(tmp_path):
+    from trainer.ctr.preflight import recorded_schema
+    data = ratings(tmp_path / "d", 400)
+    cfg = settings(data, eval_samples=100).model_copy(update={"schema_file": vocabulary_schema(tmp_path)})
+    written = load_schema(recorded_schema(cfg, tmp_path / "state"))
+    tables = {t.name: t for t in written.tables}
+    counted = named(load_schema(cfg.schema_file), rows_of(load_schema(cfg.schema_file), [data / "part_0.csv"],
+                                                          start=100))
+    assert set(tables["genre"].values) == set(counted["genre"]) and len(tables["genre"].values) == 18
+    top = counted["occupation"].most_common(1)[0][0]
+    assert len(tables["occupation"].values) == 7 and tables["occupation"].values[0] == top
+    assert "table genre: 18 values named 1 times at least, counted from data line 100 on" in \
+        (tmp_path / "state" / "schema.yaml").read_text()

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def summary(schema, paths: list[Path], count: int) -> dict:
     import numpy as np
 
-    from trainer.ctr.tabular import Encoder, measure, occupancy, rows_of, transformed, values_of
+    from trainer.ctr.tabular import Encoder, measure, named, occupancy, rows_of, transformed, values_of, vocabularies
 
     stream = rows_of(schema, paths, stop=count, logged=False)
     rows = list(stream)
@@ -58,8 +58,8 @@ def summary(schema, paths: list[Path], count: int) -> dict:
         out["categorical"].append(entry)
     out["tables"] = [{"table": o.table, "rows": o.rows, "hashed": o.rows == 0, "distinct": o.distinct,
                       "rows_used": o.rows_used, "sharing": o.sharing} for o in occupancy(schema, rows)]
-    if rows:
-        Encoder(schema, stats).batch(rows[:8])        # what a trainer makes of them
+    if rows:       # what a trainer makes of them (a vocabulary as these lines would make it)
+        Encoder(vocabularies(schema, named(schema, rows)), stats).batch(rows[:8])
     return out
 
 

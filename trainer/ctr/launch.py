@@ -49,11 +49,11 @@ class CtrLaunch(TrainersLaunch):
 
     def prepare(self) -> list[str]:
         """Before any member starts (``trainer/ctr/preflight.py``): a user's model run forward over
-        the data's first lines, and what the data would do without a word (the warnings); the
-        schema's statistics measured once on training lines, the schema every member is given."""
-        from trainer.ctr.preflight import preflight, recorded_statistics
+        the data's first lines, and what the data would do without a word (the warnings); what the
+        schema leaves to the data settled once on training lines, the schema every member is given."""
+        from trainer.ctr.preflight import preflight, recorded_schema
         warnings = preflight(self.cfg)
-        recorded = recorded_statistics(self.cfg, self.common.state_dir)
+        recorded = recorded_schema(self.cfg, self.common.state_dir)
         if recorded is not None:
             self.cfg = self.cfg.model_copy(update={"schema_file": recorded})
         return warnings

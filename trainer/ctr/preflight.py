@@ -1,8 +1,9 @@
 """What `rpcps up --workload ctr` does before any member starts (``CtrLaunch.prepare``): a user's
 model built and run forward over the data's first lines, so a mistake in the model file is one
 sentence and exit 2 within seconds; what the data would otherwise do without a word (hold out
-most of itself, put distinct values of a table on shared rows, where they train as one); and the
-standardized columns' statistics measured once, on training lines, for every member."""
+most of itself, put distinct values of a table on shared rows, where they train as one); and what
+every member must read the data by, settled once on the training lines: the standardized columns'
+statistics, the vocabulary tables' values."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +16,8 @@ from services.errors import ConfigError
 from trainer.core.lines import bounded_lines, open_lines
 from trainer.ctr.config import CtrUpSettings, data_files
 from trainer.ctr.custom import tried
-from trainer.ctr.tabular import MEASURED_LINES, Encoder, Occupancy, measure, measured, occupancy, rows_of
+from trainer.ctr.tabular import (MEASURED_LINES, Encoder, Occupancy, measure, measured, named, occupancy, rows_of,
+                                 vocabularies)
 
 SAMPLE_LINES = 10_000        # the data's first lines, whose values are counted
 FORWARD_SAMPLES = 64         # the samples the model is run forward over
@@ -64,34 +66,49 @@ def tried_on_data(cfg: CtrUpSettings, schema: Schema, data: Path) -> list[str]:
     if not rows:
         raise ConfigError(f"--data {data}: none of its first {SAMPLE_LINES} data lines can be read as --schema "
                           f"says (rpcps data check shows why)")
-    batch = Encoder(schema, measure(schema, paths)).batch(rows[:FORWARD_SAMPLES])
+    sampled = vocabularies(schema, named(schema, rows))
+    batch = Encoder(sampled, measure(schema, paths)).batch(rows[:FORWARD_SAMPLES])
     tried(cfg.user_model, schema, cfg.seed, None, batch)
-    return [w for o in occupancy(schema, rows) if (w := shared(o, len(rows))) is not None]
+    vocabulary = {t.name for t in schema.tables if t.vocabulary}
+    return [w for o in occupancy(schema, rows) if (w := shared(o, len(rows), o.table in vocabulary)) is not None]
 
 
-def shared(o: Occupancy, lines: int) -> Optional[str]:
+def shared(o: Occupancy, lines: int, vocabulary: bool = False) -> Optional[str]:
     if o.rows == 0 or o.sharing_share <= SHARED_WARNING:
         return None
+    if vocabulary:
+        return (f"table {o.table}: {o.sharing} of the {o.distinct} distinct values in the data's first {lines} lines "
+                f"are outside its vocabulary (rare, or past its {o.rows - 1} rows) and share row 0: give it more "
+                f"rows, or a lower min_count")
     return (f"table {o.table}: {o.sharing} of the {o.distinct} distinct values in the data's first {lines} lines "
             f"share a row with another value (they take {o.rows_used} of its {o.rows} rows), and values on one row "
-            f"train as one: give it more rows (about 100 times its values keeps the share near 1 %)")
+            f"train as one: give it more rows (about 100 times its values keeps the share near 1 %), or make it "
+            f"`vocabulary: true`")
 
 
-def recorded_statistics(cfg: CtrUpSettings, folder: Path) -> Optional[Path]:
-    """A schema whose standardized columns give no mean and std, with them measured on the
-    training lines (the held-out ones skipped), written in ``folder`` for every member to read:
-    the servers host it, so checkpoints, exports and serving standardize as training did. None
-    when there is nothing to measure."""
+def recorded_schema(cfg: CtrUpSettings, folder: Path) -> Optional[Path]:
+    """The schema with what it leaves to the data settled on the training lines (the held-out ones
+    skipped): the standardized columns' mean and std, measured on their first lines, and the
+    vocabulary tables' values, counted over all of them; written in ``folder`` for every member
+    to read. The servers host it, so checkpoints, exports and serving read values as training
+    did. None when the schema leaves nothing to the data."""
     schema = cfg.loaded_schema()
-    if schema is None or cfg.data is None or not any(n.standardize and n.mean is None for n in schema.numeric):
+    unmeasured = [n for n in schema.numeric if n.standardize and n.mean is None] if schema is not None else []
+    uncounted = [t for t in schema.tables if t.vocabulary and t.values is None] if schema is not None else []
+    if cfg.data is None or not (unmeasured or uncounted):
         return None
-    filled = measured(schema, cfg.data, start=cfg.held_in_data)
-    said = ", ".join(f"{n.column} (mean {n.mean:.6g}, std {n.std:.6g})"
-                     for n, was in zip(filled.numeric, schema.numeric) if was.standardize and was.mean is None)
+    start = cfg.held_in_data
+    filled = measured(schema, cfg.data, start=start)
+    said = [f"{n.column} measured on data lines {start} to {start + MEASURED_LINES}: mean {n.mean:.6g}, "
+            f"std {n.std:.6g}" for n, was in zip(filled.numeric, schema.numeric) if was in unmeasured]
+    if uncounted:
+        lines = rows_of(filled, data_files(cfg.data), start=start, logged=False)
+        filled = vocabularies(filled, named(filled, lines))
+        said += [f"table {t.name}: {len(t.values)} values named {t.min_count} times at least, counted from data line "
+                 f"{start} on" for t in filled.tables if t.name in {u.name for u in uncounted}]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "schema.yaml"
-    path.write_text(f"# {cfg.schema_file}, its standardized columns measured by rpcps up on data lines "
-                    f"{cfg.held_in_data} to {cfg.held_in_data + MEASURED_LINES} of {cfg.data} (training lines):\n"
-                    f"# {said}\n"
+    path.write_text(f"# {cfg.schema_file}, as rpcps up read {cfg.data}'s training lines:\n"
+                    + "".join(f"# {line}\n" for line in said)
                     + yaml.safe_dump(filled.model_dump(mode="json", exclude_defaults=True), sort_keys=False))
     return path

@@ -175,7 +175,10 @@ def schema_source(schema: "Schema", data: Path, batch_size: int, held: int, shar
     stats = measure(schema, paths)
     for column, (mean, std) in stats.items():
         log.info("column %s standardized by the mean %.6g and std %.6g of the data's first lines", column, mean, std)
-    encoder = Encoder(schema, stats)
+    try:
+        encoder = Encoder(schema, stats)
+    except ValueError as exc:
+        raise ConfigError(f"--schema: {exc}") from None
 
     def files(read: Sequence[Path]) -> OpenStream:
         return lambda s, n, start, stop: SchemaStream(encoder, read, s, n, start, stop)

@@ -15,7 +15,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -148,6 +148,13 @@ class Encoder:
         self._tables = [(c.table_name, 0 if tables[c.table_name].hashed else tables[c.table_name].rows)
                         for c in self.schema.categorical]
         self._known: dict[str, dict[str, int]] = {t: {} for t in tables}     # per table: value -> its row id
+        unbuilt = [t.name for t in tables.values() if t.vocabulary and t.values is None]
+        if unbuilt:
+            raise ValueError(f"table {', '.join(unbuilt)} takes its vocabulary from the data, which rpcps up counts "
+                             f"and records: give a role started alone the schema with its `values`")
+        # A vocabulary's rows are its values' places, from 1; any other value reads row 0.
+        self._vocabularies = {t.name: {v: i for i, v in enumerate(t.values, start=1)}
+                              for t in tables.values() if t.vocabulary}
         missing = [n.column for n in self.schema.numeric if n.standardize and n.mean is None
                    and n.column not in self.stats]
         if missing:
@@ -155,6 +162,9 @@ class Encoder:
 
     def _ids(self, table: str, size: int, values: list[str]) -> list[int]:
         """The row ids of ``values`` in ``table`` (of ``size`` rows; 0: hashed, the raw ids)."""
+        vocabulary = self._vocabularies.get(table)
+        if vocabulary is not None:
+            return [vocabulary.get(v, 0) for v in values]
         known = self._known[table]
         try:
             return [known[v] for v in values]
@@ -220,19 +230,44 @@ class Occupancy:
         return self.sharing / self.distinct if self.distinct else 0.0
 
 
+def named(schema: Schema, rows: Iterable[Row]) -> dict[str, Counter]:
+    """Per table, how often ``rows`` name each value (every feature that uses it)."""
+    counts: dict[str, Counter] = {t.name: Counter() for t in schema.tables}
+    features = [(j, c.separator, counts[c.table_name]) for j, c in enumerate(schema.categorical)]
+    for r in rows:
+        for j, separator, counted in features:
+            counted.update(values_of(r.categorical[j], separator))
+    return counts
+
+
+def vocabularies(schema: Schema, counts: dict[str, Counter]) -> Schema:
+    """``schema`` with each vocabulary table's ``values`` from ``counts`` (``named``): those named
+    ``min_count`` times at least, the most named first (ties in the values' order), ``rows`` - 1
+    at most. A table whose values are given keeps them."""
+    tables = []
+    for t in schema.tables:
+        if t.vocabulary and t.values is None:
+            kept = sorted((v for v, n in counts[t.name].items() if n >= t.min_count),
+                          key=lambda v: (-counts[t.name][v], v))[:t.rows - 1]
+            t = t.model_copy(update={"values": tuple(kept)})
+        tables.append(t)
+    return schema.model_copy(update={"tables": tuple(tables)})
+
+
 def occupancy(schema: Schema, rows: Sequence[Row]) -> list[Occupancy]:
-    """Per table, how its rows hold the values ``rows`` name (every feature that uses it)."""
-    tables = {t.name: t for t in schema.tables}
-    named: dict[str, set[str]] = {name: set() for name in tables}
-    for j, c in enumerate(schema.categorical):
-        seen = named[c.table_name]
-        for r in rows:
-            seen.update(values_of(r.categorical[j], c.separator))
+    """Per table, how its rows hold the values ``rows`` name (every feature that uses it); a
+    vocabulary table's as its ``values``, or as the vocabulary of these rows would be."""
+    counts = named(schema, rows)
+    built = {t.name: t for t in vocabularies(schema, counts).tables}
     out = []
-    for name, t in tables.items():
+    for name, t in built.items():
         size = 0 if t.hashed else t.rows
-        taken = Counter(value_id(name, v) % size if size else value_id(name, v) for v in named[name])
-        out.append(Occupancy(name, size, len(named[name]), len(taken), sum(n for n in taken.values() if n > 1)))
+        if t.vocabulary:
+            inside = set(t.values)
+            taken = Counter(v if v in inside else "" for v in counts[name])      # "": row 0, of every other value
+        else:
+            taken = Counter(value_id(name, v) % size if size else value_id(name, v) for v in counts[name])
+        out.append(Occupancy(name, size, len(counts[name]), len(taken), sum(n for n in taken.values() if n > 1)))
     return out
 
 

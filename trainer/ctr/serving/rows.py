@@ -84,8 +84,8 @@ class SchemaRows(RowFormat[Row]):
         try:
             self._encoder = Encoder(schema)
         except ValueError as exc:
-            raise ConfigError(f"{exc}, which the model needs as training read it: export again with --data (the "
-                              f"training files), or give mean and std in the schema") from None
+            raise ConfigError(f"{exc}; the model needs it as training read it: export again with --data (the "
+                              f"training files), or give it in the schema") from None
 
     def batch(self, rows: list[Row]) -> Batch:
         return self._encoder.batch(rows)
