@@ -216,8 +216,9 @@ class Encoder:
 @dataclass(frozen=True)
 class Occupancy:
     """How a table's rows hold the distinct values some rows named: a plain table's value takes row
-    ``hash % rows``, so values share rows well below ``rows`` (a hashed table keys rows by the
-    64-bit hash itself: ``rows`` 0)."""
+    ``hash % rows``, so values share rows well below ``rows``; a vocabulary's values have rows of
+    their own and every other value shares row 0; a hashed table keys rows by the 64-bit hash
+    itself (``rows`` 0)."""
 
     table: str
     rows: int
