@@ -58,7 +58,8 @@ def test_a_users_model_and_schema_train_check_and_resume_resharded(tmp_path, cle
     # The age column, standardized without a mean and std in the schema: measured once by `up` on
     # the training lines (after the 500 held out), every member given the schema with them.
     recorded = (up.state_dir / "schema.yaml").read_text()
-    assert f"measured by rpcps up on data lines 500 to 10500 of {data}" in recorded and "# age (mean " in recorded
+    assert f"as rpcps up read {data}'s training lines" in recorded, recorded
+    assert "# age measured on data lines 500 to 10500: mean " in recorded, recorded
     assert "column age standardized by the mean" not in up.full_logs(), "no member measured it again"
     assert done["truncated_lists"] > 0, "genre lists of 3 cut to the schema's 2"
     checkpoints = sorted((tmp_path / "first" / "ckpt").glob("step-*"))
