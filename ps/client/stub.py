@@ -143,10 +143,8 @@ class PsClient:
         self.consistency = Consistency.parse(infos[0].consistency)
         self.leader = ps_names[0]                             # keeps the step clock
         self.granted: Optional[Granted] = None                # the step under way, as the clock granted it
-        # sync: the trainers the job starts with, whom its first step waits for (0: none said),
-        # and whether weights replicated among the trainers make steps begin in lockstep
-        self.start_with = 0
-        self.lockstep = False
+        self.start_with = 0           # sync: the trainers the job starts with, whom its first step waits for
+        self.lockstep = False         # sync: weights replicated among the trainers: steps begin in lockstep
         # What ``read_ahead`` set: ssp's steps further on whose rows each step reads (a prefetch,
         # a cache), and the copies of the rows read most (``ps/client/cache.py``).
         self.ahead = 0
