@@ -24,6 +24,7 @@ from typing import Callable, Optional
 from services.client import SidecarClient
 from services.config import writable_folder
 from services.errors import ConfigError
+from services.hosts.network import Unavailable
 from services.leader import LEADER_LOST
 from services.lifecycle import RoleStatus
 from services.names import parse_name
@@ -108,9 +109,13 @@ class Launcher:
             self._fail(f"--checkpoint-dir: {exc}")
             return 2
         roster = self.roster
-        roster.plan()
         roster.newest_at_start = roster.newest_checkpoint()
         try:
+            try:
+                roster.plan()
+            except Unavailable as exc:       # --emulate-hosts where hosts cannot be made
+                self._fail(f"--emulate-hosts: {exc}")
+                return 2
             for m in self.members:
                 roster.spawn(m)
             roster.write_state()
@@ -128,7 +133,7 @@ class Launcher:
             self.emit(self._summary())
             return code
         finally:
-            roster.stop_waves()
+            roster.close()
 
     def _wait_ready(self) -> Optional[int]:
         """None once every role is ready; else the exit code ``up`` ends with (2: a role refused

@@ -14,14 +14,15 @@ from typing import Callable, Optional
 
 from services.checkpoint.store import CheckpointStore
 from services.leader import LEADER_LOST
-from services.processes import free_port, spawn_role, stop_in_waves
+from services.placement import Local, OnHosts
+from services.processes import free_port, stop_in_waves
 from services.upconfig import LauncherConfig, flags
 from services.workload import Launch
 
 log = logging.getLogger("services.launcher")
 
 STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
-_COMMON_FLAGS = ("threads", "log_level", "sidecar_host", "http_read_timeout", "rpc_transport")
+_COMMON_FLAGS = ("threads", "log_level", "http_read_timeout", "rpc_transport")
 
 
 @dataclass
@@ -56,20 +57,24 @@ class Roster:
         self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
         self.newest_at_start: Optional[str] = None   # the newest checkpoint before this run
         self.on_restart: Callable[[Member], None] = lambda m: None   # its last status is stale
+        self.placement = OnHosts(cfg.host_cpus, cfg.link_rate) if cfg.emulate_hosts else \
+            Local(cfg.master_addr, cfg.sidecar_host)
 
     def plan(self) -> None:
         cfg = self.cfg
         logs = cfg.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.master_port = cfg.master_port or free_port()
-        for i, planned in enumerate(self.workload.plan()):
+        planned = self.workload.plan()
+        place = self.placement
+        place.create([p.name for p in planned])
+        for i, p in enumerate(planned):
             port = cfg.sidecar_port + i if cfg.sidecar_port else free_port()
-            argv = [planned.role, "--name", planned.name, "--sidecar-port", str(port),
-                    "--master-addr", cfg.master_addr, "--master-port", str(self.master_port),
-                    "--checkpoint-dir", str(self.checkpoint_dir), *planned.argv, *flags(cfg, _COMMON_FLAGS)]
-            host = "127.0.0.1" if cfg.sidecar_host in ("0.0.0.0", "") else cfg.sidecar_host
-            self.members.append(Member(planned.name, planned.role, argv, f"http://{host}:{port}",
-                                       logs / f"{planned.name}.log"))
+            argv = [p.role, "--name", p.name, "--sidecar-port", str(port), "--sidecar-host", place.sidecar_host(p.name),
+                    "--master-addr", place.master_addr(self.leader), "--master-port", str(self.master_port),
+                    "--checkpoint-dir", str(self.checkpoint_dir), *p.argv, *flags(cfg, _COMMON_FLAGS)]
+            self.members.append(Member(p.name, p.role, argv, f"http://{place.reach(p.name)}:{port}",
+                                       logs / f"{p.name}.log"))
 
     def newest_checkpoint(self) -> Optional[str]:
         found = CheckpointStore(self.checkpoint_dir).list()
@@ -83,7 +88,7 @@ class Roster:
             # This run has committed a checkpoint: a restarted leader resumes it, whatever the
             # first start was told (--no-resume, --resume-from an older one).
             argv = resuming_newest(argv)
-        m.proc = spawn_role("services.cli", argv, m.log_path, env)
+        m.proc = self.placement.spawn(m.name, argv, m.log_path, env)
         m.started_at = time.monotonic()
         log.info("started %s (pid %d), log %s", m.name, m.proc.pid, m.log_path)
 
@@ -119,10 +124,13 @@ class Roster:
         self.write_state()
 
     def write_state(self) -> None:
-        state = {"sidecars": {m.name: m.url for m in self.members}, "leader": self.leader, "launcher_pid": os.getpid(),
+        state = {"sidecars": {m.name: m.url for m in self.members}, "roles": {m.name: m.role for m in self.members},
+                 "leader": self.leader, "launcher_pid": os.getpid(),
                  "checkpoint_dir": str(self.checkpoint_dir.resolve()),
                  "pids": {m.name: m.proc.pid for m in self.members if m.proc}, "master_port": self.master_port,
                  "failing": {m.name: f for m in self.members if (f := m.failing()) is not None}}
+        if (hosts := self.placement.describe()) is not None:
+            state["hosts"] = hosts
         path = self.cfg.state_dir / "cluster.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=1))
@@ -131,9 +139,18 @@ class Roster:
     def stop_waves(self, count: Optional[int] = None) -> None:
         """The first ``count`` waves (default all): workers first, the leader (the store host) last."""
         by_name = {m.name: m for m in self.members}
+        if not by_name:             # refused before any was planned
+            return
         waves = self.workload.stop_waves(list(by_name))[:count]
         stop_in_waves([[(n, by_name[n].proc) for n in wave if by_name[n].proc is not None] for wave in waves],
                       STOP_TIMEOUT)
+
+    def close(self) -> None:
+        """Every member stopped, and where they ran (emulated hosts) removed."""
+        try:
+            self.stop_waves()
+        finally:
+            self.placement.close()
 
 
 

@@ -11,10 +11,11 @@ from pydantic import Field, SecretStr, ValidationError, create_model, field_vali
 from pydantic.fields import FieldInfo
 
 from services.config import ConfigBase, explain, flag_name, shown_default, writable_folder
+from services.hosts.emulated import HostsSettings, threads_for
 from services.workload import workloads
 
 
-class LauncherConfig(ConfigBase):
+class LauncherConfig(HostsSettings):
     """``rpcps up``: the launcher's own settings, whatever the workload."""
 
     workload: str = Field(description="which workload to run")
@@ -56,6 +57,7 @@ class LauncherConfig(ConfigBase):
         "checkpoints": ("checkpoint_dir", "resume", "resume_from", "keep_checkpoints", "final_checkpoint"),
         "failures": ("restart_backoff", "restart_backoff_max", "restart_window", "max_restarts", "ready_timeout"),
         "output": ("as_json", "progress_interval", "state_dir", "log_level"),
+        "emulated hosts": ("emulate_hosts", "host_cpus", "link_rate"),
     }
 
     _folders = field_validator("checkpoint_dir", "state_dir")(
@@ -71,6 +73,28 @@ class LauncherConfig(ConfigBase):
         given = {k for k, v in values.items() if v is not None and k not in LauncherConfig.model_fields}
         fits = [name for name, model in cls.workload_settings.items() if given <= set(model.model_fields)]
         return {**values, "workload": fits[0]} if given and len(fits) == 1 else values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _threads_of_the_hosts(cls, values: Any) -> Any:
+        """On hosts of --host-cpus cores, torch's threads follow the cores unless --threads is given."""
+        if isinstance(values, dict) and values.get("threads") is None and values.get("host_cpus") is not None:
+            return {**values, "threads": threads_for(float(values["host_cpus"]))}
+        return values
+
+    @model_validator(mode="after")
+    def _hosts(self) -> "LauncherConfig":
+        if not self.emulate_hosts:
+            given = [f"--{f.replace('_', '-')}" for f in ("host_cpus", "link_rate") if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only with --emulate-hosts")
+            return self
+        if self.local:
+            raise ValueError("--emulate-hosts: --local trains in this one process, on no host of its own")
+        placed = [f"--{f.replace('_', '-')}" for f in ("master_addr", "sidecar_host") if f in self.model_fields_set]
+        if placed:
+            raise ValueError(f"{', '.join(placed)}: with --emulate-hosts every member's address is its host's")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> "LauncherConfig":

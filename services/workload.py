@@ -90,6 +90,27 @@ class BenchSpec:
 
 
 @dataclass(frozen=True)
+class ScaleCase:
+    """A way a workload trains, as ``rpcps bench scale`` measures it with every member on an
+    emulated host of its own: against one process on one such host, as trainer hosts are added,
+    and (a link variant) beside another case as the hosts' links slow down."""
+
+    name: str
+    help: str
+    flags: tuple[str, ...]               # `rpcps up`'s, besides the hosts, counts and steps the bench sets
+    unit: str                            # what its throughput counts: the ``done`` event's ``<unit>_per_s``
+    quality: str                         # the ``done`` event's held-out figure (an AUC, a loss)
+    higher_is_better: bool = True
+    efficiency: Optional[float] = None   # weak-scaling target at the most trainer hosts (None: none)
+    exact: bool = False                  # sync: its quality equals one process's on every trainer's samples
+    against: Optional[str] = None        # a link variant (not added hosts): the case it is measured beside
+    link_target: Optional[float] = None  # … and the ratio it should reach on the slowest link
+    prepare: Optional[str] = None        # "module:function(folder) -> (flags, working folder)": data it needs
+    serve_rows: Optional[str] = None     # "module:function(count) -> rows": requests for a serving member
+    serve_flags: tuple[str, ...] = ()    # … which these flags add
+
+
+@dataclass(frozen=True)
 class Planned:
     """A process of a local cluster: its RPC name, its role, and its flags besides name, ports
     and rendezvous."""
@@ -136,6 +157,7 @@ class WorkloadSpec:
     server: Optional[HostedSpec] = None          # its model, when the parameter servers host it
     data: tuple[BenchSpec, ...] = ()             # `rpcps data <name>`: writes its data as files, or checks files
     commands: tuple[BenchSpec, ...] = ()         # `rpcps <name>`: a command of its own (`rpcps export`)
+    scale: tuple[ScaleCase, ...] = ()            # what `rpcps bench scale` measures of it across hosts
     rank: int = 50             # its place in listings (then by name): the first is `rpcps up`'s and `rpcps ps`'s default
 
     @property
@@ -213,7 +235,11 @@ def settings_of(role: RoleSpec, flags: Mapping[str, Any], environ: Mapping[str, 
 
 # Benchmarks of the shared services themselves, besides each workload's.
 SHARED_BENCHES = (BenchSpec("cli", "seconds the quick commands take to answer (--help, status, checkpoint --list)",
-                            "services.bench_cli"),)
+                            "services.bench_cli"),
+                  # Every workload's ``scale`` cases, each member on an emulated host (needs root).
+                  BenchSpec("scale", "samples/s as trainer hosts are added, every member on an emulated host of its "
+                                     "own: weak-scaling efficiency, CPU and bytes per host, slower links, serving "
+                                     "beside training, and a step-time model", "trainer.core.scale.bench"))
 
 
 def data_writers() -> dict[str, BenchSpec]:

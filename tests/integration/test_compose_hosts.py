@@ -21,19 +21,19 @@ import yaml
 
 from tests.support.deploy import REPO, compose, interpolate, k8s_prometheus_config, k8s_pod_targets
 from tests.support.hosts import TOKEN, Hosts, get_json
-from tests.support.netns import HostNetwork, Unavailable
+from tests.support.netns import ComposeNetwork, Unavailable
 from tests.support.wait import wait_until
 
 
 @pytest.fixture
 def network():
     """Makes the hosts of the given compose services (one network per test); removes them after."""
-    made: list[HostNetwork] = []
+    made: list[ComposeNetwork] = []
 
-    def make(services: dict[str, dict]) -> HostNetwork:
+    def make(services: dict[str, dict]) -> ComposeNetwork:
         if shutil.which("prometheus") is None or shutil.which("curl") is None:
             pytest.skip("needs Debian's prometheus package and curl")
-        net = HostNetwork(list(services))
+        net = ComposeNetwork(list(services))
         try:
             net.create()
         except Unavailable as exc:
@@ -77,7 +77,7 @@ def wait_scraped(hosts: Hosts, prometheus: str, roles: list[str], series: dict[s
     wait_until(scraped, 90, f"Prometheus: up == 1 for {roles}, and {series}")
 
 
-def publish(net: HostNetwork, services: dict[str, dict], environ: dict[str, str]) -> set[tuple[str, int]]:
+def publish(net: ComposeNetwork, services: dict[str, dict], environ: dict[str, str]) -> set[tuple[str, int]]:
     """The services' ``ports:``, interpolated from ``environ`` and forwarded from the docker host
     as compose would; the (address, port) pairs published."""
     published = set()
@@ -109,10 +109,10 @@ def test_compose_services_as_separate_hosts(network, tmp_path):
         # Tensors cross the network, as between containers: a trainer's steps move its activations
         # and their gradients (hundreds of KB at the shipped model's size) through its eth0, not by
         # cross-memory attach (about 20 KB per step crossed before each host had its own PID namespace).
-        step_bytes = [(get_json(hosts.url("trainer0", "/status"))["step"], net.counters("trainer0"))]
+        step_bytes = [(get_json(hosts.url("trainer0", "/status"))["step"], sum(net.counters("trainer0").values()))]
         wait_until(lambda: get_json(hosts.url("trainer0", "/status"))["step"] >= step_bytes[0][0] + 5, 60,
                    "5 more steps of trainer0")
-        step_bytes.append((get_json(hosts.url("trainer0", "/status"))["step"], net.counters("trainer0")))
+        step_bytes.append((get_json(hosts.url("trainer0", "/status"))["step"], sum(net.counters("trainer0").values())))
         per_step = (step_bytes[1][1] - step_bytes[0][1]) / (step_bytes[1][0] - step_bytes[0][0])
         print(f"trainer0's eth0: {per_step / 1e3:.0f} KB per step")
         assert per_step > 200e3, per_step
@@ -315,7 +315,7 @@ _SEND = "import socket, sys; c = socket.create_connection((sys.argv[1], 9000)); 
 
 
 def test_a_hosts_link_is_limited_to_its_rate_and_freed(network):
-    # What the link benchmark (tools/linkbench.py) rests on: 2 MiB out of a host limited to
+    # What the link sweep of `rpcps bench scale` rests on: 2 MiB out of a host limited to
     # 8 Mbit/s take at least the time the rate allows beyond its 256 KiB burst (1.8 s), and
     # nothing like it once the limit is lifted.
     import sys

@@ -1,4 +1,4 @@
-"""The services of docker-compose.yml running, each on a host of its own (``netns.HostNetwork``),
+"""The services of docker-compose.yml running, each on a host of its own (``netns.ComposeNetwork``),
 as their containers would: the compose tests' and the link benchmark's."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import httpx
 
 from services.processes import stop_in_waves
 from tests.support.deploy import host_process, start_order
-from tests.support.netns import HostNetwork, HostProcess
+from tests.support.netns import ComposeNetwork, HostProcess
 from tests.support.wait import wait_until
 
 TOKEN = "netns-test-token"
@@ -18,7 +18,7 @@ TOKEN = "netns-test-token"
 class Hosts:
     """The running services: one process per host, reaped in compose's stop order."""
 
-    def __init__(self, net: HostNetwork, services: dict[str, dict], tmp: Path,
+    def __init__(self, net: ComposeNetwork, services: dict[str, dict], tmp: Path,
                  environ: dict[str, str] | None = None) -> None:
         """``environ``: what the user's shell or .env sets for compose to interpolate."""
         self.net, self.services, self.tmp = net, services, tmp

@@ -55,7 +55,7 @@ def test_up_help_groups_its_flags_and_ends_with_examples_and_exit_codes(capsys):
     text = capsys.readouterr().out
     headings = [line.rstrip(":") for line in text.splitlines() if line.endswith("settings:")]
     assert headings == ["cluster settings", "workload settings", "consistency settings", "checkpoints settings",
-                        "failures settings", "output settings"], headings
+                        "failures settings", "output settings", "emulated hosts settings"], headings
     assert "examples:\n  rpcps up\n" in text and "rpcps up --workload rl" in text
     assert text.rstrip().splitlines()[-1].strip().startswith("2  a setting was refused")
 

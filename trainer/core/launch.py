@@ -112,13 +112,13 @@ class TrainersLaunch:
             loss = "-" if e["loss"] is None else f"{e['loss']:.3f}"
             waiting = f"waiting for {', '.join(e['waiting_for'])}" if e.get("waiting_for") else ""
             return " | ".join(p for p in (f"step {e['step']}{'/' + str(e['steps']) if e.get('steps') else ''}",
-                                          describe(e), f"loss {loss}", f"{e[f'{unit}_per_s']:.0f} {unit}/s", per,
+                                          describe(e), f"loss {loss}", _rate(e, unit), per,
                                           waiting) if p)
         if e["event"] == "done":
             first = "-" if e["loss_first"] is None else f"{e['loss_first']:.3f}"
             last = "-" if e["loss_last"] is None else f"{e['loss_last']:.3f}"
             where = " (one process)" if e.get("local") else ""
-            return (f"done{where}: {e['steps']} steps | loss {first} -> {last} | {e[f'{unit}_per_s']:.0f} {unit}/s"
+            return (f"done{where}: {e['steps']} steps | loss {first} -> {last} | {_rate(e, unit)}"
                     f"{self.held_out_line(e)}")
         return None
 
@@ -130,6 +130,11 @@ class TrainersLaunch:
             span = max(w.end for w in windows) - min(w.start for w in windows)
             return sum(getattr(w, self.unit) for w in windows) / span if span > 0 else 0.0
         return sum(self.rate(s) for s in statuses)
+
+
+def _rate(e: dict[str, Any], unit: str) -> str:
+    rate = e.get(f"{unit}_per_s")
+    return f"- {unit}/s (no step past the warm-up)" if rate is None else f"{rate:.0f} {unit}/s"
 
 
 def _training(s: Any) -> Optional[ProgressStatus]:

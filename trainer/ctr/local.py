@@ -63,18 +63,20 @@ def run_local(cfg: CtrUpSettings, emit: Callable[[dict], None], should_stop: Cal
                                data_seed=cfg.data_seed, eval_data=cfg.eval_data)
     model = LocalModel.of(cfg)
     task = CtrTask(model, source, name="local", num_trainers=1, eval_samples=cfg.eval_samples)
-    losses, step, trained, started = [], 0, 0, time.monotonic()
-    said = started
+    losses, step, trained, seconds, said = [], 0, 0, 0.0, time.monotonic()
     while (cfg.steps is None or step < cfg.steps) and not should_stop():
+        t0 = time.perf_counter()          # making the batch counts, as it does in a trainer's step
         batch = task.next_batch()
         losses.append(model.step(batch))
-        step, trained = step + 1, trained + task.units(batch)
+        step += 1
+        if step > cfg.warmup_steps:       # as a trainer counts: its first steps pay allocation
+            trained, seconds = trained + task.units(batch), seconds + time.perf_counter() - t0
         if time.monotonic() - said >= interval:
             said = time.monotonic()
             emit({"event": "progress", "step": step, "steps": cfg.steps, "loss": losses[-1], "phase": "train",
-                  "samples_per_s": trained / (said - started), "trainers": {"local": step}, "evaluating": [],
-                  "waiting_for": []})
-    rate = trained / max(time.monotonic() - started, 1e-9)
+                  "samples_per_s": trained / seconds if seconds else None, "trainers": {"local": step},
+                  "evaluating": [], "waiting_for": []})
+    rate = trained / seconds if seconds else None
     found = task.evaluate(should_stop, lambda done, total: None).get("eval") or {}
     emit({"event": "done", "local": True, "steps": step, "total_steps": step,
           "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,

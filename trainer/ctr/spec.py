@@ -3,7 +3,16 @@
 (registered in pyproject.toml under ``rpcps.workloads``).
 
 Light on purpose: what it names as ``"module:attribute"`` is imported only when used."""
-from services.workload import BenchSpec, HostedSpec, RoleSpec, TorchrunSpec, WorkloadSpec
+from services.workload import BenchSpec, HostedSpec, RoleSpec, ScaleCase, TorchrunSpec, WorkloadSpec
+
+# The built-in DLRM as `rpcps bench scale` trains it: a tenth of Criteo's rows, 2,048 samples a
+# trainer step (as `rpcps bench ctr`).
+_DLRM = ("--workload", "ctr", "--scale", "0.1", "--batch-size", "2048", "--eval-samples", "8192")
+_SYNC = ("--consistency", "sync", "--dense", "allreduce")
+# As in `rpcps bench ctr`: a rows cache of 1 % of the biggest table, each copy serving up to 10
+# steps; and the hot rows replicated among the trainers, exact.
+_CACHE = ("--cache-rows", "10000", "--cache-staleness", "10")
+_HOT = ("--cache-rows", "2000", "--cache-staleness", "0")
 
 SPEC = WorkloadSpec(
     name="ctr",
@@ -39,6 +48,22 @@ SPEC = WorkloadSpec(
                                 "ids and by lookups, milliseconds a step", "trainer.ctr.bench_cache"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
                                      "eviction", "ps.server.hashed.bench")),
+    scale=(ScaleCase("ctr-sync", "the built-in DLRM in sync, its MLPs replicated and all-reduced", (*_DLRM, *_SYNC),
+                     "samples", "auc", efficiency=0.9, exact=True),
+           ScaleCase("ctr-async", "the built-in DLRM in async, its MLPs on the servers", _DLRM, "samples", "auc",
+                     efficiency=0.85, serve_rows="trainer.ctr.scale:rows", serve_flags=("--serve", "1")),
+           # Its steps are short: 4,096 samples a step, so that a step is more than its round trips.
+           ScaleCase("movies", "the DeepFM of examples/ over generated movie ratings, in async",
+                     ("--workload", "ctr", "--batch-size", "4096", "--eval-samples", "8192"), "samples", "auc",
+                     prepare="trainer.ctr.scale:movies"),
+           ScaleCase("ctr-async-prefetch", "ctr-async reading each step's rows while the step before computes",
+                     (*_DLRM, "--prefetch", "1"), "samples", "auc", against="ctr-async"),
+           ScaleCase("ctr-async-cache", "ctr-async with a rows cache on each trainer", (*_DLRM, *_CACHE), "samples",
+                     "auc", against="ctr-async"),
+           ScaleCase("ctr-async-prefetch-cache", "ctr-async with both", (*_DLRM, "--prefetch", "1", *_CACHE),
+                     "samples", "auc", against="ctr-async", link_target=1.2),
+           ScaleCase("ctr-sync-hot", "ctr-sync with the hot rows replicated among the trainers (exact)",
+                     (*_DLRM, *_SYNC, *_HOT), "samples", "auc", against="ctr-sync", link_target=1.2)),
     examples=(("--workload ctr --steps 200 --scale 0.01", "a DLRM on generated data at 1 % of Criteo's rows: "
                                                           "held-out AUC beside the best possible"),
               ("--workload ctr --data day_0.gz --steps 1000", "Criteo-format files, streamed"),

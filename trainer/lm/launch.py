@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from trainer.core.launch import TrainersLaunch
 
@@ -26,6 +26,11 @@ class LmLaunch(TrainersLaunch):
         val_loss = sum(e.loss_sum for e in evals) / val_tokens if val_tokens else None
         return {"val_loss": val_loss, "val_ppl": math.exp(val_loss) if val_loss is not None else None,
                 "val_tokens": val_tokens}
+
+    def run_local(self, emit: Callable[[dict], None], should_stop: Callable[[], bool]) -> int:
+        """``--local``: the same model and text in this one process (``trainer/lm/local.py``)."""
+        from trainer.lm.local import run_local
+        return run_local(self.cfg, emit, should_stop, self.common.progress_interval)
 
     def held_out_line(self, e: dict[str, Any]) -> str:
         return f" | held-out ppl {e['val_ppl']:.1f}" if e.get("val_ppl") is not None else ""

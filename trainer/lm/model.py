@@ -169,4 +169,4 @@ class LocalLM(nn.Module):
                 for g in grads:
                     g.mul_(coef)
         self.optimizer.step()
-        return float(loss), hidden
+        return float(loss.detach()), hidden

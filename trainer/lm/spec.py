@@ -2,7 +2,7 @@
 status schemas and benchmarks (registered in pyproject.toml under ``rpcps.workloads``).
 
 Light on purpose: what it names as ``"module:attribute"`` is imported only when used."""
-from services.workload import BenchSpec, HostedSpec, RoleSpec, TorchrunSpec, WorkloadSpec
+from services.workload import BenchSpec, HostedSpec, RoleSpec, ScaleCase, TorchrunSpec, WorkloadSpec
 
 SPEC = WorkloadSpec(
     name="lm",
@@ -27,6 +27,11 @@ SPEC = WorkloadSpec(
                        "trainer.lm.bench_joins"),
              BenchSpec("recovery", "--dense allreduce: seconds from a trainer's (or ps1's) SIGKILL to the next step, "
                                    "rpcps's regroup vs torchrun's restart", "trainer.lm.bench_recovery")),
+    # The LSTM replicated on the trainers: with it on the servers every step moves its 2.5 MB of
+    # weights both ways, whatever the tokens.
+    scale=(ScaleCase("lm", "the LSTM language model in sync, the LSTM all-reduced among the trainers",
+                     ("--workload", "lm", "--eval-tokens", "4000", "--dense", "allreduce", "--consistency", "sync"),
+                     "tokens", "val_loss", higher_is_better=False, efficiency=0.85),),
     examples=(("--steps 40 --data DIR", "40 steps per trainer on a WikiText-style folder, evaluate, exit 0"),
               ("--num-ps 3 --num-trainers 4 --consistency sync", "synchronous updates: every step averaged"),
               ("--consistency sync --dense allreduce", "the LSTM on the trainers, kept in step by all-reduce"),

@@ -1,0 +1,196 @@
+"""Hosts on one machine: each a network namespace with its own ``eth0`` and address on a shared
+bridge (the bridge in a namespace of its own), and each process started on one in PID, UTS and
+mount namespaces of its own. The PID namespace is what makes them hosts rather than processes:
+between processes of one PID namespace TensorPipe moves tensors by cross-memory attach, so
+nothing would cross the "network". The namespace that makes them is on the bridge too (at the
+``gateway`` address), as a docker host or a login node is, so it reaches every host directly;
+nothing routes out of the bridge. ``close()`` removes every namespace and link it made.
+
+Processes enter a host with ``nsenter --net``, not ``ip netns exec``: the latter remounts
+``/sys``, which Slurm's daemons and podman's runtime refuse. Files in ``/etc/netns/<namespace>/``
+(a ``resolv.conf``, say) are bind-mounted over ``/etc`` as ``ip netns exec`` would.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Optional
+
+ETC_NETNS = Path("/etc/netns")
+
+# Run in a host's own mount and UTS namespaces before its command: its /etc files and its name.
+_ENTER = ('for f in "$1"/*; do [ -f "$f" ] && mount --bind "$f" "/etc/${f##*/}"; done; '
+          'hostname "$2"; shift 2; exec "$@"')
+
+# Run on a host by ``HostNetwork.reachable``: connects to every (address, port) read from stdin at
+# once, and prints those that accepted.
+_PROBE = textwrap.dedent("""
+    import json, socket, sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    def accepts(target):
+        try:
+            socket.create_connection(tuple(target), timeout=float(sys.argv[1])).close()
+            return True
+        except OSError:
+            return False
+
+    targets = json.load(sys.stdin)
+    with ThreadPoolExecutor(max(len(targets), 1)) as pool:
+        print(json.dumps([t for t, ok in zip(targets, pool.map(accepts, targets)) if ok]))
+""")
+
+
+class Unavailable(RuntimeError):
+    """Hosts cannot be emulated here (not root, no ``ip``, or the kernel refuses)."""
+
+
+class HostProcess(subprocess.Popen):
+    """A process started through ``HostNetwork.exec_argv``: ``unshare`` waits for it and exits
+    with its code, but ignores signals, so they go to the process itself (PID 1 of its namespace).
+    Killing ``unshare`` kills it too (``--kill-child``)."""
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        if children:
+            os.kill(int(children[0]), sig)
+        else:
+            super().send_signal(sig)
+
+
+def ip(*argv: str) -> None:
+    r = subprocess.run(["ip", *argv], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise Unavailable(f"ip {' '.join(argv)}: {r.stderr.strip()}")
+
+
+def link_counters(namespace: str) -> dict[str, int]:
+    """Bytes the ``eth0`` of network namespace ``namespace`` has received and sent."""
+    out = subprocess.run(["ip", "-n", namespace, "-s", "-j", "link", "show", "eth0"], capture_output=True, text=True,
+                         timeout=30, check=True)
+    stats = json.loads(out.stdout)[0]["stats64"]
+    return {"rx": int(stats["rx"]["bytes"]), "tx": int(stats["tx"]["bytes"])}
+
+
+def subnet_of(tag: str, second: int) -> ipaddress.IPv4Network:
+    """A /24 of 10.``second``.x.0 that differs between the networks of concurrent runs."""
+    return ipaddress.ip_network(f"10.{second}.{int(tag) % 200 + 20}.0/24")
+
+
+class HostNetwork:
+    def __init__(self, names: list[str], tag: Optional[str] = None) -> None:
+        self.tag = tag or str(os.getpid() % 100000)
+        self.subnet = subnet_of(self.tag, 231)
+        self.gateway = str(self.subnet[1])          # the namespace that made the hosts
+        self.addresses = {n: str(self.subnet[10 + i]) for i, n in enumerate(names)}
+        self._switch = f"rpcps{self.tag}net"
+        self._uplink = f"rp{self.tag}h"
+        self._made: list[str] = []
+
+    def namespace(self, name: str) -> str:
+        return f"rpcps{self.tag}-{name}"
+
+    def enter_argv(self, name: str, argv: list[str]) -> list[str]:
+        """``argv`` in host ``name``'s network namespace, sharing everything else with the caller
+        (a tool that inspects the host: ``ss``, ``tc``, a probe)."""
+        return ["nsenter", f"--net=/run/netns/{self.namespace(name)}", *argv]
+
+    def exec_argv(self, name: str, argv: list[str]) -> list[str]:
+        """``argv`` run on host ``name`` as its own machine would run it: its network, a PID
+        namespace of its own (start it with ``HostProcess``, which signals the process itself),
+        its hostname, and its ``/etc/netns`` files over ``/etc``."""
+        return self.enter_argv(name, ["unshare", "--pid", "--uts", "--fork", "--kill-child", "--mount-proc",
+                                      "sh", "-c", _ENTER, "rpcps-host", str(ETC_NETNS / self.namespace(name)), name,
+                                      *argv])
+
+    def counters(self, name: str) -> dict[str, int]:
+        """Bytes host ``name``'s ``eth0`` has received and sent: ``{"rx": …, "tx": …}``."""
+        return link_counters(self.namespace(name))
+
+    def limit(self, name: str, rate: Optional[str]) -> None:
+        """Host ``name`` sends at most ``rate`` (tc's units: ``1gbit``, ``100mbit``; None: as fast as
+        the veth pair goes), as a link of that speed out of it would: a token bucket on its ``eth0``
+        (``tc qdisc ... tbf``), queueing up to 200 ms of traffic. Its burst is above the MTU
+        (smaller, every packet would be dropped)."""
+        ns = self.namespace(name)
+        subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"], capture_output=True, timeout=30)
+        if rate is not None:
+            r = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
+                                "burst", "256kb", "latency", "200ms"], capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                raise Unavailable(f"tc cannot limit {name}'s link to {rate}: {r.stderr.strip()}")
+
+    def listening(self, name: str) -> set[tuple[str, int]]:
+        """The TCP (address, port) pairs something on host ``name`` listens on; a wildcard address
+        is given as the host's own."""
+        out = subprocess.run(self.enter_argv(name, ["ss", "-Htln"]), capture_output=True, text=True, timeout=30,
+                             check=True)
+        found = set()
+        for line in out.stdout.splitlines():
+            address, _, port = line.split()[3].rpartition(":")
+            address = address.strip("[]")
+            found.add((self.addresses[name] if address in ("*", "0.0.0.0", "::") else address, int(port)))
+        return found
+
+    def reachable(self, name: str, targets: list[tuple[str, int]], timeout: float = 2.0) -> set[tuple[str, int]]:
+        """Which of ``targets`` a TCP connection from host ``name`` reaches (all tried at once)."""
+        out = subprocess.run(self.enter_argv(name, [sys.executable, "-c", _PROBE, str(timeout)]),
+                             input=json.dumps([list(t) for t in targets]), capture_output=True, text=True,
+                             timeout=timeout * 4 + 30, check=True)
+        return {(a, int(p)) for a, p in json.loads(out.stdout)}
+
+    def create(self) -> "HostNetwork":
+        missing = [tool for tool in ("ip", "tc", "nsenter", "unshare") if shutil.which(tool) is None]
+        if os.geteuid() != 0 or missing:
+            raise Unavailable("emulated hosts need root and iproute2's `ip` and `tc` and util-linux's `nsenter` "
+                              f"and `unshare`{f' (missing: {missing})' if missing else ' (not root)'}")
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _create(self) -> None:
+        prefix = self.subnet.prefixlen
+        ip("netns", "add", self._switch)
+        self._made.append(self._switch)
+        ip("-n", self._switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", self._switch, "link", "set", "br0", "up")
+        ip("link", "add", self._uplink, "type", "veth", "peer", "name", "up0", "netns", self._switch)
+        ip("-n", self._switch, "link", "set", "up0", "master", "br0", "up")
+        ip("addr", "add", f"{self.gateway}/{prefix}", "dev", self._uplink)
+        ip("link", "set", self._uplink, "up")
+        for i, (name, address) in enumerate(self.addresses.items()):
+            ns = self.namespace(name)
+            ip("netns", "add", ns)
+            self._made.append(ns)
+            ip("-n", self._switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("-n", self._switch, "link", "set", f"p{i}", "master", "br0", "up")
+            ip("-n", ns, "addr", "add", f"{address}/{prefix}", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            etc = ETC_NETNS / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            # A host knows its own name; others it resolves through the resolv.conf a caller writes.
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{address} {name}\n")
+
+    def close(self) -> None:
+        subprocess.run(["ip", "link", "del", self._uplink], capture_output=True, timeout=30)
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
+        self._made.clear()
+        try:
+            ETC_NETNS.rmdir()                        # only if nothing else uses it
+        except OSError:
+            pass

@@ -1,0 +1,73 @@
+"""Where ``rpcps up`` runs its members: as processes of this machine (``Local``), or each on an
+emulated host of its own (``OnHosts``, ``--emulate-hosts``). The roster asks its placement for
+the leader's address, each sidecar's address and a started process; nothing else differs."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any, Optional
+
+from services.processes import spawn_role
+
+
+class Local:
+    """Every member a process of this machine, its sidecar at ``--sidecar-host``."""
+
+    def __init__(self, master_addr: str, sidecar_host: str) -> None:
+        self._master_addr, self._sidecar_host = master_addr, sidecar_host
+
+    def create(self, names: list[str]) -> None:
+        pass
+
+    def master_addr(self, leader: str) -> str:
+        return self._master_addr
+
+    def sidecar_host(self, name: str) -> str:
+        return self._sidecar_host
+
+    def reach(self, name: str) -> str:
+        """The address this machine reaches member ``name``'s sidecar at."""
+        return "127.0.0.1" if self._sidecar_host in ("0.0.0.0", "") else self._sidecar_host
+
+    def spawn(self, name: str, argv: list[str], log_path: Path, env: dict) -> subprocess.Popen:
+        return spawn_role("services.cli", argv, log_path, env)
+
+    def describe(self) -> Optional[dict[str, Any]]:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class OnHosts:
+    """Every member on an emulated host of its own (``services/hosts/``), made when the members
+    are planned and removed when the run ends: the leader's store and every sidecar at its host's
+    address, which this machine reaches over the hosts' bridge."""
+
+    def __init__(self, cpus: Optional[float], rate: Optional[str]) -> None:
+        self.cpus, self.rate = cpus, rate
+        self.hosts = None
+
+    def create(self, names: list[str]) -> None:
+        from services.hosts.emulated import EmulatedHosts
+        self.hosts = EmulatedHosts(names, self.cpus, self.rate).create()
+
+    def master_addr(self, leader: str) -> str:
+        return self.hosts.address(leader)
+
+    def sidecar_host(self, name: str) -> str:
+        return self.hosts.address(name)
+
+    def reach(self, name: str) -> str:
+        return self.hosts.address(name)
+
+    def spawn(self, name: str, argv: list[str], log_path: Path, env: dict) -> subprocess.Popen:
+        return self.hosts.python(name, "services.cli", argv, log_path, env)
+
+    def describe(self) -> Optional[dict[str, Any]]:
+        return self.hosts.describe() if self.hosts is not None else None
+
+    def close(self) -> None:
+        if self.hosts is not None:
+            self.hosts.close()
+            self.hosts = None

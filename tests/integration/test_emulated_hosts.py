@@ -1,0 +1,83 @@
+"""``rpcps up --emulate-hosts``: every member on a host of its own (its network namespace and
+address, its PID namespace, its CPU quota), training across them; everything removed after.
+Skips, saying why, where hosts cannot be emulated (not root, no iproute2)."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.hosts.emulated import remove_all
+from services.hosts.network import Unavailable
+from services.hosts.quota import CGROUP
+from tests.support.upcli import UpProcess
+from tests.support.wait import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _hosts_possible() -> None:
+    from services.hosts.emulated import EmulatedHosts
+    try:
+        EmulatedHosts(["probe"], 0.1).create().close()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _namespaces(tag: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split()
+    return [n for n in out if n.startswith(f"rpcps{tag}")]
+
+
+def test_two_trainer_hosts_train_across_their_links_within_their_quotas(tmp_path):
+    _hosts_possible()
+    up = UpProcess(tmp_path, "--workload", "ctr", "--emulate-hosts", "--host-cpus", "0.3", "--num-ps", "1",
+                   "--num-trainers", "2", "--steps", "12", "--scale", "0.01", "--batch-size", "256",
+                   "--eval-samples", "512", "--no-final-checkpoint", "--progress-interval", "60")
+    tag = str(up.proc.pid % 100000)
+    try:
+        started = up.wait_event("started", 240)
+        state = up.cluster()
+        hosts = state["hosts"]
+        assert sorted(hosts) == ["ctr0", "ctr1", "ps0"]
+        addresses = {h["address"] for h in hosts.values()}
+        assert len(addresses) == 3 and all(h["threads"] == 1 and h["cpus"] == 0.3 for h in hosts.values())
+        # Each sidecar answers at its host's own address, from this machine over the hosts' bridge.
+        assert {httpx.URL(u).host for u in started["sidecars"].values()} == addresses
+        for name, host in hosts.items():
+            quota = CGROUP / "cpu" / host["namespace"]
+            assert int((quota / "cpu.cfs_quota_us").read_text()) == 30000, name
+            # The member runs inside its host's quota, as PID 1 of a PID namespace of its own.
+            members = [int(p) for p in (quota / "cgroup.procs").read_text().split()]
+            nspids = [Path(f"/proc/{p}/status").read_text().split("NSpid:")[1].split("\n")[0].split()
+                      for p in members]
+            assert any(ids[-1] == "1" for ids in nspids), (name, nspids)
+
+        def link_bytes(name: str) -> int:
+            out = subprocess.run(["ip", "-n", hosts[name]["namespace"], "-s", "-j", "link", "show", "eth0"],
+                                 capture_output=True, text=True, check=True, timeout=30)
+            stats = json.loads(out.stdout)[0]["stats64"]
+            return stats["rx"]["bytes"] + stats["tx"]["bytes"]
+
+        def step(name: str) -> int:
+            return httpx.get(f"{started['sidecars'][name]}/status", timeout=5).json().get("step", 0)
+
+        # The rows and their gradients cross the trainer's link (no shared memory between hosts).
+        first = wait_until(lambda: (s if (s := step("ctr0")) >= 2 else None), 120, "ctr0 past step 2")
+        before = link_bytes("ctr0")
+        last = wait_until(lambda: (s if (s := step("ctr0")) >= first + 4 else None), 120, "4 more steps of ctr0")
+        per_step = (link_bytes("ctr0") - before) / (last - first)
+        assert per_step > 100e3, per_step
+
+        done = up.wait_event("done", 300)
+        assert done["steps"] == 12 and done["samples_per_s"] > 0 and 0 < done["auc"] < 1, done
+        assert up.proc.wait(60) == 0, up.logs()
+    finally:
+        up.kill()
+        remove_all(tag)
+    # The launcher removed its hosts on its way out.
+    assert _namespaces(tag) == []
+    assert not list((CGROUP / "cpu").glob(f"rpcps{tag}-*")), "a CPU quota group was left behind"

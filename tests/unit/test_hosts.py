@@ -1,0 +1,108 @@
+"""Emulated hosts without making any: how ``rpcps up`` takes its hosts' settings, the step-time
+model of ``rpcps bench scale``, and its figure."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services import cli
+from services.config import ConfigError, load
+from services.hosts.emulated import threads_for
+from services.upconfig import UpConfig
+from trainer.core.scale import fit
+
+
+def up(*argv: str) -> UpConfig:
+    return load(UpConfig, vars(cli.parse(["up", *argv])), {})
+
+
+def test_hosts_settings_are_checked_before_anything_starts():
+    cfg = up("--emulate-hosts", "--host-cpus", "0.25", "--link-rate", "100mbit")
+    assert (cfg.emulate_hosts, cfg.host_cpus, cfg.link_rate, cfg.threads) == (True, 0.25, "100mbit", 1)
+    with pytest.raises(ConfigError, match="--host-cpus: only with --emulate-hosts"):
+        up("--host-cpus", "0.5")
+    with pytest.raises(ConfigError, match="link-rate"):
+        up("--emulate-hosts", "--link-rate", "fast")
+    with pytest.raises(ConfigError, match="more cores than this machine has"):
+        up("--emulate-hosts", "--host-cpus", "4096")
+    with pytest.raises(ConfigError, match="--local trains in this one process"):
+        up("--emulate-hosts", "--local")
+    with pytest.raises(ConfigError, match="every member's address is its host's"):
+        up("--emulate-hosts", "--master-addr", "10.0.0.1")
+
+
+def test_torch_threads_follow_the_host_cores_unless_given():
+    # torch ignores CFS quotas: on a quarter of a core it would start a thread per machine core.
+    assert [threads_for(c) for c in (0.25, 1.0, 2.5)] == [1, 1, 2]
+    assert up("--emulate-hosts", "--host-cpus", "2").threads == 2
+    assert up("--emulate-hosts", "--host-cpus", "2", "--threads", "1").threads == 1
+
+
+def test_link_rates_read_as_bytes_a_second():
+    assert fit.bytes_per_s("100mbit") == 12.5e6
+    assert fit.bytes_per_s("1gbit") == 125e6
+    assert fit.bytes_per_s("800kbit") == 100e3
+    assert fit.bytes_per_s(None) == math.inf
+
+
+def _run(n: int, s: int, step: float, cores: float, link: float, rpcs: float, servers_cores: float,
+         rate: str | None = None) -> dict:
+    hosts = {f"t{i}": {"role": "ctr", "cores": cores, "link_bytes_per_s": link} for i in range(n)}
+    hosts |= {f"ps{i}": {"role": "ps", "cores": servers_cores / s, "link_bytes_per_s": 0.0} for i in range(s)}
+    return {"trainers": n, "servers": s, "link_rate": rate, "client_role": "ctr", "server_roles": ["ps"],
+            "hosts": hosts, "done": {"per_step": {"rpcs": rpcs, "seconds": {"total": step}}}}
+
+
+def test_the_step_time_model_finds_the_latency_that_explains_the_runs():
+    q, latency = 0.25, 0.004
+    runs = []
+    for n, rpcs in ((1, 6), (2, 10), (4, 20)):
+        compute = 0.2                                   # CPU seconds a step take on a quarter core
+        step = compute + rpcs * latency
+        runs.append(_run(n, 2, step, cores=compute * q / step, link=1e6, rpcs=rpcs, servers_cores=0.1 * n))
+    model = fit.fit(runs, q)
+    assert model["latency_ms"] == pytest.approx(4.0, rel=1e-6)
+    assert model["max_abs_error"] < 1e-9
+    # On a link of 100 Mbit/s a step also waits for its bytes: (1 MB/s x step) / 12.5 MB/s.
+    projected = {(p["trainers"], p["link_rate"]): p for p in fit.project(model, 1024, q, [8, 64], [None, "100mbit"])}
+    unlimited = projected[(8, None)]
+    assert unlimited["step_s"] == pytest.approx(0.2 + 20 * latency)
+    assert projected[(8, "100mbit")]["step_s"] == pytest.approx(unlimited["step_s"] + runs[-1]["done"]["per_step"]
+                                                              ["seconds"]["total"] * 1e6 / 12.5e6)
+    # The servers they need grow with the trainers: σ (their CPU a trainer step) is held.
+    assert projected[(64, None)]["servers"] > projected[(8, None)]["servers"] >= 1
+
+
+def test_a_server_bound_run_is_explained_by_its_servers_not_a_latency():
+    q = 0.25
+    free = _run(1, 1, step=0.2 + 6 * 0.004, cores=0.2 * q / 0.224, link=0.0, rpcs=6, servers_cores=0.05)
+    # One server at its quota for 4 trainers: each trainer step costs it 0.05 s of CPU, so a step
+    # takes 4 x 0.05 / 0.25 = 0.8 s, however short the trainers' own part.
+    busy = _run(4, 1, step=0.8, cores=0.2 * q / 0.8, link=0.0, rpcs=6, servers_cores=q)
+    model = fit.fit([free, busy], q)
+    assert model["latency_ms"] == pytest.approx(4.0)
+    assert [p["model_step_s"] for p in model["points"]] == pytest.approx([0.224, 0.8])
+
+
+def test_the_figure_is_drawn(tmp_path):
+    from trainer.core.scale.plot import draw
+    summary = {"config": {"cpus": 0.25}, "results": {"ctr-sync": {"baseline": 1000.0, "runs": [
+        {"trainers": n, "servers": s, "per_s": 900.0 * n, "unit": "samples"} for n in (1, 2) for s in (1, 2)]}}}
+    draw(summary, tmp_path / "scale.png")
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_up_says_what_is_missing_when_hosts_cannot_be_made(tmp_path):
+    import os
+    import subprocess
+    import sys
+    # No iproute2 or util-linux on the PATH: nothing starts, and the one sentence says why.
+    env = {**os.environ, "PATH": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--workload", "lm", "--emulate-hosts",
+                        "--steps", "1", "--state-dir", str(tmp_path / "state"), "--checkpoint-dir",
+                        str(tmp_path / "ck")], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "--emulate-hosts: emulated hosts need root" in r.stdout + r.stderr
+    assert "missing: ['ip', 'tc', 'nsenter', 'unshare']" in r.stdout + r.stderr
+    assert not (tmp_path / "state" / "cluster.json").exists()

@@ -1,0 +1,276 @@
+"""``rpcps bench scale``: how a job's throughput grows as trainer hosts are added, with every
+member on an emulated host of its own (``services/hosts/``: its own network namespace and
+address, PID and UTS namespaces, ``--cpus`` cores as a CFS quota, torch's threads set to match).
+Needs root.
+
+For each case the workloads declare (``ScaleCase``; ``--cases``):
+
+* the baseline: one process (``rpcps up --local``) on one host of ``--cpus`` cores;
+* ``--trainers`` trainer hosts with each of ``--servers`` server hosts, every one of ``--cpus``
+  cores: throughput, **weak-scaling efficiency** (cluster / (trainer hosts x baseline)), and per
+  host, while every trainer trained past its warm-up: cores used, the share of its quota's periods
+  throttled (the proof the quota was the limit, not the shared machine), and its link's bytes per
+  unit trained (a trainer's per its own units, a server's per the cluster's);
+* a case that is exact (sync): its held-out quality beside one process's on every trainer's
+  samples (``rpcps up --local --num-trainers N``), at the most trainer hosts.
+
+Then, at the most trainer and server hosts, each link variant beside its plain case on every one
+of ``--rates`` (a token bucket on every host's link); a serving member on a host of its own
+answering ``POST /predict`` at its peak (from a client held to ``--cpus`` cores) beside training
+on 2 trainer hosts, against training alone; and the step-time model (``fit.py``) fitted on every
+run, with its error at each, projected to ``--project`` trainer hosts. Prints JSON lines, the last
+one the summary, whose ``met`` says which targets were reached; ``--plot`` draws the figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from services.workload import ScaleCase, resolve, roles, workloads
+from trainer.core.scale import fit
+from trainer.core.scale.runs import Load, Plan, cluster, one_process
+
+QUALITY_EQUAL = 0.002           # |sync - one process| held-out AUC (or loss) counted as equal
+SERVING_TARGET = 0.9            # training beside a serving host at its peak, against training alone
+SERVING_TRAINERS = 2
+
+
+def cases() -> dict[str, tuple[ScaleCase, Any]]:
+    """Every workload's cases, by name, with their workload's spec."""
+    return {case.name: (case, spec) for spec in workloads().values() for case in spec.scale}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    swept = [n for n, (c, _) in cases().items() if c.against is None]
+    variants = [n for n, (c, _) in cases().items() if c.against is not None]
+    p.add_argument("--json", action="store_true", help="JSON lines only (the default output is JSON too)")
+    p.add_argument("--cases", default=",".join(swept), help=f"cases run as hosts are added (of {', '.join(swept)})")
+    p.add_argument("--trainers", default="1,2,3,4", help="trainer host counts")
+    p.add_argument("--servers", default="1,2", help="server host counts")
+    p.add_argument("--cpus", type=float, default=0.25, help="cores of every host (the hosts together should stay "
+                                                           "well under the machine's cores)")
+    p.add_argument("--steps", type=int, default=30, help="steps per trainer")
+    p.add_argument("--warmup", type=int, default=5, help="first steps of each trainer left out")
+    p.add_argument("--rates", default="none,1gbit,100mbit", help="link rates of the link variants (tc's units; "
+                                                                 "none: unlimited; empty: no link sweep)")
+    p.add_argument("--variants", default=",".join(variants), help=f"link variants (of {', '.join(variants)})")
+    p.add_argument("--serve", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure training beside a serving host at its peak")
+    p.add_argument("--project", default="8,16,32,64", help="trainer host counts the model projects to")
+    p.add_argument("--plot", type=Path, default=None, help="draw throughput against trainer hosts into this PNG")
+
+
+def _counts(text: str) -> list[int]:
+    return sorted({int(v) for v in text.split(",") if v.strip()})
+
+
+def _emit(record: dict) -> None:
+    print(json.dumps({"bench": "scale", **record}), flush=True)
+
+
+class Bench:
+    def __init__(self, ns: argparse.Namespace, folder: Path) -> None:
+        self.ns, self.folder = ns, folder
+        self.trainers, self.servers = _counts(ns.trainers), _counts(ns.servers)
+        self.server_roles = [r.name for r in roles().values() if r.hosting]
+        self.runs: list[dict[str, Any]] = []
+        self.failures: list[dict[str, Any]] = []
+        self.plans: dict[str, Plan] = {}
+
+    def plan(self, case: ScaleCase, spec: Any) -> Plan:
+        if case.name not in self.plans:
+            flags, cwd = list(case.flags), None
+            if case.prepare is not None:
+                extra, cwd = resolve(case.prepare)(self.folder / case.name)
+                flags += extra
+            self.plans[case.name] = Plan(self.ns.cpus, self.ns.steps, self.ns.warmup, spec.server.client_role,
+                                         case.unit, tuple(flags), cwd)
+        return self.plans[case.name]
+
+    def record(self, case: ScaleCase, plan: Plan, trainers: int, servers: int, result: dict[str, Any],
+               baseline: Optional[float], link_rate: Optional[str] = None, kind: str = "hosts") -> dict[str, Any]:
+        done, unit = result["done"], case.unit
+        # While every trainer trained (else, a run too short to see that: the whole run's).
+        per_s = result["window_per_s"] or done[f"{unit}_per_s"]
+        hosts = result["hosts"]
+        for h in hosts.values():      # a trainer's bytes per its own units; a server's per the cluster's
+            own = per_s / trainers if h["role"] == plan.client_role else per_s
+            h[f"bytes_per_{unit[:-1]}"] = h["link_bytes_per_s"] / own if own else None
+        run = {"kind": kind, "case": case.name, "trainers": trainers, "servers": servers, "link_rate": link_rate,
+               "per_s": per_s, "per_s_whole_run": done[f"{unit}_per_s"], "unit": unit,
+               "quality": done.get(case.quality),
+               "efficiency": per_s / (trainers * baseline) if baseline else None, "hosts": hosts,
+               "done": {k: done.get(k) for k in ("per_step", "bytes_per_step", "steps", "restarts")},
+               "client_role": plan.client_role, "server_roles": self.server_roles}
+        if result.get("served") is not None:
+            run["served"] = result["served"]
+        self.runs.append(run)
+        _emit({k: v for k, v in run.items() if k not in ("client_role", "server_roles")})
+        return run
+
+    def attempt(self, what: dict[str, Any], run: Any, *args: Any, **kwargs: Any) -> Optional[dict[str, Any]]:
+        """``run(*args)``, or None when it failed: the failure is printed and the bench goes on."""
+        try:
+            return run(*args, **kwargs)
+        except (Exception, SystemExit) as exc:    # noqa: BLE001 - one run's failure, said; the others go on
+            failure = {**what, "error": str(exc)[-3000:]}
+            self.failures.append(failure)
+            _emit(failure)
+            return None
+
+    def sweep(self, case: ScaleCase, spec: Any) -> Optional[dict[str, Any]]:
+        plan = self.attempt({"kind": "prepare", "case": case.name}, self.plan, case, spec)
+        if plan is None:
+            return None
+        base = self.attempt({"kind": "baseline", "case": case.name}, one_process, plan)
+        if base is None:
+            return None
+        baseline = base["done"][f"{case.unit}_per_s"]
+        _emit({"kind": "baseline", "case": case.name, "per_s": baseline, "unit": case.unit,
+               "quality": base["done"].get(case.quality), "host": base["host"]})
+        out: dict[str, Any] = {"baseline": baseline, "baseline_host": base["host"], "runs": []}
+        for servers in self.servers:
+            for trainers in self.trainers:
+                what = {"kind": "hosts", "case": case.name, "trainers": trainers, "servers": servers}
+                result = self.attempt(what, cluster, plan, trainers, servers)
+                if result is not None:
+                    out["runs"].append(self.record(case, plan, trainers, servers, result, baseline))
+        most = max(self.trainers)
+        reference = self.attempt({"kind": "one process", "case": case.name, "trainers": most}, one_process, plan,
+                                 trainers=most, on_host=False) if case.exact else None
+        if reference is not None:
+            ref = reference["done"].get(case.quality)
+            out["one_process_quality"] = ref
+            out["quality_minus_one_process"] = {
+                str(r["servers"]): r["quality"] - ref for r in out["runs"] if r["trainers"] == most
+                and r["quality"] is not None and ref is not None}
+        return out
+
+    def links(self, swept: dict[str, dict]) -> dict[str, Any]:
+        rates = [r.strip() for r in self.ns.rates.split(",") if r.strip()]
+        names = [v for v in self.ns.variants.split(",") if v]
+        if not rates or not names:
+            return {}
+        known = cases()
+        n, s = max(self.trainers), max(self.servers)
+        measured: dict[tuple[str, str], dict] = {}
+        for name, result in swept.items():        # the plain cases' unlimited runs are the sweep's own
+            for run in result["runs"]:
+                if run["trainers"] == n and run["servers"] == s:
+                    measured[(name, "none")] = run
+        for rate in rates:
+            for name in dict.fromkeys([c for v in names for c in (known[v][0].against, v)]):
+                if (name, rate) in measured:
+                    continue
+                case, spec = known[name]
+                plan = self.plan(case, spec)
+                result = self.attempt({"kind": "link", "case": name, "link_rate": rate}, cluster, plan, n, s,
+                                      None if rate == "none" else rate)
+                if result is None:
+                    continue
+                baseline = (swept.get(name) or {}).get("baseline")
+                measured[(name, rate)] = self.record(case, plan, n, s, result, baseline,
+                                                     None if rate == "none" else rate, kind="link")
+        out: dict[str, Any] = {}
+        for v in names:
+            case = known[v][0]
+            for rate in rates:
+                mine, plain = measured.get((v, rate)), measured.get((case.against, rate))
+                if mine and plain:
+                    out.setdefault(v, {})[rate] = {"per_s": mine["per_s"], "against": case.against,
+                                                   "against_per_s": plain["per_s"],
+                                                   "ratio": mine["per_s"] / plain["per_s"]}
+        return out
+
+    def serving(self, swept: dict[str, dict]) -> Optional[dict[str, Any]]:
+        found = [(c, spec) for c, spec in cases().values() if c.serve_rows and c.name in swept]
+        if not self.ns.serve or not found:
+            return None
+        case, spec = found[0]
+        plan, s = self.plan(case, spec), max(self.servers)
+        n = SERVING_TRAINERS if SERVING_TRAINERS in self.trainers else min(self.trainers)
+        alone = next((r for r in swept[case.name]["runs"] if r["trainers"] == n and r["servers"] == s), None)
+        role = next(r.name for r in spec.roles if r.name != spec.server.client_role)
+        rows = resolve(case.serve_rows)(4096)
+        result = self.attempt({"kind": "serving", "case": case.name}, cluster, plan, n, s, extra=case.serve_flags,
+                              serving=(role, lambda url: Load(rows, self.ns.cpus).start(url)))
+        if result is None or alone is None:
+            return None
+        beside = self.record(case, plan, n, s, result, swept[case.name]["baseline"], kind="serving")
+        return {"case": case.name, "trainers": n, "servers": s, "alone_per_s": alone["per_s"],
+                "beside_per_s": beside["per_s"], "ratio": beside["per_s"] / alone["per_s"],
+                "served": beside.get("served")}
+
+
+def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, Any],
+         serving: Optional[dict], most: int) -> tuple[dict[str, float], dict[str, bool]]:
+    targets, met = {}, {}
+    for name, result in swept.items():
+        case = chosen[name]
+        best = max((r["efficiency"] for r in result["runs"] if r["trainers"] == most and r["efficiency"]),
+                   default=None)
+        if case.efficiency is not None and best is not None:
+            key = f"{name}_efficiency_at_{most}"
+            targets[key], met[key] = case.efficiency, best >= case.efficiency
+        for servers, diff in result.get("quality_minus_one_process", {}).items():
+            key = f"{name}_quality_minus_one_process_{servers}_servers"
+            targets[key], met[key] = QUALITY_EQUAL, abs(diff) <= QUALITY_EQUAL
+    known = cases()
+    for variant, by_rate in links.items():
+        target = known[variant][0].link_target
+        slowest = list(by_rate)[-1] if by_rate else None
+        if target is not None and slowest is not None:
+            key = f"{variant}_vs_{known[variant][0].against}_at_{slowest}"
+            targets[key], met[key] = target, by_rate[slowest]["ratio"] >= target
+    if serving is not None:
+        targets["training_beside_serving"] = SERVING_TARGET
+        met["training_beside_serving"] = serving["ratio"] >= SERVING_TARGET
+    return targets, met
+
+
+def _model(bench: Bench, swept: dict[str, dict]) -> dict[str, Any]:
+    counts = _counts(bench.ns.project)
+    rates = [None] + [r for r in (r.strip() for r in bench.ns.rates.split(",")) if r and r != "none"]
+    out = {}
+    for name in swept:
+        runs = [r for r in bench.runs if r["case"] == name and r["kind"] in ("hosts", "link")]
+        model = fit.fit(runs, bench.ns.cpus)
+        if model is None:
+            continue
+        largest = max(runs, key=lambda r: (r["trainers"], r["servers"]))
+        step = largest["done"]["per_step"]["seconds"]["total"]
+        model["projection"] = fit.project(model, largest["per_s"] / largest["trainers"] * step, bench.ns.cpus,
+                                          counts, rates)
+        out[name] = model
+    return out
+
+
+def run(ns: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        raise SystemExit("rpcps bench scale: emulated hosts need root (network namespaces and CPU quotas)")
+    known = cases()
+    names = [n for n in ns.cases.split(",") if n]
+    unknown = sorted(set(names) - set(known)) + sorted(set(v for v in ns.variants.split(",") if v) - set(known))
+    if unknown:
+        raise SystemExit(f"rpcps bench scale: unknown cases {unknown}; choose from {', '.join(known)}")
+    with tempfile.TemporaryDirectory(prefix="rpcps-scale-data-") as folder:
+        bench = Bench(ns, Path(folder))
+        swept = {name: result for name in names if (result := bench.sweep(*known[name])) is not None}
+        links = bench.links(swept)
+        serving = bench.serving(swept)
+    most = max(bench.trainers)
+    targets, met = _met({n: known[n][0] for n in names}, swept, links, serving, most)
+    summary = {"bench": "scale", "results": swept, "links": links, "serving": serving, "failures": bench.failures,
+               "model": _model(bench, swept), "targets": targets, "met": met,
+               "config": {"cpus": ns.cpus, "steps": ns.steps, "warmup": ns.warmup, "trainers": bench.trainers,
+                          "servers": bench.servers, "machine_cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
+    if ns.plot is not None:
+        from trainer.core.scale.plot import draw
+        draw(summary, ns.plot)
+        summary["plot"] = str(ns.plot)
+    print(json.dumps(summary), flush=True)
+    return 0
