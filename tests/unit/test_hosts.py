@@ -106,3 +106,19 @@ def test_up_says_what_is_missing_when_hosts_cannot_be_made(tmp_path):
     assert "--emulate-hosts: emulated hosts need root" in r.stdout + r.stderr
     assert "missing: ['ip', 'tc', 'nsenter', 'unshare']" in r.stdout + r.stderr
     assert not (tmp_path / "state" / "cluster.json").exists()
+
+
+def test_a_runs_window_gives_each_hosts_share_and_the_steady_throughput():
+    from trainer.core.scale.runs import Window
+    window = Window()
+    assert window.hosts({}) == {} and window.per_s() is None          # nothing seen: nothing claimed
+    counters = {"cpu_s": 1.0, "periods": 10, "throttled": 5, "throttled_s": 0.1, "rx": 0, "tx": 0,
+                "threads": {"python": 0.5}}
+    window.seen(10.0, {"ctr0": counters}, units=4096)
+    window.seen(12.0, {"ctr0": {**counters, "cpu_s": 1.5, "periods": 30, "throttled": 25, "rx": 3e6, "tx": 1e6,
+                                "threads": {"python": 0.8, "TP_UV_loop": 0.4}}}, units=14336)
+    host = window.hosts({"ctr0": "ctr"})["ctr0"]
+    assert host["cores"] == pytest.approx(0.25) and host["throttled"] == pytest.approx(1.0)
+    assert host["link_bytes_per_s"] == pytest.approx(2e6)
+    assert host["threads"] == {"python": 0.15, "TP_UV_loop": 0.2} and list(host["threads"])[0] == "TP_UV_loop"
+    assert window.per_s() == pytest.approx(5120.0)

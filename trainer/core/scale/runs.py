@@ -4,11 +4,12 @@ or one process (``rpcps up --local``) on one host of the same share, the baselin
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -16,6 +17,7 @@ import httpx
 
 from services.client import SidecarClient
 from services.hosts.emulated import EmulatedHosts, usage_of
+from services.hosts.quota import CpuQuota
 from services.workload import ScaleCase
 
 POLL = 0.5              # seconds between looks at the trainers' steps and the hosts' counters
@@ -57,17 +59,40 @@ class Window:
         return (self.last[2] - self.first[2]) / (self.last[0] - self.first[0])
 
     def hosts(self, roles: dict[str, str]) -> dict[str, dict[str, Any]]:
-        """Per host: cores used, the share of its quota's periods throttled, its link's bytes a second."""
+        """Per host: cores used (and by which of its member's threads), the share of its quota's
+        periods throttled, its link's bytes a second."""
         if self.first is None or self.last is None or self.last[0] <= self.first[0]:
             return {}
         (t0, a, _), (t1, b, _) = self.first, self.last
         out = {}
         for name in b:
-            d = {k: b[name][k] - a[name][k] for k in b[name]}
+            d = {k: b[name][k] - a[name].get(k, 0.0) for k in b[name] if k != "threads"}
+            threads = {k: (v - a[name]["threads"].get(k, 0.0)) / (t1 - t0) for k, v in b[name]["threads"].items()}
             out[name] = {"role": roles.get(name), "cores": d["cpu_s"] / (t1 - t0),
                          "throttled": d["throttled"] / d["periods"] if d["periods"] else 0.0,
-                         "link_bytes_per_s": (d["rx"] + d["tx"]) / (t1 - t0)}
+                         "link_bytes_per_s": (d["rx"] + d["tx"]) / (t1 - t0),
+                         "threads": dict(sorted(((k, round(v, 4)) for k, v in threads.items() if v > 0.001),
+                                                key=lambda kv: -kv[1]))}
         return out
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds the member started as ``pid`` (by ``HostProcess``: its one child) has used, by
+    thread name (TensorPipe's, the autograd engine's, Python's own): where a host's cores went."""
+    try:
+        member = int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{member}/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue                  # a thread that ended
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rpartition(")")[2].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _status(url: str) -> dict[str, Any]:
@@ -142,7 +167,8 @@ def _look(state: Path, plan: Plan, window: Window, seen: dict[str, Any]) -> dict
         at = time.monotonic()
         units = sum((st.get("timed") or {}).get(plan.unit) or 0 for st in statuses)
         try:
-            window.seen(at, {n: usage_of(h) for n, h in cluster_state["hosts"].items()}, units)
+            window.seen(at, {n: {**usage_of(h), "threads": thread_cpu(cluster_state["pids"][n])}
+                             for n, h in cluster_state["hosts"].items()}, units)
         except (OSError, subprocess.CalledProcessError, ValueError):
             pass                   # a host going away: the run is ending
     return cluster_state
@@ -183,42 +209,36 @@ def one_process(plan: Plan, trainers: int = 1, on_host: bool = True) -> dict[str
         return {"done": lines[-1], "host": host}
 
 
-@dataclass
 class Load:
-    """A client of a serving member, at its peak: ``concurrency`` requests always in flight, from a
-    process of this machine held to its own CPU share (so it cannot take the hosts' cores)."""
+    """A client of a serving member, at its peak: ``concurrency`` requests of ``size`` rows always
+    in flight, from a process of this machine held to ``cpus`` cores of its own (so it cannot take
+    the hosts' cores). ``stop()`` ends it and gives its rows/s, latency and refusals."""
 
-    rows: list[dict]
-    cpus: float
-    concurrency: int = 4
-    size: int = 32
-    proc: Optional[subprocess.Popen] = None
-    stop_file: Optional[Path] = None
-    _tmp: Any = field(default=None, repr=False)
+    def __init__(self, rows: list[dict], cpus: float, concurrency: int = 4, size: int = 32) -> None:
+        self.rows, self.cpus, self.concurrency, self.size = rows, cpus, concurrency, size
 
     def start(self, url: str) -> "Load":
-        from services.hosts.quota import CpuQuota
-        self._tmp = tempfile.TemporaryDirectory(prefix="rpcps-load-")
-        folder = Path(self._tmp.name)
+        self._folder = tempfile.TemporaryDirectory(prefix="rpcps-load-")
+        folder = Path(self._folder.name)
         (folder / "rows.json").write_text(json.dumps(self.rows))
-        self.stop_file = folder / "stop"
-        self.quota = CpuQuota(f"rpcps-load-{id(self) % 100000}", self.cpus).create()
-        self.proc = subprocess.Popen(self.quota.prefix() + [sys.executable, "-m", "trainer.core.scale.bench_load", url,
-                                                            str(folder / "rows.json"), str(self.concurrency),
-                                                            str(self.size), str(self.stop_file)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._stop = folder / "stop"
+        self._quota = CpuQuota(f"rpcps-load-{os.getpid() % 100000}", self.cpus).create()
+        self._proc = subprocess.Popen(self._quota.prefix() + [
+            sys.executable, "-m", "trainer.core.scale.bench_load", url, str(folder / "rows.json"),
+            str(self.concurrency), str(self.size), str(self._stop)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
         return self
 
     def stop(self) -> dict[str, Any]:
         try:
-            self.stop_file.write_text("")
-            out, err = self.proc.communicate(timeout=60)
-            if self.proc.returncode != 0:
+            self._stop.write_text("")
+            out, err = self._proc.communicate(timeout=60)
+            if self._proc.returncode != 0:
                 return {"error": err[-1000:]}
             return json.loads(out.strip().splitlines()[-1])
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.quota.remove()
-            self._tmp.cleanup()
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+            self._quota.remove()
+            self._folder.cleanup()
