@@ -48,8 +48,10 @@ def test_link_rates_read_as_bytes_a_second():
 
 def _run(n: int, s: int, step: float, cores: float, link: float, rpcs: float, servers_cores: float,
          rate: str | None = None) -> dict:
-    hosts = {f"t{i}": {"role": "ctr", "cores": cores, "link_bytes_per_s": link} for i in range(n)}
-    hosts |= {f"ps{i}": {"role": "ps", "cores": servers_cores / s, "link_bytes_per_s": 0.0} for i in range(s)}
+    hosts = {f"t{i}": {"role": "ctr", "cores": cores, "link_bytes_per_s": 1.5 * link, "link_rx_bytes_per_s": link,
+                       "link_tx_bytes_per_s": link / 2} for i in range(n)}
+    hosts |= {f"ps{i}": {"role": "ps", "cores": servers_cores / s, "link_bytes_per_s": 0.0, "link_rx_bytes_per_s": 0.0,
+                         "link_tx_bytes_per_s": 0.0} for i in range(s)}
     return {"trainers": n, "servers": s, "link_rate": rate, "client_role": "ctr", "server_roles": ["ps"],
             "hosts": hosts, "done": {"per_step": {"rpcs": rpcs, "seconds": {"total": step}}}}
 
@@ -64,7 +66,7 @@ def test_the_step_time_model_finds_the_latency_that_explains_the_runs():
     model = fit.fit(runs, q)
     assert model["latency_ms"] == pytest.approx(4.0, rel=1e-6)
     assert model["max_abs_error"] < 1e-9
-    # On a link of 100 Mbit/s a step also waits for its bytes: (1 MB/s x step) / 12.5 MB/s.
+    # On a link of 100 Mbit/s a step also waits for its bytes, the busier way's: (1 MB/s x step) / 12.5 MB/s.
     projected = {(p["trainers"], p["link_rate"]): p for p in fit.project(model, 1024, q, [8, 64], [None, "100mbit"])}
     unlimited = projected[(8, None)]
     assert unlimited["step_s"] == pytest.approx(0.2 + 20 * latency)
@@ -72,6 +74,22 @@ def test_the_step_time_model_finds_the_latency_that_explains_the_runs():
                                                               ["seconds"]["total"] * 1e6 / 12.5e6)
     # The servers they need grow with the trainers: σ (their CPU a trainer step) is held.
     assert projected[(64, None)]["servers"] > projected[(8, None)]["servers"] >= 1
+
+
+def test_an_all_reducing_case_is_explained_by_its_rings_hops_as_well():
+    q, latency, hop = 0.25, 0.002, 0.010
+    runs = []
+    for n in (1, 2, 3, 4):
+        step = 0.3 + 8 * latency + 2 * (n - 1) * hop
+        run = _run(n, 1, step, cores=0.3 * q / step, link=0.0, rpcs=8, servers_cores=0.01 * n)
+        run["done"]["bytes_per_step"] = {"allreduce": 1.9e6}
+        runs.append(run)
+    model = fit.fit(runs, q)
+    assert (model["latency_ms"], model["ring_hop_ms"]) == pytest.approx((2.0, 10.0))
+    assert model["max_abs_error"] < 1e-9
+    # Projected, every trainer added is two more hops a step.
+    steps = {p["trainers"]: p["step_s"] for p in fit.project(model, 2048, q, [8, 16], [None])}
+    assert steps[16] - steps[8] == pytest.approx(16 * hop)
 
 
 def test_a_server_bound_run_is_explained_by_its_servers_not_a_latency():
@@ -120,5 +138,25 @@ def test_a_runs_window_gives_each_hosts_share_and_the_steady_throughput():
     host = window.hosts({"ctr0": "ctr"})["ctr0"]
     assert host["cores"] == pytest.approx(0.25) and host["throttled"] == pytest.approx(1.0)
     assert host["link_bytes_per_s"] == pytest.approx(2e6)
+    assert (host["link_rx_bytes_per_s"], host["link_tx_bytes_per_s"]) == pytest.approx((1.5e6, 0.5e6))
     assert host["threads"] == {"python": 0.15, "TP_UV_loop": 0.2} and list(host["threads"])[0] == "TP_UV_loop"
     assert window.per_s() == pytest.approx(5120.0)
+
+
+def test_the_scale_bench_says_which_targets_were_met():
+    from services.workload import ScaleCase
+    from trainer.core.scale.bench import _met
+    sync = ScaleCase("ctr-sync", "", (), "samples", "auc", efficiency=0.9, exact=True)
+    swept = {"ctr-sync": {"runs": [{"trainers": 4, "servers": 1, "efficiency": 0.7},
+                                   {"trainers": 4, "servers": 2, "efficiency": 0.92},
+                                   {"trainers": 2, "servers": 2, "efficiency": 0.99}],
+                          "quality_minus_one_process": {"2": 0.0004, "1": -0.003}}}
+    links = {"ctr-async-prefetch-cache": {"100mbit": {"ratio": 1.25}, "none": {"ratio": 0.9},
+                                          "1gbit": {"ratio": 1.0}}}
+    targets, met = _met({"ctr-sync": sync}, swept, links, {"ratio": 0.88}, most=4)
+    assert met == {"ctr-sync_efficiency_at_4": True,           # the servers it needs: the best of 1 and 2
+                   "ctr-sync_quality_minus_one_process_2_servers": True,
+                   "ctr-sync_quality_minus_one_process_1_servers": False,
+                   "ctr-async-prefetch-cache_vs_ctr-async_at_100mbit": True,   # the slowest link, in any order
+                   "training_beside_serving": False}
+    assert targets["ctr-sync_efficiency_at_4"] == 0.9 and targets["training_beside_serving"] == 0.9

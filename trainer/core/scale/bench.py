@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure training beside a serving host at its peak")
     p.add_argument("--project", default="8,16,32,64", help="trainer host counts the model projects to")
     p.add_argument("--plot", type=Path, default=None, help="draw throughput against trainer hosts into this PNG")
+    p.add_argument("--refit", type=Path, default=None, help="fit the step-time model again on the JSON lines an "
+                                                            "earlier run printed (makes no host, needs no root)")
 
 
 def _counts(text: str) -> list[int]:
@@ -76,7 +78,6 @@ class Bench:
     def __init__(self, ns: argparse.Namespace, folder: Path) -> None:
         self.ns, self.folder = ns, folder
         self.trainers, self.servers = _counts(ns.trainers), _counts(ns.servers)
-        self.server_roles = [r.name for r in roles().values() if r.hosting]
         self.runs: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
         self.plans: dict[str, Plan] = {}
@@ -104,12 +105,11 @@ class Bench:
                "per_s": per_s, "per_s_whole_run": done[f"{unit}_per_s"], "unit": unit,
                "quality": done.get(case.quality),
                "efficiency": per_s / (trainers * baseline) if baseline else None, "hosts": hosts,
-               "done": {k: done.get(k) for k in ("per_step", "bytes_per_step", "steps", "restarts")},
-               "client_role": plan.client_role, "server_roles": self.server_roles}
+               "done": {k: done.get(k) for k in ("per_step", "bytes_per_step", "steps", "restarts")}}
         if result.get("served") is not None:
             run["served"] = result["served"]
         self.runs.append(run)
-        _emit({k: v for k, v in run.items() if k not in ("client_role", "server_roles")})
+        _emit(run)
         return run
 
     def attempt(self, what: dict[str, Any], run: Any, *args: Any, **kwargs: Any) -> Optional[dict[str, Any]]:
@@ -222,7 +222,7 @@ def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, 
     known = cases()
     for variant, by_rate in links.items():
         target = known[variant][0].link_target
-        slowest = list(by_rate)[-1] if by_rate else None
+        slowest = min(by_rate, key=lambda r: fit.bytes_per_s(None if r == "none" else r), default=None)
         if target is not None and slowest is not None:
             key = f"{variant}_vs_{known[variant][0].against}_at_{slowest}"
             targets[key], met[key] = target, by_rate[slowest]["ratio"] >= target
@@ -232,24 +232,50 @@ def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, 
     return targets, met
 
 
-def _model(bench: Bench, swept: dict[str, dict]) -> dict[str, Any]:
-    counts = _counts(bench.ns.project)
-    rates = [None] + [r for r in (r.strip() for r in bench.ns.rates.split(",")) if r and r != "none"]
+def _model(runs: list[dict[str, Any]], cpus: float, counts: list[int], rates: list[Optional[str]]) -> dict[str, Any]:
+    """Each swept case's step-time model (``fit.py``), fitted on its runs and projected."""
     out = {}
-    for name in swept:
-        runs = [r for r in bench.runs if r["case"] == name and r["kind"] in ("hosts", "link")]
-        model = fit.fit(runs, bench.ns.cpus)
+    for name in dict.fromkeys(r["case"] for r in runs):
+        case, spec = cases()[name]
+        if case.against is not None:
+            continue
+        mine = [{**r, "client_role": spec.server.client_role, "server_roles": _server_roles()} for r in runs
+                if r["case"] == name and r["kind"] in ("hosts", "link")]
+        model = fit.fit(mine, cpus)
         if model is None:
             continue
-        largest = max(runs, key=lambda r: (r["trainers"], r["servers"]))
+        largest = max(mine, key=lambda r: (r["trainers"], -r["done"]["per_step"]["seconds"]["total"]))
         step = largest["done"]["per_step"]["seconds"]["total"]
-        model["projection"] = fit.project(model, largest["per_s"] / largest["trainers"] * step, bench.ns.cpus,
-                                          counts, rates)
+        model["projection"] = fit.project(model, largest["per_s"] / largest["trainers"] * step, cpus, counts, rates)
         out[name] = model
     return out
 
 
+def _server_roles() -> list[str]:
+    return [r.name for r in roles().values() if r.hosting]
+
+
+def _rates(ns: argparse.Namespace) -> list[Optional[str]]:
+    return [None] + [r for r in (r.strip() for r in ns.rates.split(",")) if r and r != "none"]
+
+
+def refit(ns: argparse.Namespace) -> int:
+    """``--refit FILE``: the model fitted again on the lines an earlier run printed; no host is made."""
+    try:
+        lines = [json.loads(line) for line in ns.refit.read_text().splitlines() if line.startswith("{")]
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"rpcps bench scale --refit: cannot read {ns.refit}: {exc}") from None
+    runs = [line for line in lines if line.get("bench") == "scale" and line.get("kind") in ("hosts", "link")]
+    config = next((line["config"] for line in lines if "config" in line and "results" in line), {})
+    cpus = config.get("cpus", ns.cpus)
+    print(json.dumps({"bench": "scale", "refit": str(ns.refit), "model": _model(runs, cpus, _counts(ns.project),
+                                                                               _rates(ns))}), flush=True)
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
+    if ns.refit is not None:
+        return refit(ns)
     if os.geteuid() != 0:
         raise SystemExit("rpcps bench scale: emulated hosts need root (network namespaces and CPU quotas)")
     known = cases()
@@ -265,7 +291,7 @@ def run(ns: argparse.Namespace) -> int:
     most = max(bench.trainers)
     targets, met = _met({n: known[n][0] for n in names}, swept, links, serving, most)
     summary = {"bench": "scale", "results": swept, "links": links, "serving": serving, "failures": bench.failures,
-               "model": _model(bench, swept), "targets": targets, "met": met,
+               "model": _model(bench.runs, ns.cpus, _counts(ns.project), _rates(ns)), "targets": targets, "met": met,
                "config": {"cpus": ns.cpus, "steps": ns.steps, "warmup": ns.warmup, "trainers": bench.trainers,
                           "servers": bench.servers, "machine_cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
     if ns.plot is not None:

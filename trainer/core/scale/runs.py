@@ -44,6 +44,7 @@ class Window:
 
     first: Optional[tuple[float, dict[str, dict], int]] = None
     last: Optional[tuple[float, dict[str, dict], int]] = None
+    over: bool = False            # a trainer has taken its last step
 
     def seen(self, at: float, usage: dict[str, dict], units: int) -> None:
         """``units``: what the trainers had trained past their warm-ups, together, by ``at``."""
@@ -71,6 +72,7 @@ class Window:
             out[name] = {"role": roles.get(name), "cores": d["cpu_s"] / (t1 - t0),
                          "throttled": d["throttled"] / d["periods"] if d["periods"] else 0.0,
                          "link_bytes_per_s": (d["rx"] + d["tx"]) / (t1 - t0),
+                         "link_rx_bytes_per_s": d["rx"] / (t1 - t0), "link_tx_bytes_per_s": d["tx"] / (t1 - t0),
                          "threads": dict(sorted(((k, round(v, 4)) for k, v in threads.items() if v > 0.001),
                                                 key=lambda kv: -kv[1]))}
         return out
@@ -130,15 +132,17 @@ def cluster(plan: Plan, trainers: int, servers: int, rate: Optional[str] = None,
                 state_seen: dict[str, Any] = {}
                 while proc.poll() is None and time.monotonic() < deadline:
                     state_seen = _look(state, plan, window, state_seen)
-                    if serving is not None and load is None and state_seen:
+                    if serving is not None and load is None and state_seen and not window.over:
                         role, begin = serving
                         url = next((u for n, u in state_seen["sidecars"].items()
                                     if state_seen["roles"].get(n) == role), None)
                         if url is not None and _ready(url):
                             load = begin(url)
+                    if load is not None and served is None and window.over:
+                        served = load.stop()      # beside training only: not while the cluster stops
                     time.sleep(POLL)  # noqa: sleep-ok (sampling the hosts while the run goes on)
             finally:
-                if load is not None:
+                if load is not None and served is None:
                     served = load.stop()
                 if proc.poll() is None:
                     proc.terminate()
@@ -163,6 +167,7 @@ def _look(state: Path, plan: Plan, window: Window, seen: dict[str, Any]) -> dict
     roles, sidecars = cluster_state["roles"], cluster_state["sidecars"]
     statuses = [_status(u) for n, u in sidecars.items() if roles.get(n) == plan.client_role]
     steps = [st.get("step") for st in statuses]
+    window.over = window.over or bool(steps) and any(s is not None and s >= plan.steps for s in steps)
     if steps and all(s is not None and plan.warmup < s < plan.steps for s in steps):
         at = time.monotonic()
         units = sum((st.get("timed") or {}).get(plan.unit) or 0 for st in statuses)
