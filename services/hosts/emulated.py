@@ -14,8 +14,8 @@ from typing import Any, Optional
 from pydantic import Field, field_validator
 
 from services.config import ConfigBase
-from services.hosts.network import HostNetwork, HostProcess, link_counters
-from services.hosts.quota import CpuQuota
+from services.hosts.network import ETC_NETNS, HostNetwork, HostProcess, link_counters
+from services.hosts.quota import CGROUP, CpuQuota
 
 RATE = r"^[0-9]+(\.[0-9]+)?[kmg]?bit$"
 
@@ -120,8 +120,6 @@ def usage_of(described: dict[str, Any]) -> dict[str, float]:
 def remove_all(tag: str) -> None:
     """Whatever hosts made under ``tag`` (a process id, by default) left behind: a launcher killed
     outright cannot remove its own. Ends the processes still in their groups first."""
-    from services.hosts.network import ETC_NETNS
-    from services.hosts.quota import CGROUP
     prefix = f"rpcps{tag}-"
     for group in sorted({p.name for c in ("cpu", "cpuacct") for p in (CGROUP / c).glob(f"{prefix}*")}):
         CpuQuota(group, None).remove()
