@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import httpx
 
-from services.client import SidecarClient
+from services.client import SidecarClient, SidecarError
 from services.hosts.emulated import EmulatedHosts, usage_of
 from services.hosts.quota import CpuQuota
 from services.workload import ScaleCase
@@ -99,8 +99,9 @@ def thread_cpu(pid: int) -> dict[str, float]:
 
 def _status(url: str) -> dict[str, Any]:
     try:
-        return httpx.get(f"{url}/status", timeout=2.0).json()
-    except (httpx.HTTPError, ValueError):
+        with SidecarClient(url, timeout=2.0) as client:
+            return client.status()
+    except (httpx.HTTPError, SidecarError, ValueError):       # starting, or stopping: not this time
         return {}
 
 
