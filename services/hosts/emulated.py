@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any, Optional
 from pydantic import Field, field_validator
 
 from services.config import ConfigBase
-from services.hosts.network import ETC_NETNS, HostNetwork, HostProcess, link_counters
+from services.hosts.network import HostNetwork, HostProcess, link_counters, remove
 from services.hosts.quota import CGROUP, CpuQuota
 
 RATE = r"^[0-9]+(\.[0-9]+)?[kmg]?bit$"
@@ -124,7 +123,5 @@ def remove_all(tag: str) -> None:
     for group in sorted({p.name for c in ("cpu", "cpuacct") for p in (CGROUP / c).glob(f"{prefix}*")}):
         CpuQuota(group, None).remove()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split()
-    for ns in [n for n in listed if n.startswith(prefix) or n == f"rpcps{tag}net"]:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
-    subprocess.run(["ip", "link", "del", f"rp{tag}h"], capture_output=True, timeout=30)
+    network = HostNetwork([], tag)
+    remove([n for n in listed if n.startswith(prefix) or n == network.switch], network.uplink)

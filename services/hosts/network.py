@@ -92,8 +92,8 @@ class HostNetwork:
         self.subnet = subnet_of(self.tag, 231)
         self.gateway = str(self.subnet[1])          # the namespace that made the hosts
         self.addresses = {n: str(self.subnet[10 + i]) for i, n in enumerate(names)}
-        self._switch = f"rpcps{self.tag}net"
-        self._uplink = f"rp{self.tag}h"
+        self.switch = f"rpcps{self.tag}net"          # the bridge's namespace
+        self.uplink = f"rp{self.tag}h"              # this namespace's link to the bridge
         self._made: list[str] = []
 
     def namespace(self, name: str) -> str:
@@ -162,20 +162,20 @@ class HostNetwork:
 
     def _create(self) -> None:
         prefix = self.subnet.prefixlen
-        ip("netns", "add", self._switch)
-        self._made.append(self._switch)
-        ip("-n", self._switch, "link", "add", "br0", "type", "bridge")
-        ip("-n", self._switch, "link", "set", "br0", "up")
-        ip("link", "add", self._uplink, "type", "veth", "peer", "name", "up0", "netns", self._switch)
-        ip("-n", self._switch, "link", "set", "up0", "master", "br0", "up")
-        ip("addr", "add", f"{self.gateway}/{prefix}", "dev", self._uplink)
-        ip("link", "set", self._uplink, "up")
+        ip("netns", "add", self.switch)
+        self._made.append(self.switch)
+        ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.switch, "link", "set", "br0", "up")
+        ip("link", "add", self.uplink, "type", "veth", "peer", "name", "up0", "netns", self.switch)
+        ip("-n", self.switch, "link", "set", "up0", "master", "br0", "up")
+        ip("addr", "add", f"{self.gateway}/{prefix}", "dev", self.uplink)
+        ip("link", "set", self.uplink, "up")
         for i, (name, address) in enumerate(self.addresses.items()):
             ns = self.namespace(name)
             ip("netns", "add", ns)
             self._made.append(ns)
-            ip("-n", self._switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("-n", self._switch, "link", "set", f"p{i}", "master", "br0", "up")
+            ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0", "up")
             ip("-n", ns, "addr", "add", f"{address}/{prefix}", "dev", "eth0")
             ip("-n", ns, "link", "set", "eth0", "up")
             ip("-n", ns, "link", "set", "lo", "up")
@@ -185,12 +185,17 @@ class HostNetwork:
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{address} {name}\n")
 
     def close(self) -> None:
-        subprocess.run(["ip", "link", "del", self._uplink], capture_output=True, timeout=30)
-        for ns in reversed(self._made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-            shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
+        remove(self._made, self.uplink)
         self._made.clear()
-        try:
-            ETC_NETNS.rmdir()                        # only if nothing else uses it
-        except OSError:
-            pass
+
+
+def remove(namespaces: list[str], uplink: str) -> None:
+    """Namespaces and their ``/etc/netns`` files removed, newest first, and the uplink to their bridge."""
+    subprocess.run(["ip", "link", "del", uplink], capture_output=True, timeout=30)
+    for ns in reversed(namespaces):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
+    try:
+        ETC_NETNS.rmdir()                        # only if nothing else uses it
+    except OSError:
+        pass
