@@ -199,8 +199,14 @@ def cluster_state(state_dir: Path, running: bool = True) -> Optional[dict]:
         raise CliError(f"{path} is not a cluster file `rpcps up` wrote ({str(exc).splitlines()[0]}): remove it, "
                        f"or start a cluster with `rpcps up`") from None
     pid = state.get("launcher_pid")
-    ended = (not _alive(pid)) if isinstance(pid, int) else (
-        bool(state.get("pids")) and not any(_alive(p) for p in state["pids"].values() if isinstance(p, int)))
+    hosts = state.get("hosts")
+    jobs = {h["job"] for h in hosts.values() if isinstance(h, dict) and h.get("job")} if isinstance(hosts, dict) else set()
+    if jobs:        # `rpcps up --slurm`: it ran on a node, where its process id means nothing here
+        from services.slurm import job_alive
+        ended = not any(job_alive(str(job)) for job in jobs)
+    else:
+        ended = (not _alive(pid)) if isinstance(pid, int) else (
+            bool(state.get("pids")) and not any(_alive(p) for p in state["pids"].values() if isinstance(p, int)))
     if ended and running:
         raise CliError(f"the cluster recorded in {path} is not running (the `rpcps up` that started it has "
                        f"ended): start one with `rpcps up`, or name a sidecar with --sidecar URL")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -113,8 +114,8 @@ class Launcher:
         try:
             try:
                 roster.plan()
-            except Unavailable as exc:       # --emulate-hosts where hosts cannot be made
-                self._fail(f"--emulate-hosts: {exc}")
+            except Unavailable as exc:       # hosts that cannot be made, no Slurm allocation
+                self._fail(f"{'--slurm' if self.cfg.slurm else '--emulate-hosts'}: {exc}")
                 return 2
             for m in self.members:
                 roster.spawn(m)
@@ -237,7 +238,23 @@ class Launcher:
                 result = c.checkpoint()
             self.emit({"event": "checkpoint", "id": result["id"], "step": result["step"], "path": result["path"]})
         except Exception as exc:  # noqa: BLE001 - stopping must go on; the previous checkpoint stays valid
-            self._fail(f"final checkpoint failed: {exc}")
+            if self._stopping_itself(leader):
+                # Signalled with everyone else (`scancel` signals every member of a job): the
+                # servers take their own final checkpoint on the way out.
+                self.emit({"event": "warning", "message": f"{self.leader} was stopping already; the servers' own "
+                                                          "final checkpoint stands for this one"})
+            else:
+                self._fail(f"final checkpoint failed: {exc}")
+
+    @staticmethod
+    def _stopping_itself(m: Member, within: float = 10.0) -> bool:
+        if m.proc is None:
+            return False
+        try:
+            m.proc.wait(within)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
 
     def _fail(self, message: str) -> None:
         log.error("%s", message)

@@ -1,13 +1,14 @@
-"""Where ``rpcps up`` runs its members: as processes of this machine (``Local``), or each on an
-emulated host of its own (``OnHosts``, ``--emulate-hosts``). The roster asks its placement for
-the leader's address, each sidecar's address and a started process; nothing else differs."""
+"""Where ``rpcps up`` runs its members: as processes of this machine (``Local``), each on an
+emulated host of its own (``OnHosts``, ``--emulate-hosts``), or as steps of a Slurm job
+(``services/slurm.py``'s ``OnSlurm``, ``--slurm``). The roster asks its placement for the
+leader's address, each sidecar's address and port, and a started process; nothing else differs."""
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-from services.processes import spawn_role
+from services.processes import free_port, spawn_role
 
 
 class Local:
@@ -24,6 +25,9 @@ class Local:
 
     def sidecar_host(self, name: str) -> str:
         return self._sidecar_host
+
+    def sidecar_port(self, name: str) -> int:
+        return free_port()
 
     def reach(self, name: str) -> str:
         """The address this machine reaches member ``name``'s sidecar at."""
@@ -57,6 +61,9 @@ class OnHosts:
 
     def sidecar_host(self, name: str) -> str:
         return self.hosts.address(name)
+
+    def sidecar_port(self, name: str) -> int:
+        return free_port()
 
     def reach(self, name: str) -> str:
         return self.hosts.address(name)

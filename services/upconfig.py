@@ -26,7 +26,8 @@ class LauncherConfig(HostsSettings):
     master_addr: str = Field("127.0.0.1", description="address of the rendezvous store (the leader: ps0 or the agent)")
     master_port: int = Field(0, ge=0, le=65535, description="rendezvous port (0: a free port)")
     sidecar_host: str = Field("127.0.0.1", description="address the sidecars bind")
-    sidecar_port: int = Field(0, ge=0, le=65535, description="first sidecar port, one per role in order (0: free ports)")
+    sidecar_port: int = Field(0, ge=0, le=65535, description="first sidecar port, one per role in order (0: free ports); with "
+                                                                    "--slurm, the first on each node (0: 8080)")
     http_read_timeout: float = Field(10.0, gt=0, le=3600, description="seconds a client has to send a sidecar a "
                                                                      "whole request (slower: cut off)")
     progress_interval: float = Field(5.0, gt=0, description="seconds between progress lines")
@@ -43,6 +44,8 @@ class LauncherConfig(HostsSettings):
     resume_from: Optional[str] = Field(None, description="resume from this checkpoint (step-N or its path)")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
     final_checkpoint: bool = Field(True, description="take a checkpoint when stopping")
+    slurm: bool = Field(False, description="run inside a Slurm allocation (a batch script, or salloc): every member "
+                                           "a job step on a node of it, servers first (see the Slurm guide)")
     local: bool = Field(False, description="train the same model on the same data in this one process instead of "
                                            "a cluster, for comparison (nothing is checkpointed; the ctr workload)")
     checkpoint_dir: Optional[Path] = Field(None, description="folder of the checkpoints (default: the workload's own)")
@@ -52,7 +55,7 @@ class LauncherConfig(HostsSettings):
     # Set on the composed ``UpConfig``: each workload's own settings, by name.
     workload_settings: ClassVar[dict[str, type[ConfigBase]]] = {}
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "cluster": ("workload", "local", "threads", "rpc_transport", "master_addr", "master_port", "sidecar_host",
+        "cluster": ("workload", "local", "slurm", "threads", "rpc_transport", "master_addr", "master_port", "sidecar_host",
                     "sidecar_port", "http_read_timeout", "control_token"),
         "checkpoints": ("checkpoint_dir", "resume", "resume_from", "keep_checkpoints", "final_checkpoint"),
         "failures": ("restart_backoff", "restart_backoff_max", "restart_window", "max_restarts", "ready_timeout"),
@@ -81,6 +84,18 @@ class LauncherConfig(HostsSettings):
         if isinstance(values, dict) and values.get("threads") is None and values.get("host_cpus") is not None:
             return {**values, "threads": threads_for(float(values["host_cpus"]))}
         return values
+
+    @model_validator(mode="after")
+    def _slurm(self) -> "LauncherConfig":
+        if not self.slurm:
+            return self
+        if self.local or self.emulate_hosts:
+            raise ValueError(f"--slurm: {'--local' if self.local else '--emulate-hosts'} runs no member on the "
+                             "allocation's nodes")
+        placed = [f"--{f.replace('_', '-')}" for f in ("master_addr", "sidecar_host") if f in self.model_fields_set]
+        if placed:
+            raise ValueError(f"{', '.join(placed)}: with --slurm every member's address is its node's")
+        return self
 
     @model_validator(mode="after")
     def _hosts(self) -> "LauncherConfig":

@@ -124,11 +124,16 @@ class Coordinator(Service):
     @remote
     def take_unless_saved(self, step: int) -> dict[str, Any]:
         """A stopping holder's final checkpoint: none when the newest already holds ``step`` (its
-        state has not moved since), which spares copying every part for nothing."""
-        latest = self.latest
-        if latest is not None and latest.step >= step:
-            return {**latest.describe(), "new": False}
-        return self.take()
+        state has not moved since), which spares copying every part for nothing. One being taken
+        is waited for, not refused: when every member is stopped at once (``scancel``), another
+        server's final checkpoint is often under way, and a leader that gave up on its own would
+        leave the group in the middle of it. Callers bound the wait (``take_final``)."""
+        with self._lock:
+            latest = self.latest
+            if latest is not None and latest.step >= step:
+                return {**latest.describe(), "new": False}
+            with counted(self._metrics):
+                return self._take()
 
     @remote
     def listing(self) -> list[dict[str, Any]]:

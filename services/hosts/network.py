@@ -184,6 +184,13 @@ class HostNetwork:
             # A host knows its own name; others it resolves through the resolv.conf a caller writes.
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{address} {name}\n")
 
+    def name_each_other(self) -> None:
+        """Every host resolves every other's name, as a cluster's shared ``/etc/hosts`` (or its DNS)
+        lets nodes do; by default a host knows only its own."""
+        known = "".join(f"{address} {name}\n" for name, address in self.addresses.items())
+        for name in self.addresses:
+            (ETC_NETNS / self.namespace(name) / "hosts").write_text(f"127.0.0.1 localhost\n{known}")
+
     def close(self) -> None:
         remove(self._made, self.uplink)
         self._made.clear()

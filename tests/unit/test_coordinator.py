@@ -124,6 +124,30 @@ def test_nothing_new_to_save_is_no_new_checkpoint(tmp_path):
     assert cluster.coordinator.take_unless_saved(4)["new"] is True
 
 
+def test_a_final_checkpoint_asked_while_one_is_being_taken_waits_for_it(tmp_path):
+    """Every server stopping at once (``scancel``): the leader's final checkpoint must not give up
+    (and leave) while another server's is being written; it waits, and that one holds its steps."""
+    cluster = Cluster(tmp_path, shared=True)
+    cluster.train(3)
+    slow, release = cluster.positions["trainer1"], threading.Event()
+    slow.pause = lambda timeout: release.wait(10)
+    first: dict[str, Any] = {}
+    taking = threading.Thread(target=lambda: first.update(cluster.coordinator.take()))
+    taking.start()
+    wait_until(lambda: "prepare ps0" in cluster.log, 10, "the first checkpoint under way")
+    with pytest.raises(CheckpointInProgress):
+        cluster.coordinator.take()                  # a user's request is refused, as before
+    final: dict[str, Any] = {}
+    waiting = threading.Thread(target=lambda: final.update(cluster.coordinator.take_unless_saved(3)))
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive(), "the final checkpoint did not wait for the one being taken"
+    release.set()
+    taking.join(10)
+    waiting.join(10)
+    assert first["new"] and not final["new"] and final["id"] == first["id"]
+
+
 def test_a_folder_per_server_keeps_each_shard_under_its_own_manifest(tmp_path):
     cluster = Cluster(tmp_path, shared=False)
     cluster.train(2)

@@ -1,0 +1,139 @@
+"""``rpcps up --slurm``: the members as job steps of the Slurm allocation ``rpcps up`` runs in
+(a batch script's, or ``salloc``'s), one ``srun`` per member, supervised as ``rpcps up``
+supervises processes.
+
+Placement: member i of the plan (the leader first, then the other servers, the trainers, the
+serving members) on node i mod N, counting the N nodes of the allocation from the one ``up``
+runs on (the batch node, where the leader's store port is chosen), then in Slurm's order. Each
+sidecar binds every interface, at ``--sidecar-port`` (8080 unless told) plus the count of the
+members placed on its node before it, so one member per node is at 8080 on each.
+
+Signals: ``srun`` turns a SIGTERM into killing its step, so a member is asked to stop with
+``scancel --signal=TERM`` on its step (found by the step's name, the member's), which gives the
+member the signal itself; ``kill()`` cancels the step.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from services.hosts.network import Unavailable
+
+SIDECAR_PORT = 8080
+
+
+def _run(argv: list[str]) -> str:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise Unavailable(f"{' '.join(argv)}: {r.stderr.strip() or f'exit {r.returncode}'}")
+    return r.stdout
+
+
+def job_alive(job: str) -> bool:
+    """Whether Slurm job ``job`` is still queued or running; True when ``squeue`` cannot say (not
+    on PATH, or the controller does not answer), so its members are asked rather than given up."""
+    try:
+        r = subprocess.run(["squeue", "-h", "--jobs", job, "--format", "%T"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    if r.returncode != 0:
+        return "Invalid job id" not in r.stderr      # forgotten by the controller: long over
+    return any(state not in ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")
+               for state in r.stdout.split())
+
+
+class SlurmStep(subprocess.Popen):
+    """``srun`` running one member as a step of job ``job``, named after the member."""
+
+    def __init__(self, job: str, name: str, argv: list[str], **popen: Any) -> None:
+        self.job, self.step_name = job, name
+        self._step: Optional[str] = None
+        super().__init__(argv, **popen)
+
+    def step(self) -> Optional[str]:
+        """``JOB.STEP`` of this member's step, once the controller lists it."""
+        if self._step is None:
+            r = subprocess.run(["squeue", "-h", "--steps", "--jobs", self.job, "--format", "%i %j"],
+                               capture_output=True, text=True, timeout=30)
+            mine = [line.split()[0] for line in r.stdout.splitlines() if line.split()[1:] == [self.step_name]]
+            self._step = mine[-1] if mine else None
+        return self._step
+
+    def send_signal(self, sig: int) -> None:
+        step = self.step() if self.poll() is None else None
+        if step is None:            # not started, or over: srun alone
+            super().send_signal(sig)
+            return
+        subprocess.run(["scancel", "--quiet", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}", step],
+                       capture_output=True, timeout=30)
+
+    def kill(self) -> None:
+        step = self.step() if self.poll() is None else None
+        if step is not None:
+            subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=30)
+        super().kill()
+
+
+class OnSlurm:
+    """Every member a step of this Slurm job, on a node of the allocation (see the module)."""
+
+    def __init__(self, sidecar_port: int = 0, environ: Mapping[str, str] = os.environ) -> None:
+        self._environ = environ
+        self._base = sidecar_port or SIDECAR_PORT
+        self.job = ""
+        self.nodes: dict[str, str] = {}       # member -> its node
+        self.ports: dict[str, int] = {}
+
+    def create(self, names: list[str]) -> None:
+        job, listed = self._environ.get("SLURM_JOB_ID"), self._environ.get("SLURM_JOB_NODELIST")
+        if not job or not listed:
+            raise Unavailable("runs inside a Slurm allocation (a batch script, or salloc): SLURM_JOB_ID and "
+                              "SLURM_JOB_NODELIST are not set")
+        absent = [tool for tool in ("srun", "scontrol", "squeue", "scancel") if shutil.which(tool) is None]
+        if absent:
+            raise Unavailable(f"Slurm's commands are not on PATH: {', '.join(absent)}")
+        allocated = _run(["scontrol", "show", "hostnames", listed]).split()
+        here = self._environ.get("SLURMD_NODENAME") or socket.gethostname()
+        nodes = [here] + [n for n in allocated if n != here] if here in allocated else allocated
+        self.job = job
+        on_node: dict[str, int] = {}
+        for i, name in enumerate(names):
+            node = nodes[i % len(nodes)]
+            self.nodes[name] = node
+            self.ports[name] = self._base + on_node.get(node, 0)
+            on_node[node] = on_node.get(node, 0) + 1
+
+    def master_addr(self, leader: str) -> str:
+        return self.nodes[leader]
+
+    def sidecar_host(self, name: str) -> str:
+        return "0.0.0.0"
+
+    def sidecar_port(self, name: str) -> int:
+        return self.ports[name]
+
+    def reach(self, name: str) -> str:
+        return self.nodes[name]
+
+    def spawn(self, name: str, argv: list[str], log_path: Path, env: dict) -> subprocess.Popen:
+        # --overlap: a member may share its node's CPUs with another step (two members on a node,
+        # or a restarted member while its old step is still being cleaned up).
+        srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.nodes[name]}", "--overlap",
+                f"--job-name={name}", "--kill-on-bad-exit=0", "--quiet",
+                sys.executable, "-m", "services.cli", *argv]
+        with open(log_path, "ab") as log:
+            return SlurmStep(self.job, name, srun, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
+
+    def describe(self) -> Optional[dict[str, Any]]:
+        return {name: {"node": node, "job": self.job} for name, node in self.nodes.items()}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,131 @@
+"""rpcps as a Slurm job, as a user runs it: the shipped batch script (``deploy/slurm/rpcps.sbatch``)
+submitted with ``sbatch`` to a real Slurm cluster of four nodes, each an emulated host
+(``tests/support/slurm.py``). The movies example (a user's model) trains across them with two
+servers and two trainers; ``rpcps status`` on the login node lists every member; ``scancel``
+stops them all with a final checkpoint; a resubmitted job resumes from it and ends by itself."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.cluster import REPO
+from tests.support.slurm import SlurmCluster, missing
+from tests.support.wait import wait_until
+
+SCRIPT = REPO / "deploy" / "slurm" / "rpcps.sbatch"
+MOVIES = ["--workload", "ctr", "--model", "movies_deepfm.model:DeepFM", "--schema", "movies_deepfm/movies.yaml",
+          "--data", "ratings", "--optimizer", "adagrad", "--batch-size", "256", "--eval-samples", "2000",
+          "--checkpoint-dir", "ckpt"]
+NODE_CPUS = 0.4        # four nodes: 1.6 of this machine's 2 cores at most
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    why = missing()
+    if why:
+        pytest.skip(why)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=4, cpus=NODE_CPUS)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def work(tmp_path) -> Path:
+    """The user's folder on shared storage: the example, and data made by `rpcps data`."""
+    shutil.copytree(REPO / "examples" / "movies_deepfm", tmp_path / "movies_deepfm")
+    subprocess.run([sys.executable, "-m", "services.cli", "data", "ratings", "--rows", "20000", "--out", "ratings"],
+                   cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    return tmp_path
+
+
+def user_env(slurm: SlurmCluster) -> dict[str, str]:
+    """What the user's shell exports before sbatch (jobs inherit it): rpcps on PATH, torch's
+    threads for a node's share of the CPU, and the nodes' interface."""
+    return {**slurm.hosts.environ(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
+def status(slurm: SlurmCluster, work: Path) -> dict:
+    r = slurm.login(["rpcps", "status", "--json"], cwd=work, env=user_env(slurm), check=False)
+    return json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}
+
+
+def members_left(slurm: SlurmCluster) -> list[str]:
+    """The rpcps processes still on any node."""
+    left = []
+    for node in slurm.nodes:
+        for pid in (slurm.hosts.quotas[node].cpu / "cgroup.procs").read_text().split():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "services.cli" in cmdline:
+                left.append(f"{node}: {cmdline}")
+    return left
+
+
+def checkpoints(slurm: SlurmCluster, work: Path) -> list[dict]:
+    r = slurm.login(["rpcps", "checkpoint", "--list", "--json", "--checkpoint-dir", "ckpt"], cwd=work,
+                    env=user_env(slurm), check=False)
+    return json.loads(r.stdout)["checkpoints"]
+
+
+def job_output(work: Path, job: int) -> str:
+    path = work / f"rpcps-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else "(no output yet)"
+
+
+def test_a_job_trains_across_nodes_stops_on_scancel_and_resumes_when_resubmitted(slurm, work):
+    env = user_env(slurm)
+    submitted = time.monotonic()
+    job = slurm.sbatch(SCRIPT, MOVIES, work, env)
+
+    def training():
+        s = status(slurm, work)
+        steps = [m.get("step") or 0 for name, m in s.items() if name.startswith("ctr")]
+        if slurm.state(job) not in ("PENDING", "CONFIGURING", "RUNNING"):
+            raise AssertionError(f"job {job} ended: {job_output(work, job)[-3000:]}")
+        return len(steps) == 2 and min(steps) >= 1 and s
+    try:
+        seen = wait_until(training, 180, "both trainers stepping, as rpcps status on the login node shows")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{job_output(work, job)[-3000:]}\n{slurm.logs()}") from None
+    first_step = time.monotonic() - submitted
+
+    # Every member on a node of its own, by the stated rule: the servers first, ps0 (the leader)
+    # on the batch node; each sidecar answered at its node's name, port 8080.
+    state = json.loads((work / ".rpcps" / "cluster.json").read_text())
+    assert {n: h["node"] for n, h in state["hosts"].items()} == \
+        {"ps0": "node1", "ps1": "node2", "ctr0": "node3", "ctr1": "node4"}
+    assert state["sidecars"] == {n: f"http://node{i + 1}:8080" for i, n in enumerate(["ps0", "ps1", "ctr0", "ctr1"])}
+    assert all(m["state"] == "running" for m in seen.values()), seen
+
+    trained = sum(m["step"] for n, m in status(slurm, work).items() if n.startswith("ctr"))
+    cancelled = time.monotonic()
+    slurm.login(["scancel", str(job)])
+    wait_until(lambda: slurm.state(job) not in ("RUNNING", "COMPLETING") and not members_left(slurm), 60,
+               f"job {job} over and every member gone from the nodes")
+    gone = time.monotonic() - cancelled
+    assert slurm.state(job) == "CANCELLED"
+    final = checkpoints(slurm, work)
+    assert final and final[0]["state"] == "complete", final
+    assert sorted(final[0]["files"]) == ["ctr0.pt", "ctr1.pt", "ps0.pt", "ps1.pt"]
+    # Async: the servers' step counts both trainers' updates, taken on the way out.
+    assert final[0]["step"] >= trained, (final, trained)
+
+    # Resubmitted, the same job resumes from that checkpoint and ends with its episode.
+    again = slurm.sbatch(SCRIPT, [*MOVIES, "--steps", "5"], work, env)
+    assert slurm.wait_done(again, 240) == "COMPLETED", job_output(work, again)[-3000:]
+    ps0 = (work / ".rpcps" / "logs" / "ps0.log").read_text(errors="replace")
+    assert f"resuming from {final[0]['id']} (step {final[0]['step']})" in ps0
+    assert "done: 5 steps" in job_output(work, again)
+    assert not members_left(slurm)
+    print(f"\nSlurm: sbatch to both trainers stepping {first_step:.1f} s; scancel to every member gone {gone:.1f} s")

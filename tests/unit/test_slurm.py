@@ -1,0 +1,102 @@
+"""``rpcps up --slurm`` without a Slurm cluster: its settings, where it places members (against a
+fake ``scontrol`` on PATH), and how ``rpcps status`` tells whether such a run is over (a fake
+``squeue``). The real cluster is ``tests/integration/test_slurm.py``'s."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from services import cli
+from services.config import ConfigError, load
+from services.hosts.network import Unavailable
+from services.slurm import OnSlurm, job_alive
+from services.upconfig import UpConfig
+
+
+def up(*argv: str) -> UpConfig:
+    return load(UpConfig, vars(cli.parse(["up", *argv])), {})
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """``scontrol show hostnames`` and ``squeue`` as a Slurm controller would answer them:
+    ``nodes`` expanded from any list, ``jobs`` (id -> state) for squeue."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    answers = tmp_path / "answers.json"
+
+    def write(nodes=(), jobs=None):
+        answers.write_text(json.dumps({"nodes": list(nodes), "jobs": jobs or {}}))
+    write()
+    program = f"""#!/usr/bin/env python3
+import json, sys
+a = json.load(open({str(answers)!r}))
+if sys.argv[0].endswith("scontrol"):
+    print("\\n".join(a["nodes"]))
+else:
+    job = sys.argv[sys.argv.index("--jobs") + 1]
+    if job not in a["jobs"]:
+        sys.exit("slurm_load_jobs error: Invalid job id specified")
+    print(a["jobs"][job])
+"""
+    for tool in ("scontrol", "squeue", "srun", "scancel"):
+        path = folder / tool
+        path.write_text(program)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    return write
+
+
+def test_slurm_settings_are_checked_before_anything_starts():
+    assert up("--slurm").slurm
+    with pytest.raises(ConfigError, match="--slurm: --local runs no member on the allocation's nodes"):
+        up("--slurm", "--local")
+    with pytest.raises(ConfigError, match="--slurm: --emulate-hosts"):
+        up("--slurm", "--emulate-hosts")
+    with pytest.raises(ConfigError, match="--master-addr: with --slurm every member's address is its node's"):
+        up("--slurm", "--master-addr", "10.0.0.1")
+
+
+def test_outside_an_allocation_it_says_where_it_runs(fake_slurm):
+    with pytest.raises(Unavailable, match="inside a Slurm allocation .*SLURM_JOB_ID"):
+        OnSlurm(environ={}).create(["ps0", "ctr0"])
+
+
+def test_members_go_servers_first_one_per_node_from_the_batch_node(fake_slurm):
+    fake_slurm(nodes=["n1", "n2", "n3", "n4"])
+    place = OnSlurm(environ={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-4]", "SLURMD_NODENAME": "n1"})
+    place.create(["ps0", "ps1", "ctr0", "ctr1"])
+    assert place.nodes == {"ps0": "n1", "ps1": "n2", "ctr0": "n3", "ctr1": "n4"}
+    assert [place.sidecar_port(n) for n in place.nodes] == [8080] * 4
+    assert place.master_addr("ps0") == "n1" and place.reach("ctr1") == "n4" and place.sidecar_host("ctr1") == "0.0.0.0"
+    assert place.describe()["ctr0"] == {"node": "n3", "job": "7"}
+
+
+def test_more_members_than_nodes_share_them_on_ports_of_their_own(fake_slurm):
+    # The batch node (where the leader's store port is chosen) comes first, whatever Slurm's order.
+    fake_slurm(nodes=["a", "b"])
+    place = OnSlurm(sidecar_port=9000, environ={"SLURM_JOB_ID": "8", "SLURM_JOB_NODELIST": "a,b",
+                                                "SLURMD_NODENAME": "b"})
+    place.create(["ps0", "ps1", "ctr0", "ctr1", "ctr2"])
+    assert place.nodes == {"ps0": "b", "ps1": "a", "ctr0": "b", "ctr1": "a", "ctr2": "b"}
+    assert place.ports == {"ps0": 9000, "ps1": 9000, "ctr0": 9001, "ctr1": 9001, "ctr2": 9002}
+
+
+def test_status_asks_slurm_whether_the_run_is_over(fake_slurm, tmp_path):
+    """The launcher of an ``--slurm`` run lives on a node: its process id says nothing here."""
+    state = tmp_path / ".rpcps"
+    state.mkdir()
+    (state / "cluster.json").write_text(json.dumps({
+        "sidecars": {"ps0": "http://n1:8080"}, "launcher_pid": 2 ** 22 + 1,
+        "hosts": {"ps0": {"node": "n1", "job": "9"}}}))
+    fake_slurm(jobs={"9": "RUNNING"})
+    assert job_alive("9") and cli.cluster_state(state)["sidecars"] == {"ps0": "http://n1:8080"}
+    fake_slurm(jobs={"9": "CANCELLED"})
+    with pytest.raises(cli.CliError, match="is not running"):
+        cli.cluster_state(state)
+    fake_slurm(jobs={})          # forgotten by the controller
+    assert not job_alive("9")
