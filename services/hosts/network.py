@@ -184,6 +184,11 @@ class HostNetwork:
             # A host knows its own name; others it resolves through the resolv.conf a caller writes.
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{address} {name}\n")
 
+    def resolve_with(self, name: str, server: str) -> None:
+        """Host ``name`` asks ``server`` for names (its ``/etc/resolv.conf``), giving up within 2 s."""
+        (ETC_NETNS / self.namespace(name) / "resolv.conf").write_text(
+            f"nameserver {server}\noptions timeout:1 attempts:2\n")
+
     def name_each_other(self) -> None:
         """Every host resolves every other's name, as a cluster's shared ``/etc/hosts`` (or its DNS)
         lets nodes do; by default a host knows only its own."""

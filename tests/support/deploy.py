@@ -46,14 +46,15 @@ ONE_SHOT = ("export",)      # rpcps commands a service runs once, to completion
 
 
 def image_env() -> dict[str, str]:
-    """The ENV lines of the Dockerfile."""
+    """The ENV lines of the Dockerfile; a variable they extend (``PATH=/opt/rpcps/bin:$PATH``)
+    extends this machine's."""
     text = DOCKERFILE.read_text().replace("\\\n", " ")
     env: dict[str, str] = {}
     for line in text.splitlines():
         if line.startswith("ENV "):
             for item in shlex.split(line[4:]):
                 key, _, value = item.partition("=")
-                env[key] = value
+                env[key] = os.path.expandvars(value)
     return env
 
 
@@ -111,13 +112,14 @@ def host_process(service: dict, volumes: Path, environ: dict[str, str]) -> tuple
         return value
 
     command = [mapped(str(a)) for a in service.get("command") or []]
-    if service.get("image", "").startswith("rpcps"):
+    image = interpolate(service.get("image", ""), environ)
+    if image.startswith("rpcps"):
         argv = [sys.executable, "-m", "services.cli", *command]
         env = {k: mapped(v) for k, v in service_env(service, environ).items()}
-    elif service.get("image", "").startswith("prom/prometheus"):
+    elif image.startswith("prom/prometheus"):
         argv, env = [shutil.which("prometheus") or "prometheus", *command], {}
     else:
-        raise ValueError(f"no local stand-in for image {service.get('image')!r}")
+        raise ValueError(f"no local stand-in for image {image!r}")
     base = {k: v for k, v in os.environ.items() if not k.startswith("RPCPS_") and k not in TORCH_VARIABLES}
     for here in where.values():
         if not here.exists():

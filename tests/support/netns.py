@@ -18,7 +18,7 @@ from typing import Optional
 from dnslib import QTYPE, RCODE, RR, A
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
-from services.hosts.network import ETC_NETNS, HostNetwork, HostProcess, Unavailable, ip, subnet_of
+from services.hosts.network import HostNetwork, HostProcess, Unavailable, ip, subnet_of
 
 __all__ = ["ComposeNetwork", "HostProcess", "Unavailable"]
 
@@ -49,8 +49,7 @@ class ComposeNetwork(HostNetwork):
     def _create(self) -> None:
         super()._create()
         for name in self.addresses:
-            (ETC_NETNS / self.namespace(name) / "resolv.conf").write_text(
-                f"nameserver {self.gateway}\noptions timeout:1 attempts:2\n")
+            self.resolve_with(name, self.gateway)
         quiet = DNSLogger("-request,-reply", prefix=False)          # errors and truncations only
         try:
             self._dns = DNSServer(_Resolver(self.addresses), address=self.gateway, port=53, logger=quiet)

@@ -170,7 +170,9 @@ def test_the_image_installs_its_pinned_dependencies_before_the_sources_one_index
     assert copies[0] == "requirements.lock", "the dependency layer must depend on the pinned list alone"
     first_source = text.index("COPY pyproject.toml")
     assert text.index("-r requirements.lock") < first_source and "--extra-index-url" not in text
-    assert re.search(r'--index-url "\$TORCH_INDEX".*\n.*\^torch==', text), "torch comes from TORCH_INDEX alone"
+    assert re.search(r'--no-deps --index-url "\$TORCH_INDEX" .*\^torch==', text), "torch comes from TORCH_INDEX alone"
+    assert re.search(r'--index-url "\$PIP_INDEX" -r requirements.lock', text), "the rest from PIP_INDEX"
+    assert re.search(r'--no-index --find-links "/context/\$WHEELS" -r requirements.lock', text), "WHEELS: no index"
     pins = dict(line.split("==") for line in (REPO / "requirements.lock").read_text().splitlines()
                 if line and not line.startswith("#"))
     for dependency in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
