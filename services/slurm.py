@@ -63,7 +63,8 @@ class SlurmStep(subprocess.Popen):
             r = subprocess.run(["squeue", "-h", "--steps", "--jobs", self.job, "--format", "%i %j"],
                                capture_output=True, text=True, timeout=30)
             mine = [line.split()[0] for line in r.stdout.splitlines() if line.split()[1:] == [self.step_name]]
-            self._step = mine[-1] if mine else None
+            # The newest of the member's steps: a restarted member's old one may still be listed.
+            self._step = max(mine, key=lambda step: int(step.rpartition(".")[2])) if mine else None
         return self._step
 
     def send_signal(self, sig: int) -> None:

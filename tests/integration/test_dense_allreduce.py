@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from services.client import SidecarClient
-from tests.support.replicas import RESTART_LATER, kill_one_and_see_it_rejoin
+from tests.support.replicas import GROUP_TIMEOUT, RESTART_LATER, kill_one_and_see_it_rejoin
 from tests.support.upcli import UpProcess
 from trainer.lm.config import LmModelConfig
 from trainer.lm.model import init_lstm_layer
@@ -45,7 +45,7 @@ def digest_of(lstm: dict[str, torch.Tensor]) -> str:
 
 def test_a_killed_trainer_leaves_the_others_training_with_equal_replicas_and_its_replacement_joins(tmp_path, cleanup):
     up = UpProcess(tmp_path, "--dense", "allreduce", "--consistency", "sync", "--trainers", "3",
-*RESTART_LATER, *TINY)
+                   *RESTART_LATER, *TINY, env=GROUP_TIMEOUT)
     cleanup(up)
     urls = up.wait_event("started", 120)["sidecars"]
     kill_one_and_see_it_rejoin(up, urls, ["trainer0", "trainer1", "trainer2"], "trainer1")

@@ -6,7 +6,7 @@ A trainer killed leaves the others training with equal hot rows, and its replace
 import httpx
 import torch
 
-from tests.support.replicas import RESTART_LATER, kill_one_and_see_it_rejoin
+from tests.support.replicas import GROUP_TIMEOUT, RESTART_LATER, kill_one_and_see_it_rejoin
 from tests.support.upcli import UpProcess
 
 SMALL = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "32", "--top", "32", "--batch-size", "256",
@@ -43,7 +43,8 @@ def test_hot_rows_replicated_end_where_rows_read_from_the_servers_end(tmp_path, 
 
 
 def test_a_killed_trainer_leaves_the_others_equal_hot_rows_and_its_replacement_takes_them(tmp_path, cleanup):
-    up = UpProcess(tmp_path, *SMALL, *HOT, "--num-trainers", "3", "--no-final-checkpoint", *RESTART_LATER)
+    up = UpProcess(tmp_path, *SMALL, *HOT, "--num-trainers", "3", "--no-final-checkpoint", *RESTART_LATER,
+                   env=GROUP_TIMEOUT)
     cleanup(up)
     urls = up.wait_event("started", 120)["sidecars"]
 

@@ -8,10 +8,13 @@ from services.client import SidecarClient
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
 
-# ``rpcps up`` flags for a test of this kind: the victim's replacement starts 3 s after its death is
-# seen, so the survivors step as a pair (about 2 s after the kill here) before it can join them;
-# with a quicker restart, a slow machine lets the replacement in first and the pair never forms.
-RESTART_LATER = ["--restart-backoff", "3", "--restart-backoff-max", "3"]
+# ``rpcps up``'s flags and environment for a test of this kind. A survivor can wait out the
+# group's timeout in gloo before it sees the death (seen once in CI: a recv that its neighbour's
+# abort did not end), so the trainers' group times out at 8 s, and the victim's replacement
+# starts 12 s after its death is seen: the survivors step as a pair (about 2 s after the kill
+# here, 10 s at worst) before it can join them, which would leave no pair to see.
+RESTART_LATER = ["--restart-backoff", "12", "--restart-backoff-max", "12"]
+GROUP_TIMEOUT = {"RPCPS_GROUP_TIMEOUT": "8"}
 
 
 def agree(urls: dict[str, str], names: list[str], group: list[str], after: int = -1):
