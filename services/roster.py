@@ -15,8 +15,8 @@ from typing import Callable, Optional
 from services.checkpoint.store import CheckpointStore
 from services.leader import LEADER_LOST
 from services.placement import Local, OnHosts
-from services.slurm import OnSlurm
 from services.processes import free_port, stop_in_waves
+from services.slurm import OnSlurm
 from services.upconfig import LauncherConfig, flags
 from services.workload import Launch
 
@@ -58,8 +58,8 @@ class Roster:
         self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
         self.newest_at_start: Optional[str] = None   # the newest checkpoint before this run
         self.on_restart: Callable[[Member], None] = lambda m: None   # its last status is stale
-        self.placement = OnHosts(cfg.host_cpus, cfg.link_rate) if cfg.emulate_hosts else \
-            OnSlurm(cfg.sidecar_port) if cfg.slurm else Local(cfg.master_addr, cfg.sidecar_host)
+        self.placement = OnHosts(cfg.host_cpus, cfg.link_rate, cfg.sidecar_port) if cfg.emulate_hosts else \
+            OnSlurm(cfg.sidecar_port) if cfg.slurm else Local(cfg.master_addr, cfg.sidecar_host, cfg.sidecar_port)
 
     def plan(self) -> None:
         cfg = self.cfg
@@ -69,8 +69,8 @@ class Roster:
         planned = self.workload.plan()
         place = self.placement
         place.create([p.name for p in planned])
-        for i, p in enumerate(planned):
-            port = cfg.sidecar_port + i if cfg.sidecar_port and not cfg.slurm else place.sidecar_port(p.name)
+        for p in planned:
+            port = place.sidecar_port(p.name)
             argv = [p.role, "--name", p.name, "--sidecar-port", str(port), "--sidecar-host", place.sidecar_host(p.name),
                     "--master-addr", place.master_addr(self.leader), "--master-port", str(self.master_port),
                     "--checkpoint-dir", str(self.checkpoint_dir), *p.argv, *flags(cfg, _COMMON_FLAGS)]

@@ -1,6 +1,7 @@
 """``rpcps up --slurm`` without a Slurm cluster: its settings, where it places members (against a
-fake ``scontrol`` on PATH), and how ``rpcps status`` tells whether such a run is over (a fake
-``squeue``). The real cluster is ``tests/integration/test_slurm.py``'s."""
+fake ``scontrol`` on PATH) beside the sidecar ports the other placements give, and how ``rpcps
+status`` tells whether such a run is over (a fake ``squeue``). The real cluster is
+``tests/integration/test_slurm.py``'s."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import pytest
 from services import cli
 from services.config import ConfigError, load
 from services.hosts.network import Unavailable
+from services.placement import Local
 from services.slurm import OnSlurm, job_alive
 from services.upconfig import UpConfig
 
@@ -84,6 +86,15 @@ def test_more_members_than_nodes_share_them_on_ports_of_their_own(fake_slurm):
     place.create(["ps0", "ps1", "ctr0", "ctr1", "ctr2"])
     assert place.nodes == {"ps0": "b", "ps1": "a", "ctr0": "b", "ctr1": "a", "ctr2": "b"}
     assert place.ports == {"ps0": 9000, "ps1": 9000, "ctr0": 9001, "ctr1": 9001, "ctr2": 9002}
+
+
+def test_on_this_machine_sidecar_ports_follow_the_first_given_or_are_free():
+    given = Local("127.0.0.1", "127.0.0.1", first_port=9100)
+    given.create(["ps0", "ps1", "trainer0"])
+    assert [given.sidecar_port(n) for n in ("ps0", "ps1", "trainer0")] == [9100, 9101, 9102]
+    free = Local("127.0.0.1", "127.0.0.1")
+    free.create(["ps0", "ps1"])
+    assert all(0 < free.sidecar_port(n) < 65536 for n in ("ps0", "ps1"))
 
 
 def test_status_asks_slurm_whether_the_run_is_over(fake_slurm, tmp_path):
