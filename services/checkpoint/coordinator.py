@@ -116,24 +116,19 @@ class Coordinator(Service):
         if not self._lock.acquire(blocking=False):
             raise CheckpointInProgress("a checkpoint is being taken; ask again when it has finished")
         try:
-            with counted(self._metrics):
-                return self._take()
+            return self._take()
         finally:
             self._lock.release()
 
     @remote
     def take_unless_saved(self, step: int) -> dict[str, Any]:
-        """A stopping holder's final checkpoint: none when the newest already holds ``step`` (its
-        state has not moved since), which spares copying every part for nothing. One being taken
-        is waited for, not refused: when every member is stopped at once (``scancel``), another
-        server's final checkpoint is often under way, and a leader that gave up on its own would
-        leave the group in the middle of it. Callers bound the wait (``take_final``)."""
+        """A stopping holder's final checkpoint, unless the newest holds ``step``. One under way
+        (``scancel`` stops all at once) is waited for, within the caller's bound, not refused."""
         with self._lock:
             latest = self.latest
             if latest is not None and latest.step >= step:
                 return {**latest.describe(), "new": False}
-            with counted(self._metrics):
-                return self._take()
+            return self._take()
 
     @remote
     def listing(self) -> list[dict[str, Any]]:
@@ -181,20 +176,21 @@ class Coordinator(Service):
             return {m: f.result() for m, f in futures.items()}
 
     def _take(self) -> dict[str, Any]:
-        members = self._members()
-        holders = list(self.plan.holders)
-        missing = sorted(set(holders) - set(members))
-        if missing:
-            raise NotReady(f"cannot checkpoint without {', '.join(missing)}")
-        paused = [m for m in members if self.plan.paused_role and parse_name(m).role == self.plan.paused_role]
-        checkpoint_id = uuid.uuid4().hex
-        committed = False
-        try:
-            result = self._take_with(checkpoint_id, holders, paused)
-            committed = result["new"]      # not new: the newest already held this step, and stays it
-            return result
-        finally:
-            self._on_all(holders, CheckpointMember.discard, checkpoint_id, committed, self.keep)
+        with counted(self._metrics):
+            members = self._members()
+            holders = list(self.plan.holders)
+            missing = sorted(set(holders) - set(members))
+            if missing:
+                raise NotReady(f"cannot checkpoint without {', '.join(missing)}")
+            paused = [m for m in members if self.plan.paused_role and parse_name(m).role == self.plan.paused_role]
+            checkpoint_id = uuid.uuid4().hex
+            committed = False
+            try:
+                result = self._take_with(checkpoint_id, holders, paused)
+                committed = result["new"]      # not new: the newest already held this step, and stays it
+                return result
+            finally:
+                self._on_all(holders, CheckpointMember.discard, checkpoint_id, committed, self.keep)
 
     def _take_with(self, checkpoint_id: str, holders: list[str], paused: list[str]) -> dict[str, Any]:
         self._on_all(holders, CheckpointMember.prepare, checkpoint_id)

@@ -35,7 +35,7 @@ _REAPER = textwrap.dedent("""
         try:
             os.wait()
         except ChildProcessError:
-            time.sleep(0.5)
+            time.sleep(0.5)  # noqa: sleep-ok (a reaper idling, not a test waiting)
 """)
 
 
@@ -121,7 +121,8 @@ class Engine:
                            capture_output=True, text=True, cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL,
                            env={**os.environ, **self.environ(), **(env or {})})
         if check and r.returncode != 0:
-            raise AssertionError(f"{' '.join(argv)} exited with {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+            raise AssertionError(f"{' '.join(argv)} exited with {r.returncode}:\n"
+                                 f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         return r
 
     def podman(self, *argv: str, **kw) -> subprocess.CompletedProcess:
