@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +56,19 @@ def _bindable(port: int) -> bool:
 
 
 
+def spawn_logged(argv: list[str], log_path: Path, env: Optional[dict] = None,
+                 popen: Callable[..., subprocess.Popen] = subprocess.Popen, cwd: Optional[Path] = None
+                 ) -> subprocess.Popen:
+    """Start ``argv`` in its own session with ``popen`` (a ``Popen`` that starts it on a host, or
+    as a job step), output appended to ``log_path``, Python's unbuffered."""
+    with open(log_path, "ab") as logf:
+        return popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                     cwd=cwd, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+
+
 def spawn_role(module: str, argv: list[str], log_path: Path, env: Optional[dict] = None) -> subprocess.Popen:
     """Start ``python -m module argv`` in its own session, output appended to ``log_path``."""
-    with open(log_path, "ab") as logf:
-        return subprocess.Popen([sys.executable, "-m", module, *argv], stdout=logf, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+    return spawn_logged([sys.executable, "-m", module, *argv], log_path, env)
 
 
 def stop_in_waves(waves: list[list[tuple[str, subprocess.Popen]]], timeout: float) -> None:

@@ -14,6 +14,7 @@ member the signal itself; ``kill()`` cancels the step.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from services.hosts.network import Unavailable
+from services.processes import spawn_logged
 
 SIDECAR_PORT = 8080
 
@@ -129,9 +131,7 @@ class OnSlurm:
         srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.nodes[name]}", "--overlap",
                 f"--job-name={name}", "--kill-on-bad-exit=0", "--quiet",
                 sys.executable, "-m", "services.cli", *argv]
-        with open(log_path, "ab") as log:
-            return SlurmStep(self.job, name, srun, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
+        return spawn_logged(srun, log_path, env, functools.partial(SlurmStep, self.job, name))
 
     def describe(self) -> Optional[dict[str, Any]]:
         return {name: {"node": node, "job": self.job} for name, node in self.nodes.items()}

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator
 from services.config import ConfigBase
 from services.hosts.network import HostNetwork, HostProcess, link_counters, remove
 from services.hosts.quota import CGROUP, CpuQuota
+from services.processes import spawn_logged
 
 RATE = r"^[0-9]+(\.[0-9]+)?[kmg]?bit$"
 
@@ -85,10 +86,7 @@ class EmulatedHosts:
     def spawn(self, name: str, argv: list[str], log_path: Path, env: Optional[dict] = None,
               cwd: Optional[Path] = None) -> HostProcess:
         """``argv`` started on host ``name`` in a session of its own, output appended to ``log_path``."""
-        with open(log_path, "ab") as log:
-            return HostProcess(self.argv(name, argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               start_new_session=True, cwd=cwd,
-                               env={**os.environ, **self.environ(), **(env or {}), "PYTHONUNBUFFERED": "1"})
+        return spawn_logged(self.argv(name, argv), log_path, {**self.environ(), **(env or {})}, HostProcess, cwd)
 
     def python(self, name: str, module: str, argv: list[str], log_path: Path, env: Optional[dict] = None,
                cwd: Optional[Path] = None) -> HostProcess:
