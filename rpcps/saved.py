@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from rpcps.model import build_model
 from rpcps.schema import Schema
 from rpcps.tables import bags_of
 
@@ -21,7 +22,6 @@ def load_model(path: "str | Path") -> nn.Module:
     was in training) and holding the trained weights, in eval mode: ``model(batch)`` as in
     training. A hashed table reads zeros for an id it has no row for, as the servers' evaluation
     does; ``model.schema`` is the schema its batches follow."""
-    from trainer.ctr.custom import build_model        # the internals that build a model from its path
     path = Path(path)
     try:
         described = json.loads((path / MODEL_FILE).read_text())

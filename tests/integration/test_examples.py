@@ -17,7 +17,7 @@ import torch
 
 import rpcps
 from tests.support.cluster import REPO
-from trainer.ctr.quality import auc, logloss
+from rpcps.quality import auc, logloss
 
 EXAMPLES = REPO / "examples"
 # (folder, model, schema, the data writer's arguments)

@@ -296,8 +296,8 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
     trainer's samples of each step and compares every parameter at the end."""
     import rpcps
     from trainer.ctr.custom import SchemaModel, hosted_module
-    from trainer.ctr.source import GeneratedSource
-    from trainer.ctr.synthetic import SyntheticCtr
+    from rpcps.data.sources import GeneratedSource
+    from rpcps.data.generated import SyntheticCtr
     from trainer.ctr.task import CtrTask
     index, batch, hosted = int(args.name.removeprefix("ctr")), 64, client.model
     generator = SyntheticCtr.fitting(hosted["criteo"]["cardinalities"], seed=3)

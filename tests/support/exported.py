@@ -10,8 +10,8 @@ import torch
 from rpcps.saved import FORMAT, write_model
 from rpcps.schema import load_schema
 from rpcps.tables import bags_of
-from trainer.ctr.custom import build_model
-from trainer.ctr.tabular import value_id
+from rpcps.model import build_model
+from rpcps.data.tabular import value_id
 
 HERE = Path(__file__).resolve().parent
 MODEL = "tests.support.ratings_model:RatingsModel"

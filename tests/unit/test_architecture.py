@@ -243,21 +243,39 @@ def test_the_trainers_client_imports_no_server():
 
 
 def test_the_public_api_knows_only_the_servers_declarations():
-    # What a user imports (rpcps/) stands on what a workload declares (ps.spec.model, ps.spec.rules,
-    # ps.spec.hashing), never on the client, the server or a workload; the internals it serves from
-    # (rpcps.batches' reader) are imported inside the function that uses them.
+    # What a user imports (rpcps/, its data plane with it) stands on what a workload declares
+    # (ps.spec.model, ps.spec.rules, ps.spec.hashing), never on the client, the server, the services
+    # or a workload: not at the top of a module, nor inside a function.
     allowed = {"ps.spec.model", "ps.spec.rules", "ps.spec.hashing", "ps.spec.precision"}
     offenders = {}
     for rel, path in sources():
         if not rel.startswith("rpcps/"):
             continue
-        top_level = {m for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))
-                     for m in ([n.module] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names])}
-        bad = sorted(m for m in top_level if m and m.split(".")[0] in ("ps", "trainer", "services")
+        bad = sorted(m for m in imported_modules(path) if m and m.split(".")[0] in ("ps", "trainer", "services")
                      and not any(m == a or m.startswith(a + ".") for a in allowed))
         if bad:
             offenders[rel] = bad
     assert not offenders, offenders
+
+
+def test_the_public_modules_load_no_rpc_trainer_or_server(tmp_path):
+    # `import rpcps`, each public module, and a model exported and loaded back (rpcps.load_model,
+    # rpcps.batches over a schema's files) load none of the cluster: a serving process or a
+    # notebook pays for torch and the model, not for RPC.
+    import subprocess
+    import sys
+    from tests.support.exported import write_exported
+    model = write_exported(tmp_path / "model")
+    (model / "rows.csv").write_text("label,user_id,movie_id,genres,occupation,age,year\n1,7,3,Drama|War,4,31,1994\n")
+    code = (f"import sys, rpcps, rpcps.data, rpcps.model, rpcps.saved, rpcps.quality, rpcps.local; "
+            f"m = rpcps.load_model({str(model)!r}); "
+            f"next(rpcps.batches(m.schema, {str(model / 'rows.csv')!r}, 4)); "
+            f"print(sorted(n for n in sys.modules if n.split('.')[0] in ('trainer', 'services') or "
+            f"n.startswith(('ps.client', 'ps.server', 'ps.leader'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": f"{REPO}:{tmp_path}"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"the public modules load {out.stdout.strip()}"
 
 
 def test_the_examples_and_the_builtin_dlrm_are_user_code():

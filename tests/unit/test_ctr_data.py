@@ -9,9 +9,9 @@ import re
 import numpy as np
 import pytest
 
-from trainer.ctr.criteo import MAX_LINE, CriteoError, CriteoStream, check, write
-from trainer.ctr.quality import auc, expected_auc, logloss
-from trainer.ctr.synthetic import CALIBRATED_FROM, KAGGLE_CARDINALITIES, TEST_OFFSET, SyntheticCtr
+from rpcps.data.criteo import MAX_LINE, CriteoError, CriteoStream, check, write
+from rpcps.quality import auc, expected_auc, logloss
+from rpcps.data.generated import CALIBRATED_FROM, KAGGLE_CARDINALITIES, TEST_OFFSET, SyntheticCtr
 
 SMALL = SyntheticCtr(seed=3, scale=0.01)
 

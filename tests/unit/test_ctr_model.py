@@ -13,9 +13,9 @@ from rpcps.schema import load_schema
 from trainer.ctr import builtin
 from trainer.ctr.config import CtrModelSettings
 from trainer.ctr.local import LocalModel
-from trainer.ctr.quality import auc
-from trainer.ctr.source import GeneratedSource
-from trainer.ctr.synthetic import SyntheticCtr
+from rpcps.quality import auc
+from rpcps.data.sources import GeneratedSource
+from rpcps.data.generated import SyntheticCtr, features
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,7 +97,7 @@ def test_generated_samples_become_the_schemas_features():
     data = SyntheticCtr(seed=2, scale=0.001)
     for hot in (1, 3):
         samples = data.batch(np.arange(5), hot)
-        batch = builtin.features(samples)
+        batch = features(samples)
         ids = samples.ids.reshape(5, 26, hot)
         for t in (0, 2, 25):
             f = batch.sparse[f"C{t + 1}"]
@@ -111,7 +111,7 @@ def test_the_one_process_baseline_learns_the_ground_truth():
     data = SyntheticCtr(seed=2, scale=0.001)
     model = LocalModel.of(CtrModelSettings(scale=0.001, dim=8, bottom="32", top="32", optimizer="adagrad"))
     source = GeneratedSource(data, 512)
-    test = builtin.features(data.batch(data.held_out(5000)))
+    test = features(data.batch(data.held_out(5000)))
     before = auc(model.predict(test), test.labels.numpy())
     for _ in range(80):
         model.step(source.next())

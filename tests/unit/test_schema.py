@@ -6,8 +6,8 @@ import torch
 
 import rpcps
 from tests.support.cluster import REPO
-from trainer.core.lines import LineError
-from trainer.ctr.tabular import Encoder, SchemaStream, check, measure, rows_of, value_id
+from rpcps.data.lines import LineError
+from rpcps.data.tabular import Encoder, SchemaStream, check, measure, rows_of, value_id
 
 SCHEMA = """\
 label: y

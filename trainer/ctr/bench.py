@@ -88,9 +88,9 @@ def bench_local(args: dict) -> dict:
 
     from trainer.ctr.config import CtrModelSettings
     from trainer.ctr.local import LocalModel
-    from trainer.ctr.quality import auc, logloss
-    from trainer.ctr.source import GeneratedSource
-    from trainer.ctr.synthetic import SyntheticCtr
+    from rpcps.quality import auc, logloss
+    from rpcps.data.sources import GeneratedSource
+    from rpcps.data.generated import SyntheticCtr
 
     torch.set_num_threads(os.cpu_count() or 1)
     model = LocalModel.of(CtrModelSettings(scale=args["scale"]))
@@ -226,8 +226,8 @@ def rows_bytes_per_sample(args: dict, batches: int = 5) -> float:
     """The bytes of one trainer batch's deduplicated rows (dimension 16, float32), per sample."""
     import numpy as np
 
-    from trainer.ctr.source import GeneratedSource
-    from trainer.ctr.synthetic import SyntheticCtr
+    from rpcps.data.sources import GeneratedSource
+    from rpcps.data.generated import SyntheticCtr
     source = GeneratedSource(SyntheticCtr(seed=1, scale=args["scale"]), args["batch_size"], 0, TRAINERS)
     unique = []
     for _ in range(batches):
@@ -245,7 +245,7 @@ def extra(variant: str, scale: float) -> tuple[str, ...]:
     values would keep 3 rows), in sync mode, so that the same updates every run leave the
     capacity the only difference: room for twice their ids (nothing evicted), or for a tenth."""
     if variant.startswith("hashed"):
-        from trainer.ctr.synthetic import SyntheticCtr
+        from rpcps.data.generated import SyntheticCtr
         big = ",".join(f"C{t + 1}" for t, rows in enumerate(SyntheticCtr(scale=scale).cardinalities) if rows >= BIG)
         return ("--consistency", "sync", "--tables", big, "--capacity-share", "0.1" if variant == "hashed-10" else "2")
     if variant in HALF:

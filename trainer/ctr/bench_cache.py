@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ps.client.cache import HotRows
-    from trainer.ctr.source import GeneratedSource
-    from trainer.ctr.synthetic import SyntheticCtr
+    from rpcps.data.sources import GeneratedSource
+    from rpcps.data.generated import SyntheticCtr
     torch.set_num_threads(1)
     generator = SyntheticCtr(seed=1, scale=args.scale)
     source = GeneratedSource(generator, args.batch_size, 0, 2)

@@ -6,15 +6,9 @@ hashed, ``--dim``, ``--pooling``, the precisions and placement each table's, ``-
 its trainers read generated data or Criteo files, as batches of the schema's features."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-import rpcps
-from trainer.ctr.criteo import CATEGORICAL
-from trainer.ctr.synthetic import DENSE, Batch
+from rpcps.data.generated import CATEGORICAL, DENSE
 
 if TYPE_CHECKING:
     from rpcps.schema import Schema
@@ -48,22 +42,3 @@ def named(s: "CtrModelSettings") -> tuple[str, "Schema", dict[str, Any], dict[st
         return s.user_model, s.loaded_schema(), {}, {}
     return MODEL, criteo_schema(s), s.layers(), {"criteo": {"cardinalities": list(s.cardinalities()),
                                                             "hashed": list(s.hashed_tables())}}
-
-
-@dataclass(frozen=True)
-class Scored(rpcps.Batch):
-    """A batch of the schema's features with the ground truth's click probability of each sample
-    (NaN where not known, as in a file), for the held-out evaluation's best possible AUC."""
-
-    p: Optional[np.ndarray] = None
-
-
-def features(batch: Batch) -> Scored:
-    """Generated or Criteo samples as the model takes them: feature ``C<t+1>`` the ids of column
-    ``t`` (several a sample with ``--hot``: a bag), the counts' ``log1p`` as the dense columns."""
-    ids = torch.from_numpy(batch.ids)
-    size, hot = ids.shape[0], 1 if ids.dim() == 2 else ids.shape[2]
-    by_feature = ids.reshape(size, CATEGORICAL, hot).permute(1, 0, 2).reshape(CATEGORICAL, size * hot)
-    offsets = torch.arange(0, size * hot + 1, hot)
-    return Scored({f"C{t + 1}": rpcps.Jagged(by_feature[t], offsets) for t in range(CATEGORICAL)},
-                  torch.from_numpy(batch.dense), torch.from_numpy(batch.labels), batch.p)

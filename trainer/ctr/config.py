@@ -2,8 +2,6 @@
 --workload ctr` takes."""
 from __future__ import annotations
 
-import errno
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 
@@ -29,49 +27,6 @@ DATA_HELP = ("Criteo-format file, or a folder of them (plain or gzip; read in na
 SCHEMA_HELP = "a feature schema (YAML or TOML): the columns of --data and the tables of --model"
 MODEL_HELP = ("your model, as module:Class, built as Class(schema) (needs --schema); default: the built-in DLRM, "
               "shaped by the model settings below")
-CHECKED_LINES = 1000          # lines of each file checked before anything starts
-
-
-def data_files(data: Optional[Path]) -> list[Path]:
-    """The files ``--data`` names, in the order they are read."""
-    if data is None:
-        return []
-    if data.is_dir():
-        return sorted(p for p in data.iterdir() if p.is_file() and not p.name.startswith("."))
-    return [data]
-
-
-def _unreadable(data: Path, exc: OSError) -> str:
-    """Why ``--data`` cannot be opened, in words."""
-    if exc.errno == errno.ELOOP:
-        return f"{data} is a loop of symbolic links"
-    if isinstance(exc, FileNotFoundError):
-        return f"{data} is a symbolic link to {os.readlink(data)}, which does not exist" if data.is_symlink() \
-            else f"{data} does not exist"
-    return f"{data} cannot be read: {exc.strerror or exc}"
-
-
-def checked_data(data: Optional[Path], schema: "Optional[Schema]" = None) -> None:
-    """A ``--data`` whose first lines are not in its format (Criteo's, or ``schema``'s) is refused
-    before anything starts, with the file and line (a ``LineError``'s sentence)."""
-    if data is None:
-        return
-    from trainer.core.lines import LineError
-    try:
-        data.stat()
-    except OSError as exc:
-        raise ValueError(_unreadable(data, exc)) from None
-    try:
-        if schema is None:
-            from trainer.ctr.criteo import check
-            check(data_files(data))
-        else:
-            from trainer.ctr.tabular import check
-            check(schema, data_files(data), CHECKED_LINES)
-    except LineError as exc:
-        raise ValueError(str(exc) if data_files(data) else f"{data} holds no data files") from None
-
-
 def _loaded(cls: type, path: Optional[Path]) -> Optional[Path]:
     """``--schema`` is read and checked where it is given: a wrong one is a sentence naming the key."""
     if path is not None:
@@ -139,7 +94,7 @@ class CtrModelSettings(HashedTableSettings, TablePrecisionSettings, SchemaSettin
 
     def cardinalities(self) -> tuple[int, ...]:
         """The built-in DLRM's tables' sizes: Criteo Kaggle's times ``--scale``."""
-        from trainer.ctr.synthetic import SyntheticCtr
+        from rpcps.data.generated import SyntheticCtr
         return SyntheticCtr(scale=self.scale).cardinalities
 
     def hashed_tables(self) -> tuple[int, ...]:
@@ -158,7 +113,7 @@ DLRM_ONLY = ("scale", "dim", "bottom", "top", "pooling", "placement", "tables", 
 
 def _hashed(tables: str) -> tuple[int, ...]:
     """``--tables``: the indices of the hashed tables."""
-    from trainer.ctr.criteo import CATEGORICAL
+    from rpcps.data.criteo import CATEGORICAL
     if tables in ("modulo", "hashed"):
         return tuple(range(CATEGORICAL)) if tables == "hashed" else ()
     names = [n.strip() for n in tables.split(",") if n.strip()]
@@ -222,6 +177,7 @@ class CtrDataSettings(SchemaSettings):
         if self.eval_data is not None and self.data is None:
             raise ValueError("--eval-data holds lines out of data files: give --data too (generated data holds out "
                              "its own)")
+        from rpcps.data.files import checked_data      # the readers, loaded where data is given
         checked_data(self.data, self.loaded_schema())
         checked_data(self.eval_data, self.loaded_schema())
         return self

@@ -3,9 +3,6 @@ the built-in DLRM (``trainer/ctr/builtin.py``). Built the same way by every proc
 servers as ``trainer/core/hosted.py`` derives it, and trained by the CTR trainer's task."""
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -16,62 +13,28 @@ import torch.nn.functional as F
 from ps.spec.model import ModelSpec
 from rpcps.batch import Batch
 from rpcps.schema import Schema
-from rpcps.tables import bags_of
+from rpcps.model import ModelError, build_model, said
 from services.errors import ConfigError
 from trainer.core.hosted import HostedModel, hosted_spec
 
 
-def models_from_here() -> None:
-    """Let a model's module be imported from the working folder, as the roles of `rpcps up` (run
-    with ``python -m``) import it, when this process was started as the ``rpcps`` script."""
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-
-
-def _said(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def build_model(ref: str, schema: Schema, seed: int, options: Optional[dict[str, Any]] = None) -> nn.Module:
-    """``Class(schema, **options)`` for ``ref`` = ``module:Class``, its dense layers drawn from
-    ``seed`` (so every process builds the same), or a ``ConfigError`` saying what is wrong. The
-    module is found on the path, the working folder first, in every process alike."""
-    models_from_here()
-    module_name, _, attribute = ref.partition(":")
+def built(ref: str, schema: Schema, seed: int, options: Optional[dict[str, Any]] = None) -> nn.Module:
+    """``rpcps.model.build_model``, its refusal a ``ConfigError`` (a flag's: exit 2, one sentence)."""
     try:
-        cls = getattr(importlib.import_module(module_name), attribute)
-    except ModuleNotFoundError as exc:
-        raise ConfigError(f"--model {ref}: no module {exc.name} (is it installed, or in the working folder or on "
-                          f"PYTHONPATH?)") from None
-    except AttributeError:
-        raise ConfigError(f"--model {ref}: {module_name} has no {attribute}") from None
-    except Exception as exc:    # noqa: BLE001 - a syntax error, or its top level raising: the user's to mend
-        raise ConfigError(f"--model {ref}: importing {module_name} failed: {_said(exc)}") from None
-    torch.manual_seed(seed)
-    try:
-        model = cls(schema, **(options or {}))
-    except Exception as exc:    # noqa: BLE001 - as above
-        raise ConfigError(f"--model {ref}: {attribute}(schema) raised {_said(exc)}") from None
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"--model {ref}: {attribute}(schema) gave a {type(model).__name__}, not a torch.nn.Module")
-    features = set(schema.features)
-    for _, bag in bags_of(model):
-        unknown = sorted(set(bag.table_of) - features)
-        if unknown:
-            raise ConfigError(f"--model {ref} looks up feature {', '.join(unknown)}, which the schema does not declare "
-                              f"(it declares {', '.join(schema.features)})")
-    return model
+        return build_model(ref, schema, seed, options)
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def tried(ref: str, schema: Schema, seed: int, options: Optional[dict[str, Any]], batch: Batch) -> None:
     """Build the model and run it forward over ``batch`` (the data's first lines): a mistake in the
     model file is a ``ConfigError`` saying what, before any member starts."""
-    model = build_model(ref, schema, seed, options)
+    model = built(ref, schema, seed, options)
     try:
         with torch.no_grad():
             out = model(batch)
     except Exception as exc:    # noqa: BLE001 - the user's forward
-        raise ConfigError(f"--model {ref}: its forward over {len(batch)} samples of --data raised {_said(exc)}") \
+        raise ConfigError(f"--model {ref}: its forward over {len(batch)} samples of --data raised {said(exc)}") \
             from None
     wanted = tuple(batch.labels.shape)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != wanted or not out.is_floating_point():
@@ -85,14 +48,14 @@ def schema_model_spec(ref: str, schema: Schema, *, seed: int, optimizer: str, lr
                       options: Optional[dict[str, Any]] = None, **more: Any) -> ModelSpec:
     """What the servers host for the model ``ref`` over ``schema``: derived from it, with what it
     was built from (which trainers read back, ``hosted_module``) and ``more`` for them to read."""
-    return hosted_spec(build_model(ref, schema, seed, options), optimizer=optimizer, lr=lr, table_rule=table_rule,
+    return hosted_spec(built(ref, schema, seed, options), optimizer=optimizer, lr=lr, table_rule=table_rule,
                        meta={"model": ref, "schema": schema.model_dump(mode="json"), "seed": seed,
                              "options": options or {}, **more})
 
 
 def hosted_module(hosted: dict[str, Any]) -> nn.Module:
     """The module the servers host, built here from what they say of it (``PsClient.model``)."""
-    return build_model(hosted["model"], Schema.model_validate(hosted["schema"]), int(hosted["seed"]),
+    return built(hosted["model"], Schema.model_validate(hosted["schema"]), int(hosted["seed"]),
                        hosted.get("options"))
 
 

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def summary(schema, paths: list[Path], count: int) -> dict:
     import numpy as np
 
-    from trainer.ctr.tabular import Encoder, measure, named, occupancy, rows_of, transformed, values_of, vocabularies
+    from rpcps.data.tabular import Encoder, measure, named, occupancy, rows_of, transformed, values_of, vocabularies
 
     stream = rows_of(schema, paths, stop=count, logged=False)
     rows = list(stream)
@@ -95,9 +95,9 @@ def _table(s: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from rpcps.schema import SchemaError, load_schema
-    from trainer.core.lines import LineError
-    from trainer.ctr.config import data_files
-    from trainer.ctr.tabular import check
+    from rpcps.data.lines import LineError
+    from rpcps.data.files import data_files
+    from rpcps.data.tabular import check
 
     try:
         schema = load_schema(args.schema)

@@ -26,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from trainer.ctr.criteo import write
-    from trainer.ctr.synthetic import SyntheticCtr
+    from rpcps.data.criteo import write
+    from rpcps.data.generated import SyntheticCtr
 
     if args.rows < 1 or args.files < 1 or args.files > args.rows:
         print("rpcps data ctr: --rows must be at least 1 and at least --files", file=sys.stderr)

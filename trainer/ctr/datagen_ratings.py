@@ -69,7 +69,7 @@ def generate(rows: int, users: int, movies: int, seed: int):
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from trainer.ctr.quality import auc
+    from rpcps.quality import auc
 
     if args.rows < 1 or args.files < 1 or args.files > args.rows or args.users < 1 or args.movies < 1:
         print("rpcps data ratings: --rows, --users and --movies must be at least 1, --rows at least --files",

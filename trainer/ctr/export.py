@@ -29,8 +29,9 @@ from rpcps.tables import bags_of
 from services.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore
 from services.errors import ConfigError
 from trainer.core.hosted import dense_parameters, hosted_spec, table_param
-from trainer.ctr.custom import hosted_module, models_from_here
-from trainer.ctr.tabular import measured
+from rpcps.model import models_from_here
+from trainer.ctr.custom import hosted_module
+from rpcps.data.tabular import measured
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

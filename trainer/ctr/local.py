@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from services.errors import ConfigError
 from trainer.ctr import builtin
 from trainer.ctr.config import CtrModelSettings, CtrUpSettings
-from trainer.ctr.source import criteo_source, schema_source
+from rpcps.data.sources import criteo_source, schema_source
 from trainer.ctr.task import CtrTask
 
 
@@ -31,9 +31,9 @@ class LocalModel:
     @classmethod
     def of(cls, cfg: CtrModelSettings) -> "LocalModel":
         """The model ``cfg`` names: a user's (``--model``), or the built-in DLRM."""
-        from trainer.ctr.custom import build_model
+        from trainer.ctr.custom import built
         ref, schema, options, _ = builtin.named(cfg)
-        return cls(build_model(ref, schema, cfg.seed, options), cfg)
+        return cls(built(ref, schema, cfg.seed, options), cfg)
 
     def step(self, batch: Any) -> float:
         self.module.train()
@@ -54,13 +54,14 @@ class LocalModel:
 def run_local(cfg: CtrUpSettings, emit: Callable[[dict], None], should_stop: Callable[[], bool],
               interval: float) -> int:
     samples = cfg.batch_size * cfg.num_trainers          # a cluster step's samples, every trainer's
-    if cfg.user_model:
-        source = schema_source(cfg.loaded_schema(), cfg.data, samples, cfg.eval_samples, eval_data=cfg.eval_data)
-    else:
-        if cfg.hashed_tables():
-            raise ConfigError("--local trains the built-in DLRM with plain tables only: leave out --tables")
-        source = criteo_source(cfg.data, cfg.cardinalities(), (), samples, cfg.eval_samples, hot=cfg.hot,
-                               data_seed=cfg.data_seed, eval_data=cfg.eval_data)
+    if not cfg.user_model and cfg.hashed_tables():
+        raise ConfigError("--local trains the built-in DLRM with plain tables only: leave out --tables")
+    try:
+        source = schema_source(cfg.loaded_schema(), cfg.data, samples, cfg.eval_samples, eval_data=cfg.eval_data) \
+            if cfg.user_model else criteo_source(cfg.data, cfg.cardinalities(), (), samples, cfg.eval_samples,
+                                                 hot=cfg.hot, data_seed=cfg.data_seed, eval_data=cfg.eval_data)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     model = LocalModel.of(cfg)
     task = CtrTask(model, source, name="local", num_trainers=1, eval_samples=cfg.eval_samples)
     losses, step, trained, seconds, said = [], 0, 0, 0.0, time.monotonic()

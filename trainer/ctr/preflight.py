@@ -13,10 +13,11 @@ import yaml
 
 from rpcps.schema import Schema
 from services.errors import ConfigError
-from trainer.core.lines import bounded_lines, open_lines
-from trainer.ctr.config import CtrUpSettings, data_files
+from rpcps.data.lines import bounded_lines, open_lines
+from rpcps.data.files import data_files
+from trainer.ctr.config import CtrUpSettings
 from trainer.ctr.custom import tried
-from trainer.ctr.tabular import (MEASURED_LINES, Encoder, Occupancy, measure, measured, named, occupancy, rows_of,
+from rpcps.data.tabular import (MEASURED_LINES, Encoder, Occupancy, measure, measured, named, occupancy, rows_of,
                                  vocabularies)
 
 SAMPLE_LINES = 10_000        # the data's first lines, whose values are counted

@@ -8,6 +8,8 @@ import logging
 from typing import Optional
 
 from ps.client.cache import HotRows
+from rpcps.data.source import Source
+from rpcps.data.sources import criteo_source, schema_source
 from ps.client.stub import PsClient
 from services.errors import ConfigError
 from services.names import parse_name
@@ -17,8 +19,7 @@ from trainer.core.role import ServedTrainer
 from trainer.ctr import builtin
 from trainer.ctr.config import CtrTrainerConfig
 from trainer.ctr.custom import SchemaModel, hosted_module
-from trainer.ctr.source import criteo_source, schema_source
-from trainer.ctr.task import CtrModel, CtrTask, Source
+from trainer.ctr.task import CtrModel, CtrTask
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,11 @@ class CtrTrainer(ServedTrainer):
                 raise ConfigError(f"--schema {cfg.schema_file}: the servers host the built-in DLRM, which reads "
                                   f"Criteo's format; start them with --model and --schema")
             data = hosted["criteo"]
-            source = criteo_source(cfg.data, data["cardinalities"], data["hashed"], cfg.batch_size, cfg.eval_samples,
-                                   share, cfg.num_trainers, cfg.hot, cfg.data_seed, cfg.eval_data)
+            try:
+                source = criteo_source(cfg.data, data["cardinalities"], data["hashed"], cfg.batch_size,
+                                       cfg.eval_samples, share, cfg.num_trainers, cfg.hot, cfg.data_seed, cfg.eval_data)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
             return self._task(model, source, share)
         # A user's model over a schema: this trainer reads the schema's files.
         schema = cfg.loaded_schema()
@@ -59,8 +63,11 @@ class CtrTrainer(ServedTrainer):
         if schema.model_dump(mode="json") != hosted["schema"]:
             raise ConfigError(f"--schema {cfg.schema_file} is not the schema the servers host {hosted['model']} with: "
                               f"start every role with the same file")
-        source = schema_source(schema, cfg.data, cfg.batch_size, cfg.eval_samples, share, cfg.num_trainers,
-                               cfg.eval_data)
+        try:
+            source = schema_source(schema, cfg.data, cfg.batch_size, cfg.eval_samples, share, cfg.num_trainers,
+                                   cfg.eval_data)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return self._task(model, source, share)
 
     def _task(self, model: CtrModel, source: Source, share: int) -> CtrTask:

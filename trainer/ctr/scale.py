@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from services.errors import ConfigError
-from trainer.ctr.criteo import CATEGORICAL
-from trainer.ctr.synthetic import DENSE
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RATINGS = 200_000
@@ -34,6 +32,7 @@ def movies(folder: Path) -> tuple[list[str], Path]:
 
 def rows(count: int, seed: int = 1) -> list[dict[str, Any]]:
     """``count`` Criteo-shaped rows as a client sends them to the built-in DLRM's ``/predict``."""
+    from rpcps.data.generated import CATEGORICAL, DENSE       # loads torch: not when the CLI lists commands
     draw = random.Random(seed)
     return [{**{f"I{j + 1}": draw.randrange(0, 100) for j in range(DENSE)},
              **{f"C{t + 1}": f"{draw.getrandbits(32):08x}" for t in range(CATEGORICAL)}} for _ in range(count)]

@@ -4,19 +4,17 @@ held-out samples (on generated data, with the best AUC any model could reach on 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
 
 from services.lifecycle import StatusBoard
 from trainer.ctr.metrics import CtrMetrics
-from trainer.ctr.quality import auc, logloss
-from trainer.ctr.source import FileSource, GeneratedSource
+from rpcps.quality import auc, logloss
+from rpcps.data.source import Source
 
 log = logging.getLogger(__name__)
-
-Source = Union[GeneratedSource, FileSource]      # what a trainer's batches come from
 
 
 class CtrModel(Protocol):
@@ -79,17 +77,16 @@ class CtrTask:
     def stepped(self) -> None:
         pass
 
-    def tell(self) -> tuple[int, int]:
-        """Where the stream stands: (the next sample's place in it, the pass over a file's)."""
-        return self.source.cursor, getattr(self.source, "epoch", 0)
+    def tell(self) -> dict[str, Any]:
+        """Where the data stands (the source's own state)."""
+        return self.source.state()
 
-    def position(self, steps: int, at: Optional[tuple[int, int]] = None) -> dict[str, Any]:
-        cursor, epoch = self.tell() if at is None else at
-        return {"name": self.name, "num_trainers": self.num_trainers, "data": self.data,
-                "cursor": cursor, "epoch": epoch, "steps": steps}
+    def position(self, steps: int, at: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        return {"name": self.name, "num_trainers": self.num_trainers, "data": self.data, "steps": steps,
+                **(self.tell() if at is None else at)}
 
     def restore(self, saved: list[dict[str, Any]], checkpoint: str) -> int:
-        same = [s for s in saved if s.get("data") == self.data and "cursor" in s]
+        same = [s for s in saved if s.get("data") == self.data]
         if not same:
             log.warning("%s: starting from the data's beginning: its trainers read %r, not %r", checkpoint,
                         saved[0].get("data") if saved else None, self.data)
@@ -97,19 +94,12 @@ class CtrTask:
         mine = next((s for s in same if s.get("name") == self.name and s.get("num_trainers") == self.num_trainers),
                     None)
         if mine is not None:
-            cursor, epoch, steps, why = int(mine["cursor"]), int(mine.get("epoch", 0)), int(mine["steps"]), \
-                "same trainers, same data"
+            steps, why = int(mine["steps"]), "same trainers, same data"
         else:
-            # Re-divided: every trainer goes on from the furthest pass's mean position.
-            epoch = max(int(s.get("epoch", 0)) for s in same)
-            furthest = [int(s["cursor"]) for s in same if int(s.get("epoch", 0)) == epoch]
-            cursor = sum(furthest) // len(furthest)
             steps = sum(int(s.get("steps", 0)) for s in same) // max(1, self.num_trainers)
             why = f"{len(same)} trainers saved, {self.num_trainers} now: re-divided"
-        self.source.cursor = cursor
-        if isinstance(self.source, FileSource):
-            self.source.epoch = epoch
-        log.info("resumed position from %s (%s): sample %d of the stream, step %d", checkpoint, why, cursor, steps)
+        where = self.source.restore(same, mine)
+        log.info("resumed position from %s (%s): %s, step %d", checkpoint, why, where, steps)
         return steps
 
     def predictions(self, should_stop: Callable[[], bool] = lambda: False,

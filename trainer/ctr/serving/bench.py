@@ -35,8 +35,6 @@ import httpx
 import numpy as np
 
 from services.processes import free_port, spawn_role, stop_in_waves
-from trainer.ctr.criteo import CATEGORICAL
-from trainer.ctr.synthetic import DENSE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,6 +73,7 @@ def _train(tmp: Path, ns: argparse.Namespace, tag: str) -> dict[str, Any]:
 def _rows(data: Path, count: int) -> list[dict[str, Any]]:
     """The first ``count`` lines of ``data`` as a client sends them: counts as integers, values as
     strings, empty fields as null."""
+    from rpcps.data.generated import CATEGORICAL, DENSE       # loads torch: not when the CLI lists commands
     rows = []
     with (sorted(data.iterdir())[0]).open() as f:
         for _, line in zip(range(count), f):

@@ -18,7 +18,7 @@ from ps.spec.config import ps_names
 from services.errors import InvalidInput, NotReady, NotSupported, Overloaded, RpcpsError, TooLarge
 from services.lifecycle import RoleState
 from services.role import RoleBase, RoleContext, WithoutEpisodes
-from trainer.ctr.custom import models_from_here
+from rpcps.model import models_from_here
 from trainer.ctr.serving.batcher import MicroBatcher
 from trainer.ctr.serving.config import ServeSettings
 from trainer.ctr.serving.sources import Online, Snapshot, Source

@@ -18,9 +18,9 @@ from rpcps.schema import Schema
 from services.errors import ConfigError, PeerUnavailable
 from trainer.core.hosted import table_param
 from trainer.ctr.custom import SchemaModel, hosted_module
-from trainer.ctr.criteo import table_sizes
+from rpcps.data.criteo import table_sizes
 from trainer.ctr.serving.rows import CriteoRows, RowFormat, SchemaRows
-from trainer.ctr.tabular import measured
+from rpcps.data.tabular import measured
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ import torch
 
 from rpcps.batch import Batch, Jagged
 from rpcps.schema import Numeric, Schema
-from trainer.core.lines import LineError, Lines, check_files, quoted, text_of
-from trainer.ctr.config import data_files
+from rpcps.data.lines import LineError, Lines, check_files, quoted, text_of
+from rpcps.data.files import data_files
+from rpcps.data.formats import RowStream, reader_of
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)   # a numeric value beyond it is inf in the model's float32
 MEASURED_LINES = 10_000       # lines of the data's start that measure a standardized column's mean and std
@@ -286,14 +287,26 @@ def clipped(value: float, clip: Optional[tuple[Optional[float], Optional[float]]
 
 
 def check(schema: Schema, paths: Sequence[Path], lines: int) -> None:
-    """A ``LineError`` naming the first problem in the first ``lines`` lines of each file."""
+    """A ``LineError`` naming the first problem in the first ``lines`` records of each file, read
+    in the schema's format."""
+    reader_of(schema).check(schema, paths, lines)
+
+
+def text_check(schema: Schema, paths: Sequence[Path], lines: int) -> None:
+    """``check`` for CSV and TSV files."""
     reader = SchemaLines(schema)
     check_files(paths, reader, lines, header=reader.header if schema.header else None)
 
 
 def rows_of(schema: Schema, paths: Sequence[Path], share: int = 0, shares: int = 1, start: int = 0,
-            stop: Optional[int] = None, logged: bool = True) -> Lines:
-    """One share's rows of the files, from data line ``start`` to ``stop``."""
+            stop: Optional[int] = None, logged: bool = True) -> RowStream:
+    """One share's rows of the files, read in the schema's format, from record ``start`` to ``stop``."""
+    return reader_of(schema).rows(schema, paths, share, shares, start, stop, logged)
+
+
+def text_rows(schema: Schema, paths: Sequence[Path], share: int = 0, shares: int = 1, start: int = 0,
+              stop: Optional[int] = None, logged: bool = True) -> Lines:
+    """``rows_of`` for CSV and TSV files: trainer ``share`` takes lines ``share``, ``+ shares``, …"""
     reader = SchemaLines(schema)
     return Lines(paths, reader, share, shares, start, stop, header=reader.header if schema.header else None,
                  logged=logged)
@@ -341,7 +354,7 @@ class SchemaStream:
     shares: int = 1
     start: int = 0
     stop: Optional[int] = None
-    _lines: Lines = field(init=False, repr=False)
+    _lines: RowStream = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._lines = rows_of(self.encoder.schema, self.paths, self.share, self.shares, self.start, self.stop)

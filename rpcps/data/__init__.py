@@ -1,12 +1,19 @@
-"""A schema's files as batches, in one process: to look at what a model is fed, or to train and
-test it before it goes to a cluster (whose trainers read the same files the same way)."""
+"""rpcps's data plane: what trainers, ``rpcps data check``, ``rpcps export`` and the serving member
+read, in one place. ``Source`` is what a trainer's batches come from (``source.py``); a schema's
+``format`` chooses the reader of its files (``formats.py``: CSV, TSV, Parquet; Criteo's and the
+generator's for the built-in DLRM); ``batches`` reads a schema's files in one process, to look at
+what a model is fed, or to train and test it before it goes to a cluster (whose trainers read the
+same files the same way)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Iterator, Optional
 
 from rpcps.batch import Batch
+from rpcps.data.source import Source
 from rpcps.schema import Schema
+
+__all__ = ["Source", "batches"]
 
 
 def batches(schema: Schema, data: "str | Path", batch_size: int = 1024, *, skip: int = 0,
@@ -15,8 +22,8 @@ def batches(schema: Schema, data: "str | Path", batch_size: int = 1024, *, skip:
     reads them, ``batch_size`` at a time, from line ``skip`` up to line ``limit``. A malformed
     line is skipped and counted in the log, as a trainer skips it; standardized columns without a
     mean and std are measured on the data's first lines, as a trainer measures them."""
-    from trainer.ctr.config import data_files
-    from trainer.ctr.tabular import Encoder, SchemaStream, measure
+    from rpcps.data.files import data_files
+    from rpcps.data.tabular import Encoder, SchemaStream, measure
     paths = data_files(Path(data))
     if not paths:
         raise FileNotFoundError(f"{data}: no data files")

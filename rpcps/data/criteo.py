@@ -14,7 +14,7 @@ counts of ASCII digits with an optional ``-`` that fit in 64 bits (a negative on
 categorical value of at most 8 hexadecimal digits; at most ``MAX_LINE`` bytes in all, UTF-8. A
 byte-order mark at a file's start is skipped. Anything else makes the line malformed: a
 ``CriteoError`` naming the file and line, and quoting at most ``QUOTED`` characters of the value
-(with its length), which ``trainer/core/lines.py`` handles as it does any format's: found before
+(with its length), which ``rpcps/data/lines.py`` handles as it does any format's: found before
 anything starts in a file's first lines, skipped and counted while training.
 """
 from __future__ import annotations
@@ -27,10 +27,9 @@ from typing import IO, Iterator, Optional, Sequence
 import numpy as np
 
 from ps.spec.hashing import hashed
-from trainer.core.lines import CHECKED_LINES, MAX_LINE, LineError, Lines, check_files, quoted, text_of
-from trainer.ctr.synthetic import DENSE, Batch, SyntheticCtr
+from rpcps.data.lines import CHECKED_LINES, MAX_LINE, LineError, Lines, check_files, quoted, text_of
+from rpcps.data.generated import CATEGORICAL, DENSE, Samples, SyntheticCtr
 
-CATEGORICAL = 26
 FIELDS = 1 + DENSE + CATEGORICAL
 _EMPTY = 1 << 32               # the value of an empty categorical field (real values are 32-bit)
 _SALT = 0x43524954             # the hash stream of categorical values
@@ -155,7 +154,7 @@ class CriteoStream:
         """Lines of the files passed so far, every share's."""
         return self._lines.lines
 
-    def batches(self, size: int) -> Iterator[Batch]:
+    def batches(self, size: int) -> Iterator[Samples]:
         labels, counts, values = [], [], []
         for parsed in self._lines:
             labels.append(parsed.label)
@@ -167,15 +166,15 @@ class CriteoStream:
         if labels:
             yield self._batch(labels, counts, values)
 
-    def _batch(self, labels: list[float], counts: list[list[int]], values: list[list[int]]) -> Batch:
+    def _batch(self, labels: list[float], counts: list[list[int]], values: list[list[int]]) -> Samples:
         return batch_of(labels, counts, values, self.cardinalities)
 
 
 def batch_of(labels: list[float], counts: list[list[int]], values: list[list[int]], cardinalities: Sequence[int]
-             ) -> Batch:
+             ) -> Samples:
     """Parsed lines as a batch: the counts' ``log1p`` (0 below 0 or empty), the values' row ids."""
     raw = np.array(counts, dtype=np.int64).reshape(len(labels), DENSE)
-    return Batch(dense=np.log1p(np.maximum(raw, 0)).astype(np.float32),
+    return Samples(dense=np.log1p(np.maximum(raw, 0)).astype(np.float32),
                  ids=row_ids(np.array(values, dtype=np.int64).reshape(len(labels), CATEGORICAL), cardinalities),
                  labels=np.array(labels, dtype=np.float32), p=np.full(len(labels), np.nan), counts=raw)
 

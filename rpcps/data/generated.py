@@ -16,18 +16,23 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any, Iterator, Optional
 
 import numpy as np
+import torch
+
+from rpcps.batch import Batch, Jagged
 
 from ps.spec.hashing import hashed, normal, uniform
-from trainer.ctr.quality import expected_auc
+from rpcps.quality import expected_auc
 
 # Criteo Kaggle: distinct values of C1..C26 (no frequency threshold); 33,762,577 rows in all.
 KAGGLE_CARDINALITIES = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
                         14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
 DENSE = 13
+CATEGORICAL = len(KAGGLE_CARDINALITIES)    # 26
 CLICK_RATE = 0.256          # Criteo Kaggle's share of positives
 ORACLE_AUC = 0.80           # what the ground truth is scaled to
 HEAD_ROWS, HEAD_SHARE = 0.01, 0.90
@@ -70,7 +75,7 @@ def calibrated_exponent(rows: int) -> float:
 
 
 @dataclass
-class Batch:
+class Samples:
     dense: np.ndarray       # [B, 13] float32: log1p of the counts (missing: 0)
     ids: np.ndarray         # [B, 26] int64: row ids, each below its table's size (a hashed table's: raw ids)
     labels: np.ndarray      # [B] float32, 0 or 1
@@ -201,7 +206,7 @@ class SyntheticCtr:
         scale = (lo + hi) / 2
         return scale, bias(scale)
 
-    def batch(self, indices: np.ndarray, hot: int = 1) -> Batch:
+    def batch(self, indices: np.ndarray, hot: int = 1) -> Samples:
         """The samples ``indices``; ``hot`` > 1: ids [B, 26, hot], bags whose first id is the one
         labels depend on."""
         idx = np.asarray(indices, dtype=np.int64)
@@ -212,7 +217,7 @@ class SyntheticCtr:
         labels = (uniform(hashed(self.seed, _LABEL, idx)) < p).astype(np.float32)
         if hot > 1:
             ids = np.concatenate([ids[:, :, None], self.bag_ids(idx, hot)[:, :, 1:]], axis=2)
-        return Batch(dense.astype(np.float32), ids, labels, p, counts)
+        return Samples(dense.astype(np.float32), ids, labels, p, counts)
 
     @staticmethod
     def share(start: int, count: int, share: int, shares: int) -> np.ndarray:
@@ -226,3 +231,70 @@ class SyntheticCtr:
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-z))
+
+
+@dataclass(frozen=True)
+class Scored(Batch):
+    """A batch of the Criteo schema's features with the ground truth's click probability of each
+    sample (NaN where not known, as in a file), for the held-out evaluation's best possible AUC."""
+
+    p: Optional[np.ndarray] = None
+
+
+def features(samples: Samples) -> Scored:
+    """Generated or Criteo samples as the model takes them: feature ``C<t+1>`` the ids of column
+    ``t`` (several a sample with ``--hot``: a bag), the counts' ``log1p`` as the dense columns."""
+    ids = torch.from_numpy(samples.ids)
+    size, hot = ids.shape[0], 1 if ids.dim() == 2 else ids.shape[2]
+    by_feature = ids.reshape(size, CATEGORICAL, hot).permute(1, 0, 2).reshape(CATEGORICAL, size * hot)
+    offsets = torch.arange(0, size * hot + 1, hot)
+    return Scored({f"C{t + 1}": Jagged(by_feature[t], offsets) for t in range(CATEGORICAL)},
+                  torch.from_numpy(samples.dense), torch.from_numpy(samples.labels), samples.p)
+
+
+@dataclass
+class GeneratedSource:
+    """Trainer ``share`` of ``shares`` takes indices ``cursor + share``, ``+ shares``, … of the
+    generator's stream: each step's batch of every trainer together is one range of the stream."""
+
+    generator: SyntheticCtr
+    batch_size: int
+    share: int = 0
+    shares: int = 1
+    hot: int = 1
+    cursor: int = 0          # the stream's samples passed (every trainer's share of them)
+    skipped: int = 0         # nothing is ever malformed here
+    truncated: int = 0       # nor too long
+    hashed: tuple[int, ...] = ()     # tables whose ids are given raw (64-bit), for hashed tables
+
+    @property
+    def description(self) -> str:
+        g = self.generator
+        return f"generated Criteo-shaped data (seed {g.seed}, scale {g.scale:g}" + \
+            (f", {self.hot} ids per feature)" if self.hot > 1 else ")")
+
+    def next(self) -> Scored:
+        return features(self.samples())
+
+    def samples(self) -> Samples:
+        """The next batch as generated (``next``: as the model takes it); the position moves past it."""
+        indices = self.generator.share(self.cursor, self.batch_size * self.shares, self.share, self.shares)
+        self.cursor += self.batch_size * self.shares
+        return self._batch(indices)
+
+    def state(self) -> dict[str, Any]:
+        return {"cursor": self.cursor}
+
+    def restore(self, states: list[dict[str, Any]], mine: Optional[dict[str, Any]]) -> str:
+        from rpcps.data.source import redivided
+        self.cursor = int(mine.get("cursor", 0)) if mine is not None else redivided(states)[0]
+        return f"sample {self.cursor} of the stream"
+
+    def held_out(self, count: int, batch_size: int) -> Iterator[Scored]:
+        indices = self.generator.held_out(count)
+        for start in range(0, count, batch_size):
+            yield features(self._batch(indices[start:start + batch_size]))
+
+    def _batch(self, indices: np.ndarray) -> Samples:
+        batch = self.generator.batch(indices, self.hot)
+        return replace(batch, ids=raw_ids(batch.ids, self.hashed)) if self.hashed else batch
