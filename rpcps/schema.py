@@ -1,7 +1,7 @@
-"""A feature schema: what the columns of a user's CSV or TSV files are, and how each becomes a
-model's input. Written once as a YAML or TOML file and loaded with ``load_schema``::
+"""A feature schema: what the columns of a user's CSV, TSV or Parquet files are, and how each
+becomes a model's input. Written once as a YAML or TOML file and loaded with ``load_schema``::
 
-    format: csv                 # or tsv
+    format: csv                 # or tsv, or parquet
     label: clicked              # 0 or 1 (any number in [0, 1])
     numeric:                    # in this order, the columns of Batch.dense
       - {column: price, log1p: true, standardize: true}
@@ -84,7 +84,7 @@ class Categorical(BaseModel):
     table: Optional[str] = Field(None, description="the table it is looked up in (none: the one named as the "
                                                    "feature)")
     separator: Optional[str] = Field(None, min_length=1, description="a list of values (multi-hot), separated "
-                                                                     "by this")
+                                                                     "by this (a Parquet list column needs none)")
     max_length: int = Field(1, ge=1, description="a list's most values: longer ones are truncated and counted")
 
     @property
@@ -95,11 +95,6 @@ class Categorical(BaseModel):
     def table_name(self) -> str:
         return self.table or self.name
 
-    @model_validator(mode="after")
-    def _list(self) -> "Categorical":
-        if self.separator is None and self.max_length != 1:
-            raise ValueError("max_length is for a list of values: give its separator too")
-        return self
 
 
 class Schema(BaseModel):
@@ -107,10 +102,12 @@ class Schema(BaseModel):
 
     model_config = _STRICT
 
-    format: Literal["csv", "tsv"] = Field("csv", description="comma- or tab-separated values")
-    header: bool = Field(True, description="each file's first line names its columns")
+    format: Literal["csv", "tsv", "parquet"] = Field("csv", description="comma- or tab-separated values, or "
+                                                                         "Parquet files (columns read by name)")
+    header: bool = Field(True, description="each file's first line names its columns (CSV and TSV)")
     columns: Optional[tuple[str, ...]] = Field(None, description="the columns in order: required without a "
-                                                                  "header; with one, every file's must match")
+                                                                  "header; with one, every file's must match "
+                                                                  "(CSV and TSV)")
     label: str = Field(description="the label's column: 0 or 1 (any number in [0, 1])")
     numeric: tuple[Numeric, ...] = Field((), description="numeric columns, in Batch.dense's order")
     categorical: tuple[Categorical, ...] = Field(description="categorical columns, one feature each")
@@ -132,6 +129,17 @@ class Schema(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Schema":
+        if self.format == "parquet":
+            text_only = [key for key, given in (("header", not self.header), ("columns", self.columns is not None))
+                         if given]
+            if text_only:
+                raise ValueError(f"{' and '.join(text_only)}: Parquet files name their columns; leave "
+                                 f"{'them' if len(text_only) > 1 else 'it'} out")
+        else:
+            lists = [c.column for c in self.categorical if c.separator is None and c.max_length != 1]
+            if lists:
+                raise ValueError(f"categorical: max_length is for a list of values: give column "
+                                 f"{', '.join(lists)} its separator too")
         if not self.categorical:
             raise ValueError("categorical: a model on the parameter servers needs one categorical column at least")
         names = [c.name for c in self.categorical]
@@ -158,7 +166,7 @@ class Schema(BaseModel):
             if unknown:
                 raise ValueError(f"columns: {', '.join(unknown)} named but not among the columns "
                                  f"({', '.join(self.columns)})")
-        elif not self.header:
+        elif not self.header and self.format != "parquet":
             raise ValueError("columns: files without a header need the columns' names in order")
         return self
 

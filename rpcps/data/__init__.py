@@ -18,13 +18,16 @@ __all__ = ["Source", "batches"]
 
 def batches(schema: Schema, data: "str | Path", batch_size: int = 1024, *, skip: int = 0,
             limit: Optional[int] = None) -> Iterator[Batch]:
-    """The data lines of ``data`` (a file, or a folder of them read in name order) as ``schema``
-    reads them, ``batch_size`` at a time, from line ``skip`` up to line ``limit``. A malformed
+    """The records of ``data`` (a file, or a folder of them read in name order) as ``schema``
+    reads them (CSV or TSV lines, Parquet rows), ``batch_size`` at a time, from record ``skip`` up
+    to record ``limit``. A malformed
     line is skipped and counted in the log, as a trainer skips it; standardized columns without a
     mean and std are measured on the data's first lines, as a trainer measures them."""
     from rpcps.data.files import data_files
-    from rpcps.data.tabular import Encoder, SchemaStream, measure
+    from rpcps.data.formats import reader_of
+    from rpcps.data.tabular import Encoder, measure
     paths = data_files(Path(data))
     if not paths:
         raise FileNotFoundError(f"{data}: no data files")
-    yield from SchemaStream(Encoder(schema, measure(schema, paths)), paths, start=skip, stop=limit).batches(batch_size)
+    stream = reader_of(schema).stream(Encoder(schema, measure(schema, paths)), paths, 0, 1, skip, limit)
+    yield from stream.batches(batch_size)

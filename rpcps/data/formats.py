@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 if TYPE_CHECKING:
+    from rpcps.data.source import Stream
     from rpcps.data.tabular import Row
     from rpcps.schema import Schema
 
@@ -26,25 +27,38 @@ class Format:
     """``check(schema, paths, records)``: a ``LineError`` naming the first record of the first
     ``records`` of each file that is not in this format; ``rows(schema, paths, share, shares,
     start, stop, logged)``: one share's rows, from record ``start`` to ``stop``, the unreadable
-    ones skipped and counted (and logged, when ``logged``)."""
+    ones skipped and counted (and logged, when ``logged``); ``stream(encoder, paths, share,
+    shares, start, stop)``: the same records as batches (``rpcps.data.source.Stream``), as a
+    trainer reads them; ``count(schema, paths, limit)``: the files' records, counted no further
+    than ``limit``."""
 
     check: Callable[["Optional[Schema]", Sequence[Path], int], None]
-    rows: Optional[Callable[..., RowStream]] = None      # none: Criteo's, read by its own stream
+    count: Callable[["Optional[Schema]", Sequence[Path], int], int]
+    rows: Optional[Callable[..., RowStream]] = None         # none: Criteo's, read by its own stream
+    stream: Optional[Callable[..., "Stream"]] = None
 
 
 def _text() -> Format:
     from rpcps.data import tabular
-    return Format(tabular.text_check, tabular.text_rows)
+    from rpcps.data.lines import count_lines
+    return Format(tabular.text_check, lambda schema, paths, limit: count_lines(paths, limit, schema.header),
+                  tabular.text_rows, tabular.SchemaStream)
 
 
 def _criteo() -> Format:
     from rpcps.data import criteo
-    return Format(lambda schema, paths, records: criteo.check(paths, records))
+    from rpcps.data.lines import count_lines
+    return Format(lambda schema, paths, records: criteo.check(paths, records),
+                  lambda schema, paths, limit: count_lines(paths, limit))
 
 
 def _parquet() -> Format:
     from rpcps.data import parquet
-    return Format(parquet.check, parquet.ParquetRows)
+    return Format(parquet.check, parquet.count,
+                  lambda schema, paths, share, shares, start, stop, logged:
+                  parquet.ParquetRows(schema, paths, share, shares, start, stop, logged=logged),
+                  lambda encoder, paths, share=0, shares=1, start=0, stop=None:
+                  parquet.ParquetStream(encoder.schema, paths, share, shares, start, stop, encoder=encoder))
 
 
 # Loaded on first use: a format's reader (pyarrow's, say) is imported only where its files are read.

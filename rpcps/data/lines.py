@@ -91,6 +91,21 @@ def why(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or str(exc)
 
 
+def count_lines(paths: Sequence[Path], limit: int, headers: bool = False) -> int:
+    """The data lines of ``paths`` (less each file's header line, with ``headers``), counted no
+    further than ``limit``."""
+    total = 0
+    for path in paths:
+        with open_lines(path) as f:
+            for number, _ in enumerate(bounded_lines(f), start=1):
+                if headers and number == 1:
+                    continue
+                total += 1
+                if total >= limit:
+                    return total
+    return total
+
+
 def check_files(paths: Sequence[Path], parse: Parse, lines: int = CHECKED_LINES, header: Optional[Parse] = None,
                 error: type[LineError] = LineError) -> None:
     """Raise ``error`` naming the first problem in the first ``lines`` lines of each file: none
@@ -118,52 +133,18 @@ def check_files(paths: Sequence[Path], parse: Parse, lines: int = CHECKED_LINES,
                     f"{'a header' if len(paths) == 1 else 'headers'}")
 
 
-@dataclass
-class Lines(Generic[T]):
-    """One trainer's share of the data lines of ``paths``, read once through (an epoch), each as
-    ``parse`` reads it; the lines it cannot read are skipped and counted. ``header``: each file's
-    first line is read by it instead, and is not a data line."""
+@dataclass(kw_only=True)
+class Skips:
+    """What a reader skipped: counted, the first ``REASONS`` reasons kept, and said in the log
+    (each of the first skips, then at most one line every ``SKIP_LOG_SECONDS``)."""
 
-    paths: Sequence[Path]
-    parse: Parse
-    share: int = 0
-    shares: int = 1
-    start: int = 0                  # data lines passed over unread first (held out, or read before a restart)
-    stop: Optional[int] = None      # no data line past this one is read
-    header: Optional[Parse] = None
-    logged: bool = True             # say why a line is skipped in the log (else only count it, and keep why)
+    logged: bool = True             # say why a record is skipped in the log (else only count it, and keep why)
     skipped: int = 0
     last_skip: Optional[str] = None
-    reasons: list[str] = field(default_factory=list, init=False)   # why the first REASONS lines were skipped
-    lines: int = field(default=0, init=False)     # data lines of the files passed so far, every share's
+    reasons: list[str] = field(default_factory=list)    # why the first REASONS records were skipped
     _logged: tuple[float, int] = field(default=(float("-inf"), 0), init=False, repr=False)   # (when, skipped) last said
 
-    def __iter__(self) -> Iterator[T]:
-        for path in self.paths:
-            number = 0
-            try:
-                with open_lines(path) as f:
-                    for number, line in enumerate(bounded_lines(f), start=1):
-                        if self.header is not None and number == 1:
-                            try:
-                                self.header(line, f"{path}:1")
-                            except LineError as exc:
-                                self._skip(f"{exc}: the whole file is skipped")
-                                break
-                            continue
-                        if self.stop is not None and self.lines >= self.stop:
-                            return
-                        self.lines += 1
-                        if self.lines <= self.start or (self.lines - 1) % self.shares != self.share:
-                            continue
-                        try:
-                            yield self.parse(line, f"{path}:{number}")
-                        except LineError as exc:
-                            self._skip(str(exc))
-            except (OSError, EOFError) as exc:
-                self._skip(f"{path}: the rest after line {number} cannot be read: {why(exc)}")
-
-    def _skip(self, why: str) -> None:
+    def skip(self, why: str) -> None:
         self.skipped += 1
         self.last_skip = why
         if len(self.reasons) < REASONS:
@@ -176,3 +157,44 @@ class Lines(Generic[T]):
             log.warning("skipped: %s (%d skipped so far%s)", why, self.skipped,
                         f"; {unsaid} more since the last such line" if unsaid else "")
             self._logged = (now, self.skipped)
+
+
+@dataclass
+class Lines(Skips, Generic[T]):
+    """One trainer's share of the data lines of ``paths``, read once through (an epoch), each as
+    ``parse`` reads it; the lines it cannot read are skipped and counted. ``header``: each file's
+    first line is read by it instead, and is not a data line."""
+
+    paths: Sequence[Path]
+    parse: Parse
+    share: int = 0
+    shares: int = 1
+    start: int = 0                  # data lines passed over unread first (held out, or read before a restart)
+    stop: Optional[int] = None      # no data line past this one is read
+    header: Optional[Parse] = None
+    lines: int = field(default=0, init=False)     # data lines of the files passed so far, every share's
+
+    def __iter__(self) -> Iterator[T]:
+        for path in self.paths:
+            number = 0
+            try:
+                with open_lines(path) as f:
+                    for number, line in enumerate(bounded_lines(f), start=1):
+                        if self.header is not None and number == 1:
+                            try:
+                                self.header(line, f"{path}:1")
+                            except LineError as exc:
+                                self.skip(f"{exc}: the whole file is skipped")
+                                break
+                            continue
+                        if self.stop is not None and self.lines >= self.stop:
+                            return
+                        self.lines += 1
+                        if self.lines <= self.start or (self.lines - 1) % self.shares != self.share:
+                            continue
+                        try:
+                            yield self.parse(line, f"{path}:{number}")
+                        except LineError as exc:
+                            self.skip(str(exc))
+            except (OSError, EOFError) as exc:
+                self.skip(f"{path}: the rest after line {number} cannot be read: {why(exc)}")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 from rpcps.data.criteo import CriteoStream, table_sizes
 from rpcps.data.files import data_files
+from rpcps.data.formats import reader_of
 from rpcps.data.generated import GeneratedSource, Scored, SyntheticCtr, features
 from rpcps.data.source import FileSource, OpenStream
 
@@ -52,7 +53,7 @@ def schema_source(schema: "Schema", data: Path, batch_size: int, held: int, shar
                   eval_data: Optional[Path] = None) -> FileSource:
     """A schema's files; its standardized columns without statistics measured on their first lines.
     ``held`` lines of ``data`` are held out, or none when ``eval_data`` are files of their own."""
-    from rpcps.data.tabular import Encoder, SchemaStream, measure
+    from rpcps.data.tabular import Encoder, measure
     paths = data_files(data)
     stats = measure(schema, paths)
     for column, (mean, std) in stats.items():
@@ -62,8 +63,10 @@ def schema_source(schema: "Schema", data: Path, batch_size: int, held: int, shar
     except ValueError as exc:
         raise ValueError(f"--schema: {exc}") from None
 
+    stream = reader_of(schema).stream
+
     def files(read: Sequence[Path]) -> OpenStream:
-        return lambda s, n, start, stop: SchemaStream(encoder, read, s, n, start, stop)
+        return lambda s, n, start, stop: stream(encoder, read, s, n, start, stop)
     source = FileSource(f"{schema.format.upper()} files {', '.join(map(str, paths))}", files(paths), batch_size,
                         held, share, shares)
     return _held_apart(source, eval_data, files)

@@ -35,7 +35,8 @@ CACHED_IDS = 1 << 20          # values whose ids a table keeps at hand (most lin
 class Row:
     label: float
     numeric: list[Optional[float]]          # None where empty
-    categorical: list[str]                  # each categorical column's field, as written (``values_of`` reads it)
+    categorical: list                       # each categorical column's field as written, or a list column's items
+                                            # (``values_of`` reads either)
 
 
 class SchemaLines:
@@ -96,17 +97,31 @@ class SchemaLines:
                     return values
         except ValueError:
             pass
-        values = [_number(t, n.column, where) for t, n in zip(texts, self.schema.numeric)]
-        for j in self._log1p:
-            n = self.schema.numeric[j]
-            if values[j] is not None and clipped(values[j], n.clip) <= -1:
-                raise LineError(f"{where}: column {n.column} takes log1p, which needs a value above -1, "
-                                f"got {values[j]:g}")
-        return values
+        return checked_numbers(self.schema, [_number(t, n.column, where) for t, n in zip(texts, self.schema.numeric)],
+                               where)
 
 
-def values_of(field: str, separator: Optional[str]) -> list[str]:
-    """A categorical field's values: none where empty, a list's items without the empty ones."""
+def checked_numbers(schema: Schema, values: list[Optional[float]], where: str) -> list[Optional[float]]:
+    """``values`` (the numeric columns', None where empty), or a ``LineError`` naming the first a
+    model cannot take: not finite, beyond float32, or not above -1 (after clip) where log1p'd."""
+    for v, n in zip(values, schema.numeric):
+        if v is None:
+            continue
+        if not math.isfinite(v):
+            raise LineError(f"{where}: column {n.column} is not a finite number: {v!r}")
+        if abs(v) > FLOAT32_MAX:
+            raise LineError(f"{where}: column {n.column} is {v:g}, beyond float32's range (±{FLOAT32_MAX:.4g}), "
+                            f"which the model computes in")
+        if n.log1p and clipped(v, n.clip) <= -1:
+            raise LineError(f"{where}: column {n.column} takes log1p, which needs a value above -1, got {v:g}")
+    return values
+
+
+def values_of(field: "str | list[str]", separator: Optional[str]) -> list[str]:
+    """A categorical field's values: none where empty, a list's items without the empty ones (a
+    Parquet list column's items as they are, a text field's split at ``separator``)."""
+    if isinstance(field, list):
+        return [item for item in (x.strip() for x in field) if item]
     if separator is None:
         return [v] if (v := field.strip()) else []
     return [item for item in (x.strip() for x in field.split(separator)) if item]
@@ -178,10 +193,18 @@ class Encoder:
                     known[v] = raw % size if size else raw
             return [known[v] for v in values]
 
+    def ids(self, j: int, values: list[str]) -> list[int]:
+        """The row ids of categorical feature ``j``'s ``values`` in its table."""
+        return self._ids(*self._tables[j], values)
+
     def numeric(self, rows: Sequence[Row]) -> torch.Tensor:
         fills = [n.fill for n in self.schema.numeric]
-        out = np.array([[f if v is None else v for v, f in zip(r.numeric, fills)] for r in rows],
-                       dtype=np.float64).reshape(len(rows), len(fills))
+        return self.dense(np.array([[f if v is None else v for v, f in zip(r.numeric, fills)] for r in rows],
+                                   dtype=np.float64).reshape(len(rows), len(fills)))
+
+    def dense(self, out: np.ndarray) -> torch.Tensor:
+        """``Batch.dense`` of the numeric columns' values ``out`` ([samples, columns], empty ones
+        filled): clipped, log1p'd and standardized as the schema says. ``out`` is overwritten."""
         for j, n in enumerate(self.schema.numeric):
             x = transformed(out[:, j], n)
             if n.standardize:
@@ -194,7 +217,7 @@ class Encoder:
         sparse = {}
         for j, c in enumerate(self.schema.categorical):
             table, size = self._tables[j]
-            if c.separator is None:     # one value a sample: no list made per sample
+            if c.separator is None and not isinstance(rows[0].categorical[j], list):   # one value a sample
                 texts = [r.categorical[j].strip() for r in rows]
                 if "" in texts:
                     values, counts = [t for t in texts if t], [1 if t else 0 for t in texts]

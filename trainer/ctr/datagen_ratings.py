@@ -8,7 +8,8 @@ movie, a user's taste for each genre, and mild effects of age and year; the summ
 that model's own AUC on the samples (``oracle_auc``), the best any model could reach. Every draw
 comes from ``--seed``, so the same arguments write the same files.
 
-Columns: ``label,user_id,movie_id,genres,gender,occupation,age,year`` (genres joined by ``|``).
+Columns: ``label,user_id,movie_id,genres,gender,occupation,age,year`` (genres joined by ``|``), or
+with ``--format parquet`` the same columns in Parquet files, genres a list column of strings.
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="folder to write the files into (made if missing)")
     p.add_argument("--files", type=int, default=1, help="split the lines over this many files (part_0, part_1, …)")
     p.add_argument("--gzip", action="store_true", help="write part_K.csv.gz instead of part_K.csv")
+    p.add_argument("--format", choices=("csv", "parquet"), default="csv",
+                   help="csv (a header line, genres joined by |), or parquet (genres a list column)")
+    p.add_argument("--row-group", type=int, default=8192, help="parquet: records a row group holds (the unit the "
+                                                               "trainers divide)")
     p.add_argument("--users", type=int, default=6040, help="distinct users")
     p.add_argument("--movies", type=int, default=3706, help="distinct movies")
     p.add_argument("--seed", type=int, default=1, help="which data set (its hidden model and samples)")
@@ -66,13 +71,31 @@ def generate(rows: int, users: int, movies: int, seed: int):
             "occupation": occupation[user], "age": age[user], "year": movie_year[movie], "p": p}
 
 
+def write_parquet(path: Path, columns: dict, start: int, stop: int, row_group: int) -> None:
+    """Samples ``start`` to ``stop`` as a Parquet file: the CSV's columns, genres a list of strings;
+    written beside ``path`` and renamed into place, as a file landing in a followed folder must be."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({c: pa.array([g.split("|") for g in columns[c][start:stop]], type=pa.list_(pa.string()))
+                      if c == "genres" else columns[c][start:stop] for c in COLUMNS})
+    partial = path.with_name(f".{path.name}.partial")
+    pq.write_table(table, partial, row_group_size=row_group)
+    partial.rename(path)
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from rpcps.quality import auc
 
-    if args.rows < 1 or args.files < 1 or args.files > args.rows or args.users < 1 or args.movies < 1:
-        print("rpcps data ratings: --rows, --users and --movies must be at least 1, --rows at least --files",
+    if args.format == "parquet" and args.gzip:
+        print("rpcps data ratings: --gzip is for csv; Parquet files compress their own columns", file=sys.stderr)
+        return 2
+    if args.rows < 1 or args.files < 1 or args.files > args.rows or args.users < 1 or args.movies < 1 or \
+            args.row_group < 1:
+        print("rpcps data ratings: --rows, --users, --movies and --row-group must be at least 1, --rows at least "
+              "--files",
               file=sys.stderr)
         return 2
     try:
@@ -85,11 +108,15 @@ def run(args: argparse.Namespace) -> int:
     bounds = np.linspace(0, args.rows, args.files + 1).astype(np.int64)
     files = []
     for k in range(args.files):
-        path = args.out / (f"part_{k}.csv.gz" if args.gzip else f"part_{k}.csv")
-        with (gzip.open(path, "wt", encoding="utf-8") if args.gzip else open(path, "w", encoding="utf-8")) as f:
-            f.write(",".join(COLUMNS) + "\n")
-            for i in range(bounds[k], bounds[k + 1]):
-                f.write(",".join(str(columns[c][i]) for c in COLUMNS) + "\n")
+        if args.format == "parquet":
+            path = args.out / f"part_{k}.parquet"
+            write_parquet(path, columns, bounds[k], bounds[k + 1], args.row_group)
+        else:
+            path = args.out / (f"part_{k}.csv.gz" if args.gzip else f"part_{k}.csv")
+            with (gzip.open(path, "wt", encoding="utf-8") if args.gzip else open(path, "w", encoding="utf-8")) as f:
+                f.write(",".join(COLUMNS) + "\n")
+                for i in range(bounds[k], bounds[k + 1]):
+                    f.write(",".join(str(columns[c][i]) for c in COLUMNS) + "\n")
         files.append({"path": str(path), "lines": int(bounds[k + 1] - bounds[k]), "bytes": path.stat().st_size})
     print(json.dumps({"data": "ratings", "rows": args.rows, "files": files, "seed": args.seed,
                       "positives": round(float(columns["label"].mean()), 4),

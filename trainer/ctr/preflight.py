@@ -13,8 +13,8 @@ import yaml
 
 from rpcps.schema import Schema
 from services.errors import ConfigError
-from rpcps.data.lines import bounded_lines, open_lines
 from rpcps.data.files import data_files
+from rpcps.data.formats import reader_of
 from trainer.ctr.config import CtrUpSettings
 from trainer.ctr.custom import tried
 from rpcps.data.tabular import (MEASURED_LINES, Encoder, Occupancy, measure, measured, named, occupancy, rows_of,
@@ -31,27 +31,21 @@ def preflight(cfg: CtrUpSettings) -> list[str]:
     warnings = []
     if cfg.data is not None:
         schema = cfg.loaded_schema()
-        warnings += held_out(data_files(cfg.data), cfg.held_in_data, schema is not None and schema.header)
+        warnings += held_out(schema, data_files(cfg.data), cfg.held_in_data)
         if cfg.user_model:
             assert schema is not None      # the settings refuse --model without --schema
             warnings += tried_on_data(cfg, schema, cfg.data)
     return warnings
 
 
-def held_out(paths: list[Path], eval_samples: int, headers: bool) -> list[str]:
-    """The files' first ``eval_samples`` lines are held out: refuse a held-out set that leaves no
-    line to train on, and warn of one that takes most of the data."""
+def held_out(schema: Optional[Schema], paths: list[Path], eval_samples: int) -> list[str]:
+    """The files' first ``eval_samples`` records are held out: refuse a held-out set that leaves no
+    record to train on, and warn of one that takes most of the data."""
     if not eval_samples:
         return []
-    limit = 2 * eval_samples + 1        # counted no further: past it the share is below a half
-    total = 0
-    for path in paths:
-        with open_lines(path) as f:
-            for _ in bounded_lines(f):
-                total += 1
-                if total - headers * len(paths) >= limit:
-                    return []
-    total -= headers * len(paths)
+    total = reader_of(schema).count(schema, paths, 2 * eval_samples + 1)   # past it the share is below a half
+    if total > 2 * eval_samples:
+        return []
     if eval_samples >= total:
         raise ConfigError(f"--eval-samples {eval_samples} holds out every one of the {total} data lines of --data: "
                           f"nothing is left to train on (set it lower, or 0 for no held-out evaluation)")

@@ -33,7 +33,8 @@ SPEC = WorkloadSpec(
     launch="trainer.ctr.launch:CtrLaunch",
     checkpoint_dir="checkpoints/ctr",
     data=(BenchSpec("ctr", "generated Criteo-shaped samples as Criteo TSV files", "trainer.ctr.datagen"),
-          BenchSpec("ratings", "generated movie-rating samples (user, movie, genre list, numeric columns) as CSV",
+          BenchSpec("ratings", "generated movie-rating samples (user, movie, genre list, numeric columns) as CSV or "
+                               "Parquet",
                     "trainer.ctr.datagen_ratings"),
           BenchSpec("check", "read data files as a feature schema says: each column's cardinality, missing rate "
                              "and list lengths", "trainer.ctr.datacheck")),
@@ -46,6 +47,8 @@ SPEC = WorkloadSpec(
                                 "freshness, and what it costs training beside it", "trainer.ctr.serving.bench"),
              BenchSpec("cache", "a trainer's rows cache alone on generated Criteo batches: hit rate per table by "
                                 "ids and by lookups, milliseconds a step", "trainer.ctr.bench_cache"),
+             BenchSpec("read", "a schema's files read as a trainer reads them: records/s from CSV and from Parquet, "
+                               "the same records", "trainer.ctr.bench_read"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
                                      "eviction", "ps.server.hashed.bench")),
     scale=(ScaleCase("ctr-sync", "the built-in DLRM in sync, its MLPs replicated and all-reduced", (*_DLRM, *_SYNC),
