@@ -190,6 +190,9 @@ def flags(settings: ConfigBase, fields: tuple[str, ...]) -> list[str]:
     out: list[str] = []
     for f in fields:
         v: Any = getattr(settings, f)
-        if v is not None:
-            out += [flag_name(f, type(settings).model_fields[f]), str(v)]
+        flag = flag_name(f, type(settings).model_fields[f])
+        if isinstance(v, bool):         # argparse's BooleanOptionalAction: --name or --no-name
+            out.append(flag if v else f"--no-{flag[2:]}")
+        elif v is not None:
+            out += [flag, str(v)]
     return out

@@ -282,6 +282,12 @@ class GeneratedSource:
         self.cursor += self.batch_size * self.shares
         return self._batch(indices)
 
+    def ready(self, wait: float = 0.0) -> bool:
+        return True
+
+    def behind(self) -> Optional[tuple[int, float]]:
+        return None
+
     def state(self) -> dict[str, Any]:
         return {"cursor": self.cursor}
 

@@ -90,10 +90,10 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _rows(schema: "Schema", columns: _Columns, table: "pyarrow.Table", where: str, first: int
+def _rows(schema: "Schema", columns: _Columns, table: "pyarrow.Table", where: str, numbers: Sequence[int]
           ) -> Iterator["Row | LineError"]:
     """Each record of ``table`` as a ``Row``, or the ``LineError`` saying why it cannot be one;
-    ``first``: the file's record number of its first."""
+    ``numbers``: each one's record number in the file ``where``."""
     data = {name: table.column(name).to_pylist() for name in columns.used}
     labels = data[schema.label]
     numeric = [data[n.column] for n in schema.numeric]
@@ -101,7 +101,7 @@ def _rows(schema: "Schema", columns: _Columns, table: "pyarrow.Table", where: st
                    else data[c.column] for c in schema.categorical]
     lists = [c.column in columns.lists for c in schema.categorical]
     for i, label in enumerate(labels):
-        at = f"{where}:{first + i}"
+        at = f"{where}:{numbers[i]}"
         label = float(label) if label is not None else math.nan
         if not 0.0 <= label <= 1.0:
             yield LineError(f"{at}: the label {schema.label} must be a number in [0, 1], got {labels[i]!r}")
@@ -136,7 +136,8 @@ def check(schema: "Schema", paths: Sequence[Path], records: int) -> None:
                 table = file.read_row_group(group, columns=columns.used)
             except (OSError, _pyarrow().ArrowException) as exc:
                 raise LineError(f"{path}: row group {group} cannot be decoded ({str(exc)[:200]})") from None
-            for row in _rows(schema, columns, table.slice(0, records - seen), str(path), seen + 1):
+            for row in _rows(schema, columns, table.slice(0, records - seen), str(path),
+                             range(seen + 1, records + 1)):
                 if isinstance(row, LineError):
                     raise row
             seen += min(table.num_rows, records - seen)
@@ -169,11 +170,13 @@ class _Groups(Skips):
     shares: int = 1
     start: int = 0
     stop: Optional[int] = None
+    by_record: bool = False         # shares of records, not of row groups (a followed folder's small files)
     lines: int = field(default=0, init=False)      # records of the files passed so far, every share's
 
-    def _tables(self) -> Iterator[tuple["pyarrow.Table", _Columns, str, int, int]]:
+    def _tables(self) -> Iterator[tuple["pyarrow.Table", _Columns, str, np.ndarray, np.ndarray]]:
         """Each of this share's row groups, cut to [start, stop): (its records, the file's columns,
-        the file, the file's record number of its first, the records of every file before it)."""
+        the file, each record's number in the file from 1, and its place among every file's
+        records from 0)."""
         group_number, passed = -1, 0        # groups numbered across the files: shares stay disjoint however cut
         for path in self.paths:
             try:
@@ -188,16 +191,19 @@ class _Groups(Skips):
                 size = file.metadata.row_group(group).num_rows
                 begin, end = passed, passed + size if self.stop is None else min(passed + size, self.stop)
                 passed, in_file = begin + size, in_file + size
-                if group_number % self.shares == self.share and end > max(begin, self.start):
+                if (self.by_record or group_number % self.shares == self.share) and end > max(begin, self.start):
                     try:
                         table = file.read_row_group(group, columns=columns.used)
                     except (OSError, _pyarrow().ArrowException) as exc:
                         self.skip(f"{path}: row group {group} cannot be decoded ({str(exc)[:200]}): its {size} "
                                   f"records are skipped")
                     else:
-                        skip = max(0, self.start - begin)
-                        yield table.slice(skip, end - begin - skip), columns, str(path), in_file - size + 1 + skip, \
-                            begin + skip
+                        first = max(begin, self.start)
+                        places = np.arange(first, end)         # among every file's records, from 0
+                        if self.by_record:
+                            places = places[places % self.shares == self.share]
+                        yield table.take(_pyarrow().array(places - begin)), columns, str(path), \
+                            places - (passed - in_file) + 1, places
                 if self.stop is not None and passed >= self.stop:
                     return
 
@@ -208,10 +214,9 @@ class ParquetRows(_Groups):
     statistics and vocabularies ``rpcps up`` measures); training reads ``ParquetStream``."""
 
     def __iter__(self) -> Iterator[Row]:
-        for table, columns, path, first, begin in self._tables():
-            self.lines = begin
-            for row in _rows(self.schema, columns, table, path, first):
-                self.lines += 1
+        for table, columns, path, numbers, places in self._tables():
+            for row, place in zip(_rows(self.schema, columns, table, path, numbers), places):
+                self.lines = int(place) + 1
                 if isinstance(row, LineError):
                     self.skip(str(row))
                 else:
@@ -233,13 +238,13 @@ class ParquetStream(_Groups):
         pa = _pyarrow()
         pending: list[tuple["pyarrow.Table", np.ndarray]] = []      # records kept, and the position after each
         held = 0
-        for table, columns, path, first, begin in self._tables():
+        for table, columns, path, numbers, places in self._tables():
             bad = _bad(self.schema, table)
             for i in np.flatnonzero(bad):
-                for row in _rows(self.schema, columns, table.slice(int(i), 1), path, first + int(i)):
-                    self.skip(str(row) if isinstance(row, LineError) else f"{path}:{first + int(i)}: unreadable")
+                for row in _rows(self.schema, columns, table.slice(int(i), 1), path, [numbers[i]]):
+                    self.skip(str(row) if isinstance(row, LineError) else f"{path}:{numbers[i]}: unreadable")
             kept = np.flatnonzero(~bad)
-            pending.append((table.take(pa.array(kept)) if bad.any() else table, begin + kept + 1))
+            pending.append((table.take(pa.array(kept)) if bad.any() else table, places[kept] + 1))
             held += len(kept)
             while held >= size:
                 batch_table, after, pending = _take(pending, size)

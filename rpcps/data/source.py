@@ -25,6 +25,10 @@ class Source(Protocol):
     last_skip: Optional[str]  # why the last one was skipped
     truncated: int           # lists cut to their max_length
 
+    def ready(self, wait: float) -> bool:
+        """Whether ``next`` has a batch now, looking for one up to ``wait`` seconds (a source whose
+        data lands while it trains may have none yet; the trainer waits at a step boundary)."""
+
     def next(self) -> Batch:
         """The next training batch; the position moves past it."""
 
@@ -37,6 +41,10 @@ class Source(Protocol):
     def restore(self, states: list[dict[str, Any]], mine: Optional[dict[str, Any]]) -> str:
         """Go on from ``mine`` (this trainer's saved state, the trainers the same), or else from
         ``states`` (every trainer's, saved when they were divided otherwise); in words, how."""
+
+    def behind(self) -> Optional[tuple[int, float]]:
+        """How far training is behind the data that has landed: (records, seconds), or None for
+        data that does not land (files read over and over, generated samples)."""
 
 
 def redivided(states: list[dict[str, Any]]) -> tuple[int, int]:
@@ -95,6 +103,12 @@ class FileSource:
     def truncated(self) -> int:
         """Lists longer than their schema's ``max_length``, cut (a schema's files only)."""
         return getattr(self._stream, "truncated", 0)
+
+    def ready(self, wait: float = 0.0) -> bool:
+        return True
+
+    def behind(self) -> Optional[tuple[int, float]]:
+        return None
 
     def state(self) -> dict[str, Any]:
         return {"cursor": self.cursor, "epoch": self.epoch}

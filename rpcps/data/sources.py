@@ -4,6 +4,7 @@ Criteo files for the built-in DLRM, or a schema's files in the schema's ``format
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
@@ -11,7 +12,9 @@ from rpcps.data.criteo import CriteoStream, table_sizes
 from rpcps.data.files import data_files
 from rpcps.data.formats import reader_of
 from rpcps.data.generated import GeneratedSource, Scored, SyntheticCtr, features
-from rpcps.data.source import FileSource, OpenStream
+from rpcps.data.follow import FollowSource
+from rpcps.data.lines import count_lines
+from rpcps.data.source import FileSource, OpenStream, Source
 
 if TYPE_CHECKING:
     from rpcps.schema import Schema
@@ -30,9 +33,21 @@ def criteo_files(paths: Sequence[Path], cardinalities: Sequence[int]) -> OpenStr
     return lambda share, shares, start, stop: CriteoFeatures(paths, cardinalities, share, shares, start, stop)
 
 
+# (the files read) -> their stream's opener; a followed folder's files are divided by record
+Files = Callable[[Sequence[Path], bool], OpenStream]
+
+
+@dataclass(frozen=True)
+class Follow:
+    """``--follow``: files landing in the folder, trained on as they land (``FollowSource``);
+    ``held``: each file's share held out (without ``--eval-data``)."""
+
+    held: float = 0.0
+
+
 def criteo_source(data: Optional[Path], cardinalities: Sequence[int], hashed: Sequence[int], batch_size: int,
                   held: int, share: int = 0, shares: int = 1, hot: int = 1, data_seed: int = 1,
-                  eval_data: Optional[Path] = None) -> "GeneratedSource | FileSource":
+                  eval_data: Optional[Path] = None, follow: Optional[Follow] = None) -> Source:
     """The built-in DLRM's data (``trainer/ctr/builtin.py``): generated (no ``data``) or Criteo
     files, as the schema's features; the tables in ``hashed`` take raw 64-bit ids. ``held``
     lines of ``data`` are held out, or none when ``eval_data`` are files held out of their own."""
@@ -42,42 +57,45 @@ def criteo_source(data: Optional[Path], cardinalities: Sequence[int], hashed: Se
         except ValueError as exc:
             raise ValueError(f"the servers' {exc}: generated data cannot fill them; use --data") from None
         return GeneratedSource(generator, batch_size, share, shares, hot, hashed=tuple(hashed))
-    paths = data_files(data)
     sizes = table_sizes(cardinalities, hashed)     # a hashed table: the raw 64-bit hash
-    source = FileSource(f"Criteo files {', '.join(map(str, paths))}", criteo_files(paths, sizes), batch_size, held,
-                        share, shares)
-    return _held_apart(source, eval_data, lambda p: criteo_files(p, sizes))
+    return _opened(data, "Criteo", lambda read, by_record: criteo_files(read, sizes),
+                   lambda path: count_lines([path], _ALL), batch_size, held, share, shares, eval_data, follow)
 
 
 def schema_source(schema: "Schema", data: Path, batch_size: int, held: int, share: int = 0, shares: int = 1,
-                  eval_data: Optional[Path] = None) -> FileSource:
+                  eval_data: Optional[Path] = None, follow: Optional[Follow] = None) -> Source:
     """A schema's files; its standardized columns without statistics measured on their first lines.
     ``held`` lines of ``data`` are held out, or none when ``eval_data`` are files of their own."""
     from rpcps.data.tabular import Encoder, measure
-    paths = data_files(data)
-    stats = measure(schema, paths)
+    stats = measure(schema, data_files(data))
     for column, (mean, std) in stats.items():
         log.info("column %s standardized by the mean %.6g and std %.6g of the data's first lines", column, mean, std)
     try:
         encoder = Encoder(schema, stats)
     except ValueError as exc:
         raise ValueError(f"--schema: {exc}") from None
+    reader = reader_of(schema)
 
-    stream = reader_of(schema).stream
-
-    def files(read: Sequence[Path]) -> OpenStream:
-        return lambda s, n, start, stop: stream(encoder, read, s, n, start, stop)
-    source = FileSource(f"{schema.format.upper()} files {', '.join(map(str, paths))}", files(paths), batch_size,
-                        held, share, shares)
-    return _held_apart(source, eval_data, files)
+    def files(read: Sequence[Path], by_record: bool) -> OpenStream:
+        return lambda s, n, start, stop: reader.stream(encoder, read, s, n, start, stop, by_record=by_record)
+    return _opened(data, schema.format.upper(), files, lambda path: reader.count(schema, [path], _ALL), batch_size,
+                   held, share, shares, eval_data, follow)
 
 
-def _held_apart(source: FileSource, eval_data: Optional[Path], files: Callable[[Sequence[Path]], OpenStream]
-                ) -> FileSource:
-    """``source`` evaluated on the files ``eval_data`` names, when it names any: then every line
-    of its own files is trained on."""
-    if eval_data is None:
-        return source
-    paths = data_files(eval_data)
-    source.held, source.evaluated, source.evaluated_what = 0, files(paths), ", ".join(map(str, paths))
-    return source
+_ALL = 1 << 62          # counted to the end
+
+
+def _opened(data: Path, what: str, files: Files, count: Callable[[Path], int], batch_size: int, held: int, share: int,
+            shares: int, eval_data: Optional[Path], follow: Optional[Follow]) -> Source:
+    """``data``'s files read once through and again (``FileSource``), or followed as they land
+    (``FollowSource``); held out: ``held`` first records, or ``follow.held`` of each landing
+    file, or none when ``eval_data`` names files of their own."""
+    evaluated = (files(data_files(eval_data), False), ", ".join(map(str, data_files(eval_data)))) \
+        if eval_data is not None else (None, "")
+    if follow is not None:
+        return FollowSource(data, lambda read: files(read, True), count, batch_size, share, shares,
+                            0.0 if eval_data is not None else follow.held, *evaluated)
+    paths = data_files(data)
+    return FileSource(f"{what} files {', '.join(map(str, paths))}", files(paths, False), batch_size,
+                      0 if eval_data is not None else held, share, shares, evaluated=evaluated[0],
+                      evaluated_what=evaluated[1])

@@ -66,6 +66,36 @@ class CheckpointPlan:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+class ToldPositions:
+    """Positions members told the leader themselves, the newest per member: on stopping
+    (``Coordinator.left``) or on waiting for data (``Coordinator.reached``, a followed stream's
+    trainer between files). Of a told and a saved position, the one with more ``steps`` is newer:
+    a member's steps only grow, across its restarts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._told: dict[str, dict[str, Any]] = {}
+
+    def tell(self, name: str, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._told[name] = state
+
+    def newest(self, saved: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """``saved`` (positions by member), each replaced by its member's told one when that is newer."""
+        with self._lock:
+            told = dict(self._told)
+        newer = {name: state for name, state in told.items()
+                 if name not in saved or _steps(state) >= _steps(saved[name])}
+        return {**saved, **newer}
+
+
+def _steps(state: dict[str, Any]) -> int:
+    try:
+        return int(state.get("steps", -1))
+    except (TypeError, ValueError):
+        return -1
+
+
 def announce(store: Any, standing: Standing) -> None:
     """The leader: publish where the cluster stands (in the rendezvous store) for holders that start later."""
     store.set(CLUSTER_CHECKPOINT_KEY, standing.to_json())
@@ -107,8 +137,7 @@ class Coordinator(Service):
         self._members, self._transport = members, transport
         self._lock = threading.Lock()       # one checkpoint at a time
         self.latest = resumed
-        self._departed: dict[str, dict[str, Any]] = {}   # paused member -> its position when it stopped
-        self._departed_lock = threading.Lock()
+        self._told = ToldPositions()
 
     # --- asked over RPC or HTTP ----------------------------------------------------------------------
     @remote
@@ -136,21 +165,29 @@ class Coordinator(Service):
 
     @remote
     def positions(self) -> Optional[dict[str, Any]]:
-        """The paused members' states in the newest checkpoint this cluster knows,
-        ``{"checkpoint": id, "states": [...]}`` (each member works out its own from them)."""
+        """The paused members' states in the newest checkpoint this cluster knows, each replaced by
+        a newer one its member told since, ``{"checkpoint": id, "states": [...]}`` (each member
+        works out its own from them); None when there is neither."""
         info = self.latest
-        if info is None:
+        states = self._told.newest(self._saved_positions(info) if info is not None else {})
+        if not states:
             return None
-        return {"checkpoint": info.id, "states": list(self._saved_positions(info).values())}
+        return {"checkpoint": info.id if info is not None else "the positions told to the leader",
+                "states": list(states.values())}
 
     @remote
     def left(self, name: str, state: dict) -> None:
         """A paused member stopping says where it was, so checkpoints taken after it left (the final
         one of `docker compose down`, which stops trainers first) still carry its position."""
+        self.reached(name, state)
+
+    @remote
+    def reached(self, name: str, state: dict) -> None:
+        """A paused member says where it is while it waits (a followed stream's trainer between
+        files): a replacement, should it die there, goes on from here, with no record trained twice."""
         if not self._is_position(f"{name}.pt"):
             raise CheckpointError(f"{name} is not a member whose position checkpoints keep")
-        with self._departed_lock:
-            self._departed[name] = state
+        self._told.tell(name, state)
 
     def _saved_positions(self, info: CheckpointInfo) -> dict[str, dict]:
         """The paused members' positions ``info`` saved, by member."""
@@ -224,13 +261,12 @@ class Coordinator(Service):
         chain = int(self.latest.meta.get("chain", 0)) + 1 if bases else 0
         meta.update(kind="delta" if bases else "full", chain=chain, **({"delta": bases} if bases else {}))
         entries, elsewhere = self._write(checkpoint_id, step, holders, meta)
-        with self._departed_lock:
-            departed = dict(self._departed)
-        # Newest first: held now, then left, then a member down now (crashed, not yet back) at its
-        # last known position, so that its restart does not read its share again.
+        # Newest first: held now, then a member gone (stopped, or crashed and not yet back) at the
+        # newer of its last saved and its last told position, so that its restart does not read
+        # its share again.
         latest = self.latest
         last_known = self._saved_positions(latest) if latest is not None and latest.path.exists() else {}
-        positions = {**last_known, **departed, **positions}
+        positions = {**self._told.newest(last_known), **positions}
         for name, state in positions.items():
             entries.append(self.store.write_file(step, f"{name}.pt", state))
         meta = {**meta, "positions": sorted(positions), "pause_seconds": pause_seconds}

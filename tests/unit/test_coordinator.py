@@ -54,7 +54,7 @@ class Position(PausedPart):
         self.log.append(f"resume {self.name}")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "position": self.at}
+        return {"name": self.name, "position": self.at, "steps": self.at}
 
 
 class Cluster:
@@ -108,7 +108,7 @@ def test_one_checkpoint_holds_every_part_at_one_instant(tmp_path):
     assert sorted(info.files) == ["ps0.pt", "ps1.pt", "trainer0.pt", "trainer1.pt"]
     assert info.meta["model"] == {"ntoken": 10} and info.meta["positions"] == ["trainer0", "trainer1"]
     assert store.load_file(info, "ps1.pt")["value"] == "ps1@5"
-    assert cluster.coordinator.positions()["states"][1] == {"name": "trainer1", "position": 5}
+    assert cluster.coordinator.positions()["states"][1] == {"name": "trainer1", "position": 5, "steps": 5}
     assert not list(info.path.glob(".taking-*"))          # the marker is gone
     assert cluster.metrics.checkpoint_last_success._value.get() > 0
 
@@ -218,7 +218,8 @@ def test_a_trainer_down_keeps_its_last_known_position(tmp_path):
     cluster.train(3)
     cluster.coordinator.take()
     states = {s["name"]: s for s in cluster.coordinator.positions()["states"]}
-    assert states == {"trainer0": {"name": "trainer0", "position": 7}, "trainer1": {"name": "trainer1", "position": 4}}
+    assert states == {"trainer0": {"name": "trainer0", "position": 7, "steps": 7},
+                      "trainer1": {"name": "trainer1", "position": 4, "steps": 4}}
     cluster.gone = set()                 # back, and held again: its own position wins
     cluster.train(1)
     cluster.coordinator.take()
@@ -264,3 +265,26 @@ def test_a_shard_that_must_not_be_saved_fails_the_checkpoint_and_the_last_good_o
         assert [c.step for c in store.list()] == [2], name     # nothing of step 5 counts as a checkpoint
     assert cluster.metrics.checkpoint_failures._value.get() == 1
     assert cluster.log.count("resume trainer0") == 2           # trainers went on both times
+
+
+def test_a_position_told_while_waiting_is_where_a_replacement_goes_on_when_newer(tmp_path):
+    # A followed stream's trainer waiting between files tells ps0 where it is; killed there, its
+    # replacement resumes from that, not from the older checkpoint; an older told one loses.
+    cluster = Cluster(tmp_path, shared=True)
+    assert cluster.coordinator.positions() is None
+    cluster.coordinator.reached("trainer1", {"name": "trainer1", "position": 1, "steps": 1})
+    assert cluster.coordinator.positions()["states"] == [{"name": "trainer1", "position": 1, "steps": 1}]
+    cluster.train(4)
+    cluster.coordinator.take()
+    states = {s["name"]: s for s in cluster.coordinator.positions()["states"]}
+    assert states["trainer1"]["position"] == 4, "the checkpoint's is newer than the told one"
+    cluster.coordinator.reached("trainer1", {"name": "trainer1", "position": 6, "steps": 6})
+    states = {s["name"]: s for s in cluster.coordinator.positions()["states"]}
+    assert states["trainer1"]["position"] == 6 and states["trainer0"]["position"] == 4
+    cluster.gone = {"trainer1"}
+    cluster.train(1)
+    cluster.coordinator.take()
+    states = {s["name"]: s for s in cluster.coordinator.positions()["states"]}
+    assert states["trainer1"]["position"] == 6, "a checkpoint without it keeps the newer told position"
+    with pytest.raises(CheckpointError, match="ps1 is not a member whose position"):
+        cluster.coordinator.reached("ps1", {})

@@ -30,6 +30,9 @@ class ScriptedLoop:
         self.task = self
         self.unit = "tokens"
 
+    def ready(self, wait):
+        return True
+
     def step(self):
         outcome = self.script.pop(0)
         if outcome == "lost":

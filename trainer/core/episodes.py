@@ -46,13 +46,40 @@ class _Throughput:
         return {self.unit: self.units, "start": self.start, "end": self.end}
 
 
+class DataWait:
+    """A task with no batch now (a followed folder between files): the trainer waits at a step
+    boundary, where a checkpoint may hold it and a stop ends it, a slice at a time; once a wait
+    begins, it tells where it is (``tell``), so that a replacement, should it die there, goes on
+    from exactly there."""
+
+    SLICE = 0.5       # seconds a wait looks for data before the boundary is checked again
+
+    def __init__(self, loop: TrainLoop, board: StatusBoard, tell: Callable[[], None]) -> None:
+        self.loop, self.board, self.tell = loop, board, tell
+        self.waiting: Optional[str] = None      # the state's words before the wait began
+
+    def ready(self) -> bool:
+        if self.loop.ready(self.SLICE if self.waiting is not None else 0.0):
+            if self.waiting is not None:
+                self.board.set_state(RoleState.RUNNING, self.waiting)
+                self.waiting = None
+            return True
+        if self.waiting is None:
+            self.waiting = self.board.snapshot()["reason"]
+            self.tell()             # before the state says so: whoever reads it may count on it
+            self.board.set_state(RoleState.RUNNING, "waiting for data")
+        return False
+
+
 class EpisodeRunner:
     """``cfg``: the trainer's settings (``trainer/core/config.py``); ``evaluate``: whether episodes
     end with the task's held-out evaluation."""
 
     def __init__(self, loop: TrainLoop, cfg: Any, board: StatusBoard, metrics: TrainerMetrics,
                  gate: EpisodeGate, pause: StepPause, wake: threading.Condition,
-                 evaluate: bool, heartbeat: Callable[[], Any], steps: int = 0) -> None:
+                 evaluate: bool, heartbeat: Callable[[], Any], steps: int = 0,
+                 tell: Callable[[], None] = lambda: None) -> None:
+        """``tell``: say where this trainer is, when it begins to wait for data (``DataWait``)."""
         self.loop, self.cfg, self.board, self.metrics = loop, cfg, board, metrics
         self.gate, self.pause, self._wake, self.evaluates = gate, pause, wake, evaluate
         self.unit = loop.task.unit
@@ -68,6 +95,7 @@ class EpisodeRunner:
         self._cache = CacheCounts()        # --cache-rows: what the copies gave, over every step so far
         self._digests: deque[tuple[int, str]] = deque(maxlen=128)   # --dense allreduce: the replica's last steps
         self.progress = Progress(board, metrics)
+        self.data = DataWait(loop, board, tell)
 
     def run(self, request: EpisodeStart) -> None:
         self.episodes += 1
@@ -105,6 +133,8 @@ class EpisodeRunner:
                 self.pause.boundary()
                 if self.gate.stop_requested:
                     return
+            if not self.data.ready():
+                continue
             started = time.time()
             try:
                 result = self.loop.step()

@@ -95,6 +95,12 @@ class TrainLoop:
         return cls(task, cfg.clip, name=cfg.name, seed=cfg.seed, slow_down=cfg.slow_down,
                    slow_fraction=cfg.slow_fraction, metrics=metrics, prefetch=prefetch, cache=cache)
 
+    def ready(self, wait: float) -> bool:
+        """Whether the task has a batch for a step now, waiting up to ``wait`` seconds for one (a
+        followed folder's next file; a task without ``ready`` always has one)."""
+        ready = getattr(self.task, "ready", None)
+        return True if ready is None else ready(wait)
+
     def position(self, steps: int) -> dict[str, Any]:
         """What a checkpoint saves of where this trainer is: before the batches read ahead."""
         if self.lookahead is None:

@@ -135,7 +135,7 @@ class ServedTrainer(RoleBase):
         steps = self._restore_position(task)
         with self._lock:
             self._episodes = EpisodeRunner(loop, cfg, self.board, self.metrics, self.gate, self.pause, self._wake,
-                                           self.evaluates(), self._heartbeat, steps)
+                                           self.evaluates(), self._heartbeat, steps, tell=self._tell_position)
         # In sync and ssp modes a checkpoint holds trainers at the step clock, where no barrier waits.
         hold = ClockPause(client) if client.consistency.clocked else self.pause
         if model.replica is not None:
@@ -160,6 +160,14 @@ class ServedTrainer(RoleBase):
         withdraw(self.checkpoints)    # no checkpoint may hold it any more
         self._report_position()
         self._leave()
+
+    def _tell_position(self) -> None:
+        """Waiting for data (the training thread, at a step boundary): tell ps0 where this trainer
+        is, so a replacement goes on from here (``Coordinator.reached``)."""
+        try:
+            self._ask_coordinator(Coordinator.reached, self.cfg.name, self._position(), timeout=REPORT_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - ps0 away: the checkpoints' positions still hold
+            log.warning("could not tell ps0 where I wait: %s", exc)
 
     def _report_position(self) -> None:
         """Tell ps0 where this trainer stopped, for the checkpoints taken after it is gone (and

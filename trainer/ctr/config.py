@@ -14,6 +14,7 @@ from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings, replicated_rows_need_replica
 
 if TYPE_CHECKING:
+    from rpcps.data.sources import Follow
     from rpcps.schema import Schema
 
 TableRule = Literal["sgd", "adagrad", "rowwise_adagrad"]
@@ -151,6 +152,13 @@ class CtrDataSettings(SchemaSettings):
     eval_data: Optional[Path] = Field(None, description="held-out files, in --data's format, whose first "
                                                         "--eval-samples lines are evaluated instead of --data's: "
                                                         "then every line of --data is trained on")
+    follow: bool = Field(False, description="--data is a folder whose files are trained on in name order as they "
+                                            "land (written elsewhere and renamed into place), each once; the "
+                                            "trainers wait for the next (it may be empty at the start)")
+    eval_fraction: float = Field(0.05, ge=0, lt=1, description="--follow: each landing file's first records, this "
+                                                              "share of them, held out and never trained on; the "
+                                                              "evaluation reads those of the newest files, up to "
+                                                              "--eval-samples (0: none)")
     clip: float = Field(0.0, ge=0, description="global gradient-norm clip (0: off)")
     prefetch: int = Field(0, ge=0, le=16, description="read the rows of this many batches ahead while a step "
                                                       "computes (async; ssp:K up to K; sync 1, read once the step "
@@ -177,15 +185,33 @@ class CtrDataSettings(SchemaSettings):
         if self.eval_data is not None and self.data is None:
             raise ValueError("--eval-data holds lines out of data files: give --data too (generated data holds out "
                              "its own)")
+        if self.follow:
+            if self.data is None or not self.data.is_dir():
+                raise ValueError(f"--follow watches a folder for files landing: --data {self.data or ''} is "
+                                 f"{'not given' if self.data is None else 'not a folder'}")
+            if self.prefetch:
+                raise ValueError("--follow trains on a batch as soon as it lands; --prefetch would hold it until the "
+                                 "next file: leave it out")
+        elif "eval_fraction" in self.model_fields_set:
+            raise ValueError("--eval-fraction holds out a share of each landing file, with --follow; without it, "
+                             "--eval-samples holds out the data's first lines")
         from rpcps.data.files import checked_data      # the readers, loaded where data is given
-        checked_data(self.data, self.loaded_schema())
+        checked_data(self.data, self.loaded_schema(), empty=self.follow)
         checked_data(self.eval_data, self.loaded_schema())
         return self
 
     @property
     def held_in_data(self) -> int:
-        """The lines of --data held out for evaluation: its first --eval-samples, unless --eval-data."""
-        return 0 if self.eval_data is not None else self.eval_samples
+        """The lines of --data held out for evaluation: its first --eval-samples, unless --eval-data
+        (or --follow, which holds out a share of each file)."""
+        return 0 if self.eval_data is not None or self.follow else self.eval_samples
+
+    def followed(self) -> "Optional[Follow]":
+        """How --follow reads --data, or None without it."""
+        if not self.follow:
+            return None
+        from rpcps.data.sources import Follow
+        return Follow(self.eval_fraction if self.eval_samples and self.eval_data is None else 0.0)
 
 
 # The data settings come first: their clip (0, DLRM's) wins over every trainer's (0.25).

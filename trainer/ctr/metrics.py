@@ -23,6 +23,11 @@ class CtrMetrics(TrainerMetrics):
         self.lists_truncated = self.counter("rpcps_trainer_lists_truncated_total",
                                             "a schema's lists longer than their max_length, cut in training"
                                             ).labels(**self.labels)
+        self.behind_records = self.gauge("rpcps_trainer_behind_records", "--follow: records landed in the folder "
+                                                                         "that this trainer has not reached yet, "
+                                                                         "every trainer's share")
+        self.behind_seconds = self.gauge("rpcps_trainer_behind_seconds", "--follow: seconds since the oldest file "
+                                                                         "not read through landed (0: caught up)")
         for gauge in (self.eval_auc, self.eval_logloss, self.oracle_auc):
             gauge.set(math.nan)       # none yet
 
@@ -31,3 +36,7 @@ class CtrMetrics(TrainerMetrics):
         self.eval_logloss.set(found["logloss"])
         if found.get("oracle_auc") is not None:
             self.oracle_auc.set(found["oracle_auc"])
+
+    def behind(self, records: int, seconds: float) -> None:
+        self.behind_records.set(records)
+        self.behind_seconds.set(seconds)

@@ -29,6 +29,8 @@ HELD_OUT_WARNING = 0.5       # a held-out set past this share of the data is war
 def preflight(cfg: CtrUpSettings) -> list[str]:
     """The warnings to show, or a ``ConfigError`` for what cannot train."""
     warnings = []
+    if cfg.follow and not data_files(cfg.data):
+        return waiting_for_files(cfg)
     if cfg.data is not None:
         schema = cfg.loaded_schema()
         warnings += held_out(schema, data_files(cfg.data), cfg.held_in_data)
@@ -36,6 +38,20 @@ def preflight(cfg: CtrUpSettings) -> list[str]:
             assert schema is not None      # the settings refuse --model without --schema
             warnings += tried_on_data(cfg, schema, cfg.data)
     return warnings
+
+
+def waiting_for_files(cfg: CtrUpSettings) -> list[str]:
+    """A followed folder with no file yet: nothing to try the model on; a ``ConfigError`` if the
+    schema leaves values to the data, which must be settled before the servers start."""
+    schema = cfg.loaded_schema()
+    left = [] if schema is None else \
+        [f"column {n.column}'s mean and std" for n in schema.numeric if n.standardize and n.mean is None] + \
+        [f"table {t.name}'s values" for t in schema.tables if t.vocabulary and t.values is None]
+    if left:
+        raise ConfigError(f"--data {cfg.data} holds no file yet, and --schema leaves {', '.join(left)} to the data: "
+                          f"give them in the schema, or start once a file has landed")
+    return [f"--data {cfg.data} holds no file yet: the trainers wait for the first to land (the model is first run "
+            f"on it then)"]
 
 
 def held_out(schema: Optional[Schema], paths: list[Path], eval_samples: int) -> list[str]:

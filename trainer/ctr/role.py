@@ -51,7 +51,8 @@ class CtrTrainer(ServedTrainer):
             data = hosted["criteo"]
             try:
                 source = criteo_source(cfg.data, data["cardinalities"], data["hashed"], cfg.batch_size,
-                                       cfg.eval_samples, share, cfg.num_trainers, cfg.hot, cfg.data_seed, cfg.eval_data)
+                                       cfg.held_in_data, share, cfg.num_trainers, cfg.hot, cfg.data_seed, cfg.eval_data,
+                                       cfg.followed())
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             return self._task(model, source, share)
@@ -64,8 +65,8 @@ class CtrTrainer(ServedTrainer):
             raise ConfigError(f"--schema {cfg.schema_file} is not the schema the servers host {hosted['model']} with: "
                               f"start every role with the same file")
         try:
-            source = schema_source(schema, cfg.data, cfg.batch_size, cfg.eval_samples, share, cfg.num_trainers,
-                                   cfg.eval_data)
+            source = schema_source(schema, cfg.data, cfg.batch_size, cfg.held_in_data, share, cfg.num_trainers,
+                                   cfg.eval_data, cfg.followed())
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return self._task(model, source, share)

@@ -49,6 +49,8 @@ SPEC = WorkloadSpec(
                                 "ids and by lookups, milliseconds a step", "trainer.ctr.bench_cache"),
              BenchSpec("read", "a schema's files read as a trainer reads them: records/s from CSV and from Parquet, "
                                "the same records", "trainer.ctr.bench_read"),
+             BenchSpec("stream", "event to prediction: files landing in a followed folder, seconds until /predict "
+                                 "answers with a model trained on each", "trainer.ctr.bench_stream"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
                                      "eviction", "ps.server.hashed.bench")),
     scale=(ScaleCase("ctr-sync", "the built-in DLRM in sync, its MLPs replicated and all-reduced", (*_DLRM, *_SYNC),

@@ -32,6 +32,9 @@ class CtrStatus(TrainerStatusBase):
     skipped_lines: int = 0                 # malformed data lines skipped in training
     last_skipped: Optional[str] = None     # the last one, and why
     truncated_lists: int = 0               # a schema's lists longer than their max_length, cut in training
+    behind_records: Optional[int] = None   # --follow: records landed not reached yet (every trainer's share)
+    behind_seconds: Optional[float] = None  # --follow: since the oldest file not read through landed (0: caught up)
+    data_position: Optional[dict] = None   # --follow: the file being read (or read last) and its records passed
 
     def line(self) -> list[str]:
         e = self.eval
@@ -39,4 +42,6 @@ class CtrStatus(TrainerStatusBase):
                                         f"logloss {e.logloss:.4f}"]
         return self.steps_line() + [f"{self.samples_per_s or 0:.0f} samples/s", f"consistency {self.consistency or '-'}"] \
             + quality + self.eta() + self.failures_line() \
-            + ([f"{self.skipped_lines} lines skipped"] if self.skipped_lines else [])
+            + ([f"{self.skipped_lines} lines skipped"] if self.skipped_lines else []) \
+            + ([f"{self.behind_records} records behind ({self.behind_seconds or 0:.1f}s)"]
+               if self.behind_records is not None else [])

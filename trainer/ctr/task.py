@@ -62,6 +62,23 @@ class CtrTask:
             self._truncated = self.source.truncated
         return batch
 
+    def ready(self, wait: float) -> bool:
+        """Whether the source has a batch now (a followed folder may not), waiting up to ``wait``."""
+        ready = self.source.ready(wait)
+        self._behind()
+        return ready
+
+    def _behind(self) -> None:
+        behind = self.source.behind()
+        if behind is None:
+            return
+        records, seconds = behind
+        if self.board is not None:
+            self.board.update(behind_records=records, behind_seconds=round(seconds, 3),
+                              data_position=self.source.state())
+        if self.metrics is not None:
+            self.metrics.behind(records, seconds)
+
     def fetch(self, batch: Any) -> Any:
         return self.model.fetch_for(batch)
 

@@ -1,0 +1,105 @@
+"""A stream, as a user runs one: `rpcps up --data DIR --follow` trains on files as they land in DIR
+(written aside and renamed into place); a trainer killed while it waits between two files is
+replaced and goes on where it was, so that at the end the records trained, counted by every
+trainer process that ever ran, are the records written: none twice, none lost. In sync over CSV,
+and in async over Parquet."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.support.cluster import REPO
+from tests.support.upcli import UpProcess
+from tests.support.wait import wait_until
+
+EXAMPLES = REPO / "examples"
+ROWS, FILES = 400, 4          # records a file, files landed in all
+SAMPLES = re.compile(r'^rpcps_trainer_samples_total\{name="(ctr\d)",role="ctr"\} (\S+)$', re.M)
+
+
+def trained(url):
+    """The records this trainer process has trained on (its counter, from 0 when it started)."""
+    return sum(float(v) for _, v in SAMPLES.findall(httpx.get(f"{url}/metrics", timeout=5).text))
+
+
+@pytest.mark.parametrize("consistency,fmt", [("sync", "csv"), ("async", "parquet")])
+def test_files_landing_are_trained_once_though_a_trainer_dies_between_two(tmp_path, cleanup, consistency, fmt):
+    staging, folder = tmp_path / "staging", tmp_path / "in"
+    made = subprocess.run([sys.executable, "-m", "services.cli", "data", "ratings", "--rows", str(ROWS * FILES),
+                           "--files", str(FILES), "--format", fmt, "--row-group", "100", "--out", str(staging)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    parts = sorted(staging.iterdir())
+    folder.mkdir()
+
+    def land(k):
+        """File k, renamed into place under a name that sorts in landing order."""
+        aside = folder / f".{k:04d}.{fmt}.partial"
+        shutil.copy(parts[k], aside)
+        os.rename(aside, folder / f"{k:04d}.{fmt}")
+
+    schema = tmp_path / "movies.yaml"
+    schema.write_text((EXAMPLES / "movies_deepfm" / "movies.yaml").read_text().replace("format: csv",
+                                                                                        f"format: {fmt}"))
+    land(0)                  # the vocabularies are counted on what is there at the start
+    up = UpProcess(tmp_path, "--workload", "ctr", "--model", "movies_deepfm.model:DeepFM", "--schema", str(schema),
+                   "--data", str(folder), "--follow", "--consistency", consistency, "--num-ps", "2",
+                   "--num-trainers", "2", "--batch-size", "64", "--eval-samples", "0",
+                   env={"PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(REPO)])})
+    cleanup(up)
+    up.wait_event("started", 180)
+    urls = up.cluster()["sidecars"]
+
+    def caught_up(newest):
+        """Every trainer waits, at the end of file ``newest``."""
+        def check():
+            for name in ("ctr0", "ctr1"):
+                try:
+                    status = httpx.get(f"{urls[name]}/status", timeout=5).json()
+                except httpx.HTTPError:
+                    return False
+                position = status.get("data_position") or {}
+                if status["reason"] != "waiting for data" or position.get("file") != f"{newest:04d}.{fmt}" or \
+                        position.get("record") != ROWS or status.get("behind_records") != 0:
+                    return False
+            return True
+        wait_until(check, 180, f"both trainers waiting at the end of file {newest}", interval=0.3)
+
+    caught_up(0)
+    land(1)
+    caught_up(1)
+    before_kill = trained(urls["ctr1"])
+    assert before_kill > 0
+    old_pid = up.cluster()["pids"]["ctr1"]
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: up.cluster()["pids"]["ctr1"] != old_pid, 60, "ctr1 restarted")
+    caught_up(1)                           # the replacement resumed at the end of file 1, and waits there
+    assert trained(urls["ctr1"]) == 0, "the replacement trained nothing again"
+    land(2)
+    land(3)
+    caught_up(3)
+    counted = trained(urls["ctr0"]) + before_kill + trained(urls["ctr1"])
+    assert counted == ROWS * FILES, (counted, up.logs())
+    metrics = httpx.get(f"{urls['ctr0']}/metrics", timeout=5).text
+    assert 'rpcps_trainer_behind_records{name="ctr0",role="ctr"} 0.0' in metrics
+    assert up.terminate(timeout=60) == 0, up.logs()
+    done = up.wait_event("done", 5)
+    assert done["restarts"] >= 1, done
+
+
+def test_bench_stream_measures_event_to_prediction():
+    # The benchmark as a user runs it, briefly: each landed file is served, and the figure is the
+    # time to both every trainer past it and an answer that changed.
+    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", "stream", "--files", "2", "--rows", "512",
+                           "--batch-size", "256"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    assert [f["file"] for f in out["files"]] == ["0000.tsv", "0001.tsv"], out
+    for f in out["files"]:
+        assert 0 < f["answer_changed_s"] <= f["served_s"] and f["trainers_past_s"] <= f["served_s"], f
+    assert set(out["met"]) == {"median_within_5s"}, out
