@@ -29,21 +29,30 @@ def said(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def imported(ref: str, flag: str) -> Any:
+    """What ``ref`` = ``module:attribute`` names, or a ``ModelError`` (naming ``flag``) saying why
+    not. The module is found on the path, the working folder first, in every process alike."""
+    models_from_here()
+    module_name, _, attribute = ref.partition(":")
+    if not module_name or not attribute:
+        raise ModelError(f"{flag} {ref}: give it as module:Class")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except ModuleNotFoundError as exc:
+        raise ModelError(f"{flag} {ref}: no module {exc.name} (is it installed, or in the working folder or on "
+                         f"PYTHONPATH?)") from None
+    except AttributeError:
+        raise ModelError(f"{flag} {ref}: {module_name} has no {attribute}") from None
+    except Exception as exc:    # noqa: BLE001 - a syntax error, or its top level raising: the user's to mend
+        raise ModelError(f"{flag} {ref}: importing {module_name} failed: {said(exc)}") from None
+
+
 def build_model(ref: str, schema: Schema, seed: int, options: Optional[dict[str, Any]] = None) -> nn.Module:
     """``Class(schema, **options)`` for ``ref`` = ``module:Class``, its dense layers drawn from
     ``seed`` (so every process builds the same), or a ``ModelError`` saying what is wrong. The
     module is found on the path, the working folder first, in every process alike."""
-    models_from_here()
-    module_name, _, attribute = ref.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attribute)
-    except ModuleNotFoundError as exc:
-        raise ModelError(f"--model {ref}: no module {exc.name} (is it installed, or in the working folder or on "
-                          f"PYTHONPATH?)") from None
-    except AttributeError:
-        raise ModelError(f"--model {ref}: {module_name} has no {attribute}") from None
-    except Exception as exc:    # noqa: BLE001 - a syntax error, or its top level raising: the user's to mend
-        raise ModelError(f"--model {ref}: importing {module_name} failed: {said(exc)}") from None
+    cls = imported(ref, "--model")
+    attribute = ref.partition(":")[2]
     torch.manual_seed(seed)
     try:
         model = cls(schema, **(options or {}))

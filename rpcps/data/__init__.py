@@ -1,7 +1,8 @@
 """rpcps's data plane: what trainers, ``rpcps data check``, ``rpcps export`` and the serving member
 read, in one place. ``Source`` is what a trainer's batches come from (``source.py``); a schema's
 ``format`` chooses the reader of its files (``formats.py``: CSV, TSV, Parquet; Criteo's and the
-generator's for the built-in DLRM); ``batches`` reads a schema's files in one process, to look at
+generator's for the built-in DLRM); ``Records`` encodes records a source of your own receives
+(``rpcps up --source module:Class``) as a file's lines would be; ``batches`` reads a schema's files in one process, to look at
 what a model is fed, or to train and test it before it goes to a cluster (whose trainers read the
 same files the same way)."""
 from __future__ import annotations
@@ -10,10 +11,11 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from rpcps.batch import Batch
+from rpcps.data.records import Records
 from rpcps.data.source import Source
 from rpcps.schema import Schema
 
-__all__ = ["Source", "batches"]
+__all__ = ["Records", "Source", "batches"]
 
 
 def batches(schema: Schema, data: "str | Path", batch_size: int = 1024, *, skip: int = 0,

@@ -4,15 +4,19 @@ the one over data files of any format.
 A source owns where it is: ``state()`` is what a checkpoint saves of it (opaque to everything but
 the source), and ``restore`` goes on from saved states, this trainer's own or, when the trainers
 were re-divided, every one of them. A new kind of input (a message queue, say) is one class with
-these members; ``docs/guides/sources.md`` shows one.
+these members, named to ``rpcps up`` as ``--source module:Class`` (``load_source``); the docs'
+guide to data shows one.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol
 
 from rpcps.batch import Batch
+
+if TYPE_CHECKING:
+    from rpcps.schema import Schema
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,28 @@ def redivided(states: list[dict[str, Any]]) -> tuple[int, int]:
     epoch = max(int(s.get("epoch", 0)) for s in states)
     furthest = [int(s.get("cursor", 0)) for s in states if int(s.get("epoch", 0)) == epoch]
     return sum(furthest) // len(furthest), epoch
+
+
+MEMBERS = ("description", "skipped", "last_skip", "truncated", "ready", "next", "held_out", "state", "restore",
+           "behind")
+
+
+def load_source(ref: str, schema: "Schema", share: int, shares: int, batch_size: int) -> Source:
+    """A source of your own (``--source module:Class``), built in each trainer as
+    ``Class(schema, share, shares, batch_size)``: trainer ``share`` of ``shares``, ``batch_size``
+    records a batch. A ``ModelError`` says what is wrong with it."""
+    from rpcps.model import ModelError, imported, said
+    cls = imported(ref, "--source")
+    try:
+        source = cls(schema, share, shares, batch_size)
+    except Exception as exc:    # noqa: BLE001 - the user's constructor
+        raise ModelError(f"--source {ref}: {ref.partition(':')[2]}(schema, share, shares, batch_size) raised "
+                         f"{said(exc)}") from None
+    missing = [m for m in MEMBERS if not hasattr(source, m)]
+    if missing:
+        raise ModelError(f"--source {ref}: a source has {', '.join(MEMBERS)} (rpcps.data.Source); "
+                         f"{type(source).__name__} lacks {', '.join(missing)}")
+    return source
 
 
 class Stream(Protocol):

@@ -103,3 +103,36 @@ def test_bench_stream_measures_event_to_prediction():
     for f in out["files"]:
         assert 0 < f["answer_changed_s"] <= f["served_s"] and f["trainers_past_s"] <= f["served_s"], f
     assert set(out["met"]) == {"median_within_5s"}, out
+
+
+def test_a_source_of_your_own_trains_and_resumes_from_its_own_position(tmp_path):
+    # `--source module:Class`: the tests' stand-in for a message queue, one class against
+    # rpcps.data.Source. Its position (a queue offset) is in the checkpoint, and a second run goes
+    # on from it.
+    schema = tmp_path / "ratings.yaml"
+    schema.write_text((REPO / "tests/support/ratings_schema.yaml").read_text().replace(
+        "{column: age, standardize: true}", "{column: age, standardize: true, mean: 38, std: 12}"))
+    flags = ["--workload", "ctr", "--model", "tests.support.ratings_model:RatingsModel", "--schema", str(schema),
+             "--source", "tests.support.queue_source:RatingsQueue", "--num-ps", "1", "--num-trainers", "2",
+             "--batch-size", "32", "--eval-samples", "200", "--json", "--state-dir", str(tmp_path / "state"),
+             "--checkpoint-dir", str(tmp_path / "ck")]
+
+    def up(steps):
+        done = subprocess.run([sys.executable, "-m", "services.cli", "up", *flags, "--steps", str(steps)],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [__import__("json").loads(line) for line in done.stdout.splitlines() if '"done"' in line][-1]
+    first = up(4)
+    assert first["steps"] == 4 and 0 < first["auc"] < 1 and first["eval_samples"] == 200, first
+    second = up(6)
+    assert second["total_steps"] >= 6, second
+    log = (tmp_path / "state" / "logs" / "ctr0.log").read_text()
+    assert "data: the tests' ratings queue" in log
+    # 4 steps of 32 records each, every other offset: ctr0's next is 256.
+    assert re.search(r"resumed position from step-\d+ \(same trainers, same data\): offset 256, step 4", log), \
+        log[-3000:]
+    flags[flags.index("--source") + 1] = "tests.support.queue_source:Nothing"
+    wrong = subprocess.run([sys.executable, "-m", "services.cli", "up", *flags, "--steps", "1", "--no-resume"],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert wrong.returncode != 0
+    assert "--source tests.support.queue_source:Nothing: tests.support.queue_source has no Nothing" in wrong.stderr

@@ -22,6 +22,7 @@ DenseRule = Literal["sgd", "adagrad"]
 Pooling = Literal["sum", "mean"]
 Placement = Literal["auto", "row_wise", "table_wise"]
 
+EVAL_FRACTION = 0.05        # --follow: each landing file's share held out, unless --eval-fraction says otherwise
 SCALE_HELP = "the tables' rows: Criteo Kaggle's 26 cardinalities (33.8 M rows in all) times this"
 DATA_HELP = ("Criteo-format file, or a folder of them (plain or gzip; read in name order), or with --schema "
              "the schema's CSV or TSV files; default: generated Criteo-shaped data")
@@ -152,13 +153,18 @@ class CtrDataSettings(SchemaSettings):
     eval_data: Optional[Path] = Field(None, description="held-out files, in --data's format, whose first "
                                                         "--eval-samples lines are evaluated instead of --data's: "
                                                         "then every line of --data is trained on")
+    source: Optional[str] = Field(None, description="your own source of batches (a message queue, say), as "
+                                                    "module:Class, built in each trainer as Class(schema, share, "
+                                                    "shares, batch_size) (needs --model and --schema; instead of "
+                                                    "--data)")
     follow: bool = Field(False, description="--data is a folder whose files are trained on in name order as they "
                                             "land (written elsewhere and renamed into place), each once; the "
                                             "trainers wait for the next (it may be empty at the start)")
-    eval_fraction: float = Field(0.05, ge=0, lt=1, description="--follow: each landing file's first records, this "
-                                                              "share of them, held out and never trained on; the "
-                                                              "evaluation reads those of the newest files, up to "
-                                                              "--eval-samples (0: none)")
+    eval_fraction: Optional[float] = Field(None, ge=0, lt=1, description="--follow: each landing file's first "
+                                                                        "records, this share of them, held out and "
+                                                                        "never trained on; the evaluation reads those "
+                                                                        "of the newest files, up to --eval-samples "
+                                                                        "(0: none; default 0.05)")
     clip: float = Field(0.0, ge=0, description="global gradient-norm clip (0: off)")
     prefetch: int = Field(0, ge=0, le=16, description="read the rows of this many batches ahead while a step "
                                                       "computes (async; ssp:K up to K; sync 1, read once the step "
@@ -180,11 +186,18 @@ class CtrDataSettings(SchemaSettings):
     def _one_source(self) -> "CtrDataSettings":
         if self.data is not None and self.hot > 1:
             raise ValueError("--hot shapes generated data; Criteo files have one value per feature")
-        if self.schema_file is not None and self.data is None:
-            raise ValueError("--schema describes data files: give --data too")
+        if self.schema_file is not None and self.data is None and self.source is None:
+            raise ValueError("--schema describes data files: give --data (or --source) too")
         if self.eval_data is not None and self.data is None:
             raise ValueError("--eval-data holds lines out of data files: give --data too (generated data holds out "
                              "its own)")
+        if self.source is not None:
+            given = [flag for flag, on in (("--data", self.data is not None), ("--follow", self.follow),
+                                           ("--eval-data", self.eval_data is not None)) if on]
+            if given:
+                raise ValueError(f"--source is where the batches come from: leave out {', '.join(given)}")
+            if self.schema_file is None:
+                raise ValueError("--source reads records by a schema: give --model and --schema")
         if self.follow:
             if self.data is None or not self.data.is_dir():
                 raise ValueError(f"--follow watches a folder for files landing: --data {self.data or ''} is "
@@ -192,7 +205,7 @@ class CtrDataSettings(SchemaSettings):
             if self.prefetch:
                 raise ValueError("--follow trains on a batch as soon as it lands; --prefetch would hold it until the "
                                  "next file: leave it out")
-        elif "eval_fraction" in self.model_fields_set:
+        elif self.eval_fraction is not None:
             raise ValueError("--eval-fraction holds out a share of each landing file, with --follow; without it, "
                              "--eval-samples holds out the data's first lines")
         from rpcps.data.files import checked_data      # the readers, loaded where data is given
@@ -211,7 +224,8 @@ class CtrDataSettings(SchemaSettings):
         if not self.follow:
             return None
         from rpcps.data.sources import Follow
-        return Follow(self.eval_fraction if self.eval_samples and self.eval_data is None else 0.0)
+        fraction = EVAL_FRACTION if self.eval_fraction is None else self.eval_fraction
+        return Follow(fraction if self.eval_samples and self.eval_data is None else 0.0)
 
 
 # The data settings come first: their clip (0, DLRM's) wins over every trainer's (0.25).

@@ -54,8 +54,9 @@ class LocalModel:
 def run_local(cfg: CtrUpSettings, emit: Callable[[dict], None], should_stop: Callable[[], bool],
               interval: float) -> int:
     samples = cfg.batch_size * cfg.num_trainers          # a cluster step's samples, every trainer's
-    if cfg.follow:
-        raise ConfigError("--local reads --data once, in this process; --follow trains a cluster as files land")
+    if cfg.follow or cfg.source:
+        raise ConfigError(f"--local reads --data in this process; {'--follow' if cfg.follow else '--source'} is for a "
+                          f"cluster")
     if not cfg.user_model and cfg.hashed_tables():
         raise ConfigError("--local trains the built-in DLRM with plain tables only: leave out --tables")
     try:

@@ -29,8 +29,13 @@ HELD_OUT_WARNING = 0.5       # a held-out set past this share of the data is war
 def preflight(cfg: CtrUpSettings) -> list[str]:
     """The warnings to show, or a ``ConfigError`` for what cannot train."""
     warnings = []
+    if cfg.source is not None:
+        _settled_without_data(cfg, f"--source {cfg.source} reads no file before the servers start")
+        return []
     if cfg.follow and not data_files(cfg.data):
-        return waiting_for_files(cfg)
+        _settled_without_data(cfg, f"--data {cfg.data} holds no file yet")
+        return [f"--data {cfg.data} holds no file yet: the trainers wait for the first to land (the model is first "
+                f"run on it then)"]
     if cfg.data is not None:
         schema = cfg.loaded_schema()
         warnings += held_out(schema, data_files(cfg.data), cfg.held_in_data)
@@ -40,18 +45,16 @@ def preflight(cfg: CtrUpSettings) -> list[str]:
     return warnings
 
 
-def waiting_for_files(cfg: CtrUpSettings) -> list[str]:
-    """A followed folder with no file yet: nothing to try the model on; a ``ConfigError`` if the
-    schema leaves values to the data, which must be settled before the servers start."""
+def _settled_without_data(cfg: CtrUpSettings, why: str) -> None:
+    """No data to settle what the schema leaves to it before the servers start: a ``ConfigError``
+    if it leaves any (a standardized column's mean and std, a vocabulary's values)."""
     schema = cfg.loaded_schema()
     left = [] if schema is None else \
         [f"column {n.column}'s mean and std" for n in schema.numeric if n.standardize and n.mean is None] + \
         [f"table {t.name}'s values" for t in schema.tables if t.vocabulary and t.values is None]
     if left:
-        raise ConfigError(f"--data {cfg.data} holds no file yet, and --schema leaves {', '.join(left)} to the data: "
-                          f"give them in the schema, or start once a file has landed")
-    return [f"--data {cfg.data} holds no file yet: the trainers wait for the first to land (the model is first run "
-            f"on it then)"]
+        raise ConfigError(f"{why}, and --schema leaves {', '.join(left)} to the data: give them in the schema"
+                          + (", or start once a file has landed" if cfg.follow else ""))
 
 
 def held_out(schema: Optional[Schema], paths: list[Path], eval_samples: int) -> list[str]:

@@ -8,7 +8,8 @@ import logging
 from typing import Optional
 
 from ps.client.cache import HotRows
-from rpcps.data.source import Source
+from rpcps.data.source import Source, load_source
+from rpcps.model import ModelError
 from rpcps.data.sources import criteo_source, schema_source
 from ps.client.stub import PsClient
 from services.errors import ConfigError
@@ -56,14 +57,20 @@ class CtrTrainer(ServedTrainer):
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             return self._task(model, source, share)
-        # A user's model over a schema: this trainer reads the schema's files.
+        # A user's model over a schema: this trainer reads the schema's files, or the user's source.
         schema = cfg.loaded_schema()
-        if schema is None or cfg.data is None:
-            raise ConfigError(f"the servers host {hosted['model']}, which reads files by a schema: give --data and "
-                              f"--schema")
+        if schema is None or (cfg.data is None and cfg.source is None):
+            raise ConfigError(f"the servers host {hosted['model']}, which reads records by a schema: give --schema, "
+                              f"and --data or --source")
         if schema.model_dump(mode="json") != hosted["schema"]:
             raise ConfigError(f"--schema {cfg.schema_file} is not the schema the servers host {hosted['model']} with: "
                               f"start every role with the same file")
+        if cfg.source is not None:
+            try:
+                return self._task(model, load_source(cfg.source, schema, share, cfg.num_trainers, cfg.batch_size),
+                                  share)
+            except ModelError as exc:
+                raise ConfigError(str(exc)) from None
         try:
             source = schema_source(schema, cfg.data, cfg.batch_size, cfg.held_in_data, share, cfg.num_trainers,
                                    cfg.eval_data, cfg.followed())
