@@ -240,6 +240,7 @@ def _signature(fn: Any) -> str:
     except NameError:               # an annotation named only for type checkers
         text = str(inspect.signature(fn)).replace("'", "").replace('"', "")
     for module in ("torch.nn.modules.module.", "rpcps.batch.", "rpcps.tables.", "rpcps.schema.", "ps.spec.rules.",
+                   "rpcps.data.tabular.",
                    "collections.abc.", "typing.", "pathlib."):
         text = text.replace(module, "")
     text = re.sub(r"(: |-> )'([^']*)'", r"\1\2", text)          # a forward reference's quotes
@@ -259,14 +260,18 @@ def api_page() -> str:
 
     import rpcps
     text = [HEADER, "# Python API\n\n", " ".join((rpcps.__doc__ or "").split("\n\n")[0].split()) + "\n\n",
-            "Everything below is `import rpcps`; the rest of the repository is the system's own and may change. "
-            "A guide: [Bring your own model](../guides/your-model.md).\n"]
-    for name in rpcps.__all__:
-        obj = getattr(rpcps, name)
+            "Everything below is `import rpcps` (and `rpcps.data`, what a source of your own is written against); "
+            "the rest of the repository is the system's own and may change. Guides: [Bring your own "
+            "model](../guides/your-model.md), [Data: files, streams and sources](../guides/data.md).\n"]
+    import rpcps.data
+    public = [(f"rpcps.{n}", n, getattr(rpcps, n)) for n in rpcps.__all__] + \
+        [(f"rpcps.data.{n}", n, getattr(rpcps.data, n)) for n in rpcps.data.__all__ if n not in rpcps.__all__]
+    for qualified, name, obj in public:
         # A pydantic model's fields are the schema page's; an exception's signature says nothing.
-        unsigned = inspect.isclass(obj) and (hasattr(obj, "model_fields") or issubclass(obj, Exception))
+        unsigned = inspect.isclass(obj) and (hasattr(obj, "model_fields") or issubclass(obj, Exception)
+                                             or getattr(obj, "_is_protocol", False))
         signature = "" if unsigned else _signature(obj)
-        text.append(f"\n## `rpcps.{name}{signature}`\n\n{inspect.cleandoc(obj.__doc__ or '')}\n")
+        text.append(f"\n## `{qualified}{signature}`\n\n{inspect.cleandoc(obj.__doc__ or '')}\n")
         if inspect.isclass(obj) and hasattr(obj, "model_fields"):
             text.append("\nIts keys and what each means: [Feature schema](schema.md). Each is an attribute of the "
                         "same name; the object is frozen, and `model_copy(update={key: value, ...})` gives a copy "

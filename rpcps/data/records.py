@@ -30,8 +30,12 @@ class Records:
         """Lists cut to their ``max_length`` so far."""
         return self.encoder.truncated
 
-    def row(self, record: Mapping[str, Any], where: str = "record") -> Row:
-        """One record as the encoder's ``Row``, or a ``LineError`` saying what is wrong, at ``where``."""
+    def check(self, record: Mapping[str, Any], where: str = "record") -> None:
+        """A ``LineError`` saying what is wrong with ``record`` (``where``: how to name it), if
+        anything: a source skips and counts such a record, as the readers do."""
+        self._row(record, where)
+
+    def _row(self, record: Mapping[str, Any], where: str) -> Row:
         s = self.schema
         missing = [c for c in s.used_columns if c not in record]
         if missing:
@@ -44,8 +48,8 @@ class Records:
         return Row(label, numeric, [_field(record[c.column]) for c in s.categorical])
 
     def batch(self, records: Sequence[Mapping[str, Any]]) -> Batch:
-        """``records`` as one batch (each must be good: ``row`` says which is not)."""
-        return self.encoder.batch([self.row(r, f"record {i}") for i, r in enumerate(records)])
+        """``records`` as one batch, or a ``LineError`` naming the first bad one (``check`` it first)."""
+        return self.encoder.batch([self._row(r, f"record {i}") for i, r in enumerate(records)])
 
 
 def _number(value: Any, what: str) -> "float | None":

@@ -22,7 +22,11 @@ log = logging.getLogger(__name__)
 
 
 class Source(Protocol):
-    """One trainer's batches: its share of the data, in order, and the held-out batches."""
+    """One trainer's batches: its share of the data, in order, and the held-out batches. Besides
+    the methods below, a source has four attributes: ``description`` (what it reads, in words: a
+    checkpoint's positions are used only by a source that says the same), ``skipped`` and
+    ``last_skip`` (records it could not read, skipped and counted, and why the last one was),
+    and ``truncated`` (lists cut to their ``max_length``)."""
 
     description: str         # what it reads, in words: saved positions are used only by a source that says the same
     skipped: int             # records it could not read, skipped and counted
