@@ -27,8 +27,8 @@ from typing import IO, Iterator, Optional, Sequence
 import numpy as np
 
 from ps.spec.hashing import hashed
-from rpcps.data.lines import CHECKED_LINES, MAX_LINE, LineError, Lines, check_files, quoted, text_of
 from rpcps.data.generated import CATEGORICAL, DENSE, Samples, SyntheticCtr
+from rpcps.data.lines import CHECKED_LINES, MAX_LINE, LineError, Lines, OverLines, check_files, quoted, text_of
 
 FIELDS = 1 + DENSE + CATEGORICAL
 _EMPTY = 1 << 32               # the value of an empty categorical field (real values are 32-bit)
@@ -127,7 +127,7 @@ def row_ids(values: np.ndarray, cardinalities: Sequence[int]) -> np.ndarray:
 
 
 @dataclass
-class CriteoStream:
+class CriteoStream(OverLines):
     """Batches of one trainer's share of Criteo files, read once through (an epoch)."""
 
     paths: Sequence[Path]
@@ -140,19 +140,6 @@ class CriteoStream:
 
     def __post_init__(self) -> None:
         self._lines = Lines(self.paths, parse, self.share, self.shares, self.start, self.stop)
-
-    @property
-    def skipped(self) -> int:
-        return self._lines.skipped
-
-    @property
-    def last_skip(self) -> Optional[str]:
-        return self._lines.last_skip
-
-    @property
-    def lines(self) -> int:
-        """Lines of the files passed so far, every share's."""
-        return self._lines.lines
 
     def batches(self, size: int) -> Iterator[Samples]:
         labels, counts, values = [], [], []

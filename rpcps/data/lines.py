@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Generic, Iterator, Optional, Sequence, TypeVar
+from typing import IO, Any, Callable, Generic, Iterator, Optional, Sequence, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -198,3 +198,23 @@ class Lines(Skips, Generic[T]):
                             self.skip(str(exc))
             except (OSError, EOFError) as exc:
                 self.skip(f"{path}: the rest after line {number} cannot be read: {why(exc)}")
+
+
+class OverLines:
+    """A stream of batches over a reader of records (``_lines``: ``Lines``, or any format's rows):
+    its skips and its position are that reader's."""
+
+    _lines: Any
+
+    @property
+    def skipped(self) -> int:
+        return self._lines.skipped
+
+    @property
+    def last_skip(self) -> Optional[str]:
+        return self._lines.last_skip
+
+    @property
+    def lines(self) -> int:
+        """Records of the files passed so far, every share's."""
+        return self._lines.lines

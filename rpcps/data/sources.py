@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 from rpcps.data.criteo import CriteoStream, table_sizes
 from rpcps.data.files import data_files
+from rpcps.data.follow import FollowSource
 from rpcps.data.formats import reader_of
 from rpcps.data.generated import GeneratedSource, Scored, SyntheticCtr, features
-from rpcps.data.follow import FollowSource
 from rpcps.data.lines import count_lines
 from rpcps.data.source import FileSource, OpenStream, Source
 

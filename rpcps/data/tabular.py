@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from rpcps.batch import Batch, Jagged
-from rpcps.schema import Numeric, Schema
-from rpcps.data.lines import LineError, Lines, check_files, quoted, text_of
 from rpcps.data.files import data_files
 from rpcps.data.formats import RowStream, reader_of
+from rpcps.data.lines import LineError, Lines, OverLines, check_files, quoted, text_of
+from rpcps.schema import Numeric, Schema
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)   # a numeric value beyond it is inf in the model's float32
 MEASURED_LINES = 10_000       # lines of the data's start that measure a standardized column's mean and std
@@ -367,7 +367,7 @@ def measured(schema: Schema, data: Optional[Path], start: int = 0) -> Schema:
 
 
 @dataclass
-class SchemaStream:
+class SchemaStream(OverLines):
     """Batches of one trainer's share of a schema's files, read once through (an epoch): what
     ``FileSource`` reads for a schema, as ``CriteoStream`` is for Criteo's format."""
 
@@ -381,18 +381,6 @@ class SchemaStream:
 
     def __post_init__(self) -> None:
         self._lines = rows_of(self.encoder.schema, self.paths, self.share, self.shares, self.start, self.stop)
-
-    @property
-    def skipped(self) -> int:
-        return self._lines.skipped
-
-    @property
-    def last_skip(self) -> Optional[str]:
-        return self._lines.last_skip
-
-    @property
-    def lines(self) -> int:
-        return self._lines.lines
 
     @property
     def truncated(self) -> int:

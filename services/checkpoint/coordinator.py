@@ -67,10 +67,9 @@ class CheckpointPlan:
 
 
 class ToldPositions:
-    """Positions members told the leader themselves, the newest per member: on stopping
-    (``Coordinator.left``) or on waiting for data (``Coordinator.reached``, a followed stream's
-    trainer between files). Of a told and a saved position, the one with more ``steps`` is newer:
-    a member's steps only grow, across its restarts."""
+    """Positions members told the leader themselves (``Coordinator.tell``), the newest per member.
+    Of a told and a saved position, the one with more ``steps`` is newer: a member's steps only
+    grow, across its restarts."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -165,32 +164,28 @@ class Coordinator(Service):
 
     @remote
     def positions(self) -> Optional[dict[str, Any]]:
-        """The paused members' states in the newest checkpoint this cluster knows, each replaced by
-        a newer one its member told since, ``{"checkpoint": id, "states": [...]}`` (each member
-        works out its own from them); None when there is neither."""
+        """The paused members' states in the newest checkpoint, or told since when newer (``tell``):
+        ``{"checkpoint": id, "states": [...]}``, each member working out its own; None if none."""
         info = self.latest
-        states = self._told.newest(self._saved_positions(info) if info is not None else {})
+        states = self._told.newest(self._saved_positions(info))
         if not states:
             return None
         return {"checkpoint": info.id if info is not None else "the positions told to the leader",
                 "states": list(states.values())}
 
     @remote
-    def left(self, name: str, state: dict) -> None:
-        """A paused member stopping says where it was, so checkpoints taken after it left (the final
-        one of `docker compose down`, which stops trainers first) still carry its position."""
-        self.reached(name, state)
-
-    @remote
-    def reached(self, name: str, state: dict) -> None:
-        """A paused member says where it is while it waits (a followed stream's trainer between
-        files): a replacement, should it die there, goes on from here, with no record trained twice."""
+    def tell(self, name: str, state: dict) -> None:
+        """A paused member says where it is: stopping, so later checkpoints (the final one of `docker
+        compose down`, which stops trainers first) still carry it; or waiting for data (a followed
+        folder's trainer between files), so a replacement dying there goes on from exactly there."""
         if not self._is_position(f"{name}.pt"):
             raise CheckpointError(f"{name} is not a member whose position checkpoints keep")
         self._told.tell(name, state)
 
-    def _saved_positions(self, info: CheckpointInfo) -> dict[str, dict]:
-        """The paused members' positions ``info`` saved, by member."""
+    def _saved_positions(self, info: Optional[CheckpointInfo]) -> dict[str, dict]:
+        """The paused members' positions ``info`` saved, by member (none without it or its folder)."""
+        if info is None or not info.path.exists():
+            return {}
         return {n[:-3]: self.store.load_file(info, n) for n in sorted(info.files) if self._is_position(n)}
 
     def _is_position(self, file_name: str) -> bool:
@@ -264,9 +259,7 @@ class Coordinator(Service):
         # Newest first: held now, then a member gone (stopped, or crashed and not yet back) at the
         # newer of its last saved and its last told position, so that its restart does not read
         # its share again.
-        latest = self.latest
-        last_known = self._saved_positions(latest) if latest is not None and latest.path.exists() else {}
-        positions = {**self._told.newest(last_known), **positions}
+        positions = {**self._told.newest(self._saved_positions(self.latest)), **positions}
         for name, state in positions.items():
             entries.append(self.store.write_file(step, f"{name}.pt", state))
         meta = {**meta, "positions": sorted(positions), "pause_seconds": pause_seconds}

@@ -14,11 +14,11 @@ import sys
 
 import torch
 
+from rpcps.data.generated import SyntheticCtr
 from services.client import SidecarClient
 from tests.support.serverloss import lose_server
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
-from rpcps.data.generated import SyntheticCtr
 
 SMALL = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "32", "--top", "32", "--batch-size", "256",
          "--eval-samples", "1000", "--progress-interval", "1"]

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import rpcps
-from tests.support.cluster import REPO
 from rpcps.quality import auc, logloss
+from tests.support.cluster import REPO
 
 EXAMPLES = REPO / "examples"
 # (folder, model, schema, the data writer's arguments)

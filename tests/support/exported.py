@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
+from rpcps.data.tabular import value_id
+from rpcps.model import build_model
 from rpcps.saved import FORMAT, write_model
 from rpcps.schema import load_schema
 from rpcps.tables import bags_of
-from rpcps.model import build_model
-from rpcps.data.tabular import value_id
 
 HERE = Path(__file__).resolve().parent
 MODEL = "tests.support.ratings_model:RatingsModel"

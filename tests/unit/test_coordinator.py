@@ -200,14 +200,14 @@ class _Unreachable:
 def test_a_departed_trainer_keeps_its_position_in_later_checkpoints(tmp_path):
     cluster = Cluster(tmp_path, shared=True)
     cluster.train(4)
-    cluster.coordinator.left("trainer1", {"name": "trainer1", "position": 4, "said": "goodbye"})
+    cluster.coordinator.tell("trainer1", {"name": "trainer1", "position": 4, "said": "goodbye"})
     cluster.gone = {"trainer1"}
     cluster.train(1)
     cluster.coordinator.take()
     states = {s["name"]: s for s in cluster.coordinator.positions()["states"]}
     assert states["trainer1"]["said"] == "goodbye" and states["trainer0"]["position"] == 5
     with pytest.raises(CheckpointError, match="ps1 is not a member whose position"):
-        cluster.coordinator.left("ps1", {})
+        cluster.coordinator.tell("ps1", {})
 
 
 def test_a_trainer_down_keeps_its_last_known_position(tmp_path):
@@ -272,13 +272,13 @@ def test_a_position_told_while_waiting_is_where_a_replacement_goes_on_when_newer
     # replacement resumes from that, not from the older checkpoint; an older told one loses.
     cluster = Cluster(tmp_path, shared=True)
     assert cluster.coordinator.positions() is None
-    cluster.coordinator.reached("trainer1", {"name": "trainer1", "position": 1, "steps": 1})
+    cluster.coordinator.tell("trainer1", {"name": "trainer1", "position": 1, "steps": 1})
     assert cluster.coordinator.positions()["states"] == [{"name": "trainer1", "position": 1, "steps": 1}]
     cluster.train(4)
     cluster.coordinator.take()
     states = {s["name"]: s for s in cluster.coordinator.positions()["states"]}
     assert states["trainer1"]["position"] == 4, "the checkpoint's is newer than the told one"
-    cluster.coordinator.reached("trainer1", {"name": "trainer1", "position": 6, "steps": 6})
+    cluster.coordinator.tell("trainer1", {"name": "trainer1", "position": 6, "steps": 6})
     states = {s["name"]: s for s in cluster.coordinator.positions()["states"]}
     assert states["trainer1"]["position"] == 6 and states["trainer0"]["position"] == 4
     cluster.gone = {"trainer1"}
@@ -287,4 +287,4 @@ def test_a_position_told_while_waiting_is_where_a_replacement_goes_on_when_newer
     states = {s["name"]: s for s in cluster.coordinator.positions()["states"]}
     assert states["trainer1"]["position"] == 6, "a checkpoint without it keeps the newer told position"
     with pytest.raises(CheckpointError, match="ps1 is not a member whose position"):
-        cluster.coordinator.reached("ps1", {})
+        cluster.coordinator.tell("ps1", {})

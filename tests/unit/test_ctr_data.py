@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from rpcps.data.criteo import MAX_LINE, CriteoError, CriteoStream, check, write
-from rpcps.quality import auc, expected_auc, logloss
 from rpcps.data.generated import CALIBRATED_FROM, KAGGLE_CARDINALITIES, TEST_OFFSET, SyntheticCtr
+from rpcps.quality import auc, expected_auc, logloss
 
 SMALL = SyntheticCtr(seed=3, scale=0.01)
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from ps.spec.rules import Adagrad, RowWiseAdagrad, Sgd, rule
+from rpcps.data.generated import SyntheticCtr, features
+from rpcps.data.sources import GeneratedSource
+from rpcps.quality import auc
 from rpcps.schema import load_schema
 from trainer.ctr import builtin
 from trainer.ctr.config import CtrModelSettings
 from trainer.ctr.local import LocalModel
-from rpcps.quality import auc
-from rpcps.data.sources import GeneratedSource
-from rpcps.data.generated import SyntheticCtr, features
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,16 +6,16 @@ import random
 
 import pytest
 
+from rpcps.data.lines import LineError
+from rpcps.data.tabular import check, named, occupancy, rows_of
+from rpcps.schema import load_schema
+from rpcps.tables import TableConfig as rpcps_table
 from services.config import load
 from services.errors import ConfigError
 from services.upconfig import UpConfig
 from tests.support.cluster import REPO
-from rpcps.data.lines import LineError
 from trainer.ctr.config import CtrUpSettings
 from trainer.ctr.preflight import preflight
-from rpcps.data.tabular import check, named, occupancy, rows_of
-from rpcps.schema import load_schema
-from rpcps.tables import TableConfig as rpcps_table
 
 SCHEMA = REPO / "tests" / "support" / "ratings_schema.yaml"
 GOOD = "tests.support.ratings_model:RatingsModel"

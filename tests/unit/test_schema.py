@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import rpcps
-from tests.support.cluster import REPO
 from rpcps.data.lines import LineError
 from rpcps.data.tabular import Encoder, SchemaStream, check, measure, rows_of, value_id
+from tests.support.cluster import REPO
 
 SCHEMA = """\
 label: y

@@ -73,13 +73,11 @@ class DataWait:
 
 class EpisodeRunner:
     """``cfg``: the trainer's settings (``trainer/core/config.py``); ``evaluate``: whether episodes
-    end with the task's held-out evaluation."""
+    end with the task's held-out evaluation; ``tell``: say where it is as it begins to wait for data."""
 
     def __init__(self, loop: TrainLoop, cfg: Any, board: StatusBoard, metrics: TrainerMetrics,
-                 gate: EpisodeGate, pause: StepPause, wake: threading.Condition,
-                 evaluate: bool, heartbeat: Callable[[], Any], steps: int = 0,
-                 tell: Callable[[], None] = lambda: None) -> None:
-        """``tell``: say where this trainer is, when it begins to wait for data (``DataWait``)."""
+                 gate: EpisodeGate, pause: StepPause, wake: threading.Condition, evaluate: bool,
+                 heartbeat: Callable[[], Any], steps: int = 0, tell: Callable[[], None] = lambda: None) -> None:
         self.loop, self.cfg, self.board, self.metrics = loop, cfg, board, metrics
         self.gate, self.pause, self._wake, self.evaluates = gate, pause, wake, evaluate
         self.unit = loop.task.unit

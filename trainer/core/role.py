@@ -163,9 +163,9 @@ class ServedTrainer(RoleBase):
 
     def _tell_position(self) -> None:
         """Waiting for data (the training thread, at a step boundary): tell ps0 where this trainer
-        is, so a replacement goes on from here (``Coordinator.reached``)."""
+        is, so a replacement goes on from here (``Coordinator.tell``)."""
         try:
-            self._ask_coordinator(Coordinator.reached, self.cfg.name, self._position(), timeout=REPORT_TIMEOUT)
+            self._ask_coordinator(Coordinator.tell, self.cfg.name, self._position(), timeout=REPORT_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - ps0 away: the checkpoints' positions still hold
             log.warning("could not tell ps0 where I wait: %s", exc)
 
@@ -183,6 +183,6 @@ class ServedTrainer(RoleBase):
             except Exception as exc:  # noqa: BLE001 - a server may be gone already; stopping goes on
                 log.warning("could not leave the replica's weights with the servers: %s", exc)
         try:
-            self._ask_coordinator(Coordinator.left, self.cfg.name, position, timeout=REPORT_TIMEOUT)
+            self._ask_coordinator(Coordinator.tell, self.cfg.name, position, timeout=REPORT_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - ps0 may be gone already; stopping goes on
             log.warning("could not leave my position with ps0: %s", exc)

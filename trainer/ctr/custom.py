@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from ps.spec.model import ModelSpec
 from rpcps.batch import Batch
-from rpcps.schema import Schema
 from rpcps.model import ModelError, build_model, said
+from rpcps.schema import Schema
 from services.errors import ConfigError
 from trainer.core.hosted import HostedModel, hosted_spec
 

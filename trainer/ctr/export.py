@@ -23,15 +23,15 @@ from typing import Any, Optional
 import torch
 
 from ps.server.export import whole_model
+from rpcps.data.tabular import measured
+from rpcps.model import models_from_here
 from rpcps.saved import FORMAT, MODEL_FILE, write_model
 from rpcps.schema import Schema
 from rpcps.tables import bags_of
 from services.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore
 from services.errors import ConfigError
 from trainer.core.hosted import dense_parameters, hosted_spec, table_param
-from rpcps.model import models_from_here
 from trainer.ctr.custom import hosted_module
-from rpcps.data.tabular import measured
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

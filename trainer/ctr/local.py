@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rpcps.data.sources import criteo_source, schema_source
 from services.errors import ConfigError
 from trainer.ctr import builtin
 from trainer.ctr.config import CtrModelSettings, CtrUpSettings
-from rpcps.data.sources import criteo_source, schema_source
 from trainer.ctr.task import CtrTask
 
 

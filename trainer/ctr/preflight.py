@@ -11,14 +11,14 @@ from typing import Optional
 
 import yaml
 
-from rpcps.schema import Schema
-from services.errors import ConfigError
 from rpcps.data.files import data_files
 from rpcps.data.formats import reader_of
-from trainer.ctr.config import CtrUpSettings
-from trainer.ctr.custom import tried
 from rpcps.data.tabular import (MEASURED_LINES, Encoder, Occupancy, measure, measured, named, occupancy, rows_of,
                                  vocabularies)
+from rpcps.schema import Schema
+from services.errors import ConfigError
+from trainer.ctr.config import CtrUpSettings
+from trainer.ctr.custom import tried
 
 SAMPLE_LINES = 10_000        # the data's first lines, whose values are counted
 FORWARD_SAMPLES = 64         # the samples the model is run forward over

@@ -8,10 +8,10 @@ import logging
 from typing import Optional
 
 from ps.client.cache import HotRows
-from rpcps.data.source import Source, load_source
-from rpcps.model import ModelError
-from rpcps.data.sources import criteo_source, schema_source
 from ps.client.stub import PsClient
+from rpcps.data.source import Source, load_source
+from rpcps.data.sources import criteo_source, schema_source
+from rpcps.model import ModelError
 from services.errors import ConfigError
 from services.names import parse_name
 from services.role import RoleContext

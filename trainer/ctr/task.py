@@ -9,10 +9,10 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 import torch
 
+from rpcps.data.source import Source
+from rpcps.quality import auc, logloss
 from services.lifecycle import StatusBoard
 from trainer.ctr.metrics import CtrMetrics
-from rpcps.quality import auc, logloss
-from rpcps.data.source import Source
 
 log = logging.getLogger(__name__)
 

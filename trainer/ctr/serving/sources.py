@@ -13,14 +13,14 @@ import torch
 
 from ps.client.stub import PsClient
 from ps.spec.surface import PsSurface
+from rpcps.data.criteo import table_sizes
+from rpcps.data.tabular import measured
 from rpcps.saved import load_model
 from rpcps.schema import Schema
 from services.errors import ConfigError, PeerUnavailable
 from trainer.core.hosted import table_param
 from trainer.ctr.custom import SchemaModel, hosted_module
-from rpcps.data.criteo import table_sizes
 from trainer.ctr.serving.rows import CriteoRows, RowFormat, SchemaRows
-from rpcps.data.tabular import measured
 
 
 @dataclass(frozen=True)
