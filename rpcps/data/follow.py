@@ -73,7 +73,8 @@ class FollowSource:
 
     @property
     def truncated(self) -> int:
-        return self._truncated + getattr(self._stream, "truncated", 0)
+        """Lists cut so far: every file's stream shares one encoder, whose count goes on across files."""
+        return getattr(self._stream, "truncated", self._truncated)
 
     # --- the Source protocol -------------------------------------------------------------------------
     def ready(self, wait: float = 0.0) -> bool:
@@ -152,7 +153,7 @@ class FollowSource:
     def _pending_end(self) -> None:
         """The open file read through: its end is the position (when ``next`` gives no more of it)."""
         assert self._stream is not None
-        self._truncated += getattr(self._stream, "truncated", 0)
+        self._truncated = getattr(self._stream, "truncated", self._truncated)
         end = self._count(self._path(self.file))
         self._close()
         self.record = max(self.record, end)

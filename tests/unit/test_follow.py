@@ -138,3 +138,14 @@ def test_a_file_that_cannot_be_read_is_skipped_and_the_stream_goes_on(tmp_path):
     land(tmp_path / "in", "b", range(0, 6), "parquet")
     assert drain(source) == list(range(6))
     assert source.skipped == 1 and "a: not a readable Parquet file" in source.last_skip
+
+
+def test_lists_cut_are_counted_once_across_files(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "s.yaml").write_text(SCHEMA.format(fmt="csv").replace("{column: item, table: item}",
+                                                                      "{column: item, table: item, separator: '|'}"))
+    source = schema_source(rpcps.load_schema(tmp_path / "s.yaml"), tmp_path / "in", 4, 0, follow=Follow())
+    for name in ("a", "b"):
+        (tmp_path / "in" / name).write_text("y,x,item\n1,1,p|q\n0,2,p\n")
+        drain(source)
+        assert source.truncated == (1 if name == "a" else 2)
