@@ -33,11 +33,14 @@ def _unreadable(data: Path, exc: OSError) -> str:
     return f"{data} cannot be read: {exc.strerror or exc}"
 
 
-def checked_data(data: Optional[Path], schema: "Optional[Schema]" = None, *, empty: bool = False) -> None:
+FOLLOWED_CHECKED = 4          # a followed folder's newest files checked at a start (it may hold thousands)
+
+
+def checked_data(data: Optional[Path], schema: "Optional[Schema]" = None, *, follow: bool = False) -> None:
     """A ``ValueError`` saying why ``data`` cannot be read, or naming the first record of its first
     ``CHECKED_LINES`` in each file that is not in its format (Criteo's, or ``schema``'s): refused
-    before anything starts, with the file and line. ``empty``: a folder with no file yet is
-    accepted (a stream's, whose files land later)."""
+    before anything starts, with the file and line. ``follow``: a folder files land in, which may
+    have none yet, and whose newest ``FOLLOWED_CHECKED`` are checked (the others may be read already)."""
     if data is None:
         return
     try:
@@ -45,8 +48,10 @@ def checked_data(data: Optional[Path], schema: "Optional[Schema]" = None, *, emp
     except OSError as exc:
         raise ValueError(_unreadable(data, exc)) from None
     paths = data_files(data)
-    if not paths and empty and data.is_dir():
-        return
+    if follow and data.is_dir():
+        if not paths:
+            return
+        paths = paths[-FOLLOWED_CHECKED:]
     from rpcps.data.formats import reader_of
     try:
         reader_of(schema).check(schema, paths, CHECKED_LINES)

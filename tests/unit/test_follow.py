@@ -149,3 +149,20 @@ def test_lists_cut_are_counted_once_across_files(tmp_path):
         (tmp_path / "in" / name).write_text("y,x,item\n1,1,p|q\n0,2,p\n")
         drain(source)
         assert source.truncated == (1 if name == "a" else 2)
+
+
+def test_a_followed_folder_may_be_empty_and_only_its_newest_files_are_checked(tmp_path):
+    from rpcps.data.files import FOLLOWED_CHECKED, checked_data
+    (tmp_path / "s.yaml").write_text(SCHEMA.format(fmt="csv"))
+    schema, folder = rpcps.load_schema(tmp_path / "s.yaml"), tmp_path / "in"
+    folder.mkdir()
+    checked_data(folder, schema, follow=True)
+    with pytest.raises(ValueError, match="holds no data files"):
+        checked_data(folder, schema)
+    (folder / "0000").write_text("y,x,item\n7,1,a\n")            # read long ago, maybe
+    for k in range(1, FOLLOWED_CHECKED + 1):
+        land(folder, f"{k:04d}", range(3), "csv")
+    checked_data(folder, schema, follow=True)
+    (folder / f"{FOLLOWED_CHECKED + 1:04d}").write_text("y,x,item\n7,1,a\n")
+    with pytest.raises(ValueError, match="the label y must be a number in"):
+        checked_data(folder, schema, follow=True)

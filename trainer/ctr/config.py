@@ -209,7 +209,7 @@ class CtrDataSettings(SchemaSettings):
             raise ValueError("--eval-fraction holds out a share of each landing file, with --follow; without it, "
                              "--eval-samples holds out the data's first lines")
         from rpcps.data.files import checked_data      # the readers, loaded where data is given
-        checked_data(self.data, self.loaded_schema(), empty=self.follow)
+        checked_data(self.data, self.loaded_schema(), follow=self.follow)
         checked_data(self.eval_data, self.loaded_schema())
         return self
 
