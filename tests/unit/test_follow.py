@@ -166,3 +166,36 @@ def test_a_followed_folder_may_be_empty_and_only_its_newest_files_are_checked(tm
     (folder / f"{FOLLOWED_CHECKED + 1:04d}").write_text("y,x,item\n7,1,a\n")
     with pytest.raises(ValueError, match="the label y must be a number in"):
         checked_data(folder, schema, follow=True)
+
+
+def test_follow_is_refused_with_dense_allreduce(tmp_path):
+    from services.config import load
+    from services.errors import ConfigError
+    from trainer.ctr.config import CtrTrainerConfig
+    (tmp_path / "in").mkdir()
+    with pytest.raises(ConfigError, match="--follow with --dense allreduce: a trainer waiting for the next file"):
+        load(CtrTrainerConfig, {"data": str(tmp_path / "in"), "follow": "true", "dense": "allreduce",
+                                "consistency": "sync"}, {})
+
+
+def test_a_trainer_waiting_for_data_leaves_the_step_clock_and_tells_where_it_is_once():
+    # In sync mode a waiting trainer must hold nobody's step: one with a batch more of a file, or a
+    # replacement a step out of phase, steps on; it tells its position before its state says "waiting".
+    from services.lifecycle import RoleState, StatusBoard
+    from trainer.core.episodes import DataWait
+    said = []
+
+    class Loop:
+        answers = [True, False, False, True]
+
+        def ready(self, wait):
+            said.append(f"ready {wait}")
+            return self.answers.pop(0)
+    board = StatusBoard("ctr", "ctr0")
+    board.set_state(RoleState.RUNNING, "episode 1")
+    wait = DataWait(Loop(), board, tell=lambda: said.append(f"tell ({board.snapshot()['reason']})"),
+                    leave=lambda: said.append("leave"))
+    assert [wait.ready() for _ in range(4)] == [True, False, False, True]
+    assert said == ["ready 0.0", "ready 0.0", "leave", "tell (episode 1)", f"ready {DataWait.SLICE}",
+                    f"ready {DataWait.SLICE}"]
+    assert board.snapshot()["reason"] == "episode 1"

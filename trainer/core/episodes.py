@@ -48,14 +48,16 @@ class _Throughput:
 
 class DataWait:
     """A task with no batch now (a followed folder between files): the trainer waits at a step
-    boundary, where a checkpoint may hold it and a stop ends it, a slice at a time; once a wait
+    boundary, where a checkpoint may hold it and a stop ends it, a slice at a time. Once a wait
     begins, it tells where it is (``tell``), so that a replacement, should it die there, goes on
-    from exactly there."""
+    from exactly there, and leaves the step clock (``leave``), so that in sync mode nobody's step
+    waits for it: one with a batch more of a file, or a replacement a step out of phase, steps on."""
 
     SLICE = 0.5       # seconds a wait looks for data before the boundary is checked again
 
-    def __init__(self, loop: TrainLoop, board: StatusBoard, tell: Callable[[], None]) -> None:
-        self.loop, self.board, self.tell = loop, board, tell
+    def __init__(self, loop: TrainLoop, board: StatusBoard, tell: Callable[[], None],
+                 leave: Callable[[], None]) -> None:
+        self.loop, self.board, self.tell, self.leave = loop, board, tell, leave
         self.waiting: Optional[str] = None      # the state's words before the wait began
 
     def ready(self) -> bool:
@@ -66,6 +68,7 @@ class DataWait:
             return True
         if self.waiting is None:
             self.waiting = self.board.snapshot()["reason"]
+            self.leave()
             self.tell()             # before the state says so: whoever reads it may count on it
             self.board.set_state(RoleState.RUNNING, "waiting for data")
         return False
@@ -93,7 +96,7 @@ class EpisodeRunner:
         self._cache = CacheCounts()        # --cache-rows: what the copies gave, over every step so far
         self._digests: deque[tuple[int, str]] = deque(maxlen=128)   # --dense allreduce: the replica's last steps
         self.progress = Progress(board, metrics)
-        self.data = DataWait(loop, board, tell)
+        self.data = DataWait(loop, board, tell, self._leave_clock)
 
     def run(self, request: EpisodeStart) -> None:
         self.episodes += 1

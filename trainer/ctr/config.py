@@ -238,6 +238,7 @@ class CtrTrainerConfig(CtrDataSettings, TrainerSettings):
     @model_validator(mode="after")
     def _check(self) -> "CtrTrainerConfig":
         self._check_role("ctr")
+        _follow_without_allreduce(self.follow, self.dense)
         replicated_rows_need_replica(bool(self.cache_rows or self.cache_share), self.cache_staleness, self.dense)
         return self
 
@@ -256,7 +257,14 @@ class CtrUpSettings(CtrDataSettings, TrainersUpSettings, CtrModelSettings):
 
     @model_validator(mode="after")
     def _prefetch_within_consistency(self) -> "CtrUpSettings":
+        _follow_without_allreduce(self.follow, self.dense)
         cached = self.cache_rows or self.cache_share
         Consistency.parse(self.consistency).check_reads(self.prefetch, self.cache_staleness if cached else 0)
         replicated_rows_need_replica(bool(cached), self.cache_staleness, self.dense)
         return self
+
+
+def _follow_without_allreduce(follow: bool, dense: str) -> None:
+    if follow and dense == "allreduce":
+        raise ValueError("--follow with --dense allreduce: a trainer waiting for the next file would hold every "
+                         "other trainer's all-reduce; use --dense ps")
