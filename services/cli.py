@@ -413,6 +413,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except CliError as exc:
         print(f"rpcps {cmd}: {exc}", file=sys.stderr)
         sys.exit(1)
+    except BrokenPipeError:
+        # The reader of the output went away (`rpcps data check … | head`): no traceback for that, and
+        # stdout pointed at nothing so that the interpreter's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 if __name__ == "__main__":

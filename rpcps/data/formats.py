@@ -28,10 +28,9 @@ class Format:
     ``records`` of each file that is not in this format; ``rows(schema, paths, share, shares,
     start, stop, logged)``: one share's rows, from record ``start`` to ``stop``, the unreadable
     ones skipped and counted (and logged, when ``logged``); ``stream(encoder, paths, share,
-    shares, start, stop, by_record)``: the same records as batches (``rpcps.data.source.Stream``),
-    as a trainer reads them (``by_record``: a share is every ``shares``-th record, not a format's
-    own unit, as a followed folder's small files are divided); ``count(schema, paths, limit)``: the files' records, counted no further
-    than ``limit``."""
+    shares, start, stop)``: the same records as batches (``rpcps.data.source.Stream``), as a
+    trainer reads them; ``count(schema, paths, limit)``: the files' records, counted no further
+    than ``limit``. Share ``k`` of ``n`` is records ``k``, ``k + n``, … in every format."""
 
     check: Callable[["Optional[Schema]", Sequence[Path], int], None]
     count: Callable[["Optional[Schema]", Sequence[Path], int], int]
@@ -44,8 +43,8 @@ def _text() -> Format:
     from rpcps.data.lines import count_lines
     return Format(tabular.text_check, lambda schema, paths, limit: count_lines(paths, limit, schema.header),
                   tabular.text_rows,
-                  lambda encoder, paths, share=0, shares=1, start=0, stop=None, by_record=True:
-                  tabular.SchemaStream(encoder, paths, share, shares, start, stop))       # lines: always by record
+                  lambda encoder, paths, share=0, shares=1, start=0, stop=None:
+                  tabular.SchemaStream(encoder, paths, share, shares, start, stop))
 
 
 def _criteo() -> Format:
@@ -60,9 +59,8 @@ def _parquet() -> Format:
     return Format(parquet.check, parquet.count,
                   lambda schema, paths, share, shares, start, stop, logged:
                   parquet.ParquetRows(schema, paths, share, shares, start, stop, logged=logged),
-                  lambda encoder, paths, share=0, shares=1, start=0, stop=None, by_record=False:
-                  parquet.ParquetStream(encoder.schema, paths, share, shares, start, stop, by_record=by_record,
-                                        encoder=encoder))
+                  lambda encoder, paths, share=0, shares=1, start=0, stop=None:
+                  parquet.ParquetStream(encoder.schema, paths, share, shares, start, stop, encoder=encoder))
 
 
 # Loaded on first use: a format's reader (pyarrow's, say) is imported only where its files are read.

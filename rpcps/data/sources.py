@@ -33,8 +33,8 @@ def criteo_files(paths: Sequence[Path], cardinalities: Sequence[int]) -> OpenStr
     return lambda share, shares, start, stop: CriteoFeatures(paths, cardinalities, share, shares, start, stop)
 
 
-# (the files read) -> their stream's opener; a followed folder's files are divided by record
-Files = Callable[[Sequence[Path], bool], OpenStream]
+# (the files read) -> their stream's opener
+Files = Callable[[Sequence[Path]], OpenStream]
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def criteo_source(data: Optional[Path], cardinalities: Sequence[int], hashed: Se
             raise ValueError(f"the servers' {exc}: generated data cannot fill them; use --data") from None
         return GeneratedSource(generator, batch_size, share, shares, hot, hashed=tuple(hashed))
     sizes = table_sizes(cardinalities, hashed)     # a hashed table: the raw 64-bit hash
-    return _opened(data, "Criteo", lambda read, by_record: criteo_files(read, sizes),
+    return _opened(data, "Criteo", lambda read: criteo_files(read, sizes),
                    lambda path: count_lines([path], _ALL), batch_size, held, share, shares, eval_data, follow)
 
 
@@ -76,8 +76,8 @@ def schema_source(schema: "Schema", data: Path, batch_size: int, held: int, shar
         raise ValueError(f"--schema: {exc}") from None
     reader = reader_of(schema)
 
-    def files(read: Sequence[Path], by_record: bool) -> OpenStream:
-        return lambda s, n, start, stop: reader.stream(encoder, read, s, n, start, stop, by_record=by_record)
+    def files(read: Sequence[Path]) -> OpenStream:
+        return lambda s, n, start, stop: reader.stream(encoder, read, s, n, start, stop)
     return _opened(data, schema.format.upper(), files, lambda path: reader.count(schema, [path], _ALL), batch_size,
                    held, share, shares, eval_data, follow)
 
@@ -90,12 +90,12 @@ def _opened(data: Path, what: str, files: Files, count: Callable[[Path], int], b
     """``data``'s files read once through and again (``FileSource``), or followed as they land
     (``FollowSource``); held out: ``held`` first records, or ``follow.held`` of each landing
     file, or none when ``eval_data`` names files of their own."""
-    evaluated = (files(data_files(eval_data), False), ", ".join(map(str, data_files(eval_data)))) \
+    evaluated = (files(data_files(eval_data)), ", ".join(map(str, data_files(eval_data)))) \
         if eval_data is not None else (None, "")
     if follow is not None:
-        return FollowSource(data, lambda read: files(read, True), count, batch_size, share, shares,
+        return FollowSource(data, files, count, batch_size, share, shares,
                             0.0 if eval_data is not None else follow.held, *evaluated)
     paths = data_files(data)
-    return FileSource(f"{what} files {', '.join(map(str, paths))}", files(paths, False), batch_size,
+    return FileSource(f"{what} files {', '.join(map(str, paths))}", files(paths), batch_size,
                       0 if eval_data is not None else held, share, shares, evaluated=evaluated[0],
                       evaluated_what=evaluated[1])

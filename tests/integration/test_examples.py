@@ -99,24 +99,32 @@ def test_an_example_trains_on_servers_as_its_readme_says(tmp_path, monkeypatch, 
         assert done["local"] and done["steps"] == 3 and 0 < done["auc"] < 1, done
 
 
-def test_the_movies_example_trains_the_same_from_parquet_as_from_the_same_rows_in_csv(tmp_path):
-    # The same samples written both ways; the schema's format the only change. One trainer reads
-    # every record in order either way, so the runs must agree to the bit.
+def test_the_movies_example_trains_on_two_trainers_from_parquet_written_as_most_users_write_it(tmp_path):
+    # The CSV converted as most users would (pyarrow's read_csv, then write_table: one row group),
+    # the schema's format the only change; two trainers in sync mode. Each trainer's share is the
+    # same records in either format, so the runs agree (the servers may sum a step's two gradients
+    # in either order: within 0.002 AUC, as asked).
+    import pyarrow.csv
+    import pyarrow.parquet
+    made = cli(tmp_path, "data", "ratings", "--rows", "3000", "--out", str(tmp_path / "csv"))
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "parquet").mkdir()
+    written = tmp_path / "parquet" / "part_0.parquet"
+    pyarrow.parquet.write_table(pyarrow.csv.read_csv(tmp_path / "csv" / "part_0.csv"), written)
+    assert pyarrow.parquet.ParquetFile(written).metadata.num_row_groups == 1
     schema = tmp_path / "movies.yaml"
     schema.write_text((EXAMPLES / "movies_deepfm" / "movies.yaml").read_text().replace("format: csv",
                                                                                         "format: parquet"))
     found = {}
     for fmt, schema_file in (("csv", EXAMPLES / "movies_deepfm" / "movies.yaml"), ("parquet", schema)):
-        made = cli(tmp_path, "data", "ratings", "--rows", "3000", "--format", fmt, "--row-group", "500", "--out",
-                   str(tmp_path / fmt))
-        assert made.returncode == 0, made.stderr
         up = cli(tmp_path, "up", "--workload", "ctr", "--model", "movies_deepfm.model:DeepFM", "--schema",
-                 str(schema_file), "--data", str(tmp_path / fmt), "--steps", "12", "--batch-size", "128",
-                 "--eval-samples", "500", "--num-ps", "2", "--num-trainers", "1", "--json",
+                 str(schema_file), "--data", str(tmp_path / fmt), "--steps", "6", "--batch-size", "128",
+                 "--eval-samples", "500", "--num-ps", "2", "--num-trainers", "2", "--consistency", "sync", "--json",
                  "--state-dir", str(tmp_path / f"state-{fmt}"), "--checkpoint-dir", str(tmp_path / f"ck-{fmt}"))
         assert up.returncode == 0, up.stderr[-3000:]
         found[fmt] = [json.loads(line) for line in up.stdout.splitlines() if '"done"' in line][-1]
     csv_done, parquet_done = found["csv"], found["parquet"]
-    assert csv_done["steps"] == parquet_done["steps"] == 12 and csv_done["eval_samples"] == 500
+    assert csv_done["total_steps"] == parquet_done["total_steps"] == 12 and csv_done["eval_samples"] == 500, found
+    assert parquet_done["loss_first"] == csv_done["loss_first"], found      # the same first batches
     assert 0.5 < csv_done["auc"] < 1, csv_done
-    assert (parquet_done["auc"], parquet_done["logloss"]) == (csv_done["auc"], csv_done["logloss"]), found
+    assert abs(parquet_done["auc"] - csv_done["auc"]) <= 0.002, found

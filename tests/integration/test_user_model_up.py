@@ -39,6 +39,22 @@ def test_a_users_model_and_schema_train_check_and_resume_resharded(tmp_path, cle
     assert genres["max_length"] == 3 and 0 < genres["truncated_rate"] < 1 and genres["distinct"] == 18, genres
     age = next(n for n in seen["numeric"] if n["column"] == "age")
     assert age["standardized_by"]["measured"] and 1 <= age["min"] <= age["mean"] <= age["max"] <= 56, age
+    # The tables `rpcps up` warns of (the same rule: test_preflight), with its words.
+    advised = {t["table"]: t["advice"] for t in seen["tables"] if t["advice"]}
+    assert sorted(advised) == ["genre", "movie", "occupation"], advised
+    assert "make it `hashed: true`" in advised["movie"] and "give it more rows" in advised["genre"], advised
+    short = cli(tmp_path, "data", "check", "--schema", str(SCHEMA), "--data", str(data), "--num-trainers", "3000",
+                "--eval-samples", "500")
+    assert short.returncode == 2 and "--data has 2501 records to train on after the 500 held out, fewer than the " \
+        "3000 trainers" in short.stderr, short.stderr
+    # Its reader gone (`| head`): no traceback.
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as closed:
+        gone = subprocess.run([sys.executable, "-m", "services.cli", "data", "check", "--schema", str(SCHEMA),
+                               "--data", str(data)], stdout=closed, stderr=subprocess.PIPE, text=True, timeout=120,
+                              cwd=tmp_path, env={**os.environ, **ENV})
+    assert gone.returncode == 1 and "Traceback" not in gone.stderr, gone.stderr
 
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text(SCHEMA.read_text().replace("table: genre,", "table: genres,"))

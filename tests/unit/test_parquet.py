@@ -1,5 +1,5 @@
-"""Parquet files (``format: parquet``): the same records as CSV give the same batches; row groups
-are divided among trainers, a position resumes exactly; every bad value is skipped and counted
+"""Parquet files (``format: parquet``): the same records as CSV give the same batches, on any
+number of trainers however the files were cut into row groups; a position resumes exactly; every bad value is skipped and counted
 with its file, record and column, and a bad file is refused before anything starts or skipped
 while training, never a crash."""
 import argparse
@@ -71,14 +71,19 @@ def test_the_same_records_as_csv_give_the_same_batches(tmp_path):
             assert torch.equal(a.sparse[name].offsets, b.sparse[name].offsets), name
 
 
-def test_row_groups_are_divided_among_trainers_across_files(tmp_path):
+def test_records_are_divided_among_trainers_however_the_files_were_cut(tmp_path):
     s = schema(tmp_path)
-    write(tmp_path / "a.parquet", 10, row_group=4)             # groups 0, 1, 2 (records 0-3, 4-7, 8-9)
-    write(tmp_path / "b.parquet", 6, row_group=4, x=list(range(10, 16)))     # groups 3, 4
+    write(tmp_path / "a.parquet", 10, row_group=4)             # groups of records 0-3, 4-7, 8-9
+    write(tmp_path / "b.parquet", 6, row_group=4, x=list(range(10, 16)))
     paths, encoder = data_files(tmp_path), Encoder(s)
     shares = [xs(ParquetStream(s, paths, k, 2, encoder=encoder).batches(3)) for k in range(2)]
-    assert shares == [[0, 1, 2, 3, 8, 9, 14, 15], [4, 5, 6, 7, 10, 11, 12, 13]]
-    assert xs(ParquetStream(s, paths, 1, 2, start=5, stop=12, encoder=encoder).batches(3)) == [5, 6, 7, 10, 11]
+    assert shares == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+    assert xs(ParquetStream(s, paths, 1, 2, start=5, stop=12, encoder=encoder).batches(3)) == [5, 7, 9, 11]
+    # One row group a file, as pandas and pyarrow write by default: three trainers each take a third.
+    (tmp_path / "one").mkdir()
+    whole = write(tmp_path / "one" / "c.parquet", 10, row_group=1 << 20)
+    thirds = [xs(ParquetStream(s, [whole], k, 3, start=1, encoder=encoder).batches(2)) for k in range(3)]
+    assert thirds == [[3, 6, 9], [1, 4, 7], [2, 5, 8]]
 
 
 def test_a_position_resumes_with_no_record_replayed_or_lost(tmp_path):

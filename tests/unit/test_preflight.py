@@ -84,13 +84,27 @@ def test_a_mistake_in_the_model_file_is_one_sentence(tmp_path, monkeypatch, sour
 
 def test_a_held_out_set_of_every_line_is_refused_and_one_of_most_lines_warned_of(tmp_path):
     data = ratings(tmp_path / "d", 300)
-    with pytest.raises(ConfigError, match="--eval-samples 300 holds out every one of the 300 data lines"):
+    with pytest.raises(ConfigError, match="--eval-samples 300 holds out every one of the 300 records"):
         preflight(settings(data, eval_samples=300))
     held = [w for w in preflight(settings(data, eval_samples=200)) if w.startswith("--eval-samples")]
-    assert held == ["--eval-samples 200 holds out 67% of the 300 data lines of --data and trains on the other 100 "
+    assert held == ["--eval-samples 200 holds out 67% of the 300 records of --data and trains on the other 100 "
                     "(set it lower to train on more)"]
     assert not [w for w in preflight(settings(data, eval_samples=100)) if w.startswith("--eval-samples")]
     assert not [w for w in preflight(settings(data, eval_samples=0)) if w.startswith("--eval-samples")]
+
+
+def test_fewer_records_to_train_on_than_trainers_are_refused_before_anything_starts(tmp_path):
+    data = ratings(tmp_path / "d", 12)
+    with pytest.raises(ConfigError) as refused:
+        preflight(settings(data, eval_samples=10, num_trainers=3))
+    assert str(refused.value) == ("--data has 2 records to train on after the 10 held out, fewer than the 3 trainers: "
+                                  "trainer k of 3 trains on records k, k + 3, …, so 1 would have none (use "
+                                  "--trainers 2 or fewer, or more data)")
+    assert not [w for w in preflight(settings(data, eval_samples=9, num_trainers=3)) if "trainers" in w]
+    with pytest.raises(ConfigError, match="--data has 12 records to train on, fewer than the 13 trainers"):
+        preflight(settings(data, eval_samples=0, num_trainers=13))
+    # A followed folder's trainers wait for the next file instead.
+    assert preflight(settings(data, eval_samples=0, num_trainers=13, follow=True)) is not None
 
 
 def test_files_of_a_header_and_no_line_are_refused_before_anything_starts(tmp_path):

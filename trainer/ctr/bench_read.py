@@ -1,6 +1,7 @@
 """``rpcps bench read``: a schema's files read as a trainer reads them, from CSV and from Parquet,
 the same records in both: the movies example's schema over ``rpcps data ratings`` samples
-written each way, every record encoded into batches (``--batch-size``), as one trainer of one.
+written each way, every record of one trainer's share encoded into batches (``--batch-size``), as
+trainer 0 of ``--trainers`` reads them (every trainer decodes every record and keeps its own share).
 
 Each format is read ``--repeats`` times, in turn, and its best pass counts (this machine is
 shared): records per second of wall time and of this process's CPU time, which is what limits a
@@ -22,15 +23,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=300_000, help="samples written in each format")
     p.add_argument("--batch-size", type=int, default=1024, help="records a batch")
     p.add_argument("--row-group", type=int, default=8192, help="Parquet records a row group")
+    p.add_argument("--trainers", type=int, default=1, help="read as trainer 0 of this many: its share only")
     p.add_argument("--repeats", type=int, default=3, help="passes over each format, in turn; the best counts")
     p.add_argument("--json", action="store_true", help="JSON only (the output is JSON anyway)")
 
 
-def _pass(schema: Any, data: Path, batch_size: int) -> tuple[int, float, float]:
+def _share(schema: Any, data: Path, batch_size: int, shares: int) -> Any:
+    """Trainer 0's batches of ``shares``, as a trainer reads them."""
+    from rpcps.data.files import data_files
+    from rpcps.data.formats import reader_of
+    from rpcps.data.tabular import Encoder, measure
+    paths = data_files(data)
+    return reader_of(schema).stream(Encoder(schema, measure(schema, paths)), paths, 0, shares).batches(batch_size)
+
+
+def _pass(schema: Any, data: Path, batch_size: int, shares: int) -> tuple[int, float, float]:
     """(records, wall seconds, CPU seconds) of one pass."""
-    import rpcps
     wall, cpu = time.perf_counter(), time.process_time()
-    records = sum(len(b) for b in rpcps.batches(schema, data, batch_size))
+    records = sum(len(b) for b in _share(schema, data, batch_size, shares))
     return records, time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -61,12 +71,12 @@ def run(args: argparse.Namespace) -> int:
         csv = rpcps.load_schema(EXAMPLES / "movies_deepfm" / "movies.yaml")
         csv = vocabularies(csv, named(csv, rows_of(csv, data_files(out / "csv"), stop=10_000, logged=False)))
         schemas = {"csv": csv, "parquet": csv.model_copy(update={"format": "parquet"})}
-        same = all(_same(a, b) for a, b in zip(rpcps.batches(schemas["csv"], out / "csv", args.batch_size),
-                                                rpcps.batches(schemas["parquet"], out / "parquet", args.batch_size)))
+        same = all(_same(a, b) for a, b in zip(*(_share(schemas[f], out / f, args.batch_size, args.trainers)
+                                                 for f in ("csv", "parquet")), strict=True))
         passes: dict[str, list[tuple[int, float, float]]] = {"csv": [], "parquet": []}
         for _ in range(args.repeats):
             for fmt in passes:
-                passes[fmt].append(_pass(schemas[fmt], out / fmt, args.batch_size))
+                passes[fmt].append(_pass(schemas[fmt], out / fmt, args.batch_size, args.trainers))
     found = {}
     for fmt, runs in passes.items():
         records = runs[0][0]
@@ -78,6 +88,6 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({"bench": "read", **found, "parquet_over_csv": round(ratio, 2), "same_batches": same,
                       "met": {"parquet_at_least_csv": ratio >= 1.0, "same_batches": same},
                       "config": {"rows": args.rows, "batch_size": args.batch_size, "row_group": args.row_group,
-                                 "repeats": args.repeats, "cpus": os.cpu_count(), "load_avg": os.getloadavg()}}),
+                                 "trainers": args.trainers, "repeats": args.repeats, "cpus": os.cpu_count(), "load_avg": os.getloadavg()}}),
           flush=True)
     return 0

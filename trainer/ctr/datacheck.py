@@ -1,9 +1,10 @@
-"""``rpcps data check --schema S --data D``: read the first lines of data files as a schema says, and
-show each column as the model will see it (cardinality, missing rate, list lengths, value range)
-and each table as its rows will hold the values (how many share a row), so a user sees their data
-before training on it. Exit 0: every line read; 1: some lines are
-malformed (each reason is printed; training would skip and count them); 2: the schema or the files
-cannot be used, or hold no data line."""
+"""``rpcps data check --schema S --data D``: read the first training records of data files as a
+schema says, and show each column as the model will see it (cardinality, missing rate, list
+lengths, value range) and each table as its rows will hold the values (how many share a row, and
+the same advice `rpcps up` gives), so a user sees their data before training on it. Exit 0: every
+record read; 1: some records are malformed (each reason is printed; training would skip and count
+them); 2: the schema or the files cannot be used, hold no record, or hold fewer records to train on
+than ``--num-trainers`` (`rpcps up` refuses them too)."""
 from __future__ import annotations
 
 import argparse
@@ -16,19 +17,25 @@ SAMPLE = 10_000
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schema", type=Path, required=True, help="the feature schema (YAML or TOML)")
-    p.add_argument("--data", type=Path, required=True, help="a CSV or TSV file, or a folder of them")
-    p.add_argument("--lines", type=int, default=SAMPLE, help="data lines to read from the start")
+    p.add_argument("--data", type=Path, required=True, help="a data file in the schema's format (CSV, TSV or "
+                                                            "Parquet), or a folder of them")
+    p.add_argument("--lines", type=int, default=SAMPLE, help="records to read, from the first training record on")
+    p.add_argument("--num-trainers", "--trainers", type=int, default=2,
+                   help="the trainers `rpcps up` would start (its default, 2): fewer records to train on is an error")
+    p.add_argument("--eval-samples", type=int, default=0,
+                   help="the first records `rpcps up --eval-samples` would hold out: read from the one after")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def summary(schema, paths: list[Path], count: int) -> dict:
+def summary(schema, paths: list[Path], count: int, held: int = 0) -> dict:
     import numpy as np
 
     from rpcps.data.tabular import Encoder, measure, named, occupancy, rows_of, transformed, values_of, vocabularies
+    from trainer.ctr.preflight import sharing
 
-    stream = rows_of(schema, paths, stop=count, logged=False)
+    stream = rows_of(schema, paths, start=held, stop=held + count, logged=False)
     rows = list(stream)
-    out: dict = {"lines": len(rows) + stream.skipped, "malformed": stream.skipped, "reasons": stream.reasons,
+    out: dict = {"lines": len(rows) + stream.skipped, "from_record": held, "malformed": stream.skipped, "reasons": stream.reasons,
                  "label": {"column": schema.label,
                            "positive_rate": float(np.mean([r.label for r in rows])) if rows else None},
                  "numeric": [], "categorical": []}
@@ -56,8 +63,10 @@ def summary(schema, paths: list[Path], count: int) -> dict:
             entry.update(mean_length=float(lengths.mean()), max_length=int(lengths.max()),
                          truncated_rate=_share(int((lengths > c.max_length).sum()), len(lists)))
         out["categorical"].append(entry)
+    advice = sharing(schema, rows, held)
     out["tables"] = [{"table": o.table, "rows": o.rows, "hashed": o.rows == 0, "distinct": o.distinct,
-                      "rows_used": o.rows_used, "sharing": o.sharing} for o in occupancy(schema, rows)]
+                      "rows_used": o.rows_used, "sharing": o.sharing, "advice": advice.get(o.table)}
+                     for o in occupancy(schema, rows)]
     if rows:       # what a trainer makes of them (a vocabulary as these lines would make it)
         Encoder(vocabularies(schema, named(schema, rows)), stats).batch(rows[:8])
     return out
@@ -68,7 +77,8 @@ def _share(part: int, whole: int) -> float:
 
 
 def _table(s: dict) -> str:
-    lines = [f"{s['lines']} lines read, {s['malformed']} malformed"]
+    start = f" from record {s['from_record']}" if s["from_record"] else ""
+    lines = [f"{s['lines']} records read{start}, {s['malformed']} malformed"]
     lines += [f"  {why}" for why in s["reasons"]]
     if s["label"]["positive_rate"] is not None:
         lines.append(f"label {s['label']['column']}: {s['label']['positive_rate']:.1%} positive")
@@ -88,8 +98,9 @@ def _table(s: dict) -> str:
     lines.append(f"{'table':<20}{'rows':>10}{'distinct':>10}{'rows used':>11}{'sharing':>9}")
     for t in s["tables"]:
         size = "hashed" if t["hashed"] else str(t["rows"])
-        note = "  values share rows: they train as one" if t["sharing"] else ""
+        note = "  values share rows: they train as one (below)" if t["advice"] else ""
         lines.append(f"{t['table']:<20}{size:>10}{t['distinct']:>10}{t['rows_used']:>11}{t['sharing']:>9}{note}")
+    lines += [t["advice"] for t in s["tables"] if t["advice"]]
     return "\n".join(lines)
 
 
@@ -97,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
     from rpcps.schema import SchemaError, load_schema
     from rpcps.data.lines import LineError
     from rpcps.data.files import data_files
+    from rpcps.data.formats import reader_of
     from rpcps.data.tabular import check
+    from trainer.ctr.preflight import short_of_trainers
 
     try:
         schema = load_schema(args.schema)
@@ -111,10 +124,15 @@ def run(args: argparse.Namespace) -> int:
     except (SchemaError, LineError) as exc:
         print(f"rpcps data check: {exc}", file=sys.stderr)
         return 2
-    s = summary(schema, paths, args.lines)
+    s = summary(schema, paths, args.lines, args.eval_samples)
     if not s["lines"]:
-        print(f"rpcps data check: {args.data} holds no data lines" + (" (only a header)" if schema.header else ""),
-              file=sys.stderr)
+        print(f"rpcps data check: {args.data} holds no record" + (" (only a header)" if schema.header else "")
+              + (f" past the {args.eval_samples} held out" if args.eval_samples else ""), file=sys.stderr)
         return 2
     print(json.dumps(s) if args.json else _table(s), flush=True)
+    total = reader_of(schema).count(schema, paths, args.eval_samples + args.num_trainers)
+    if total - args.eval_samples < args.num_trainers:
+        print(f"rpcps data check: {short_of_trainers(total, args.eval_samples, args.num_trainers, '--num-trainers')}",
+              file=sys.stderr)
+        return 2
     return 1 if s["malformed"] else 0

@@ -13,8 +13,8 @@ import yaml
 
 from rpcps.data.files import data_files
 from rpcps.data.formats import reader_of
-from rpcps.data.tabular import (MEASURED_LINES, Encoder, Occupancy, measure, measured, named, occupancy, rows_of,
-                                 vocabularies)
+from rpcps.data.tabular import (MEASURED_LINES, Encoder, Occupancy, Row, measure, measured, named, occupancy,
+                                 rows_of, vocabularies)
 from rpcps.schema import Schema
 from services.errors import ConfigError
 from trainer.ctr.config import CtrUpSettings
@@ -24,6 +24,7 @@ SAMPLE_LINES = 10_000        # the data's first lines, whose values are counted
 FORWARD_SAMPLES = 64         # the samples the model is run forward over
 SHARED_WARNING = 0.01        # a table whose values share rows past this share of them is warned of
 HELD_OUT_WARNING = 0.5       # a held-out set past this share of the data is warned of
+UNBOUNDED_SHARE = 0.1        # a plain table with distinct values past this share of the records read: ids, unbounded
 
 
 def preflight(cfg: CtrUpSettings) -> list[str]:
@@ -38,7 +39,7 @@ def preflight(cfg: CtrUpSettings) -> list[str]:
                 f"run on it then)"]
     if cfg.data is not None:
         schema = cfg.loaded_schema()
-        warnings += held_out(schema, data_files(cfg.data), cfg.held_in_data)
+        warnings += held_out(schema, data_files(cfg.data), cfg.held_in_data, 1 if cfg.follow else cfg.num_trainers)
         if cfg.user_model:
             assert schema is not None      # the settings refuse --model without --schema
             warnings += tried_on_data(cfg, schema, cfg.data)
@@ -57,47 +58,68 @@ def _settled_without_data(cfg: CtrUpSettings, why: str) -> None:
                           + (", or start once a file has landed" if cfg.follow else ""))
 
 
-def held_out(schema: Optional[Schema], paths: list[Path], eval_samples: int) -> list[str]:
-    """The files' first ``eval_samples`` records are held out: refuse a held-out set that leaves no
-    record to train on, and warn of one that takes most of the data."""
-    if not eval_samples:
-        return []
-    total = reader_of(schema).count(schema, paths, 2 * eval_samples + 1)   # past it the share is below a half
-    if total > 2 * eval_samples:
-        return []
-    if eval_samples >= total:
-        raise ConfigError(f"--eval-samples {eval_samples} holds out every one of the {total} data lines of --data: "
+def held_out(schema: Optional[Schema], paths: list[Path], eval_samples: int, trainers: int = 1) -> list[str]:
+    """The files' first ``eval_samples`` records are held out and the rest divided among
+    ``trainers``: refuse a held-out set that leaves no record to train on, or fewer records than
+    trainers (a trainer would have none), and warn of a held-out set that takes most of the data."""
+    total = reader_of(schema).count(schema, paths, max(2 * eval_samples, eval_samples + trainers))
+    if eval_samples and eval_samples >= total:
+        raise ConfigError(f"--eval-samples {eval_samples} holds out every one of the {total} records of --data: "
                           f"nothing is left to train on (set it lower, or 0 for no held-out evaluation)")
-    if eval_samples / total > HELD_OUT_WARNING:
-        return [f"--eval-samples {eval_samples} holds out {eval_samples / total:.0%} of the {total} data lines of "
+    if total - eval_samples < trainers:
+        raise ConfigError(short_of_trainers(total, eval_samples, trainers, "--trainers"))
+    if eval_samples and total <= 2 * eval_samples and eval_samples / total > HELD_OUT_WARNING:
+        return [f"--eval-samples {eval_samples} holds out {eval_samples / total:.0%} of the {total} records of "
                 f"--data and trains on the other {total - eval_samples} (set it lower to train on more)"]
     return []
 
 
+def short_of_trainers(total: int, held: int, trainers: int, flag: str) -> str:
+    """Why ``total`` records, the first ``held`` held out, cannot be divided among ``trainers``."""
+    left = total - held
+    after = f" after the {held} held out" if held else ""
+    return (f"--data has {left} record{'s' if left != 1 else ''} to train on{after}, fewer than the {trainers} "
+            f"trainers: trainer k of {trainers} trains on records k, k + {trainers}, …, so "
+            f"{trainers - left} would have none (use {flag} {max(left, 1)} or fewer, or more data)")
+
+
 def tried_on_data(cfg: CtrUpSettings, schema: Schema, data: Path) -> list[str]:
     paths = data_files(data)
-    rows = list(rows_of(schema, paths, stop=SAMPLE_LINES, logged=False))
+    held = cfg.held_in_data
+    rows = list(rows_of(schema, paths, start=held, stop=held + SAMPLE_LINES, logged=False))
     if not rows:
-        raise ConfigError(f"--data {data}: none of its first {SAMPLE_LINES} data lines can be read as --schema "
-                          f"says (rpcps data check shows why)")
+        raise ConfigError(f"--data {data}: none of its first {SAMPLE_LINES} training records can be read as "
+                          f"--schema says (rpcps data check shows why)")
     sampled = vocabularies(schema, named(schema, rows))
     batch = Encoder(sampled, measure(schema, paths)).batch(rows[:FORWARD_SAMPLES])
     tried(cfg.user_model, schema, cfg.seed, None, batch)
+    return list(sharing(schema, rows, held).values())
+
+
+def sharing(schema: Schema, rows: list[Row], held: int) -> dict[str, str]:
+    """Per table whose values share rows enough to matter, what to do about it, from ``rows``:
+    the training records read from record ``held`` on. `rpcps up` warns of these, and `rpcps data
+    check` marks the same tables with the same words."""
     vocabulary = {t.name for t in schema.tables if t.vocabulary}
-    return [w for o in occupancy(schema, rows) if (w := shared(o, len(rows), o.table in vocabulary)) is not None]
+    return {o.table: w for o in occupancy(schema, rows)
+            if (w := shared(o, len(rows), held, o.table in vocabulary)) is not None}
 
 
-def shared(o: Occupancy, lines: int, vocabulary: bool = False) -> Optional[str]:
+def shared(o: Occupancy, records: int, held: int = 0, vocabulary: bool = False) -> Optional[str]:
     if o.rows == 0 or o.sharing_share <= SHARED_WARNING:
         return None
+    read = f"the {records} training records from record {held}" if held else f"the data's first {records} records"
     if vocabulary:
-        return (f"table {o.table}: {o.sharing} of the {o.distinct} distinct values in the data's first {lines} lines "
-                f"are outside its vocabulary (rare, or past its {o.rows - 1} rows) and share row 0: give it more "
-                f"rows, or a lower min_count")
-    return (f"table {o.table}: {o.sharing} of the {o.distinct} distinct values in the data's first {lines} lines "
-            f"share a row with another value (they take {o.rows_used} of its {o.rows} rows), and values on one row "
-            f"train as one: give it more rows (about 100 times its values keeps the share near 1 %), or make it "
-            f"`vocabulary: true`")
+        return (f"table {o.table}: {o.sharing} of the {o.distinct} distinct values in {read} are outside its "
+                f"vocabulary (rare, or past its {o.rows - 1} rows) and share row 0: give it more rows, or a lower "
+                f"min_count")
+    head = (f"table {o.table}: {o.sharing} of the {o.distinct} distinct values in {read} share a row with another "
+            f"value (they take {o.rows_used} of its {o.rows} rows), and values on one row train as one: ")
+    if o.distinct >= UNBOUNDED_SHARE * records:
+        return head + ("its values look like ids without bound (a new one every few records): make it `hashed: "
+                       "true`, which gives each id a row of its own as it recurs, within `rows` as a capacity")
+    return head + ("give it more rows (about 100 times its values keeps the share near 1 %), or make it "
+                   "`vocabulary: true`")
 
 
 def recorded_schema(cfg: CtrUpSettings, folder: Path) -> Optional[Path]:
