@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ from services.hosts.network import Unavailable
 from services.leader import LEADER_LOST
 from services.lifecycle import RoleStatus
 from services.names import parse_name
-from services.roster import Member, Roster
+from services.roster import Member, Roster, cause
 from services.upconfig import LauncherConfig
 from services.workload import Launch, roles, workloads
 
@@ -53,7 +52,7 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
     if kind == "restart" and e["exit_code"] == LEADER_LOST:
         return f"{e['name']} left to rejoin the group (its leader was lost, or evicted it); restarting it"
     if kind == "restart":
-        return (f"{e['name']} exited with code {e['exit_code']}; restarting in {e['in']:.0f}s "
+        return (f"{e['name']} exited with code {e['exit_code']} ({e['reason']}); restarting in {e['in']:.0f}s "
                 f"({e['restarts']} in a row)")
     if kind == "waiting":
         return f"waiting for {', '.join(e['waiting'])} ({e['ready']}/{e['members']} ready)"
@@ -62,6 +61,8 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
     if kind in ("error", "warning"):
         return f"{kind}: {e['message']}"
     text = workload.human(e) if workload is not None else None
+    if text is not None and kind == "done" and e.get("ended", "finished") != "finished" and text.startswith("done"):
+        text = e["ended"] + text[len("done"):]        # the same summary, of a run that did not finish
     return text if text is not None else " ".join(f"{k}={v}" for k, v in e.items())
 
 
@@ -80,6 +81,7 @@ class Launcher:
         self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
         self._last_status: dict[str, dict] = {}
         self._started_at = time.monotonic()           # when every member was ready
+        self._finished = False                        # the workload said its work is done
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -131,7 +133,7 @@ class Launcher:
             if self.cfg.final_checkpoint and code == 0:
                 roster.stop_waves(1)          # the workers, which leave their positions with the leader
                 self._final_checkpoint()
-            self.emit(self._summary())
+            self.emit({**self._summary(), "ended": "finished" if self._finished else "failed" if code else "stopped"})
             return code
         finally:
             roster.close()
@@ -187,7 +189,7 @@ class Launcher:
                 code = m.proc.poll()
                 if code is None:
                     if m.deaths and now - m.started_at >= self.cfg.restart_window:
-                        m.deaths = 0          # up long enough: healthy again
+                        m.healthy()           # up long enough: its deaths are no longer in a row
                         self.roster.write_state()
                     continue
                 if code == LEADER_LOST:
@@ -199,6 +201,7 @@ class Launcher:
                 self._poll()
                 if self.workload.finished(self._watched_status()):
                     self._report()
+                    self._finished = True
                     return 0
             if time.monotonic() >= next_report:
                 next_report += self.cfg.progress_interval
@@ -268,24 +271,3 @@ def refusal(log_path: Path) -> Optional[str]:
         return None
     said = [line for line in lines if line.startswith("rpcps ") and ": " in line]
     return said[-1].split(": ", 1)[1] if said else None
-
-
-_LOGGED_ERROR = re.compile(r" (ERROR|CRITICAL) [\w.]+: (.*)$")
-
-
-def cause(log_path: Path) -> str:
-    """Why a role died, from its log: its last logged error, else the last line of its last
-    traceback, else its last line."""
-    try:
-        lines = [line for line in log_path.read_text(errors="replace").splitlines()[-400:] if line.strip()]
-    except OSError as exc:
-        return f"its log cannot be read ({exc.strerror or exc})"
-    errors = [m.group(2) for line in lines if (m := _LOGGED_ERROR.search(line))]
-    if errors:
-        return errors[-1]
-    tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if tracebacks:
-        after = [line for line in lines[tracebacks[-1] + 1:] if not line.startswith((" ", "\t"))]
-        if after:
-            return after[0]
-    return lines[-1] if lines else "its log is empty"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from services.workload import Launch
 log = logging.getLogger("services.launcher")
 
 STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
+SAME_FAILURES = 3   # deaths in a row, each of the same error, that end the run: it fails at every start
 _COMMON_FLAGS = ("threads", "log_level", "http_read_timeout", "rpc_transport")
 
 
@@ -39,6 +41,18 @@ class Member:
     restarts: int = 0                       # in this run
     last_exit: Optional[int] = None
     restart_at: Optional[float] = None      # time.monotonic() its restart is due, while it waits
+    log_start: int = 0                      # the size of its log at its last start: what follows is this run's
+    causes: tuple[str, ...] = ()            # why it died, each of its deaths in a row
+
+    def healthy(self) -> None:
+        """Up for --restart-window: its deaths no longer count as in a row."""
+        self.deaths, self.causes = 0, ()
+
+    def died_of(self, code: int) -> str:
+        """Why it died this time, in words: its log's since its last start, or the signal."""
+        if code < 0:
+            return f"killed by signal {-code}"
+        return cause(self.log_path, self.log_start)
 
     def failing(self) -> Optional[dict]:
         """What ``rpcps status`` shows of a member in a crash loop (None: not failing)."""
@@ -89,6 +103,7 @@ class Roster:
             # This run has committed a checkpoint: a restarted leader resumes it, whatever the
             # first start was told (--no-resume, --resume-from an older one).
             argv = resuming_newest(argv)
+        m.log_start = m.log_path.stat().st_size if m.log_path.exists() else 0
         m.proc = self.placement.spawn(m.name, argv, m.log_path, env)
         m.started_at = time.monotonic()
         log.info("started %s (pid %d), log %s", m.name, m.proc.pid, m.log_path)
@@ -96,9 +111,17 @@ class Roster:
     def schedule_restart(self, m: Member, code: int) -> bool:
         """A member died: restart it after a back-off that doubles with each death in a row (as
         Kubernetes does), while the others go on. False: the user set --max-restarts and it is spent."""
+        reason = m.died_of(code)
         if self.cfg.max_restarts is not None and m.deaths >= self.cfg.max_restarts:
-            self._fail(f"{m.name} exited with code {code} after {m.deaths} restarts in a row; giving up "
+            self._fail(f"{m.name} exited with code {code} after {m.deaths} restarts in a row ({reason}); giving up "
                        f"(--max-restarts; see {m.log_path})")
+            return False
+        m.causes = (*m.causes, reason)
+        if code > 0 and len(m.causes) >= SAME_FAILURES and len(set(m.causes[-SAME_FAILURES:])) == 1:
+            # A restart cannot mend what fails the same way each time (the data, the settings, a bug):
+            # say it and end the run rather than loop.
+            self._fail(f"{m.name} failed the same way at each of its last {SAME_FAILURES} starts: {reason} "
+                       f"(log: {m.log_path})")
             return False
         m.deaths += 1
         m.restarts += 1
@@ -106,7 +129,8 @@ class Roster:
         delay = min(self.cfg.restart_backoff_max, self.cfg.restart_backoff * 2 ** (m.deaths - 1))
         m.restart_at = time.monotonic() + delay
         self.on_restart(m)
-        self.emit({"event": "restart", "name": m.name, "exit_code": code, "restarts": m.deaths, "in": delay})
+        self.emit({"event": "restart", "name": m.name, "exit_code": code, "reason": reason, "restarts": m.deaths,
+                   "in": delay})
         self.write_state()
         return True
 
@@ -116,7 +140,8 @@ class Roster:
         m.restarts += 1
         m.last_exit = LEADER_LOST
         self.on_restart(m)
-        self.emit({"event": "restart", "name": m.name, "exit_code": LEADER_LOST, "restarts": m.deaths, "in": 0.0})
+        self.emit({"event": "restart", "name": m.name, "exit_code": LEADER_LOST, "reason": "its leader was lost",
+                   "restarts": m.deaths, "in": 0.0})
         self.respawn(m)
 
     def respawn(self, m: Member) -> None:
@@ -167,3 +192,28 @@ def resuming_newest(argv: list[str]) -> list[str]:
         elif arg not in ("--resume", "--no-resume"):
             out.append(arg)
     return out + ["--resume"]
+
+
+_TAIL = 1 << 16          # bytes of a log's end read for why its role died
+_LOGGED_ERROR = re.compile(r" (ERROR|CRITICAL) [\w.]+: (.*)$")
+
+
+def cause(log_path: Path, start: int = 0) -> str:
+    """Why a role died, from its log past byte ``start``: its last logged error, else the last
+    line of its last traceback, else its last line."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(start, f.seek(0, os.SEEK_END) - _TAIL))
+            text = f.read().decode(errors="replace")
+        lines = [line for line in text.splitlines()[-400:] if line.strip()]
+    except OSError as exc:
+        return f"its log cannot be read ({exc.strerror or exc})"
+    errors = [m.group(2) for line in lines if (m := _LOGGED_ERROR.search(line))]
+    if errors:
+        return errors[-1]
+    tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if tracebacks:
+        after = [line for line in lines[tracebacks[-1] + 1:] if not line.startswith((" ", "\t"))]
+        if after:
+            return after[0]
+    return lines[-1] if lines else "its log is empty"

@@ -136,3 +136,14 @@ def test_a_source_of_your_own_trains_and_resumes_from_its_own_position(tmp_path)
                            capture_output=True, text=True, timeout=300, cwd=REPO)
     assert wrong.returncode != 0
     assert "--source tests.support.queue_source:Nothing: tests.support.queue_source has no Nothing" in wrong.stderr
+    # A source that fails at every start: the run ends with its error, never a restart loop.
+    flags[flags.index("--source") + 1] = "tests.support.queue_source:Dropping"
+    looped = subprocess.run([sys.executable, "-m", "services.cli", "up", *flags, "--steps", "50", "--no-resume",
+                             "--restart-backoff", "0.2"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert looped.returncode == 1, looped.stderr[-3000:]
+    events = [__import__("json").loads(line) for line in looped.stdout.splitlines() if line.startswith("{")]
+    said = "ConnectionError: the ratings queue at 127.0.0.1:9 reset the connection"
+    restarts = [e for e in events if e["event"] == "restart"]
+    assert restarts and all(said in e["reason"] for e in restarts), restarts
+    errors = [e["message"] for e in events if e["event"] == "error"]
+    assert any(re.match(rf"ctr\d failed the same way at each of its last 3 starts: .*{said}", m) for m in errors), errors

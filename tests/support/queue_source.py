@@ -54,3 +54,14 @@ class RatingsQueue:
 
     def behind(self):
         return None
+
+
+class Dropping(RatingsQueue):
+    """A queue that drops its consumer after a few messages: every start of a trainer fails the
+    same way, after it has begun to train."""
+
+    def next(self):
+        self.served = getattr(self, "served", 0) + 1
+        if self.served > 40:
+            raise ConnectionError("the ratings queue at 127.0.0.1:9 reset the connection")
+        return super().next()

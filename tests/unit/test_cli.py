@@ -16,7 +16,7 @@ import torch
 from services import cli
 from services.checkpoint.store import CheckpointStore
 from services.config import ConfigError, load, shown_default
-from services.launcher import cause
+from services.roster import cause
 from services.upconfig import UpConfig
 from services.workload import roles
 
