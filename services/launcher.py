@@ -58,6 +58,10 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
         return f"waiting for {', '.join(e['waiting'])} ({e['ready']}/{e['members']} ready)"
     if kind == "checkpoint":
         return f"checkpoint {e['id']} (step {e['step']}) in {e['path']}"
+    if kind == "resuming":
+        how = "" if e["given"] else (f", the newest in {e['checkpoint_dir']} (start fresh with --no-resume, or "
+                                     f"another --checkpoint-dir)")
+        return f"resuming from checkpoint {e['checkpoint']}{how}"
     if kind in ("error", "warning"):
         return f"{kind}: {e['message']}"
     text = workload.human(e) if workload is not None else None
@@ -113,6 +117,10 @@ class Launcher:
             return 2
         roster = self.roster
         roster.newest_at_start = roster.newest_checkpoint()
+        resuming = self.cfg.resume_from or (roster.newest_at_start if self.cfg.resume else None)
+        if resuming:
+            self.emit({"event": "resuming", "checkpoint": resuming, "checkpoint_dir": str(self.checkpoint_dir),
+                       "given": bool(self.cfg.resume_from)})
         try:
             try:
                 roster.plan()

@@ -126,7 +126,7 @@ class FileSource:
     @property
     def description(self) -> str:
         held = (f"held out: {self.evaluated_what}" if self.evaluated is not None
-                else f"the first {self.held} lines held out")
+                else f"the first {self.held} records held out")
         return f"{self.what} ({held})"
 
     @property
@@ -169,7 +169,7 @@ class FileSource:
             self.epoch += 1
             self.cursor, self._batches = 0, None
             log.info("the data files read through: pass %d over them begins", self.epoch + 1)
-        raise ValueError(f"{self.description}: no training lines for share {self.share} of {self.shares}")
+        raise ValueError(f"{self.description}: no record to train on for trainer {self.share} of {self.shares}")
 
     def held_out(self, count: int, batch_size: int) -> Iterator[Any]:
         if self.evaluated is not None:

@@ -78,11 +78,12 @@ def schema_source(schema: "Schema", data: Path, batch_size: int, held: int, shar
 
     def files(read: Sequence[Path]) -> OpenStream:
         return lambda s, n, start, stop: reader.stream(encoder, read, s, n, start, stop)
-    return _opened(data, schema.format.upper(), files, lambda path: reader.count(schema, [path], _ALL), batch_size,
+    return _opened(data, FORMAT_NAMES[schema.format], files, lambda path: reader.count(schema, [path], _ALL), batch_size,
                    held, share, shares, eval_data, follow)
 
 
 _ALL = 1 << 62          # counted to the end
+FORMAT_NAMES = {"csv": "CSV", "tsv": "TSV", "parquet": "Parquet"}      # as messages name a schema's format
 
 
 def _opened(data: Path, what: str, files: Files, count: Callable[[Path], int], batch_size: int, held: int, share: int,

@@ -86,6 +86,9 @@ def test_a_users_model_and_schema_train_check_and_resume_resharded(tmp_path, cle
     again.wait_event("started", 120)
     done = again.wait_event("done", 300)
     assert done["total_steps"] == 2 * (12 + 2), done
+    assert not [e for e in up.events if e["event"] == "resuming"], "the first run started fresh"
+    resuming = [e for e in again.events if e["event"] == "resuming"]
+    assert [e["checkpoint"] for e in resuming] == [checkpoints[-1].name] and not resuming[0]["given"], resuming
     logs = again.full_logs()
     assert f"resharding {checkpoints[-1].name} from 2 to 3 servers" in logs, again.logs()
     assert "same trainers, same data" in logs, again.logs()

@@ -156,9 +156,14 @@ def test_held_out_files_of_their_own_are_evaluated_and_every_data_line_trained_o
     assert [x for b in apart.held_out(40, 16) for x in b.labels.tolist()] == labels, "--eval-data's first lines"
     assert [x for b in together.held_out(40, 16) for x in b.labels.tolist()] != labels
     assert apart.next() is not None and apart.cursor == 100 and together.next() is not None and together.cursor == 140
-    assert "held out: " in apart.description and "the first 40 lines held out" in together.description
+    assert "held out: " in apart.description and "the first 40 records held out" in together.description
     # No line of --data is held out, so none is refused or warned of for it.
-    assert not [w for w in preflight(settings(data, eval_samples=300, eval_data=held)) if "--eval-samples" in w]
+    assert not [w for w in preflight(settings(data, eval_samples=300, eval_data=held))
+                if w.startswith("--eval-samples")]
+    # A held-out file larger than --eval-samples: the run says what it evaluates.
+    assert [w for w in preflight(settings(data, eval_samples=30, eval_data=held)) if w.startswith("--eval-data")] == \
+        [f"--eval-data {held} holds more than 30 records: the evaluation takes its first 30 (--eval-samples; give a "
+         f"larger one to evaluate more of it)"]
     with pytest.raises(ConfigError, match="--eval-data holds lines out of data files: give --data too"):
         load(UpConfig, {"workload": "ctr", "eval_data": str(held)}, {})
 

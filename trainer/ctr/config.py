@@ -25,7 +25,7 @@ Placement = Literal["auto", "row_wise", "table_wise"]
 EVAL_FRACTION = 0.05        # --follow: each landing file's share held out, unless --eval-fraction says otherwise
 SCALE_HELP = "the tables' rows: Criteo Kaggle's 26 cardinalities (33.8 M rows in all) times this"
 DATA_HELP = ("Criteo-format file, or a folder of them (plain or gzip; read in name order), or with --schema "
-             "the schema's CSV or TSV files; default: generated Criteo-shaped data")
+             "the schema's files (CSV, TSV or Parquet, as its format says); default: generated Criteo-shaped data")
 SCHEMA_HELP = "a feature schema (YAML or TOML): the columns of --data and the tables of --model"
 MODEL_HELP = ("your model, as module:Class, built as Class(schema) (needs --schema); default: the built-in DLRM, "
               "shaped by the model settings below")

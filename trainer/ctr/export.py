@@ -41,9 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replace", action="store_true",
                    help="--out may hold a model exported before: it is replaced whole once the new one is written")
     p.add_argument("--data", type=Path, metavar="PATH",
-                   help="the training files: a standardized column without a mean and std in the schema is "
-                        "measured on their first lines, as the trainers measured it, and recorded in the export "
-                        "(such a schema's export is refused without it)")
+                   help="the training files: a standardized column without a mean and std in the checkpoint's "
+                        "schema is measured on their first records, as the trainers measured it, and recorded in "
+                        "the export (a checkpoint of `rpcps up` holds them already; one without them is refused "
+                        "without --data)")
 
 
 def run(args: argparse.Namespace) -> int:

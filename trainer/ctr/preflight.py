@@ -40,6 +40,8 @@ def preflight(cfg: CtrUpSettings) -> list[str]:
     if cfg.data is not None:
         schema = cfg.loaded_schema()
         warnings += held_out(schema, data_files(cfg.data), cfg.held_in_data, 1 if cfg.follow else cfg.num_trainers)
+        if cfg.eval_data is not None and cfg.eval_samples:
+            warnings += evaluated_part(schema, cfg.eval_data, cfg.eval_samples)
         if cfg.user_model:
             assert schema is not None      # the settings refuse --model without --schema
             warnings += tried_on_data(cfg, schema, cfg.data)
@@ -72,6 +74,14 @@ def held_out(schema: Optional[Schema], paths: list[Path], eval_samples: int, tra
         return [f"--eval-samples {eval_samples} holds out {eval_samples / total:.0%} of the {total} records of "
                 f"--data and trains on the other {total - eval_samples} (set it lower to train on more)"]
     return []
+
+
+def evaluated_part(schema: Optional[Schema], eval_data: Path, eval_samples: int) -> list[str]:
+    """``--eval-data`` holding more records than ``--eval-samples`` takes: say what is evaluated."""
+    if reader_of(schema).count(schema, data_files(eval_data), eval_samples + 1) <= eval_samples:
+        return []
+    return [f"--eval-data {eval_data} holds more than {eval_samples} records: the evaluation takes its first "
+            f"{eval_samples} (--eval-samples; give a larger one to evaluate more of it)"]
 
 
 def short_of_trainers(total: int, held: int, trainers: int, flag: str) -> str:

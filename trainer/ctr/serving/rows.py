@@ -1,7 +1,7 @@
 """A /predict request's rows, checked and made into a batch as the same lines of a training file
 would be read, so a row answers as training saw it. Two formats, as the model was trained:
 
-* ``SchemaRows``: a model over a feature schema's CSV or TSV files (a user's, or an example's);
+* ``SchemaRows``: a model over a feature schema's files (CSV, TSV or Parquet) (a user's, or an example's);
 * ``CriteoRows``: the built-in DLRM, trained on Criteo-format files: the 13 counts ``I1``..``I13``
   (integers) and the 26 values ``C1``..``C26`` (1 to 8 hexadecimal digits) of a Criteo line.
 
