@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Iterator, Literal, Mapping, Optional, Sequence
+from typing import Any, Iterator, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +31,8 @@ class TableConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the table's name, an identifier")
-    rows: int = Field(ge=1, description="its rows; a hashed table's capacity")
+    rows: Optional[int] = Field(None, ge=1, description="its rows; a hashed table's capacity; a vocabulary's most "
+                                                       "rows (none: a row for each value counted, and row 0)")
     dim: int = Field(ge=1, description="the width of a row")
     features: tuple[str, ...] = Field((), description="the features that look it up (none: the one named as "
                                                       "the table); features sharing a table share its rows")
@@ -42,9 +43,10 @@ class TableConfig(BaseModel):
     hashed: bool = Field(False, description="keyed by raw 64-bit ids, which get rows as they come, within "
                                             "its capacity, instead of by ids 0 .. rows - 1")
     vocabulary: bool = Field(False, description="each value the training data names at least `min_count` times "
-                                                "gets a row of its own, the most named first, up to `rows` - 1; "
-                                                "any other value, and one never seen, reads row 0 (`rpcps up` "
-                                                "counts the values and records them in `values`)")
+                                                "gets a row of its own, the most named first, up to `rows` - 1 "
+                                                "when `rows` is given; any other value, and one never seen, reads "
+                                                "row 0 (`rpcps up` counts the values and records them in `values`; "
+                                                "the initial scale is the values' count's, whatever `rows` is)")
     min_count: int = Field(1, ge=1, description="vocabulary: the times a value must be named to get its row")
     values: Optional[tuple[str, ...]] = Field(None, description="vocabulary: the values of rows 1, 2, ..., as "
                                                                 "`rpcps up` recorded them (a role started alone "
@@ -58,16 +60,27 @@ class TableConfig(BaseModel):
     placement: Literal["auto", "row_wise", "table_wise"] = Field(
         "auto", description="row by row over every server, or whole on one (auto: by size)")
     init_scale: Optional[float] = Field(None, gt=0, description="initial rows are uniform in ± this "
-                                                                "(none: 1 / sqrt(rows))")
+                                                                "(none: 1 / sqrt(rows); a vocabulary's: 1 / sqrt "
+                                                                "of its values and row 0)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sized_by_values(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("vocabulary") and data.get("rows") is None \
+                and data.get("values") is not None:
+            data = {**data, "rows": sized(len(data["values"]))}
+        return data
 
     @model_validator(mode="after")
     def _features_distinct(self) -> "TableConfig":
         if len(set(self.features)) != len(self.features):
             raise ValueError(f"table {self.name} names a feature twice: {list(self.features)}")
+        if self.rows is None and not self.vocabulary:
+            raise ValueError(f"table {self.name}: give its rows (only a vocabulary sizes itself, from its values)")
         if self.vocabulary and self.hashed:
             raise ValueError(f"table {self.name}: a vocabulary gives values rows 1 .. rows - 1, a hashed table keys "
                              f"rows by raw ids: choose one")
-        if self.vocabulary and self.rows < 2:
+        if self.vocabulary and self.rows is not None and self.rows < 2:
             raise ValueError(f"table {self.name}: a vocabulary needs 2 rows at least (row 0 for values outside it)")
         if self.values is not None:
             if not self.vocabulary:
@@ -84,7 +97,24 @@ class TableConfig(BaseModel):
 
     @property
     def scale(self) -> float:
-        return self.init_scale if self.init_scale is not None else 1.0 / math.sqrt(self.rows)
+        if self.init_scale is not None:
+            return self.init_scale
+        if self.vocabulary:        # the values counted size it, not a cap on them
+            return 1.0 / math.sqrt(sized(len(self.counted)))
+        return 1.0 / math.sqrt(self.rows)
+
+    @property
+    def counted(self) -> tuple[str, ...]:
+        """A vocabulary's values; a ``ValueError`` before they are counted."""
+        if self.values is None:
+            raise ValueError(f"table {self.name} takes its vocabulary from the data, which rpcps up counts: it has no "
+                             f"values yet")
+        return self.values
+
+
+def sized(values: int) -> int:
+    """The rows of a vocabulary of ``values``: one each, and row 0 for every other value."""
+    return max(2, values + 1)
 
 
 class EmbeddingBags(nn.Module):

@@ -25,6 +25,7 @@ from rpcps.data.files import data_files
 from rpcps.data.formats import RowStream, reader_of
 from rpcps.data.lines import LineError, Lines, OverLines, check_files, quoted, text_of
 from rpcps.schema import Numeric, Schema
+from rpcps.tables import sized
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)   # a numeric value beyond it is inf in the model's float32
 MEASURED_LINES = 10_000       # lines of the data's start that measure a standardized column's mean and std
@@ -268,13 +269,14 @@ def named(schema: Schema, rows: Iterable[Row]) -> dict[str, Counter]:
 def vocabularies(schema: Schema, counts: dict[str, Counter]) -> Schema:
     """``schema`` with each vocabulary table's ``values`` from ``counts`` (``named``): those named
     ``min_count`` times at least, the most named first (ties in the values' order), ``rows`` - 1
-    at most. A table whose values are given keeps them."""
+    at most when ``rows`` is given (else ``rows`` sized by them). A table whose values are given
+    keeps them."""
     tables = []
     for t in schema.tables:
         if t.vocabulary and t.values is None:
-            kept = sorted((v for v, n in counts[t.name].items() if n >= t.min_count),
-                          key=lambda v: (-counts[t.name][v], v))[:t.rows - 1]
-            t = t.model_copy(update={"values": tuple(kept)})
+            kept = tuple(sorted((v for v, n in counts[t.name].items() if n >= t.min_count),
+                                key=lambda v: (-counts[t.name][v], v))[:None if t.rows is None else t.rows - 1])
+            t = t.model_copy(update={"values": kept, "rows": sized(len(kept)) if t.rows is None else t.rows})
         tables.append(t)
     return schema.model_copy(update={"tables": tuple(tables)})
 

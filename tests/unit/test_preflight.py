@@ -5,6 +5,7 @@ table's rows are counted and warned of; `--model` alone chooses the CTR workload
 import random
 
 import pytest
+import torch
 
 from rpcps.data.lines import LineError
 from rpcps.data.tabular import check, named, occupancy, rows_of
@@ -205,6 +206,31 @@ def test_a_vocabulary_gives_each_value_named_enough_a_row_of_its_own_and_the_res
         rpcps_table(name="t", rows=4, dim=2, vocabulary=True, hashed=True)
     with pytest.raises(ValueError, match="3 values, at most rows - 1 = 2"):
         rpcps_table(name="t", rows=3, dim=2, vocabulary=True, values=("a", "b", "c"))
+
+
+def test_a_vocabulary_without_rows_sizes_itself_from_the_count_and_a_cap_does_not_change_the_model(tmp_path):
+    from rpcps.data.tabular import named, vocabularies
+    from rpcps.tables import EmbeddingBags
+    data = ratings(tmp_path / "d", 400)
+    text = vocabulary_schema(tmp_path).read_text()
+    sizes = {}
+    for name, genre in (("capped", "rows: 1000, dim: 8"), ("sized", "dim: 8")):
+        (tmp_path / f"{name}.yaml").write_text(text.replace("rows: 32, dim: 8", genre))
+        schema = load_schema(tmp_path / f"{name}.yaml")
+        built = {t.name: t for t in vocabularies(schema, named(schema, rows_of(schema, [data / "part_0.csv"]))).tables}
+        sizes[name] = built["genre"]
+        warned = preflight(settings(data, eval_samples=100).model_copy(update={"schema_file": tmp_path / f"{name}.yaml"}))
+        assert not [w for w in warned if w.startswith("table genre")], warned
+    assert sizes["sized"].rows == 19 and sizes["capped"].rows == 1000 and sizes["sized"].values == sizes["capped"].values
+    ids = torch.arange(19)
+    first = [EmbeddingBags([sizes[n]], seed=3).initial_rows("genre", ids) for n in ("sized", "capped")]
+    assert torch.equal(first[0], first[1]), "the same initial rows, capped or not"
+    assert sizes["sized"].scale == 1 / 19 ** 0.5
+    with pytest.raises(ValueError, match="table genre: give its rows"):
+        rpcps_table(name="genre", dim=8)
+    with pytest.raises(ValueError, match="table genre takes its vocabulary from the data, which rpcps up counts"):
+        _ = rpcps_table(name="genre", dim=8, vocabulary=True).scale
+    assert rpcps_table(name="genre", dim=8, vocabulary=True, values=("a", "b")).rows == 3
 
 
 def test_up_records_the_vocabulary_counted_over_every_training_line(tmp_path):

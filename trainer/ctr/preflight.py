@@ -102,7 +102,7 @@ def tried_on_data(cfg: CtrUpSettings, schema: Schema, data: Path) -> list[str]:
                           f"--schema says (rpcps data check shows why)")
     sampled = vocabularies(schema, named(schema, rows))
     batch = Encoder(sampled, measure(schema, paths)).batch(rows[:FORWARD_SAMPLES])
-    tried(cfg.user_model, schema, cfg.seed, None, batch)
+    tried(cfg.user_model, sampled, cfg.seed, None, batch)      # its vocabularies counted on the sample
     return list(sharing(schema, rows, held).values())
 
 
