@@ -240,7 +240,7 @@ def _signature(fn: Any) -> str:
     except NameError:               # an annotation named only for type checkers
         text = str(inspect.signature(fn)).replace("'", "").replace('"', "")
     for module in ("torch.nn.modules.module.", "rpcps.batch.", "rpcps.tables.", "rpcps.schema.", "ps.spec.rules.",
-                   "rpcps.data.tabular.",
+                   "rpcps.data.encoding.",
                    "collections.abc.", "typing.", "pathlib."):
         text = text.replace(module, "")
     text = re.sub(r"(: |-> )'([^']*)'", r"\1\2", text)          # a forward reference's quotes

@@ -3,7 +3,7 @@ step takes a row from here instead of the servers while the copy is at most S of
 steps old: while it misses the updates of at most S of its steps (a copy read in step t, before
 its update, serves steps t .. t + S; one read between steps t - 1 and t the same). An older copy is
 read again. The gradients of a row taken from here go to the servers with the step's others
-(``Copies`` in ``ps/client/stub.py``), so the servers' rows miss nothing; what the cache costs is
+(``Copies`` in ``ps/client/fetching.py``), so the servers' rows miss nothing; what the cache costs is
 only that a step computes with a row that may miss up to S steps of updates (its own among them).
 S = 0 is another kind of cache: rows replicated among the trainers, which step them themselves
 (``trainer/core/hot_rows.py``), since a copy kept here would be stale by the next step: every row

@@ -3,7 +3,7 @@
 ``ParameterServer`` hosts one shard of what a workload's ``ModelSpec`` declares: its rows of every
 table, its dense groups, and the spec's named operations. Its ``@remote`` methods are those
 ``PsSurface`` declares, the whole remote interface; trainers reach them only through
-``ps/client/stub.py``. Every input is validated (types by ``services/remote.py``, ids and names
+``ps/client/``. Every input is validated (types by ``services/remote.py``, ids and names
 here, an operation's own arguments by the operation): a bad request raises ``BadRequest`` back to
 its caller and the server keeps serving.
 """

@@ -10,7 +10,7 @@ parameter reads. The job's consistency (``ps/spec/consistency.py``) decides what
   step clock closes the step, every server averages the arrived trainers' gradients, scales them
   by the clip factor computed from the average's global norm, and applies them as one update.
 
-The trainer's side of a step (backward, clipping, the hand-over) is ``ps/client/stub.py``'s ``StepSession``."""
+The trainer's side of a step (backward, clipping, the hand-over) is ``ps/client/session.py``'s ``StepSession``."""
 from __future__ import annotations
 
 import contextlib

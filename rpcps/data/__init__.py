@@ -12,10 +12,10 @@ from typing import Iterator, Optional
 
 from rpcps.batch import Batch
 from rpcps.data.records import Records
-from rpcps.data.source import Source
+from rpcps.data.source import BaseSource, Source
 from rpcps.schema import Schema
 
-__all__ = ["Records", "Source", "batches"]
+__all__ = ["BaseSource", "Records", "Source", "batches"]
 
 
 def batches(schema: Schema, data: "str | Path", batch_size: int = 1024, *, skip: int = 0,
@@ -27,7 +27,8 @@ def batches(schema: Schema, data: "str | Path", batch_size: int = 1024, *, skip:
     mean and std are measured on the data's first lines, as a trainer measures them."""
     from rpcps.data.files import data_files
     from rpcps.data.formats import reader_of
-    from rpcps.data.tabular import Encoder, measure
+    from rpcps.data.encoding import Encoder
+    from rpcps.data.statistics import measure
     paths = data_files(Path(data))
     if not paths:
         raise FileNotFoundError(f"{data}: no data files")

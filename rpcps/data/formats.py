@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 if TYPE_CHECKING:
     from rpcps.data.source import Stream
-    from rpcps.data.tabular import Row
+    from rpcps.data.encoding import Row
     from rpcps.schema import Schema
 
 
@@ -39,12 +39,12 @@ class Format:
 
 
 def _text() -> Format:
-    from rpcps.data import tabular
+    from rpcps.data import text
     from rpcps.data.lines import count_lines
-    return Format(tabular.text_check, lambda schema, paths, limit: count_lines(paths, limit, schema.header),
-                  tabular.text_rows,
+    return Format(text.text_check, lambda schema, paths, limit: count_lines(paths, limit, schema.header),
+                  text.text_rows,
                   lambda encoder, paths, share=0, shares=1, start=0, stop=None:
-                  tabular.SchemaStream(encoder, paths, share, shares, start, stop))
+                  text.SchemaStream(encoder, paths, share, shares, start, stop))
 
 
 def _criteo() -> Format:

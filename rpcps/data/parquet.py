@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 import numpy as np
 
 from rpcps.data.lines import LineError, Skips
-from rpcps.data.tabular import FLOAT32_MAX, Row, checked_numbers
+from rpcps.data.encoding import FLOAT32_MAX, checked_numbers, Row
 
 if TYPE_CHECKING:
     import pyarrow

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 from rpcps.batch import Batch
 from rpcps.data.lines import LineError
-from rpcps.data.tabular import Encoder, Row, checked_numbers
+from rpcps.data.encoding import checked_numbers, Encoder, Row
 from rpcps.schema import Schema
 
 

@@ -4,8 +4,8 @@ the one over data files of any format.
 A source owns where it is: ``state()`` is what a checkpoint saves of it (opaque to everything but
 the source), and ``restore`` goes on from saved states, this trainer's own or, when the trainers
 were re-divided, every one of them. A new kind of input (a message queue, say) is one class with
-these members, named to ``rpcps up`` as ``--source module:Class`` (``load_source``); the docs'
-guide to data shows one.
+these members (``BaseSource`` gives the optional ones their defaults), named to ``rpcps up`` as
+``--source module:Class`` (``load_source``); the docs' guide to data shows one.
 """
 from __future__ import annotations
 
@@ -53,6 +53,41 @@ class Source(Protocol):
     def behind(self) -> Optional[tuple[int, float]]:
         """How far training is behind the data that has landed: (records, seconds), or None for
         data that does not land (files read over and over, generated samples)."""
+
+
+class BaseSource:
+    """A ``Source`` whose optional members have their defaults: subclass it and write ``next``,
+    ``held_out``, ``state`` and ``restore``. ``schema``, ``share``, ``shares`` and ``batch_size``
+    are what ``--source module:Class`` builds it with; ``description`` is the class's name unless
+    you say what it reads (a checkpoint's positions are used only by a source that says the same).
+    It always has a batch (``ready``), never lags behind data that lands (``behind``), and has
+    skipped and cut nothing until you count it."""
+
+    skipped: int = 0
+    last_skip: Optional[str] = None
+    truncated: int = 0
+
+    def __init__(self, schema: "Schema", share: int = 0, shares: int = 1, batch_size: int = 1024) -> None:
+        self.schema, self.share, self.shares, self.batch_size = schema, share, shares, batch_size
+        self.description: str = type(self).__name__
+
+    def ready(self, wait: float) -> bool:
+        return True
+
+    def behind(self) -> Optional[tuple[int, float]]:
+        return None
+
+    def next(self) -> Batch:
+        raise NotImplementedError(f"{type(self).__name__}.next: the next training batch")
+
+    def held_out(self, count: int, batch_size: int) -> Iterator[Batch]:
+        raise NotImplementedError(f"{type(self).__name__}.held_out: the held-out batches")
+
+    def state(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__}.state: where it is, as JSON")
+
+    def restore(self, states: list[dict[str, Any]], mine: Optional[dict[str, Any]]) -> str:
+        raise NotImplementedError(f"{type(self).__name__}.restore: go on from a saved state")
 
 
 def redivided(states: list[dict[str, Any]]) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ps.spec.config import ps_names
 from ps.server.service import ParameterServer
 from ps.spec.surface import ClockSurface, PsSurface
-from ps.client.stub import PsClient
+from ps.client.client import PsClient
 from services.errors import UpdateRefused
 from services.log import init_logging
 from services.membership import Membership, current_members
@@ -88,8 +88,8 @@ def sync(client: PsClient, args: argparse.Namespace) -> dict:
     if args.dense == "allreduce":
         dist_model.replicate(lambda key: args.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", 60), 60)
     loop = TrainLoop.of(LmTask(dist_model, BatchStream(data[:, index * batch:(index + 1) * batch], cfg.bptt), cfg), cfg)
-    client.start_with = args.trainers       # everyone in step 1, as a trainer role says
-    client.begin()
+    client.clock.start_with = args.trainers       # everyone in step 1, as a trainer role says
+    client.clock.begin()
     losses = [loop.step().loss for _ in range(args.steps)]
     result: dict = {"losses": losses, "consistency": str(client.consistency)}
     trained = full_parameters(client)
@@ -107,7 +107,7 @@ def sync(client: PsClient, args: argparse.Namespace) -> dict:
             loss, hidden = local.train_step(x, y, hidden, cfg.clip)
             local_losses.append(loss)
         result.update(local_losses=local_losses, param_diff=_max_diffs(trained, local_parameters(local)))
-    client.end()
+    client.clock.end()
     return result
 
 
@@ -121,15 +121,15 @@ def clocked(client: PsClient, args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(int(args.name.removeprefix("trainer")))
     data = torch.randint(0, model.config.ntoken, (cfg.bptt * args.steps + 1, cfg.batch_size), generator=g)
     loop = TrainLoop.of(LmTask(model, BatchStream(data, cfg.bptt), cfg), cfg)
-    client.begin()
+    client.clock.begin()
     wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
     reads, done = [], []
     for _ in range(args.steps):
-        client.begin()               # the step's own begin inside loop.step() is then a no-op
-        reads.append([client.granted.step, time.monotonic()])
+        client.clock.begin()               # the step's own begin inside loop.step() is then a no-op
+        reads.append([client.clock.granted.step, time.monotonic()])
         done.append([reads[-1][0], loop.step().arrived_at])
-    client.end()
+    client.clock.end()
     return {"reads": reads, "done": done}
 
 
@@ -147,7 +147,7 @@ def hammer(client: PsClient, args: argparse.Namespace) -> dict:
     poison = [float(p) for p in args.poison.split(",") if p]
     refused = []
     for i in range(args.steps):
-        client.begin()
+        client.clock.begin()
         with client.step() as step:
             rows, weights = step.fetch({"embedding.weight": ids})
             parts = client.op("decode", h, targets)
@@ -159,7 +159,7 @@ def hammer(client: PsClient, args: argparse.Namespace) -> dict:
                 step.finish(loss, clip=0.0)
             except UpdateRefused as exc:
                 refused.append(str(exc).splitlines()[0])
-    client.end()
+    client.clock.end()
     return {"steps": args.steps, "refused": refused}
 
 
@@ -171,7 +171,7 @@ def poison_hashed(client: PsClient, args: argparse.Namespace) -> dict:
     ids = torch.tensor([5, -2**40, 2**62 + 7, 123_456_789])
     refused, params = [], []
     for scale in (1.0, float("nan"), float("inf"), 1.0):
-        client.begin()
+        client.clock.begin()
         with client.step() as step:
             rows, weights = step.fetch({"tables.weights.C3": ids})
             loss = (rows["tables.weights.C3"].sum() + sum(w.sum() for w in weights.values())) * scale
@@ -181,7 +181,7 @@ def poison_hashed(client: PsClient, args: argparse.Namespace) -> dict:
             except UpdateRefused as exc:
                 refused.append(str(exc).splitlines()[0])
         params.append([client.call(n, PsSurface.parameters) for n in client.ps_names])
-    client.end()
+    client.clock.end()
 
     def same(a: list[dict], b: list[dict]) -> bool:
         return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
@@ -273,7 +273,7 @@ def tiny(client: PsClient, args: argparse.Namespace) -> dict:
                     touched = grad.abs().sum(1).nonzero().squeeze(1)
                     grad = torch.sparse_coo_tensor(touched[None], grad[touched], grad.shape)
                 r.step(local[n], grad, state[n], spec.lr)
-    client.end()
+    client.clock.end()
     served: dict[str, dict[str, torch.Tensor]] = {}
     for k, name in enumerate(client.ps_names):
         served[name] = client.call(name, PsSurface.parameters)
@@ -296,7 +296,7 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
     trainer's samples of each step and compares every parameter at the end."""
     import rpcps
     from trainer.ctr.custom import SchemaModel, hosted_module
-    from rpcps.data.sources import GeneratedSource
+    from rpcps.data.generated import GeneratedSource
     from rpcps.data.generated import SyntheticCtr
     from trainer.ctr.task import CtrTask
     index, batch, hosted = int(args.name.removeprefix("ctr")), 64, client.model
@@ -307,10 +307,10 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
     if args.dense == "allreduce":
         task.model.replicate(lambda key: args.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", 60), 60, hot=hot)
     loop = TrainLoop(task, clip=0.0, prefetch=args.prefetch, cache=hot)
-    client.start_with = args.trainers
-    client.begin()
+    client.clock.start_with = args.trainers
+    client.clock.begin()
     steps = [loop.step() for _ in range(args.steps)]
-    client.end()
+    client.clock.end()
     result: dict = {"losses": [s.loss for s in steps], "consistency": str(client.consistency),
                     "hidden": [s.phases.get("fetch_hidden") for s in steps],
                     "hits": [s.cache.hits if s.cache is not None else 0 for s in steps]}
@@ -353,18 +353,18 @@ def pushed(client: PsClient, args: argparse.Namespace) -> dict:
         with torch.no_grad():
             return client.fetch({param: x}, dense=False)[0][param]
     start = rows()
-    client.begin()
+    client.clock.begin()
     with client.step() as step:
         got, _ = step.fetch({param: x}, dense=False)
         step.finish((got[param] * w).sum(), clip=0.0)
     read = rows()
-    client.begin()
+    client.clock.begin()
     with client.step() as step:
         other, _ = step.fetch({"tables.weights.C4": torch.tensor([1, 2])}, dense=False)
         step.push({param: x}, {param: w})
         step.finish(other["tables.weights.C4"].sum() * 0.0, clip=0.0)
     after = rows()
-    client.end()
+    client.clock.end()
     refused = []
     for grad in (torch.zeros(2, 5), torch.zeros(3, 4)):      # a row of the wrong width; more rows than ids
         try:
@@ -476,11 +476,11 @@ def bagged(client: PsClient, args: argparse.Namespace) -> dict:
         def stepped(self) -> None:
             pass
     loop = TrainLoop(Task(), clip=0.0)
-    client.begin()
+    client.clock.begin()
     wait_until(lambda: len(client.call(client.leader, ClockSurface.status)["clocks"]) == args.trainers, 60,
                "every trainer on the step clock")
     losses = [loop.step().loss for _ in range(args.steps)]
-    client.end()
+    client.clock.end()
     result: dict = {"losses": losses}
     if index != 0:
         return result

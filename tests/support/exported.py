@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from rpcps.data.tabular import value_id
+from rpcps.data.encoding import value_id
 from rpcps.model import build_model
 from rpcps.saved import FORMAT, write_model
 from rpcps.schema import load_schema

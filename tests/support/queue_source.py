@@ -5,7 +5,7 @@ offset ``k`` is a rating drawn from ``k`` alone, so any process reads the same m
 offset; held-out messages are offsets from ``HELD_OUT`` on, never trained on."""
 import random
 
-from rpcps.data import Records
+from rpcps.data import BaseSource, Records
 
 HELD_OUT = 1 << 40
 GENRES = ("Drama", "Comedy", "War", "Action")
@@ -19,19 +19,18 @@ def message(k: int) -> dict:
             "occupation": draw.randrange(21), "age": draw.randrange(18, 60), "year": draw.randrange(1950, 2000)}
 
 
-class RatingsQueue:
+class RatingsQueue(BaseSource):
+    """Written as the data guide's queue is: four methods over ``rpcps.data.BaseSource``."""
+
     def __init__(self, schema, share, shares, batch_size):
-        self.records, self.share, self.shares, self.batch_size = Records(schema), share, shares, batch_size
+        super().__init__(schema, share, shares, batch_size)
+        self.records = Records(schema)
         self.offset = share                      # the next message this trainer takes
         self.description = "the tests' ratings queue"
-        self.skipped, self.last_skip = 0, None
 
     @property
     def truncated(self):
         return self.records.truncated
-
-    def ready(self, wait):
-        return True                              # a real queue would poll for up to `wait` seconds
 
     def next(self):
         offsets = range(self.offset, self.offset + self.batch_size * self.shares, self.shares)
@@ -51,9 +50,6 @@ class RatingsQueue:
         earliest = min(s["offset"] for s in states) if mine is None else mine["offset"]
         self.offset = earliest - earliest % self.shares + self.share
         return f"offset {self.offset}"
-
-    def behind(self):
-        return None
 
 
 class Dropping(RatingsQueue):

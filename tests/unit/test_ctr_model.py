@@ -10,7 +10,7 @@ import torch
 
 from ps.spec.rules import Adagrad, RowWiseAdagrad, Sgd, rule
 from rpcps.data.generated import SyntheticCtr, features
-from rpcps.data.sources import GeneratedSource
+from rpcps.data.generated import GeneratedSource
 from rpcps.quality import auc
 from rpcps.schema import load_schema
 from trainer.ctr import builtin

@@ -10,7 +10,7 @@ import pytest
 
 import rpcps
 from rpcps.data.follow import FollowSource
-from rpcps.data.sources import Follow, schema_source
+from rpcps.data.builders import Follow, schema_source
 
 SCHEMA = """\
 format: {fmt}
@@ -182,7 +182,7 @@ def test_a_trainer_waiting_for_data_leaves_the_step_clock_and_tells_where_it_is_
     # In sync mode a waiting trainer must hold nobody's step: one with a batch more of a file, or a
     # replacement a step out of phase, steps on; it tells its position before its state says "waiting".
     from services.lifecycle import RoleState, StatusBoard
-    from trainer.core.episodes import DataWait
+    from trainer.core.data_wait import DataWait
     said = []
 
     class Loop:

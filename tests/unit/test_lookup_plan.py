@@ -55,7 +55,7 @@ def test_one_request_per_server_while_the_cap_allows():
 def test_issued_lookups_are_collected_whatever_order_the_answers_come_in():
     # The client's issue stage hands back futures (``Fetching``): a step, or a prefetch ahead of
     # it, collects them later, and the rows are the same as when every answer came at once.
-    from ps.client.stub import Fetching
+    from ps.client.fetching import Fetching
     asked = lookups()
     plan = plan_lookups(asked, PLANS, TABLE_OF, 4)
     answers = [torch.futures.Future() for _ in plan.requests]

@@ -14,7 +14,8 @@ from rpcps.data.files import checked_data, data_files
 from rpcps.data.lines import LineError
 from rpcps.data.parquet import ParquetStream
 from rpcps.data.source import FileSource
-from rpcps.data.tabular import Encoder, check, named, rows_of, vocabularies
+from rpcps.data.encoding import Encoder
+from rpcps.data.statistics import check, named, rows_of, vocabularies
 from tests.support.cluster import REPO
 from trainer.ctr import datagen_ratings
 

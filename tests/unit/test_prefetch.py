@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ps.client.cache import HotRows
-from ps.client.stub import PsClient
+from ps.client.client import PsClient
 from ps.spec.consistency import Consistency
 from trainer.core.loop import TrainLoop
 from trainer.core.prefetch import Lookahead
@@ -28,7 +28,7 @@ class FakeClient:
 
     def __init__(self, consistency):
         self.consistency = Consistency.parse(consistency)
-        self.ahead = 0
+        self.clock = SimpleNamespace(ahead=0)
         self.cache = None
         self.issued = []         # the batches whose reads went out, in order
         self.steps_on = {}       # batch -> for which step after the last one begun its rows were read
@@ -111,8 +111,8 @@ def loop(consistency, prefetch=0, cache=None):
 
 
 def test_each_consistency_allows_what_it_can_keep_to_and_the_clock_counts_the_rest():
-    assert loop("async", 4, HotRows(10, 50)).ahead == 0, "async has no step clock to tell"
-    assert loop("ssp:3", 2, HotRows(10, 3)).ahead == 3, "ssp: rows read ahead or kept count as steps ahead"
+    assert loop("async", 4, HotRows(10, 50)).clock.ahead == 0, "async has no step clock to tell"
+    assert loop("ssp:3", 2, HotRows(10, 3)).clock.ahead == 3, "ssp: rows read ahead or kept count as steps ahead"
     assert loop("sync", 1, HotRows(10, 0)).cache is not None, "sync: read once the step before is applied"
     for consistency, prefetch, cache, refusal in [
             ("sync", 2, None, "only the next batch is read ahead: --prefetch 1"),

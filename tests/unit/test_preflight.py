@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rpcps.data.lines import LineError
-from rpcps.data.tabular import check, named, occupancy, rows_of
+from rpcps.data.statistics import check, named, occupancy, rows_of
 from rpcps.schema import load_schema
 from rpcps.tables import TableConfig as rpcps_table
 from services.config import load
@@ -146,7 +146,7 @@ def test_standardized_columns_are_measured_once_on_training_lines_and_recorded_f
 
 
 def test_held_out_files_of_their_own_are_evaluated_and_every_data_line_trained_on(tmp_path):
-    from rpcps.data.sources import schema_source
+    from rpcps.data.builders import schema_source
     data, held = ratings(tmp_path / "d", 300), ratings(tmp_path / "e", 50, seed=6)
     schema = load_schema(SCHEMA)
     apart = schema_source(schema, data, 100, held=40, eval_data=held)
@@ -179,7 +179,8 @@ def vocabulary_schema(tmp_path, min_count=1, genre_rows=32):
 
 
 def test_a_vocabulary_gives_each_value_named_enough_a_row_of_its_own_and_the_rest_row_0(tmp_path):
-    from rpcps.data.tabular import Encoder, named, vocabularies
+    from rpcps.data.encoding import Encoder
+    from rpcps.data.statistics import named, vocabularies
     schema = load_schema(vocabulary_schema(tmp_path, min_count=3))
     data = ratings(tmp_path / "d", 0)
     (data / "part_0.csv").write_text("label,user_id,movie_id,genres,occupation,age,year\n" + "".join(
@@ -209,7 +210,7 @@ def test_a_vocabulary_gives_each_value_named_enough_a_row_of_its_own_and_the_res
 
 
 def test_a_vocabulary_without_rows_sizes_itself_from_the_count_and_a_cap_does_not_change_the_model(tmp_path):
-    from rpcps.data.tabular import named, vocabularies
+    from rpcps.data.statistics import named, vocabularies
     from rpcps.tables import EmbeddingBags
     data = ratings(tmp_path / "d", 400)
     text = vocabulary_schema(tmp_path).read_text()

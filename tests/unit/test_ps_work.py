@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ps.client.lookups import on_the_wire
-from ps.client.stub import Traffic, check_server
+from ps.client.losses import check_server
+from ps.client.traffic import Traffic
 from ps.server.update import SharedOptimizer
 from ps.server.work import Work
 from ps.spec.messages import ShardInfo

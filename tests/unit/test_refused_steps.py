@@ -24,8 +24,8 @@ class ScriptedLoop:
     def __init__(self, script, away=0):
         self.script = list(script)
         self.away, self.asked, self.board = away, 0, None
-        self.model = self     # the runner leaves the step clock through loop.model.client.end()
-        self.client = self
+        self.model = self     # the runner leaves the step clock through loop.model.client.clock.end()
+        self.client = self.clock = self.losses = self
         self.replica = None
         self.task = self
         self.unit = "tokens"
@@ -70,7 +70,7 @@ def runner(script, max_refused=3, away=0, server_wait=600.0):
 def test_refused_steps_are_skipped_and_counted():
     run, metrics, board = runner([True, False, "lost", True, False, True, True])
     run.run(EpisodeStart(steps=4))
-    assert run.steps == 4 and run.refused == 2 and run.lost == 1
+    assert run.steps == 4 and run.failures.refused == 2 and run.failures.lost == 1
     assert metrics.steps_refused._value.get() == 2
     assert board.snapshot()["refused_steps"] == 2 and board.snapshot()["lost_steps"] == 1
 
@@ -91,7 +91,7 @@ def test_lost_steps_count_towards_the_limit_too():
 def test_a_step_lost_to_a_server_waits_for_it_and_counts_toward_no_limit():
     run, metrics, board = runner([True, "ps1", "ps1", "ps1", True, True], max_refused=2, away=2)
     run.run(EpisodeStart(steps=3))
-    assert run.steps == 3 and run.lost == 3 and run.server_losses == 3
+    assert run.steps == 3 and run.failures.lost == 3 and run.failures.server_losses == 3
     assert run.loop.asked == 2 + 3, "asked until ps1 served again, then once per later loss"
     status = board.snapshot()
     assert status["server_losses"] == 3 and status["lost_steps"] == 3 and status["waiting_for"] == []

@@ -6,7 +6,9 @@ import torch
 
 import rpcps
 from rpcps.data.lines import LineError
-from rpcps.data.tabular import Encoder, SchemaStream, check, measure, rows_of, value_id
+from rpcps.data.encoding import Encoder, value_id
+from rpcps.data.statistics import check, measure, rows_of
+from rpcps.data.text import SchemaStream
 from tests.support.cluster import REPO
 
 SCHEMA = """\

@@ -59,7 +59,7 @@ def test_rows_answer_as_the_same_lines_of_a_training_file(snapshot, tmp_path):
 
 def test_the_builtin_dlrm_reads_a_row_as_its_trainers_read_a_criteo_line(tmp_path):
     from rpcps.data.criteo import write
-    from rpcps.data.sources import CriteoFeatures
+    from rpcps.data.builders import CriteoFeatures
     from rpcps.data.generated import SyntheticCtr
     snapshot = Snapshot(write_builtin(tmp_path / "model"), 100)
     path = tmp_path / "day_0.tsv"

@@ -1,6 +1,8 @@
 """A source of your own: ``rpcps.data.Records`` encodes a record as the same line of a file is
 encoded, refuses a bad one naming it; ``--source`` is loaded with a sentence for each mistake."""
 import pytest
+
+import rpcps.data
 import torch
 
 import rpcps
@@ -72,3 +74,18 @@ def test_a_source_is_loaded_or_refused_with_a_sentence():
         load_source("tests.unit.test_sources:Broken", schema(), 0, 1, 4)
     with pytest.raises(ModelError, match="--source nowhere: give it as module:Class"):
         load_source("nowhere", schema(), 0, 1, 4)
+    # Over rpcps.data.BaseSource, a source writes four methods; the rest have their defaults.
+    assert source.ready(0.0) and source.behind() is None and (source.skipped, source.last_skip) == (0, None)
+    assert source.description == "the tests' ratings queue" and (source.share, source.shares) == (1, 2)
+
+
+class Unfinished(rpcps.data.BaseSource):
+    def next(self):
+        return None
+
+
+def test_a_base_source_says_which_of_its_four_methods_is_not_written():
+    source = load_source("tests.unit.test_sources:Unfinished", schema(), 0, 1, 4)
+    assert source.description == "Unfinished" and source.truncated == 0 and source.next() is None
+    with pytest.raises(NotImplementedError, match="Unfinished.state: where it is, as JSON"):
+        source.state()

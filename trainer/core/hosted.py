@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ps.spec.model import DenseGroup, Lifecycle, ModelSpec, Table
-from ps.client.stub import PsClient
+from ps.client.client import PsClient
 from rpcps.tables import EmbeddingBags, TableConfig, bags_of, serving
 from services.errors import ConfigError
 from trainer.core.served import ServedModel

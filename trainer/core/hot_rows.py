@@ -27,7 +27,7 @@ import torch
 
 from ps.client.cache import HotRows, Taken, others
 from ps.client.lookups import plan_lookups
-from ps.client.stub import PsClient
+from ps.client.client import PsClient
 from ps.spec.rules import UpdateRule, rule
 from ps.spec.surface import PsSurface
 from services.errors import ConfigError

@@ -1,5 +1,5 @@
 """One trainer's training step against the servers, for any server-hosted workload: wait for the
-step clock, take a batch, fetch, compute the loss, finish (the step protocol is ``ps/client/stub.py``'s
+step clock, take a batch, fetch, compute the loss, finish (the step protocol is ``ps/client/session.py``'s
 ``StepSession``). What a batch is and how its loss is computed is the workload's ``Task``; no
 HTTP, no process concerns."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ class StepResult:
     grad_norm: float
     phases: dict[str, float] = field(default_factory=dict)
     arrived_at: float = 0.0     # time.monotonic() when reported to the step clock (sync, ssp)
-    rpc_bytes: int = 0          # tensor bytes to and from the servers (``ps.client.stub.Traffic``)
+    rpc_bytes: int = 0          # tensor bytes to and from the servers (``ps.client.traffic.Traffic``)
     allreduce_bytes: int = 0    # bytes handed to the trainers' all-reduce (--dense allreduce)
     rpcs: int = 0               # messages to the servers: calls and distributed backward's gradients
     cache: Optional[CacheCounts] = None   # what the rows cache gave this step (its ``rows`` and ``max_age``: so far)
@@ -122,7 +122,7 @@ class TrainLoop:
         # The step boundary: in sync and ssp modes, wait for the step clock before taking the batch.
         rpc_before, allreduce_before, calls_before = self._moved_since or self._moved()
         cached_before = replace(client.cache.counts) if client.cache is not None else None
-        waited = client.begin()
+        waited = client.clock.begin()
         self.model.follow_group()
         try:
             ahead = self.lookahead.next() if self.lookahead is not None else None
@@ -141,7 +141,7 @@ class TrainLoop:
                 except Exception as exc:
                     # Inside the step's context: ``failed`` holds its release until a lost server
                     # has left this process's view of the group (``PsClient.failed``).
-                    lost = client.failed(exc, self.model.replica)
+                    lost = client.losses.failed(exc, self.model.replica)
                     if lost is None:
                         raise
                     raise lost from exc

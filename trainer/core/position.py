@@ -11,7 +11,7 @@ from services.errors import CheckpointError
 
 class Hold(Protocol):
     """Where a checkpoint holds the trainer: its own step boundary (``services.control.StepPause``,
-    async) or the step clock (``ps.client.stub.ClockPause``, sync and ssp)."""
+    async) or the step clock (``ps.client.clock.ClockPause``, sync and ssp)."""
 
     def hold(self, timeout: float) -> bool: ...
     def release(self) -> None: ...

@@ -14,7 +14,7 @@ The dense weights, which every step changes, are read in every mode the moment t
 is applied: as fresh as a step that reads them itself (in async and ssp the apply answers with
 them, ``StepSession.finish(..., weights=True)``, so they cost no round of their own). A read's
 answers are the step's own leaves: their gradients are pushed to the servers that sent them
-(``StepSession.adopt`` in ``ps/client/stub.py``). A hashed table's rows are read in the step
+(``StepSession.adopt`` in ``ps/client/session.py``). A hashed table's rows are read in the step
 itself, as without prefetch (reading admits its ids, and its rows change hands).
 
 Batches taken ahead are not trained yet: the position a checkpoint saves is the one before the
@@ -28,7 +28,9 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from ps.client.stub import Fetching, PsClient, StepSession
+from ps.client.client import PsClient
+from ps.client.fetching import Fetching
+from ps.client.session import StepSession
 
 
 class AheadTask(Protocol):

@@ -18,7 +18,8 @@ from torch.distributed import PrefixStore, Store
 
 from ps.spec.config import ps_names
 from ps.client.cache import HotRows
-from ps.client.stub import ClockPause, PsClient
+from ps.client.client import PsClient
+from ps.client.clock import ClockPause
 from services.checkpoint.coordinator import Coordinator
 from services.control import EpisodeGate, EpisodeStart, StepPause
 from services.errors import BadRequest, ConfigError
@@ -117,7 +118,7 @@ class ServedTrainer(RoleBase):
         servers = ps_names(cfg.num_ps)
         self._await_members(servers, cfg.join_timeout, self._wake, lambda: self.gate.closing)
         client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
-        client.start_with = cfg.num_trainers        # sync: the job's first step waits for them all
+        client.clock.start_with = cfg.num_trainers        # sync: the job's first step waits for them all
         task = self.task(client)
         model = task.model
         cache = self.cache()      # staleness 0 (replicated) with --dense allreduce only: the settings checked it

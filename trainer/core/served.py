@@ -12,7 +12,7 @@ from torch.distributed import Store
 from torch.func import functional_call
 
 from ps.spec.surface import PsSurface
-from ps.client.stub import PsClient
+from ps.client.client import PsClient
 from services.errors import ConfigError
 from trainer.core.hot_rows import ReplicatedRows, ServerRows, table_rules
 from trainer.core.replica import DenseReplica
@@ -52,16 +52,16 @@ class ServedModel(nn.Module):
                                     named=self.dense, hot=hot)
         for state in self.client.each_dense_shard(PsSurface.dense_state):
             self.replica.load_optimizer_state(state)
-        self.client.lockstep = True
+        self.client.clock.lockstep = True
 
     def follow_group(self) -> None:
         """At a step's beginning: with a replica, be in the group the step was granted with."""
         if self.replica is None:
             return
         try:
-            self.replica.follow(self.client.granted)
+            self.replica.follow(self.client.clock.granted)
         except Exception as exc:
-            raise self.client.lose_step(exc, self.replica) from exc
+            raise self.client.clock.lose_step(exc, self.replica) from exc
 
     @property
     def allreduce_bytes(self) -> int:

@@ -89,7 +89,7 @@ def bench_local(args: dict) -> dict:
     from trainer.ctr.config import CtrModelSettings
     from trainer.ctr.local import LocalModel
     from rpcps.quality import auc, logloss
-    from rpcps.data.sources import GeneratedSource
+    from rpcps.data.generated import GeneratedSource
     from rpcps.data.generated import SyntheticCtr
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -226,7 +226,7 @@ def rows_bytes_per_sample(args: dict, batches: int = 5) -> float:
     """The bytes of one trainer batch's deduplicated rows (dimension 16, float32), per sample."""
     import numpy as np
 
-    from rpcps.data.sources import GeneratedSource
+    from rpcps.data.generated import GeneratedSource
     from rpcps.data.generated import SyntheticCtr
     source = GeneratedSource(SyntheticCtr(seed=1, scale=args["scale"]), args["batch_size"], 0, TRAINERS)
     unique = []

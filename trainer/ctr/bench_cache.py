@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ps.client.cache import HotRows
-    from rpcps.data.sources import GeneratedSource
+    from rpcps.data.generated import GeneratedSource
     from rpcps.data.generated import SyntheticCtr
     torch.set_num_threads(1)
     generator = SyntheticCtr(seed=1, scale=args.scale)

@@ -32,7 +32,8 @@ def _share(schema: Any, data: Path, batch_size: int, shares: int) -> Any:
     """Trainer 0's batches of ``shares``, as a trainer reads them."""
     from rpcps.data.files import data_files
     from rpcps.data.formats import reader_of
-    from rpcps.data.tabular import Encoder, measure
+    from rpcps.data.encoding import Encoder
+    from rpcps.data.statistics import measure
     paths = data_files(data)
     return reader_of(schema).stream(Encoder(schema, measure(schema, paths)), paths, 0, shares).batches(batch_size)
 
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     import rpcps
     from rpcps.data.files import data_files
-    from rpcps.data.tabular import named, rows_of, vocabularies
+    from rpcps.data.statistics import named, rows_of, vocabularies
     from trainer.ctr import datagen_ratings
     from trainer.ctr.scale import EXAMPLES
 

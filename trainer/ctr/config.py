@@ -14,7 +14,7 @@ from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings, replicated_rows_need_replica
 
 if TYPE_CHECKING:
-    from rpcps.data.sources import Follow
+    from rpcps.data.builders import Follow
     from rpcps.schema import Schema
 
 TableRule = Literal["sgd", "adagrad", "rowwise_adagrad"]
@@ -223,7 +223,7 @@ class CtrDataSettings(SchemaSettings):
         """How --follow reads --data, or None without it."""
         if not self.follow:
             return None
-        from rpcps.data.sources import Follow
+        from rpcps.data.builders import Follow
         fraction = EVAL_FRACTION if self.eval_fraction is None else self.eval_fraction
         return Follow(fraction if self.eval_samples and self.eval_data is None else 0.0)
 

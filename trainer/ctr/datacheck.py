@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def summary(schema, paths: list[Path], count: int, held: int = 0) -> dict:
     import numpy as np
 
-    from rpcps.data.tabular import Encoder, measure, named, occupancy, rows_of, transformed, values_of, vocabularies
+    from rpcps.data.encoding import Encoder, transformed, values_of
+    from rpcps.data.statistics import measure, named, occupancy, rows_of, vocabularies
     from trainer.ctr.preflight import sharing
 
     stream = rows_of(schema, paths, start=held, stop=held + count, logged=False)
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from rpcps.data.lines import LineError
     from rpcps.data.files import data_files
     from rpcps.data.formats import reader_of
-    from rpcps.data.tabular import check
+    from rpcps.data.statistics import check
     from trainer.ctr.preflight import short_of_trainers
 
     try:

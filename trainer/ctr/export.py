@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ps.server.export import whole_model
-from rpcps.data.tabular import measured
+from rpcps.data.statistics import measured
 from rpcps.model import models_from_here
 from rpcps.saved import FORMAT, MODEL_FILE, write_model
 from rpcps.schema import Schema

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rpcps.data.sources import criteo_source, schema_source
+from rpcps.data.builders import criteo_source, schema_source
 from services.errors import ConfigError
 from trainer.ctr import builtin
 from trainer.ctr.config import CtrModelSettings, CtrUpSettings

@@ -13,8 +13,8 @@ import yaml
 
 from rpcps.data.files import data_files
 from rpcps.data.formats import reader_of
-from rpcps.data.tabular import (MEASURED_LINES, Encoder, Occupancy, Row, measure, measured, named, occupancy,
-                                 rows_of, vocabularies)
+from rpcps.data.encoding import Encoder, Row
+from rpcps.data.statistics import MEASURED_LINES, measure, measured, named, Occupancy, occupancy, rows_of, vocabularies
 from rpcps.schema import Schema
 from services.errors import ConfigError
 from trainer.ctr.config import CtrUpSettings

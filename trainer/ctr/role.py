@@ -8,9 +8,9 @@ import logging
 from typing import Optional
 
 from ps.client.cache import HotRows
-from ps.client.stub import PsClient
+from ps.client.client import PsClient
 from rpcps.data.source import Source, load_source
-from rpcps.data.sources import criteo_source, schema_source
+from rpcps.data.builders import criteo_source, schema_source
 from rpcps.model import ModelError
 from services.errors import ConfigError
 from services.names import parse_name
@@ -20,7 +20,7 @@ from trainer.core.role import ServedTrainer
 from trainer.ctr import builtin
 from trainer.ctr.config import CtrTrainerConfig
 from trainer.ctr.custom import SchemaModel, hosted_module
-from trainer.ctr.task import CtrModel, CtrTask
+from trainer.ctr.task import CtrTask
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class CtrTrainer(ServedTrainer):
             raise ConfigError(str(exc)) from None
         return self._task(model, source, share)
 
-    def _task(self, model: CtrModel, source: Source, share: int) -> CtrTask:
+    def _task(self, model: SchemaModel, source: Source, share: int) -> CtrTask:
         cfg = self.cfg
         log.info("data: %s; share %d of %d, %d samples a step", source.description, share, cfg.num_trainers,
                  cfg.batch_size)

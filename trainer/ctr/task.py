@@ -4,41 +4,30 @@ held-out samples (on generated data, with the best AUC any model could reach on 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
-import torch
 
 from rpcps.data.source import Source
 from rpcps.quality import auc, logloss
 from services.lifecycle import StatusBoard
 from trainer.ctr.metrics import CtrMetrics
 
+if TYPE_CHECKING:
+    from trainer.ctr.custom import SchemaModel
+
 log = logging.getLogger(__name__)
-
-
-class CtrModel(Protocol):
-    """What the task asks of its model (the built-in DLRM, or a user's model over a schema)."""
-
-    def fetch_for(self, batch: Any) -> Any:
-        """Inside the step's autograd context: the rows and weights ``batch`` needs from the servers."""
-
-    def lookups_for(self, batch: Any) -> dict[str, torch.Tensor]:
-        """The rows ``fetch_for`` reads: table parameter -> ids."""
-
-    def loss(self, batch: Any, fetched: Any) -> torch.Tensor: ...
-
-    def predict(self, batch: Any) -> np.ndarray:
-        """Click probabilities of ``batch``'s samples, changing nothing."""
 
 
 class CtrTask:
     unit = "samples"
 
-    def __init__(self, model: CtrModel, source: Source, *, name: str, num_trainers: int,
+    def __init__(self, model: "SchemaModel", source: Source, *, name: str, num_trainers: int,
                  eval_samples: int = 0, eval_batch_size: int = 4096, metrics: Optional[CtrMetrics] = None,
                  board: Optional[StatusBoard] = None) -> None:
         self.model, self.source = model, source
+        # A step's computation is the model's own (``trainer.core.loop.Task``).
+        self.fetch, self.lookups, self.loss = model.fetch_for, model.lookups_for, model.loss
         self.name, self.num_trainers = name, num_trainers
         self.eval_samples, self.eval_batch_size = eval_samples, eval_batch_size
         self.metrics, self.board = metrics, board
@@ -78,15 +67,6 @@ class CtrTask:
                               data_position=self.source.state())
         if self.metrics is not None:
             self.metrics.behind(records, seconds)
-
-    def fetch(self, batch: Any) -> Any:
-        return self.model.fetch_for(batch)
-
-    def lookups(self, batch: Any) -> dict[str, torch.Tensor]:
-        return self.model.lookups_for(batch)
-
-    def loss(self, batch: Any, fetched: Any) -> torch.Tensor:
-        return self.model.loss(batch, fetched)
 
     def units(self, batch: Any) -> int:
         return len(batch.labels)

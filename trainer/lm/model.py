@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from ps.spec.model import DenseGroup, ModelSpec, Table
-from ps.client.stub import PsClient
+from ps.client.client import PsClient
 from ps.spec.rules import grad_sq_norm, make_optimizer
 from trainer.core.served import ServedModel
 from trainer.lm.config import LmModelConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ps.client.stub import PsClient
+from ps.client.client import PsClient
 from services.errors import PeerUnavailable
 from services.names import parse_name
 from services.role import RoleContext

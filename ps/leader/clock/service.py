@@ -15,7 +15,7 @@ from services.remote import remote
 
 class StepClockService(ClockSurface):
     """The step clock served on the leader (its surface: ``ClockSurface``). Trainers reach it through
-    ``ps/client/stub.py``; the caller's RPC name is the trainer's name."""
+    ``ps/client/clock.py``; the caller's RPC name is the trainer's name."""
 
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock

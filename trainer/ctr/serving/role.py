@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ps.client.stub import PsClient
+from ps.client.client import PsClient
 from ps.spec.config import ps_names
 from services.errors import InvalidInput, NotReady, NotSupported, Overloaded, RpcpsError, TooLarge
 from services.lifecycle import RoleState

@@ -22,7 +22,7 @@ from typing import Any, Generic, Optional, Sequence, TypeVar
 from rpcps.batch import Batch
 from rpcps.data.criteo import CATEGORICAL, CriteoError, Parsed, batch_of, parse
 from rpcps.data.generated import DENSE, features
-from rpcps.data.tabular import FLOAT32_MAX, Encoder, Row, clipped, values_of
+from rpcps.data.encoding import FLOAT32_MAX, clipped, Encoder, Row, values_of
 from rpcps.schema import Categorical, Numeric, Schema
 from services.errors import ConfigError, InvalidInput
 

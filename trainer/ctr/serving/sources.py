@@ -11,10 +11,10 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from ps.client.stub import PsClient
+from ps.client.client import PsClient
 from ps.spec.surface import PsSurface
 from rpcps.data.criteo import table_sizes
-from rpcps.data.tabular import measured
+from rpcps.data.statistics import measured
 from rpcps.saved import load_model
 from rpcps.schema import Schema
 from services.errors import ConfigError, PeerUnavailable
@@ -192,7 +192,7 @@ class Online:
             rows, weights = self.client.fetch(wanted, dense=dense)
             step = self.client.call(self.client.leader, PsSurface.info).steps if dense else None
         except Exception as exc:  # noqa: BLE001 - whatever broke the read, the answer is the same refusal
-            lost = getattr(exc, "servers", None) or self.client.lost_servers() or self.client.ps_names
+            lost = getattr(exc, "servers", None) or self.client.losses.lost() or self.client.ps_names
             raise PeerUnavailable(f"cannot read the model from {', '.join(lost)}: {str(exc).splitlines()[0]}") from None
         for param, ids in wanted.items():
             found[param].update(self.cache.put(param, ids, rows[param].float(), at))

@@ -66,7 +66,8 @@ def schema_source(schema: "Schema", data: Path, batch_size: int, held: int, shar
                   eval_data: Optional[Path] = None, follow: Optional[Follow] = None) -> Source:
     """A schema's files; its standardized columns without statistics measured on their first lines.
     ``held`` lines of ``data`` are held out, or none when ``eval_data`` are files of their own."""
-    from rpcps.data.tabular import Encoder, measure
+    from rpcps.data.encoding import Encoder
+    from rpcps.data.statistics import measure
     stats = measure(schema, data_files(data))
     for column, (mean, std) in stats.items():
         log.info("column %s standardized by the mean %.6g and std %.6g of the data's first lines", column, mean, std)

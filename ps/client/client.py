@@ -1,0 +1,127 @@
+"""The trainer-side client of the parameter servers: the only place trainers touch RPC.
+
+It hides the fan-out. A lookup is staged: planned (``ps/client/lookups.py``: ids deduplicated, each
+owning shard's share in requests within the servers' ``--max-ids-per-request``), issued to every
+shard at once (``issue``, which returns the answers on their way as a ``Fetching``,
+``ps/client/fetching.py``), and collected back into the batch's shape. An operation asks every
+shard in parallel. Its parts, each in a file of its own:
+
+- a training step, ``step()``: a ``StepSession`` (``ps/client/session.py``), whose ``finish`` runs
+  backward and ends the step as the job's consistency says;
+- the leader's step clock, ``clock`` (``ps/client/clock.py``), in sync and ssp modes;
+- the servers it can no longer count on, ``losses`` (``ps/client/losses.py``): what a failed step
+  means, and which servers have come back;
+- what its RPCs move, ``traffic`` (``ps/client/traffic.py``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ps.client.cache import HotRows
+from ps.client.clock import StepClock
+from ps.client.fetching import Copies, Fetching
+from ps.client.lookups import plan_lookups
+from ps.client.losses import ServerLosses, check_server
+from ps.client.session import StepSession
+from ps.client.traffic import Traffic
+from ps.spec.consistency import Consistency
+from ps.spec.messages import ShardInfo
+from ps.spec.sharding import HashedPlan, from_placement
+from ps.spec.surface import PsSurface
+from services.remote import call_async, in_autograd_context, wait
+
+
+class PsClient:
+    def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:
+        self.me, self.ps_names, self.timeout = me, ps_names, timeout
+        self.traffic = Traffic()
+        infos: list[ShardInfo] = [wait(f) for f in [self.ask(n, PsSurface.info) for n in ps_names]]
+        for k, info in enumerate(infos):
+            check_server(ps_names, k, info, infos[0])
+        self.consistency = Consistency.parse(infos[0].consistency)
+        self.leader = ps_names[0]                             # keeps the step clock
+        self.clock = StepClock(self)
+        self.cache: Optional[HotRows] = None      # copies of the rows read most (``read_ahead``)
+        self.steps = 0                             # steps begun: the cache counts its copies' ages in them
+        self.session: Optional[StepSession] = None   # the step under way
+        self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
+        placed = infos[0].placement
+        self.plans = {table: from_placement(placed.get(table, ("row_wise", 0)), len(ps_names),
+                                            sum(i.tables[table] for i in infos))
+                      for table in infos[0].tables}
+        self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
+        self.dense_shards = [k for k, info in enumerate(infos) if info.dense]
+        self.max_ids = min(info.max_ids for info in infos)     # the most ids one request may name
+        self.row_shapes = infos[0].row_shapes
+        self.losses = ServerLosses(self, infos[0])
+
+    def ask(self, ps: str, method: Callable[..., Any], *args: Any) -> torch.futures.Future:
+        """One method of one server, its answer to wait for (``services.remote.wait``)."""
+        future = call_async(ps, method, *args, timeout=self.timeout)
+        self.traffic.call(args, future, in_autograd_context())
+        return future
+
+    def call(self, ps: str, method: Callable[..., Any], *args: Any) -> Any:
+        """One method of one server, synchronously."""
+        return wait(self.ask(ps, method, *args))
+
+    def read_ahead(self, early: int = 0, cache: Optional[HotRows] = None) -> None:
+        """Steps read their rows ``early`` steps before they train with them (``--prefetch``,
+        ``trainer/core/prefetch.py``) and take copies from ``cache``: ``ValueError`` if either is
+        staler than the servers' consistency allows. In ssp the step clock counts them as steps
+        ahead (``begin``)."""
+        kept = cache.staleness if cache is not None else 0
+        try:
+            self.consistency.check_reads(early, kept)
+        except ValueError as exc:
+            raise ValueError(f"the servers run {self.consistency}: {exc}") from None
+        ssp = self.consistency.clocked and not self.consistency.averaged
+        self.clock.ahead = max(early, kept) if ssp else 0
+        self.cache = cache
+
+    def step(self) -> "StepSession":
+        """A training step: ``with client.step() as step: ... step.finish(loss, clip)``."""
+        return StepSession(self)
+
+    def issue(self, lookups: dict[str, torch.Tensor], dense: bool = True, ahead: int = 0) -> "Fetching":
+        """Ask for rows of table parameters (``lookups``: parameter -> ids [...] of its table) and,
+        with ``dense``, every dense tensor, all at once, and return without waiting: each server's
+        share of the deduplicated ids in as few requests as ``--max-ids-per-request`` allows
+        (``ps/client/lookups.py``). Issued inside a step's autograd context, the answers carry the
+        way back for that step's gradients. For a step (the one under way, or the one ``ahead``
+        steps after the last begun) rows the cache holds fresh enough are taken from it instead."""
+        copies = None
+        if self.cache is not None and (self.session is not None or ahead or self.cache.replicated):
+            copies, lookups = Copies.take(self, lookups, ahead)
+        plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids, self.row_shapes,
+                            copies.taken if copies is not None else ())
+        answers = [self.ask(self.ps_names[k], PsSurface.lookup_many, ask) for k, ask in plan.requests]
+        dense_shards = self.dense_shards if dense else []
+        dense_futures = [self.ask(self.ps_names[k], PsSurface.dense_params) for k in dense_shards]
+        fetching = Fetching(plan, answers, dense_futures, dense_shards, copies)
+        if self.session is not None:
+            self.session.track(fetching)
+        return fetching
+
+    def pushable(self, lookups: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``lookups`` cut in two: those whose gradients a step may push, so it may read them before
+        it begins or take them from the cache, and those it must read in its own context: a
+        hashed table's, whose reading admits ids and whose rows change hands."""
+        early = {p: ids for p, ids in lookups.items() if not isinstance(self.plans[self.table_of[p]], HashedPlan)}
+        return early, {p: ids for p, ids in lookups.items() if p not in early}
+
+    def fetch(self, lookups: dict[str, torch.Tensor], dense: bool = True
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``issue`` and wait for it: the rows, each [..., *row shape] as its ids were shaped, and
+        the dense tensors by name."""
+        return self.issue(lookups, dense).collect()
+
+    def each_dense_shard(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """``method`` of every server that holds dense tensors, at once; their answers."""
+        return [wait(f) for f in [self.ask(self.ps_names[k], method, *args) for k in self.dense_shards]]
+
+    def op(self, name: str, *args: Any) -> list[Any]:
+        """The model's server-side operation ``name`` on every shard at once; their answers in shard order."""
+        return [wait(f) for f in [self.ask(n, PsSurface.op, name, *args) for n in self.ps_names]]

@@ -1,0 +1,139 @@
+"""A read of rows and dense tensors on its way (``Fetching``), and the rows a read took from the
+trainer's cache instead (``Copies``): what a step waits for, adopts when it was read ahead, and
+pushes the gradients of (``ps/client/session.py``)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ps.client.cache import HotRows, Taken
+from ps.client.lookups import LookupPlan, plan_lookups
+from services.remote import wait
+
+if TYPE_CHECKING:
+    from ps.client.client import PsClient
+
+
+class Fetching:
+    """Lookups issued and not yet collected: what a step waits for, and where a prefetch or a
+    row cache comes in (the plan says which rows each answer holds). Issued outside a step's
+    context (a prefetch), the answers carry no way back: a step ``adopt``s them, computes with
+    them as its own leaves, and pushes their gradients (``StepSession.finish``)."""
+
+    def __init__(self, plan: LookupPlan, answers: list[torch.futures.Future],
+                 dense: list[torch.futures.Future], dense_servers: list[int], copies: Optional[Copies] = None) -> None:
+        self.plan, self._answers, self._dense = plan, answers, dense
+        self._dense_servers = dense_servers      # the server of each dense answer
+        self.copies = copies                     # rows taken from the cache
+        self.issued_at = time.perf_counter()
+        self._landed: list[float] = []       # when each answer came (RPC threads append)
+        for f in (*answers, *dense):
+            f.add_done_callback(lambda _: self._landed.append(time.perf_counter()))
+        self._leaves: Optional[tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]] = None
+
+    @property
+    def has_leaves(self) -> bool:
+        """Whether a step computed with tensors of this process from it (adopted, or cache copies)."""
+        return self._leaves is not None or self.copies is not None
+
+    def done(self) -> bool:
+        """Every answer is in (``collect`` would not wait)."""
+        return all(f.done() for f in (*self._answers, *self._dense))
+
+    def hidden(self) -> float:
+        """Called as a step begins to wait for the answers: the seconds of the read that passed
+        before (from its issue to its last answer, or to now), hidden behind other work."""
+        now = time.perf_counter()
+        landed = max(self._landed, default=self.issued_at) if self.done() else now
+        return max(0.0, min(landed, now) - self.issued_at)
+
+    def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Wait for the answers: each parameter's rows in its ids' shape, and the dense tensors."""
+        return self._assemble([wait(f) for f in self._answers], [wait(f) for f in self._dense])
+
+    def adopted(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``collect``, each answer made a leaf of this process's graph, whose gradients
+        ``pushes`` hands back."""
+        rows = [{p: t.detach().requires_grad_() for p, t in wait(f).items()} for f in self._answers]
+        dense = [{n: t.detach().requires_grad_() for n, t in wait(f).items()} for f in self._dense]
+        self._leaves = rows, dense
+        return self._assemble(rows, dense)
+
+    def _assemble(self, rows: list[dict[str, torch.Tensor]], dense: list[dict[str, torch.Tensor]]
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        weights: dict[str, torch.Tensor] = {}
+        for answer in dense:
+            weights.update(answer)
+        collected = self.plan.collect(rows)
+        if self.copies is not None:
+            self.copies.assemble(collected, rows)
+        return collected, weights
+
+    def pushes(self, grads: dict[torch.Tensor, torch.Tensor]
+               ) -> list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
+        """The adopted leaves' gradients (``grads``: a step context's, by tensor), one message per
+        answer as distributed backward sends them: (server, its rows' parameter -> (ids,
+        gradients), its dense tensors' name -> gradient). A leaf the loss did not reach has none."""
+        out = [] if self.copies is None else self.copies.pushes(grads)
+        if self._leaves is not None:
+            rows, dense = self._leaves
+            out += [(k, {p: (ask[p], grads[t]) for p, t in answer.items() if t in grads}, {})
+                    for (k, ask), answer in zip(self.plan.requests, rows)]
+            out += [(k, {}, {n: grads[t] for n, t in answer.items() if t in grads})
+                    for k, answer in zip(self._dense_servers, dense)]
+        return [push for push in out if push[1] or push[2]]
+
+
+class Copies:
+    """The rows a read took from the cache (``taken``, by parameter), read at step ``read_at``:
+    put back among the rows read, which the cache then keeps; and the gradients of those taken,
+    cut for their servers as ``hits`` plans them."""
+
+    def __init__(self, cache: HotRows, taken: dict[str, Taken], hits: LookupPlan, read_at: int,
+                 table_rows: dict[str, int]) -> None:
+        self.cache, self.taken, self.hits, self.read_at, self.table_rows = cache, taken, hits, read_at, table_rows
+        self._leaves: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def take(cls, client: PsClient, lookups: dict[str, torch.Tensor], ahead: int
+             ) -> tuple[Optional["Copies"], dict[str, torch.Tensor]]:
+        """What ``client``'s cache gives of ``lookups`` for the step ``ahead`` after the last one
+        begun (0: the one under way), and the lookups left to read."""
+        cache = client.cache
+        early, _ = client.pushable(lookups)
+        taken = {p: cache.take(p, ids, client.steps + ahead) for p, ids in early.items() if ids.numel()}
+        if not taken:
+            return None, lookups
+        left = {p: ids for p, ids in lookups.items() if p not in taken}
+        left.update({p: t.miss_ids for p, t in taken.items() if t.miss_ids.numel()})
+        hits = plan_lookups({p: t.hit_ids for p, t in taken.items() if t.hit_ids.numel()}, client.plans,
+                            client.table_of, client.max_ids, distinct=taken)
+        # What a read gives reflects every step applied before it: the one under way's not yet.
+        read_at = client.steps + (0 if client.session is not None else 1)
+        return cls(cache, taken, hits, read_at, {p: client.plans[client.table_of[p]].num_ids for p in taken}), left
+
+    def assemble(self, rows: dict[str, torch.Tensor], answers: list[dict[str, torch.Tensor]]) -> None:
+        """``rows`` (what the plan collected: a cached parameter's as its ``miss_ids``) completed in
+        place with the copies taken, each a leaf whose gradient ``pushes`` hands back."""
+        for param, taken in self.taken.items():
+            read = rows.get(param)
+            if read is None:                               # every id taken from the cache
+                read = taken.hit_rows[:0]
+            else:
+                wire = next(a[param] for a in answers if param in a)
+                self.cache.store(param, taken.miss_ids, read, self.read_at, self.table_rows[param])
+                self.cache.note_row_bytes(param, wire[0].numel() * wire.element_size() if wire.numel() else 0)
+            leaf = self._leaves[param] = taken.hit_rows.requires_grad_()
+            rows[param] = taken.assemble(leaf, read)
+            self.cache.count(param, taken)
+
+    def pushes(self, grads: dict[torch.Tensor, torch.Tensor]) -> list[tuple[int, dict, dict]]:
+        """The gradients of the copies taken, for their servers (none for replicas: the trainers
+        average and apply those themselves)."""
+        got = {p: grads[t] for p, t in self._leaves.items() if t in grads and self.taken[p].hit_ids.numel()}
+        if not got or self.cache.replicated:
+            return []
+        parts = self.hits.spread(got)
+        return [(k, part, {}) for (k, _), part in zip(self.hits.requests, parts)]

@@ -1,0 +1,233 @@
+"""A training step on the trainer's side (``StepSession``): its distributed autograd context, and
+its end as the job's consistency says (``ps/server/update.py``):
+
+* async: the global norm of this trainer's gradients (one round to every server); a server that
+  finds them not finite refuses the step there, before any server applies any of it; else clip
+  and have every server apply its share;
+* ssp:K: the same, then report the step to the leader's step clock;
+* sync: hand the gradients to every server, then arrive at the clock, which answers once the
+  step's averaged (and clipped) update is applied everywhere. A server refuses gradients that
+  are not finite; the trainer then arrives as refused, and the step goes on without it.
+
+A refused step raises ``UpdateRefused`` once the clock is told: the caller skips that batch. A
+step that fails because a server other than the leader went away (died, restarted, or stopped
+answering) raises ``ServerLost`` once the clock is told (``ps/client/losses.py``); the caller
+waits for the server's return and goes on.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+import torch
+import torch.distributed.autograd as dist_autograd
+
+from ps.client.fetching import Fetching
+from ps.client.lookups import LookupPlan, plan_lookups
+from ps.spec.rules import clip_coef
+from ps.spec.surface import PsSurface
+from services.errors import UpdateRefused
+from services.remote import wait
+
+if TYPE_CHECKING:
+    from ps.client.client import PsClient
+
+# Gradients pushed with a step's norm round or hand-over, per server: its rows' parameter ->
+# (ids, gradients), and its dense tensors' name -> gradient (``PsSurface.push``'s arguments).
+Pushes = dict[int, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]
+
+
+class Replica(Protocol):
+    """Weights every trainer holds a copy of, all-reduced among the trainers (``trainer/core/replica.py``)."""
+
+    def averaged(self, grads: dict[torch.Tensor, torch.Tensor]) -> Optional[dict[torch.Tensor, torch.Tensor]]: ...
+    def sq_norm(self, grads: Optional[dict[torch.Tensor, torch.Tensor]]) -> float: ...
+    def apply(self, grads: Optional[dict[torch.Tensor, torch.Tensor]], coef: float, step: int) -> None: ...
+    def leave_group(self) -> None: ...
+
+
+def wait_all(futures: list[torch.futures.Future]) -> tuple[list[Any], Optional[UpdateRefused]]:
+    """Every server's answer, and a refusal if one refused: the others are still waited for, so
+    the step's fate is known on every server before the caller goes on."""
+    answers, refused = [], None
+    for f in futures:
+        try:
+            answers.append(wait(f))
+        except UpdateRefused as exc:
+            refused = exc
+    return answers, refused
+
+
+@dataclass
+class Finished:
+    """What ``StepSession.finish`` did, and how long each part took."""
+
+    grad_norm: float          # before clipping; sync: of the averaged gradient (nan when not clipped)
+    backward: float
+    clip: float
+    optimize: float           # sync: handing the gradients over
+    barrier: float = 0.0      # at the step clock (sync: until the step was applied everywhere)
+    arrived_at: float = 0.0   # time.monotonic() when it reported the step to the step clock (0: async)
+    weights: Optional["Fetching"] = None    # the dense tensors as the update left them, when asked for
+
+
+class StepSession:
+    """One step's distributed autograd context, and its end: backward, clipping, the update.
+
+    It is the one owner of that context: it opens it, every lookup issued on this thread until
+    ``finish`` is recorded in it (the way back for the step's gradients), ``finish`` runs backward
+    and hands the gradients over by its id, and leaving the ``with`` block releases it. torch
+    allows one such context per thread, so what is issued for a later step before this one ends
+    (a prefetch) must be issued in that step's own session."""
+
+    def __init__(self, client: PsClient) -> None:
+        self.client = client
+        self._context: Any = None
+        self.context_id = -1
+        self._fetched: list[Fetching] = []      # what this step read, whose leaves it pushes the gradients of
+
+    def __enter__(self) -> "StepSession":
+        self._context = dist_autograd.context()
+        self.context_id = self._context.__enter__()
+        self.client.steps += 1
+        self.client.session = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.session = None
+        self._context.__exit__(*exc)
+
+    def track(self, fetching: Fetching) -> None:
+        self._fetched.append(fetching)
+
+    def issue(self, lookups: dict[str, torch.Tensor], dense: bool = True) -> Fetching:
+        return self.client.issue(lookups, dense)
+
+    def adopt(self, fetching: Fetching) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """What ``fetching`` (issued before this step, outside any context: a prefetch) read, as
+        ``fetch`` gives it; ``finish`` pushes its gradients to the servers that answered."""
+        self.track(fetching)
+        return fetching.adopted()
+
+    def push(self, lookups: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
+        """Gradients of table rows this step did not read from the servers (a copy held here):
+        ``grads[param]`` [*ids' shape, *row shape] for ``lookups[param]``'s ids. They join the
+        step's update on each owning server, as if they had come back through distributed
+        autograd; push before ``finish``."""
+        client = self.client
+        plan = plan_lookups(lookups, client.plans, client.table_of, client.max_ids)
+        pushes = plan.spread({param: g.detach().float() for param, g in grads.items()})
+        for f in [client.ask(client.ps_names[k], PsSurface.push, self.context_id, part)
+                  for (k, _), part in zip(plan.requests, pushes)]:
+            wait(f)
+
+    def fetch(self, lookups: dict[str, torch.Tensor], dense: bool = True
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return self.client.fetch(lookups, dense)
+
+    def finish(self, loss: torch.Tensor, clip: float, replica: Optional[Replica] = None,
+               weights: bool = False) -> Finished:
+        """Send ``loss``'s gradients back to the servers, clip their global norm to ``clip`` (0:
+        off), and apply them as the job's consistency says; sync mode also updates the trainers'
+        ``replica`` of the weights they hold themselves (``--dense allreduce``). With ``weights``
+        (async and ssp), the servers answer the apply with their dense tensors as it left them:
+        ``Finished.weights``, a read the next step may adopt."""
+        client = self.client
+        averaged = client.consistency.averaged
+        if averaged and client.clock.granted is None:
+            raise RuntimeError("a sync step needs client.begin() at its boundary first")
+        if replica is not None and not averaged:
+            raise RuntimeError("replicated weights are updated in sync mode only")
+        t0 = time.perf_counter()
+        try:
+            dist_autograd.backward(self.context_id, [loss])
+            leaves = self._leaf_grads()
+        except Exception as exc:
+            # A sync step that cannot hand its gradients over still ends at the clock, or every
+            # other trainer would wait for it (with a replica: a peer in its all-reduce died).
+            if not averaged:
+                raise
+            raise (client.losses.failed(exc, replica) or client.clock.lose_step(exc, replica)) from exc
+        backward = time.perf_counter() - t0
+        if averaged:
+            return self._hand_over(backward, clip, replica, leaves)
+        return self._apply_own(backward, clip, leaves, weights)
+
+    def _leaf_grads(self) -> Pushes:
+        """The gradients of what the step adopted (read before it) or took from the cache, for the
+        servers that own it. They go with the step's norm round or hand-over, so they cost no
+        round of their own."""
+        if not any(f.has_leaves for f in self._fetched):
+            return {}
+        grads = dist_autograd.get_gradients(self.context_id)
+        out: Pushes = {}
+        for fetching in self._fetched:
+            for k, rows, dense in fetching.pushes(grads):
+                kept_rows, kept_dense = out.setdefault(k, ({}, {}))
+                for param, (ids, grad) in rows.items():
+                    if param in kept_rows:       # the same table's rows from two answers (a cut request, a copy)
+                        ids, grad = torch.cat([kept_rows[param][0], ids]), torch.cat([kept_rows[param][1], grad])
+                    kept_rows[param] = (ids, grad)
+                kept_dense.update(dense)
+        return out
+
+    def _hand_over(self, backward: float, clip: float, replica: Optional[Replica], leaves: Pushes) -> Finished:
+        """sync: hand the gradients to every server; the step clock has them applied, averaged
+        with the other trainers', once every trainer has."""
+        client = self.client
+        t1 = time.perf_counter()
+        try:        # the replica's average may all-reduce (hot rows): a peer may die in it
+            replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None
+        except Exception as exc:
+            raise (client.losses.failed(exc, replica) or client.clock.lose_step(exc, replica)) from exc
+        _, refused = wait_all([client.ask(n, PsSurface.contribute, self.context_id, client.clock.granted.step,
+                                             *leaves.get(k, ())) for k, n in enumerate(client.ps_names)])
+        t3 = time.perf_counter()
+        applied, arrived_at = client.clock.arrive(clip, refused is not None,
+                                            replica.sq_norm(replicated) if replica is not None else 0.0)
+        if replica is not None and applied.participants:
+            # Every trainer all-reduced the same gradients and reads the same norm: every
+            # replica takes the same update, whether or not the servers refused its own rows.
+            replica.apply(replicated, clip_coef(clip, applied.grad_norm), applied.step)
+        if refused is not None:
+            raise refused
+        return Finished(applied.grad_norm, backward, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
+
+    def _grad_norm(self, leaves: Pushes) -> float:
+        """The global norm of every shard's gradients of this step, ``leaves`` (``_leaf_grads``)
+        pushed with the question; ``UpdateRefused`` if a server found them not finite."""
+        client = self.client
+        parts, refused = wait_all([client.ask(n, PsSurface.grad_sq_norm, self.context_id, *leaves.get(k, ()))
+                                   for k, n in enumerate(client.ps_names)])
+        if refused is not None:
+            raise refused
+        norm = sum(parts) ** 0.5
+        if not math.isfinite(norm):   # finite parts, too large to add up
+            raise UpdateRefused(f"this step's gradient norm is {norm}: nothing of it was applied")
+        return norm
+
+    def _apply_own(self, backward: float, clip: float, leaves: Pushes, weights: bool) -> Finished:
+        """async and ssp: this trainer's own update, checked finite across every server, then
+        applied on each, clipped as the norm says (in the same call); ssp then reports the step
+        to the clock."""
+        client = self.client
+        t1 = time.perf_counter()
+        try:
+            norm = self._grad_norm(leaves)
+        except UpdateRefused:
+            if client.consistency.clocked:
+                client.clock.arrive(clip)      # ssp: its step is over, without an update
+            raise
+        t2 = time.perf_counter()
+        dense = client.dense_shards if weights else []
+        applies = [client.ask(n, PsSurface.apply, self.context_id, clip_coef(clip, norm), k in dense)
+                   for k, n in enumerate(client.ps_names)]
+        for f in applies:
+            wait(f)
+        t3, arrived_at = time.perf_counter(), 0.0
+        if client.consistency.clocked:
+            _, arrived_at = client.clock.arrive(clip)
+        left = Fetching(LookupPlan([], {}), [], [applies[k] for k in dense], dense) if dense else None
+        return Finished(norm, backward, t2 - t1, t3 - t2, time.perf_counter() - t3, arrived_at, left)
