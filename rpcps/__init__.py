@@ -12,7 +12,9 @@ its tables on the parameter servers.
         def forward(self, batch: rpcps.Batch) -> torch.Tensor:
             return self.top(self.tables(batch.sparse)["item"]).squeeze(1)
 
-Everything a user's code needs is here; the rest of the repository is the system's own.
+Everything a user's code needs is here: the names in ``__all__`` (and ``rpcps.data.__all__``, for
+a source of your own). Every other name under ``rpcps/`` is internal, imported by the system's
+own packages, and may change without notice; so is the rest of the repository.
 """
 from rpcps.batch import Batch, Jagged
 from rpcps.data import batches

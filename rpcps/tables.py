@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ps.spec.hashing import hashed, name_key, uniform
+from ps.spec.rules import choices as rule_choices
 from rpcps.batch import Jagged
 
 INIT_SLICE = 1 << 20      # rows of a table built at a time in one process
@@ -37,7 +38,7 @@ class TableConfig(BaseModel):
     features: tuple[str, ...] = Field((), description="the features that look it up (none: the one named as "
                                                       "the table); features sharing a table share its rows")
     pooling: Literal["sum", "mean"] = Field("sum", description="how a bag of rows becomes one vector")
-    rule: Optional[Literal["sgd", "adagrad", "rowwise_adagrad"]] = Field(
+    rule: Optional[rule_choices()] = Field(  # type: ignore[valid-type]  # the registry's names
         None, description="its update rule (none: the tables' default, `rpcps up --table-rule`; in one process "
                           "`local_optimizer`'s `table_rule`, else the model's optimizer)")
     hashed: bool = Field(False, description="keyed by raw 64-bit ids, which get rows as they come, within "

@@ -107,6 +107,20 @@ def _parser(argv: Sequence[str]) -> tuple[_Parser, dict[str, argparse.ArgumentPa
         from services.upconfig import UpConfig
         up.epilog = _up_epilog()
         flags_of(up, UpConfig)
+    _control_commands(command, chosen, flags_of)
+    _family(command("bench", "benchmarks, each printing JSON"), "bench", "benchmark", benches(), words, made)
+    _family(command("data", "data as files: write a workload's (its format, to read or to test a pipeline with), "
+                            "or check yours against a feature schema"), "data_command", "command", data_writers(), words, made)
+    for spec in commands().values():
+        sp = command(spec.name, spec.help)
+        if chosen == spec.name:
+            spec.load().add_arguments(sp)
+    return p, made
+
+
+def _control_commands(command: Callable[..., argparse.ArgumentParser], chosen: Optional[str],
+                      flags_of: Callable[..., None]) -> None:
+    """The commands that act on a running cluster: status, checkpoint, episode, chaos."""
     _sidecar_flags(command("status", "one line per member of the running cluster"))
     ck = command("checkpoint", "take a cluster checkpoint, or list the checkpoints on disk")
     _sidecar_flags(ck)
@@ -124,26 +138,19 @@ def _parser(argv: Sequence[str]) -> tuple[_Parser, dict[str, argparse.ArgumentPa
     if chosen == "chaos":
         from services.chaos import ChaosConfig
         flags_of(chaos, ChaosConfig, default_group="chaos")
-    bench = command("bench", "benchmarks, each printing JSON")
-    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="benchmark", parser_class=_Parser)
-    for spec in benches().values():
-        sp = bench_sub.add_parser(spec.name, help=spec.help, description=spec.help, formatter_class=_Help)
-        if chosen == "bench" and len(words) > 1 and words[1] == spec.name:
-            spec.load().add_arguments(sp)      # imports the benchmark (and torch) only when it runs
-            made[f"bench {spec.name}"] = sp
-    data = command("data", "data as files: write a workload's (its format, to read or to test a pipeline with), "
-                           "or check yours against a feature schema")
-    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="command", parser_class=_Parser)
-    for spec in data_writers().values():
-        sp = data_sub.add_parser(spec.name, help=spec.help, description=spec.help, formatter_class=_Help)
-        if chosen == "data" and len(words) > 1 and words[1] == spec.name:
+
+
+def _family(parent: argparse.ArgumentParser, dest: str, metavar: str, specs: dict[str, Any], words: list[str],
+            made: dict[str, argparse.ArgumentParser]) -> None:
+    """A command of registered subcommands (``rpcps bench read``, ``rpcps data check``): each
+    one's flags are added, and its module (and torch) imported, only when it is the one named."""
+    family = parent.prog.split()[-1]
+    under = parent.add_subparsers(dest=dest, required=True, metavar=metavar, parser_class=_Parser)
+    for spec in specs.values():
+        sp = under.add_parser(spec.name, help=spec.help, description=spec.help, formatter_class=_Help)
+        if words[:2] == [family, spec.name]:
             spec.load().add_arguments(sp)
-            made[f"data {spec.name}"] = sp
-    for spec in commands().values():
-        sp = command(spec.name, spec.help)
-        if chosen == spec.name:
-            spec.load().add_arguments(sp)
-    return p, made
+            made[f"{family} {spec.name}"] = sp
 
 
 def _settings(role: Any, argv: Sequence[str]) -> Any:

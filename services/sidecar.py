@@ -78,7 +78,16 @@ Routes = Callable[[FastAPI, Any], None]     # adds a role's own routes, each cal
 def create_app(control: Controllable, registry: CollectorRegistry, token: Optional[str] = None,
                routes: Optional[Routes] = None) -> FastAPI:
     app = FastAPI(title="rpcps sidecar", docs_url=None, redoc_url=None, default_response_class=FiniteJSON)
+    _error_answers(app)
+    _probes(app, control, registry)
+    _control_routes(app, control, _bearer(token))
+    if routes is not None:
+        routes(app, control)
+    return app
 
+
+def _bearer(token: Optional[str]) -> Callable[[Request], None]:
+    """The dependency that guards the POST routes with ``token`` (none: open)."""
     def require_token(request: Request) -> None:
         if token is None:
             return
@@ -86,7 +95,11 @@ def create_app(control: Controllable, registry: CollectorRegistry, token: Option
         # Constant-time compare so the token cannot be guessed byte by byte from timings.
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise Unauthorized("missing or wrong bearer token (set Authorization: Bearer <RPCPS_CONTROL_TOKEN>)")
+    return require_token
 
+
+def _error_answers(app: FastAPI) -> None:
+    """Every failure answered in the one documented shape, ``{"error", "type"}``."""
     @app.exception_handler(RpcpsError)
     def _domain_error(_: Request, exc: RpcpsError) -> JSONResponse:
         code = next((c for t, c in _STATUS.items() if isinstance(exc, t)), 500)
@@ -110,6 +123,9 @@ def create_app(control: Controllable, registry: CollectorRegistry, token: Option
         return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"[:500], "type": "InternalError"},
                             status_code=500)
 
+
+def _probes(app: FastAPI, control: Controllable, registry: CollectorRegistry) -> None:
+    """What anyone may read: health, readiness, status, metrics, the checkpoints on disk."""
     probe = {503: {"description": "not healthy or not ready; the body says why"}}
 
     @app.get("/healthz", responses=probe)
@@ -134,18 +150,19 @@ def create_app(control: Controllable, registry: CollectorRegistry, token: Option
     def checkpoints() -> dict:
         return {"checkpoints": control.list_checkpoints()}
 
-    @app.post("/checkpoint", dependencies=[Depends(require_token)], responses=error_answers(*_CONTROL, 409, 500))
+
+def _control_routes(app: FastAPI, control: Controllable, require_token: Callable[[Request], None]) -> None:
+    """The POST routes, each a call on the role's control object, guarded by ``require_token``."""
+    guarded = [Depends(require_token)]
+
+    @app.post("/checkpoint", dependencies=guarded, responses=error_answers(*_CONTROL, 409, 500))
     def checkpoint() -> dict:
         return control.checkpoint()
 
-    @app.post("/episode/start", dependencies=[Depends(require_token)], responses=error_answers(*_CONTROL, 400, 409, 422))
+    @app.post("/episode/start", dependencies=guarded, responses=error_answers(*_CONTROL, 400, 409, 422))
     def episode_start(body: Optional[EpisodeStart] = None) -> dict:
         return control.start_episode(body or EpisodeStart())
 
-    @app.post("/episode/stop", dependencies=[Depends(require_token)], responses=error_answers(*_CONTROL, 409))
+    @app.post("/episode/stop", dependencies=guarded, responses=error_answers(*_CONTROL, 409))
     def episode_stop() -> dict:
         return control.stop_episode()
-
-    if routes is not None:
-        routes(app, control)
-    return app

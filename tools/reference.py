@@ -260,8 +260,10 @@ def api_page() -> str:
 
     import rpcps
     text = [HEADER, "# Python API\n\n", " ".join((rpcps.__doc__ or "").split("\n\n")[0].split()) + "\n\n",
-            "Everything below is `import rpcps` (and `rpcps.data`, what a source of your own is written against); "
-            "the rest of the repository is the system's own and may change. Guides: [Bring your own "
+            "Everything below is `import rpcps` (and `rpcps.data`, what a source of your own is written against): "
+            "the names in `rpcps.__all__` and `rpcps.data.__all__`. Every other name under `rpcps/` (its modules, "
+            "and what the system's own packages import from them) is internal, and so is the rest of the "
+            "repository: it may change without notice. Guides: [Bring your own "
             "model](../guides/your-model.md), [Data: files, streams and sources](../guides/data.md).\n"]
     import rpcps.data
     public = [(f"rpcps.{n}", n, getattr(rpcps, n)) for n in rpcps.__all__] + \

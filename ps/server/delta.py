@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from ps.server.state import FORMAT
+from ps.spec.rules import by_row
 
 CLEAN, TAKEN, MARKED = 0, 1, 2     # as bits: taking and settling are each one pass
 
@@ -83,6 +84,7 @@ def export_delta(server: Any, base: int, changed: tuple[dict[str, torch.Tensor],
     out_optim: dict[str, dict[str, torch.Tensor]] = {}
     tables: dict[str, torch.Tensor] = {}
     kept: dict[str, dict[str, Any]] = {}
+    row_state: dict[str, list[str]] = {}     # what apply_delta moves with the rows, as the rules say
     for t, plan in layout.plans.items():
         changed = rows[t]
         if t in hashed:
@@ -98,8 +100,10 @@ def export_delta(server: Any, base: int, changed: tuple[dict[str, torch.Tensor],
             out_params[name] = params[name].detach().index_select(0, changed)
             state = optim(params[name])
             if state:
-                out_optim[name] = {k: v.index_select(0, changed) if v.dim() > 0 and v.shape[0] == params[name].shape[0]
-                                   else v.clone() for k, v in state.items()}
+                rows_of = by_row(layout.row_state.get(name), state, params[name].shape[0])
+                row_state[name] = rows_of
+                out_optim[name] = {k: v.index_select(0, changed) if k in rows_of else v.clone()
+                                   for k, v in state.items()}
     for name in layout.dense_of(shard):
         out_params[name] = params[name].detach().clone()
         state = optim(params[name])
@@ -107,7 +111,8 @@ def export_delta(server: Any, base: int, changed: tuple[dict[str, torch.Tensor],
             out_optim[name] = {k: v.clone() for k, v in state.items()}
     return {"format": FORMAT, "delta": {"base": base}, "shard": shard, "num_shards": layout.num_shards,
             "model": dict(server.spec.meta), "steps": server.optimizer.steps, "tables": tables,
-            "params": out_params, "optim": out_optim, "hashed": kept, "dense": list(layout.dense_of(shard)),
+            "params": out_params, "optim": out_optim, "row_state": row_state, "hashed": kept,
+            "dense": list(layout.dense_of(shard)),
             "table_params": {t: list(layout.table_params[t]) for t in layout.plans}}
 
 
@@ -133,8 +138,10 @@ def apply_delta(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
             place = functools.partial(_put, at=at)
         for n in delta["table_params"][t]:
             out["params"][n] = place(out["params"][n], delta["params"][n])
-            for key, value in delta["optim"].get(n, {}).items():
-                if value.dim() > 0 and value.shape[0] == ids.numel():
+            given = delta["optim"].get(n, {})
+            rows_of = by_row(delta.get("row_state", {}).get(n), given, ids.numel())     # none said: an older delta
+            for key, value in given.items():
+                if key in rows_of:
                     # State that appeared since the base (a first step) is zeros on rows no step touched.
                     old = out["optim"].get(n, {}).get(key)
                     value = place(old if old is not None else value.new_zeros(old_ids.numel(), *value.shape[1:]),

@@ -127,7 +127,7 @@ class ReplicaWrites:
             state = {k: torch.zeros(shape) for k, shape in rule.state_shapes(weight).items()}
             if make:
                 self.optimizer.set_state(weight, state)
-        return {k: v for k, v in state.items() if v.dim() > 0 and v.shape[0] == weight.shape[0]}
+        return {k: state[k] for k in rule.row_state if k in state}
 
     def _check_rows(self, param: str, n: int, values: Any, state: Any) -> None:
         row = tuple(self.shard[param].shape[1:])

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
+from ps.spec.rules import by_row
 from ps.spec.sharding import HashedPlan, Layout
 
 if TYPE_CHECKING:
@@ -33,9 +34,9 @@ def export_shard(shard: int, layout: Layout, model: dict, steps: int, params: di
         for name in layout.table_params[t]:
             rows_of = params[name].shape[0]
             params[name] = params[name][kept["rows"]]
-            for key, value in optim_state.get(name, {}).items():
-                if value.dim() > 0 and value.shape[0] == rows_of:
-                    optim_state[name][key] = value[kept["rows"]]
+            state = optim_state.get(name, {})
+            for key in by_row(layout.row_state.get(name), state, rows_of):
+                optim_state[name][key] = state[key][kept["rows"]]
     return {"format": FORMAT, "shard": shard, "num_shards": layout.num_shards, "model": dict(model), "steps": steps,
             "tables": tables, "params": params, "optim": optim_state,
             "hashed": {t: {k: v for k, v in kept.items() if k not in ("rows", "ids")} for t, kept in hashed.items()}}
@@ -84,7 +85,7 @@ def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int) -> Ga
             pick = _rows_here(states, table, layout, plan.global_ids(shard), plan.num_ids)
             for name in layout.table_params[table]:
                 params[name] = torch.cat([s["params"][name] for s in states])[pick].clone()
-                _gather_rows_state(states, name, pick, optim)
+                _gather_rows_state(states, name, pick, optim, layout.row_state.get(name))
     for name in layout.dense_of(shard):
         holder = [s for s in states if name in s["params"]]
         if len(holder) != 1:
@@ -117,10 +118,9 @@ def _gather_hashed(states: list[dict[str, Any]], table: str, layout: Layout, cap
         saved = torch.cat([s["params"][name] for s in states])
         params[name] = saved.new_zeros(capacity, *saved.shape[1:])
         params[name][:pick.numel()] = saved[pick]
-        _gather_rows_state(states, name, pick, optim)
-        for key, value in optim.get(name, {}).items():
-            if value.dim() > 0 and value.shape[0] == pick.numel():
-                optim[name][key] = torch.cat([value, value.new_zeros(capacity - pick.numel(), *value.shape[1:])])
+        for key in _gather_rows_state(states, name, pick, optim, layout.row_state.get(name)):
+            value = optim[name][key]
+            optim[name][key] = torch.cat([value, value.new_zeros(capacity - pick.numel(), *value.shape[1:])])
     out = {"ids": ids[pick], "over_capacity": max(over, 0),
            **{k: torch.cat([kp[k] for kp in kept])[pick] for k in ("last_seen", "hits") if all(k in kp for kp in kept)}}
     if mine is not None:     # its own counts go on; a resharded shard's start again
@@ -140,22 +140,30 @@ def _rows_here(states: list[dict[str, Any]], table: str, layout: Layout, wanted:
 
 
 def _gather_rows_state(states: list[dict[str, Any]], name: str, pick: torch.Tensor,
-                       optim: dict[str, dict[str, torch.Tensor]]) -> None:
+                       optim: dict[str, dict[str, torch.Tensor]], row_state: Optional[tuple[str, ...]]) -> list[str]:
+    """``name``'s optimizer state for the saved rows ``pick`` of every old shard, into ``optim``;
+    ``row_state``: which values are indexed by rows, as its rule says (None: by their shape). The
+    keys gathered by row."""
     keys = set().union(*(s["optim"].get(name, {}).keys() for s in states))
     if not keys:
-        return
+        return []
     optim[name] = {}
-    for key in keys:
+    by_rows = []
+    for key in sorted(keys):
         # A shard whose rows never took a step has no state yet: zeros, as its first step would make.
         given = [s["optim"].get(name, {}).get(key) for s in states]
         k = next(i for i, p in enumerate(given) if p is not None)
         like = given[k]
-        if like.dim() > 0 and like.size(0) == states[k]["params"][name].size(0):
+        if by_row(row_state, {key: like}, states[k]["params"][name].size(0)):
             parts = [p if p is not None else like.new_zeros((s["params"][name].size(0), *like.shape[1:]))
                      for p, s in zip(given, states)]
             optim[name][key] = torch.cat(parts)[pick].clone()
-        else:  # scalars such as Adagrad's step count: the largest is the truest
+            by_rows.append(key)
+        elif like.numel() == 1:  # scalars such as Adagrad's step count: the largest is the truest
             optim[name][key] = torch.stack([p.reshape(()) for p in given if p is not None]).max().clone()
+        else:       # a value of the whole parameter, not of its rows: every shard kept its own; the first's
+            optim[name][key] = like.clone()
+    return by_rows
 
 
 

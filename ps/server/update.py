@@ -137,9 +137,10 @@ class SharedOptimizer:
     def clear_rows(self, param: torch.Tensor, rows: torch.Tensor) -> None:
         """Zero ``param``'s optimizer state of ``rows`` (a hashed table's rows handed to new ids).
         Under ``lock``."""
-        for value in self.optimizer.state.get(param, {}).values():
-            if value.dim() > 0 and value.shape[0] == param.shape[0]:
-                value[rows] = 0
+        state = self.optimizer.state.get(param, {})
+        for key in self.optimizer.rule_of(param).row_state:
+            if key in state:
+                state[key][rows] = 0
 
     def state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of ``param``'s optimizer state (empty before its first step, and for SGD). Under ``lock``."""

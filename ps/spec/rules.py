@@ -11,22 +11,28 @@ touches only the rows a batch used) and keeps its own state, made at the paramet
 
 A table stored in half precision (``ps/spec/precision.py``) is stepped in fp32 and rounded back
 stochastically; its optimizer state stays fp32. A workload may add its own rule: anything with
-``name``, ``state_shapes`` and ``step``.
+``name``, ``rows_only``, ``row_state`` (which of its state values are indexed by the parameter's rows, so a
+checkpoint, a resharding and a hashed table's reused rows move them with the rows),
+``state_shapes`` and ``step``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from ps.spec.precision import add_rows, is_half
+# torch (and ps/spec/precision.py, over it) is imported where a rule steps, not with this module:
+# settings choose among the rules' names (``choices``), and a command's --help loads no torch.
 
 EPS = 1e-10      # torch.optim.Adagrad's
 
 
 class UpdateRule(Protocol):
     name: str
+    row_state: tuple[str, ...]      # the state values indexed by the parameter's rows: cut, gathered and moved with them
+    rows_only: bool                 # steps a table's rows only, not a dense parameter
 
     def state_shapes(self, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
         """The state this rule keeps for ``param`` (zeros until the first step)."""
@@ -37,6 +43,7 @@ class UpdateRule(Protocol):
 
 def _rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(row indices, row values) of a gradient: a sparse one's, duplicates summed, or every row."""
+    import torch
     if not grad.is_sparse:
         return torch.arange(grad.shape[0]), grad
     grad = grad.coalesce()
@@ -46,11 +53,14 @@ def _rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass(frozen=True)
 class Sgd:
     name: str = "sgd"
+    row_state: tuple[str, ...] = ()
+    rows_only: bool = False
 
     def state_shapes(self, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
         return {}
 
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
+        from ps.spec.precision import add_rows, is_half
         if is_half(param):
             add_rows(param, *_rows(grad), alpha=-lr)
         else:
@@ -60,12 +70,15 @@ class Sgd:
 @dataclass(frozen=True)
 class Adagrad:
     name: str = "adagrad"
+    row_state: tuple[str, ...] = ("sum",)
+    rows_only: bool = False
     eps: float = EPS
 
     def state_shapes(self, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
         return {"step": (), "sum": tuple(param.shape)}
 
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
+        from ps.spec.precision import add_rows, is_half
         total = state["sum"]
         if "step" in state:
             state["step"] += 1
@@ -81,12 +94,15 @@ class Adagrad:
 @dataclass(frozen=True)
 class RowWiseAdagrad:
     name: str = "rowwise_adagrad"
+    row_state: tuple[str, ...] = ("sum",)
+    rows_only: bool = True
     eps: float = EPS
 
     def state_shapes(self, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
         return {"sum": (param.shape[0],)}
 
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
+        from ps.spec.precision import add_rows
         total = state["sum"]
         rows, values = _rows(grad)
         if values.shape[0] == 0:         # a step that touched no row of it (a hashed table's ids unadmitted)
@@ -97,7 +113,16 @@ class RowWiseAdagrad:
         add_rows(param, rows, (flat * scale[:, None]).view_as(values), alpha=-lr)
 
 
+# The one registry of rules by name: a table's `rule` in a schema, `--table-rule` and `--optimizer`
+# choose among these (``choices``).
 RULES: dict[str, UpdateRule] = {r.name: r for r in (Sgd(), Adagrad(), RowWiseAdagrad())}
+
+
+def choices(tables: bool = True) -> Any:
+    """The registered rules' names as a ``Literal`` type, for a setting that chooses one (its
+    flag's choices, its schema key's values): any rule for a table, or (``tables=False``) those
+    that step a dense parameter too."""
+    return Literal[tuple(name for name, r in RULES.items() if tables or not r.rows_only)]
 
 
 def rule(name: str) -> UpdateRule:
@@ -112,6 +137,15 @@ def resolve(given: "UpdateRule | str") -> UpdateRule:
     return rule(given) if isinstance(given, str) else given
 
 
+def by_row(keys: Optional[Iterable[str]], state: dict[str, torch.Tensor], rows: int) -> list[str]:
+    """Which values of a parameter's optimizer ``state`` are indexed by its rows: those its rule
+    names (``keys``: the rule's ``row_state``), or, for a state saved before rules named them
+    (``keys`` None), those whose first dimension is the parameter's ``rows``."""
+    if keys is not None:
+        return [k for k in keys if k in state]
+    return [k for k, v in state.items() if v.dim() > 0 and v.shape[0] == rows]
+
+
 class RuleOptimizer:
     """Parameters stepped by their rules with their gradients (``.grad``), with ``torch.optim``'s
     face: ``step``, ``zero_grad``, ``state`` by parameter (made at its first step), and
@@ -120,11 +154,22 @@ class RuleOptimizer:
     def __init__(self, params: list[tuple[torch.nn.Parameter, UpdateRule]], lr: float) -> None:
         self.params, self.lr = params, lr
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self._rules = {id(p): r for p, r in params}
 
-    @torch.no_grad()
+    def rule_of(self, param: torch.Tensor) -> UpdateRule:
+        return self._rules[id(param)]
+
     def step(self, grads: Optional[dict[torch.Tensor, torch.Tensor]] = None) -> None:
         """Step every parameter with a gradient: ``grads[p]`` when given (a half-precision
         parameter's is fp32, which its ``.grad`` could not hold), else ``p.grad``."""
+        import torch
+        with torch.no_grad():
+            self._step(grads)
+
+    def _step(self, grads: Optional[dict[torch.Tensor, torch.Tensor]]) -> None:
+        import torch
+
+        from ps.spec.precision import is_half
         for p, r in self.params:
             grad = p.grad if grads is None else grads.get(p)
             if grad is None:

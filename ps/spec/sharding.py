@@ -15,7 +15,7 @@ shard ``g % num_shards``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -151,13 +151,17 @@ class Layout:
     plans: dict[str, Plan]                         # per table
     table_params: dict[str, tuple[str, ...]]       # per table, its parameters
     dense_groups: tuple[tuple[str, ...], ...]      # the g-th group's parameters
+    # per table parameter, its optimizer state indexed by rows, as its rule says (none: a state
+    # saved before rules said it, told by its shape)
+    row_state: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, spec: ModelSpec, num_shards: int) -> "Layout":
         return cls(num_shards, {t: plan_of("hashed" if table.hashed else table.placement, num_shards,
                                            table.rows, i) for i, (t, table) in enumerate(spec.tables.items())},
                    {t: tuple(table.params) for t, table in spec.tables.items()},
-                   tuple(tuple(group.params) for group in spec.dense))
+                   tuple(tuple(group.params) for group in spec.dense),
+                   {p: spec.rule_of(t).row_state for t, table in spec.tables.items() for p in table.params})
 
     def group_owner(self, group: int) -> int:
         return group % self.num_shards

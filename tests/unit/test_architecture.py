@@ -285,6 +285,28 @@ def test_the_examples_and_the_builtin_dlrm_are_user_code():
         assert roots <= {"torch", "rpcps", "__future__", "typing", "math"}, f"{path.relative_to(REPO)} imports {roots}"
 
 
+def test_user_code_uses_the_public_api_alone():
+    # What a user writes (the examples, the built-in DLRM, the suite's model and queue) names only
+    # rpcps.__all__ and rpcps.data.__all__: every other name under rpcps/ is internal.
+    import rpcps
+    import rpcps.data
+    public = {"rpcps": set(rpcps.__all__) | {"data"}, "rpcps.data": set(rpcps.data.__all__)}
+    users = [*(REPO / "examples").rglob("*.py"), REPO / "trainer" / "ctr" / "dlrm.py",
+             REPO / "tests" / "support" / "queue_source.py", REPO / "tests" / "support" / "ratings_model.py"]
+    internal = []
+    for path in users:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rpcps":
+                internal += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                             if a.name not in public.get(node.module, set())]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "rpcps":
+                internal += [f"{path.name}: rpcps.{node.attr}"] if node.attr not in public["rpcps"] else []
+            elif isinstance(node, ast.Import):
+                internal += [f"{path.name}: {a.name}" for a in node.names
+                             if a.name.startswith("rpcps.") and a.name not in public]
+    assert not internal, internal
+
+
 # The parameter servers' four parts, and what each may import of the others (ps/__init__.py):
 # the declarations stand alone, the client and the leader on the declarations, the server on the
 # declarations and the leader's clock. The benchmark (ps/bench.py) and `python -m ps` see all.
@@ -338,3 +360,16 @@ def test_the_data_plane_has_no_import_circle():
         return None
     circles = [c for m in sorted(modules) if (c := circle_from(m, [m]))]
     assert not circles, " -> ".join(circles[0])
+
+
+def test_functions_and_classes_keep_to_their_size():
+    # A function over 60 lines, or a class over 200, does more than one job: split it (never
+    # squeeze comments to fit).
+    over = []
+    for rel, path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = 60 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
+                200 if isinstance(node, ast.ClassDef) else None
+            if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+                over.append(f"{rel}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not over, over

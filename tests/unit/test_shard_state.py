@@ -12,7 +12,7 @@ ROW_PARAMS = ("embedding.weight", "decoder.weight", "decoder.bias")
 def layout(num_shards, ntoken=NTOKEN):
     """The language model's shape: one vocabulary table of three parameters, a dense group per layer."""
     spec = ModelSpec({"vocabulary": Table(ntoken, {n: () for n in ROW_PARAMS}, dict)},
-                     tuple(DenseGroup({f"weight_ih_l{layer}": ()}, dict) for layer in range(NLAYERS)))
+                     tuple(DenseGroup({f"weight_ih_l{layer}": ()}, dict) for layer in range(NLAYERS)), optimizer="adagrad")
     return Layout.of(spec, num_shards)
 
 
@@ -98,3 +98,30 @@ def test_row_state_of_any_shape_reshards_and_a_shard_without_state_counts_as_zer
         ids = plan.global_ids(shard)
         assert torch.equal(optim["decoder.weight"]["sum"], whole_sum[ids])
         assert torch.equal(optim["decoder.bias"]["sum"], bias_sum[ids])
+
+
+class ColumnScale:
+    """A rule of the suite's own whose state is one value a *column*: not moved with the rows."""
+
+    name = "column_scale"
+    row_state = ()
+
+    def state_shapes(self, param):
+        return {"scale": (param.shape[1],)}
+
+    def step(self, param, grad, state, lr):
+        param.add_(grad, alpha=-lr)
+
+
+def test_the_rule_says_which_state_moves_with_the_rows_whatever_its_shape():
+    # A table of as many rows as columns: a per-column state of that length looks per-row by shape
+    # alone, and resharding by shape would cut it. The rule says it is not.
+    side = 6
+    spec = ModelSpec({"t": Table(side, {"t.weight": (side,)}, dict, rule=ColumnScale())}, ())
+    scale = torch.arange(float(side))
+    states = [export_shard(k, Layout.of(spec, 2), {}, 7, {"t.weight": torch.zeros(3, side)},
+                           {"t.weight": {"scale": scale}}) for k in range(2)]
+    for k in range(3):
+        _, optim, _, _ = gather_shard(states, Layout.of(spec, 3), k)
+        assert torch.equal(optim["t.weight"]["scale"], scale), k
+    assert Layout.of(spec, 3).row_state == {"t.weight": ()}

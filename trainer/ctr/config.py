@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from ps.spec.config import PsConfig, TablePrecisionSettings
 from ps.spec.consistency import Consistency
 from ps.spec.hashed_settings import HashedTableSettings
+from ps.spec.rules import choices as rule_choices
 from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings, replicated_rows_need_replica
 
@@ -17,8 +18,8 @@ if TYPE_CHECKING:
     from rpcps.data.builders import Follow
     from rpcps.schema import Schema
 
-TableRule = Literal["sgd", "adagrad", "rowwise_adagrad"]
-DenseRule = Literal["sgd", "adagrad"]
+TableRule = rule_choices()
+DenseRule = rule_choices(tables=False)
 Pooling = Literal["sum", "mean"]
 Placement = Literal["auto", "row_wise", "table_wise"]
 

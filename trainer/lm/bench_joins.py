@@ -40,54 +40,24 @@ def _proc(pid: int) -> dict[str, float]:
     return {"rss_mb": rss / 1024, "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": len(os.listdir(f"/proc/{pid}/task"))}
 
 
+TOKENS = 20_000          # each trainer's synthetic corpus
+
+
 def run(ns: argparse.Namespace) -> int:
     from services.client import SidecarClient
-    from services.processes import free_port, spawn_role, stop_in_waves
-    from trainer.lm.data import vocab_size
+    from services.processes import free_port, stop_in_waves
 
-    tokens = 20_000
     with tempfile.TemporaryDirectory(prefix="rpcps-joins-") as tmp:
         root, port = Path(tmp), free_port()
         common = ["--master-port", str(port), "--checkpoint-dir", str(root / "ckpt"), "--num-ps", "2"]
-        servers: dict[str, tuple] = {}
-        for name in ("ps0", "ps1"):
-            url_port = free_port()
-            proc = spawn_role("services.cli", ["ps", "--name", name, "--sidecar-port", str(url_port), *common,
-                                               "--ntoken", str(vocab_size(None)), "--no-resume", *MODEL,
-                                               "--checkpoint-every-seconds", "1"], root / f"{name}.log")
-            servers[name] = (proc, f"http://127.0.0.1:{url_port}")
+        servers = _servers(root, common)
         try:
             for _, url in servers.values():
                 poll_until(lambda: sidecar_ready(url), 120, "the servers")
-
-            def members_settled() -> bool:
-                with SidecarClient(servers["ps0"][1], timeout=2.0) as c:
-                    return sorted(c.status().get("members") or []) == ["ps0", "ps1"]
-
-            def joins(first: int, count: int) -> None:
-                for start in range(first, first + count, ns.parallel):
-                    batch = range(start, min(start + ns.parallel, first + count))
-                    running = []
-                    for i in batch:
-                        slot, sidecar = i % ns.parallel, free_port()
-                        argv = ["trainer", "--name", f"trainer{slot}", "--sidecar-port", str(sidecar), *common,
-                                "--num-trainers", str(ns.parallel), "--start", "--steps", str(ns.steps),
-                                "--synthetic-tokens", str(tokens), "--batch-size", "10", "--bptt", "10"]
-                        running.append((i, spawn_role("services.cli", argv, root / f"trainer{slot}.log"),
-                                        f"http://127.0.0.1:{sidecar}"))
-                    for i, proc, url in running:
-                        poll_until(lambda: _episode_done(url) or proc.poll() is not None, 180, "a trainer's episode")
-                        if ns.kill_every and i % ns.kill_every == 0:
-                            proc.kill()
-                        else:
-                            proc.send_signal(signal.SIGTERM)
-                        proc.wait(30)
-                    poll_until(members_settled, 60, "the servers alone in the group")
-
             started = time.monotonic()
-            joins(0, ns.warmup)
+            _joins(ns, root, common, servers["ps0"][1], 0, ns.warmup)
             before = {n: _proc(p.pid) for n, (p, _) in servers.items()}
-            joins(ns.warmup, ns.joins)
+            _joins(ns, root, common, servers["ps0"][1], ns.warmup, ns.joins)
             after = {n: _proc(p.pid) for n, (p, _) in servers.items()}
             with SidecarClient(servers["ps0"][1], timeout=5.0) as c:
                 metrics = c.metrics()
@@ -106,6 +76,49 @@ def run(ns: argparse.Namespace) -> int:
               "targets": TARGETS}
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _servers(root: Path, common: list[str]) -> dict[str, tuple]:
+    """ps0 and ps1 started: each one's process and sidecar URL."""
+    from services.processes import free_port, spawn_role
+    from trainer.lm.data import vocab_size
+    servers: dict[str, tuple] = {}
+    for name in ("ps0", "ps1"):
+        url_port = free_port()
+        proc = spawn_role("services.cli", ["ps", "--name", name, "--sidecar-port", str(url_port), *common,
+                                           "--ntoken", str(vocab_size(None)), "--no-resume", *MODEL,
+                                           "--checkpoint-every-seconds", "1"], root / f"{name}.log")
+        servers[name] = (proc, f"http://127.0.0.1:{url_port}")
+    return servers
+
+
+def _joins(ns: argparse.Namespace, root: Path, common: list[str], leader: str, first: int, count: int) -> None:
+    """Trainers ``first`` .. ``first + count - 1`` join, train their episode and leave (killed, every
+    ``--kill-every``-th), ``--parallel`` at a time, until the servers are alone again each time."""
+    from services.client import SidecarClient
+    from services.processes import free_port, spawn_role
+
+    def members_settled() -> bool:
+        with SidecarClient(leader, timeout=2.0) as c:
+            return sorted(c.status().get("members") or []) == ["ps0", "ps1"]
+
+    for start in range(first, first + count, ns.parallel):
+        running = []
+        for i in range(start, min(start + ns.parallel, first + count)):
+            slot, sidecar = i % ns.parallel, free_port()
+            argv = ["trainer", "--name", f"trainer{slot}", "--sidecar-port", str(sidecar), *common,
+                    "--num-trainers", str(ns.parallel), "--start", "--steps", str(ns.steps),
+                    "--synthetic-tokens", str(TOKENS), "--batch-size", "10", "--bptt", "10"]
+            running.append((i, spawn_role("services.cli", argv, root / f"trainer{slot}.log"),
+                            f"http://127.0.0.1:{sidecar}"))
+        for i, proc, url in running:
+            poll_until(lambda: _episode_done(url) or proc.poll() is not None, 180, "a trainer's episode")
+            if ns.kill_every and i % ns.kill_every == 0:
+                proc.kill()
+            else:
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        poll_until(members_settled, 60, "the servers alone in the group")
 
 
 def _episode_done(url: str) -> bool:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 from pydantic import Field, field_validator, model_validator
 
 from ps.spec.config import PsConfig
+from ps.spec.rules import choices as rule_choices
 from services.config import ConfigBase
 from trainer.core.config import TrainerSettings, TrainersUpSettings
 from trainer.lm.text import check_folder, check_size
+
+DenseRule = rule_choices(tables=False)      # the registry's rules that step a dense parameter
 
 
 def _folder(cls: type, v: Optional[Path]) -> Optional[Path]:
@@ -35,7 +38,7 @@ class LmModelConfig(ConfigBase):
     nlayers: int = Field(2, ge=1)
     init_range: float = Field(0.1, gt=0)
     seed: int = 1111
-    optimizer: Literal["sgd", "adagrad"] = "sgd"
+    optimizer: DenseRule = "sgd"
     lr: float = Field(20.0, gt=0)
 
 
@@ -50,7 +53,7 @@ class LmServerConfig(PsConfig):
     nlayers: int = Field(2, ge=1, le=16, description="LSTM layers")
     init_range: float = Field(0.1, gt=0, description="uniform init range of embedding and decoder")
     seed: int = Field(1111, description="seed of the parameter init")
-    optimizer: Literal["sgd", "adagrad"] = Field("sgd", description="the servers' optimizer (both take sparse grads)")
+    optimizer: DenseRule = Field("sgd", description="the servers' optimizer (both take sparse grads)")
     lr: float = Field(20.0, gt=0, description="learning rate")
 
 
@@ -83,7 +86,7 @@ class LmUpSettings(TrainersUpSettings):
     emsize: int = Field(200, ge=1, description="embedding size")
     nhid: int = Field(200, ge=1, description="LSTM hidden size")
     nlayers: int = Field(2, ge=1, le=16, description="LSTM layers")
-    optimizer: Literal["sgd", "adagrad"] = Field("sgd", description="the servers' optimizer")
+    optimizer: DenseRule = Field("sgd", description="the servers' optimizer")
     lr: float = Field(20.0, gt=0, description="learning rate")
     batch_size: int = Field(20, ge=1, description="sequences per trainer step")
     bptt: int = Field(35, ge=1, description="tokens per sequence per step")
