@@ -1,10 +1,14 @@
-"""``rpcps chaos``: kill members of a cluster ``rpcps up`` runs here, and report how it recovers.
+"""``rpcps chaos``: kill or freeze members of a cluster ``rpcps up`` runs here, and report how it
+recovers.
 
-Kills come at random intervals (exponential, mean ``--interval``), a bounded number of times, each
-with SIGKILL to a member's process. After each, it waits until the member runs again and every
-member is ready, then records what the kill cost and when the member counted its next step (an
-update applied, for a server; a step taken, for a trainer). It only reads what ``rpcps up``
-publishes (``cluster.json``) and what the sidecars answer; the launcher does the restarting.
+Faults come at random intervals (exponential, mean ``--interval``), a bounded number of times,
+each to one member's process: ``--fault kill`` (SIGKILL), or ``--fault stop`` (SIGSTOP, then
+SIGCONT after ``--for`` seconds, unless ``rpcps up`` has declared the member lost and replaced it
+by then: ``--member-timeout``). After each, it waits until the member runs again and every member
+is ready, then records what the fault cost, when the member was replaced (a frozen one: when
+``rpcps up`` detected it) and when it counted its next step (an update applied, for a server; a
+step taken, for a trainer). It only reads what ``rpcps up`` publishes (``cluster.json``) and what
+the sidecars answer; the launcher does the detecting and restarting.
 
 "Steps lost" is, for a server, the updates its restored shard lacks (its steps at the kill less the
 step it resumed from: the checkpoint's, or its own handover's when the leader died); for a trainer,
@@ -19,7 +23,7 @@ import signal
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 from pydantic import Field
 
@@ -31,10 +35,14 @@ POLL = 0.2
 
 
 class ChaosConfig(ConfigBase):
-    """``rpcps chaos``: what to kill, how often, how many times."""
+    """``rpcps chaos``: what to kill or freeze, how often, how many times."""
 
     state_dir: Path = Field(Path(".rpcps"), description="where `rpcps up` wrote cluster.json")
-    kills: int = Field(10, ge=1, le=10_000, description="kills in all", json_schema_extra={"env": "RPCPS_CHAOS_KILLS"})
+    kills: int = Field(10, ge=1, le=10_000, description="faults in all", json_schema_extra={"env": "RPCPS_CHAOS_KILLS"})
+    fault: Literal["kill", "stop"] = Field("kill", description="kill: SIGKILL a member; stop: freeze it (SIGSTOP) "
+                                                               "for --for seconds, or until rpcps up replaces it")
+    for_seconds: float = Field(30.0, gt=0, le=3600, json_schema_extra={"flag": "--for"},
+                               description="--fault stop: seconds a member stays frozen unless replaced first")
     interval: float = Field(20.0, gt=0, json_schema_extra={"env": "RPCPS_CHAOS_INTERVAL"},
                             description="mean seconds between kills (the gaps are exponentially distributed)")
     members: Optional[str] = Field(None, json_schema_extra={"env": "RPCPS_CHAOS_MEMBERS"},
@@ -88,9 +96,10 @@ def _steps(status: Optional[dict[str, Any]]) -> Optional[int]:
 class Chaos:
     def __init__(self, cfg: ChaosConfig, cluster: Cluster, emit: Callable[[dict], None],
                  kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL),
-                 clock: Callable[[], float] = time.time, pause: Callable[[float], None] = time.sleep) -> None:
+                 clock: Callable[[], float] = time.time, pause: Callable[[float], None] = time.sleep,
+                 send: Callable[[int, int], None] = lambda pid, sig: _send(pid, sig)) -> None:
         self.cfg, self.cluster, self.emit = cfg, cluster, emit
-        self._kill, self._clock, self._pause = kill, clock, pause
+        self._kill, self._clock, self._pause, self._send = kill, clock, pause, send
         self._rng = random.Random(cfg.seed)
 
     def candidates(self) -> list[str]:
@@ -109,34 +118,52 @@ class Chaos:
         records = []
         for k in range(self.cfg.kills):
             self._pause(self._rng.expovariate(1.0 / self.cfg.interval))
-            records.append(self.kill_one(self._rng.choice(choices)))
+            records.append(self.fault_one(self._rng.choice(choices)))
             self.emit({"event": "kill", **records[-1]})
         summary = summarize(records)
         self.emit({"event": "summary", **summary})
         return summary
 
-    def kill_one(self, name: str) -> dict[str, Any]:
+    def fault_one(self, name: str) -> dict[str, Any]:
         state = self.cluster.state()
         pid, leader = state["pids"][name], state.get("leader")
         before = _steps(self.cluster.status(name))
         checkpoint = self.cluster.newest_checkpoint()
         killed_at = self._clock()
-        self._kill(pid)
-        deadline = killed_at + self.cfg.recover_timeout
-        while True:
-            now = self.cluster.state()
-            if now["pids"].get(name) != pid and all(self.cluster.ready(n) for n in now["pids"]):
-                break
-            if self._clock() > deadline:
-                return {"member": name, "killed_at": killed_at, "back_at": None, "seconds": None,
-                        "error": f"not back within {self.cfg.recover_timeout:.0f}s"}
-            self._pause(POLL)
+        stop = self.cfg.fault == "stop"
+        deadline = killed_at + self.cfg.for_seconds * stop + self.cfg.recover_timeout
+        replaced_at: Optional[float] = None
+        frozen = stop
+        if stop:
+            self._send(pid, signal.SIGSTOP)
+        else:
+            self._kill(pid)
+        try:
+            while True:
+                now = self.cluster.state()
+                if replaced_at is None and now["pids"].get(name) != pid:
+                    replaced_at = self._clock()
+                if frozen and replaced_at is None and self._clock() - killed_at >= self.cfg.for_seconds:
+                    self._send(pid, signal.SIGCONT)       # not replaced in time: it goes on where it was
+                    frozen = False
+                if (replaced_at is not None or stop and not frozen) and all(self.cluster.ready(n) for n in now["pids"]):
+                    break
+                if self._clock() > deadline:
+                    return {"member": name, "fault": self.cfg.fault, "killed_at": killed_at, "back_at": None,
+                            "seconds": None, "error": f"not back within {self.cfg.recover_timeout:.0f}s"}
+                self._pause(POLL)
+        finally:
+            if frozen and replaced_at is None:      # never left frozen, whatever happened here
+                self._send(pid, signal.SIGCONT)
         back_at = self._clock()
         after = self.cluster.status(name) or {}
-        resumed = after.get("resumed_from") or {}
-        resumed_step = resumed.get("step") if resumed else _steps(after)
+        # A member frozen and continued, not replaced, restored nothing: it goes on where it was.
+        resumed = (after.get("resumed_from") or {}) if replaced_at is not None else {}
+        resumed_step = resumed.get("step") if resumed else _steps(after) if replaced_at is not None else before
         stepping = self._next_step(name, _steps(after), deadline)
-        record = {"member": name, "killed_at": killed_at, "back_at": back_at, "seconds": round(back_at - killed_at, 2),
+        record = {"member": name, "fault": self.cfg.fault, "killed_at": killed_at, "back_at": back_at,
+                  "seconds": round(back_at - killed_at, 2), "replaced": replaced_at is not None,
+                  "detected_seconds": round(replaced_at - killed_at, 2) if stop and replaced_at is not None else None,
                   "next_step_seconds": round(stepping - killed_at, 2) if stepping is not None else None,
                   "steps_before": before, "resumed_from": resumed.get("id"), "resumed_step": resumed_step,
                   "steps_lost": max(0, before - resumed_step) if before is not None and resumed_step is not None else None,
@@ -160,6 +187,13 @@ class Chaos:
         return None
 
 
+def _send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:      # replaced meanwhile: nothing left to continue
+        pass
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     back = [r["seconds"] for r in records if r.get("seconds") is not None]
     stepping = [r["next_step_seconds"] for r in records if r.get("next_step_seconds") is not None]
@@ -175,12 +209,18 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def human(e: dict[str, Any]) -> str:
     if e["event"] == "kill":
+        did = "froze" if e.get("fault") == "stop" else "killed"
         if e.get("back_at") is None:
-            return f"killed {e['member']}: {e['error']}"
+            return f"{did} {e['member']}: {e['error']}"
+        if e.get("fault") == "stop" and not e.get("replaced"):
+            stepping = "" if e.get("next_step_seconds") is None else f", stepping again after {e['next_step_seconds']:.1f}s"
+            return f"froze {e['member']}: not replaced, going on after {e['seconds']:.1f}s{stepping}"
+        detected = f"declared lost and replaced after {e['detected_seconds']:.1f}s, " \
+            if e.get("detected_seconds") is not None else ""
         lost = "" if e.get("steps_lost") is None else f", {e['steps_lost']} steps lost"
         kept = f", shards kept by {', '.join(e['kept_by'])}" if e.get("kept_by") else ""
         stepping = "" if e.get("next_step_seconds") is None else f", stepping again after {e['next_step_seconds']:.1f}s"
-        return (f"killed {e['member']}: back in {e['seconds']:.1f}s{stepping} (resumed from "
+        return (f"{did} {e['member']}: {detected}back in {e['seconds']:.1f}s{stepping} (resumed from "
                 f"{e.get('resumed_from') or '-'}{lost}{kept})")
     return (f"{e['kills']} kills, {e['recovered']} recovered; back in a median {e['median_seconds']}s (max "
             f"{e['max_seconds']}s), stepping again after a median {e['median_next_step_seconds']}s; "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from services.errors import ConfigError
 from services.hosts.network import Unavailable
 from services.leader import LEADER_LOST
 from services.lifecycle import RoleStatus
+from services.liveness import Liveness
 from services.names import parse_name
 from services.roster import Member, Roster, cause
 from services.upconfig import LauncherConfig
@@ -35,7 +35,6 @@ from services.workload import Launch, roles, workloads
 log = logging.getLogger(__name__)
 
 STATUS_POLL = 1.0  # seconds between status polls of the watched roles
-FINAL_CHECKPOINT_TIMEOUT = 30.0
 
 
 def emitter(as_json: bool, workload: Optional[Launch] = None, out=sys.stdout) -> Callable[[dict], None]:
@@ -51,6 +50,8 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
         return "started " + ", ".join(f"{n} {u}" for n, u in e["sidecars"].items())
     if kind == "restart" and e["exit_code"] == LEADER_LOST:
         return f"{e['name']} left to rejoin the group (its leader was lost, or evicted it); restarting it"
+    if kind == "lost":
+        return f"{e['name']} lost: {e['reason']}; stopping it, and a replacement starts"
     if kind == "restart":
         return (f"{e['name']} exited with code {e['exit_code']} ({e['reason']}); restarting in {e['in']:.0f}s "
                 f"({e['restarts']} in a row)")
@@ -82,10 +83,10 @@ class Launcher:
         self.roster = Roster(cfg, self.workload, self.leader, self.checkpoint_dir, self.emit, self._fail)
         self.roster.on_restart = lambda m: self._last_status.pop(m.name, None)
         self.members = self.roster.members
-        self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
         self._last_status: dict[str, dict] = {}
         self._started_at = time.monotonic()           # when every member was ready
         self._finished = False                        # the workload said its work is done
+        self.liveness = Liveness(cfg.member_timeout, cfg.ready_timeout)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -136,14 +137,17 @@ class Launcher:
             self._started_at = time.monotonic()
             self.emit({"event": "started", "sidecars": {m.name: m.url for m in self.members},
                        "master_port": roster.master_port, "logs": str(self.cfg.state_dir / "logs")})
+            for m in self.members:
+                self.liveness.watch(m.name, m.url)
             code = self._supervise()
             self._poll()
             if self.cfg.final_checkpoint and code == 0:
                 roster.stop_waves(1)          # the workers, which leave their positions with the leader
-                self._final_checkpoint()
+                roster.final_checkpoint()
             self.emit({**self._summary(), "ended": "finished" if self._finished else "failed" if code else "stopped"})
             return code
         finally:
+            self.liveness.close()
             roster.close()
 
     def _wait_ready(self) -> Optional[int]:
@@ -199,6 +203,10 @@ class Launcher:
                     if m.deaths and now - m.started_at >= self.cfg.restart_window:
                         m.healthy()           # up long enough: its deaths are no longer in a row
                         self.roster.write_state()
+                    silent = self.liveness.overdue(m.name, m.started_at, now)
+                    if silent is not None and m.fenced is None:
+                        self.roster.fence(m, f"no answer from its sidecar for {silent:.0f}s "
+                                             f"(--member-timeout {self.cfg.member_timeout:g})")
                     continue
                 if code == LEADER_LOST:
                     self.roster.rejoin(m)
@@ -239,33 +247,6 @@ class Launcher:
 
     def _summary(self) -> dict:
         return self.workload.summary(self._watched_status(), sum(m.restarts for m in self.members))
-
-    def _final_checkpoint(self) -> None:
-        """Once the workers have stopped (their final positions are with the leader), before the
-        servers stop: the last state of everything, in one checkpoint."""
-        leader = next(m for m in self.members if m.name == self.leader)
-        try:
-            with SidecarClient(leader.url, token=self._token, timeout=FINAL_CHECKPOINT_TIMEOUT) as c:
-                result = c.checkpoint()
-            self.emit({"event": "checkpoint", "id": result["id"], "step": result["step"], "path": result["path"]})
-        except Exception as exc:  # noqa: BLE001 - stopping must go on; the previous checkpoint stays valid
-            if self._stopping_itself(leader):
-                # Signalled with everyone else (`scancel` signals every member of a job): the
-                # servers take their own final checkpoint on the way out.
-                self.emit({"event": "warning", "message": f"{self.leader} was stopping already; the servers' own "
-                                                          "final checkpoint stands for this one"})
-            else:
-                self._fail(f"final checkpoint failed: {exc}")
-
-    @staticmethod
-    def _stopping_itself(m: Member, within: float = 10.0) -> bool:
-        if m.proc is None:
-            return False
-        try:
-            m.proc.wait(within)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
 
     def _fail(self, message: str) -> None:
         log.error("%s", message)

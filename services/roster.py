@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from services.checkpoint.store import CheckpointStore
+from services.client import SidecarClient
 from services.leader import LEADER_LOST
 from services.placement import Local, OnHosts
 from services.processes import free_port, stop_in_waves
@@ -24,6 +25,7 @@ from services.workload import Launch
 log = logging.getLogger("services.launcher")
 
 STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
+FINAL_CHECKPOINT_TIMEOUT = 30.0
 SAME_FAILURES = 3   # deaths in a row, each of the same error, that end the run: it fails at every start
 _COMMON_FLAGS = ("threads", "log_level", "http_read_timeout", "rpc_transport")
 
@@ -43,6 +45,7 @@ class Member:
     restart_at: Optional[float] = None      # time.monotonic() its restart is due, while it waits
     log_start: int = 0                      # the size of its log at its last start: what follows is this run's
     causes: tuple[str, ...] = ()            # why it died, each of its deaths in a row
+    fenced: Optional[str] = None            # why it was stopped as lost, until it is restarted
 
     def healthy(self) -> None:
         """Up for --restart-window: its deaths no longer count as in a row."""
@@ -50,6 +53,8 @@ class Member:
 
     def died_of(self, code: int) -> str:
         """Why it died this time, in words: its log's since its last start, or the signal."""
+        if self.fenced is not None:
+            return self.fenced
         if code < 0:
             return f"killed by signal {-code}"
         return cause(self.log_path, self.log_start)
@@ -144,8 +149,45 @@ class Roster:
                    "restarts": m.deaths, "in": 0.0})
         self.respawn(m)
 
+    def fence(self, m: Member, why: str) -> None:
+        """``m`` is declared lost though its process lives (``services/liveness.py``): say so, and
+        stop it where it runs (a stopped process is killed all the same; a Slurm step is
+        cancelled), so that the restart path replaces it and no second copy serves."""
+        m.fenced = why
+        log.warning("%s lost: %s; stopping it", m.name, why)
+        self.emit({"event": "lost", "name": m.name, "reason": why})
+        m.proc.kill()
+
+    def final_checkpoint(self) -> None:
+        """Once the workers have stopped (their final positions are with the leader), before the
+        servers stop: the last state of everything, in one checkpoint."""
+        leader = next(m for m in self.members if m.name == self.leader)
+        try:
+            with SidecarClient(leader.url, token=self._token, timeout=FINAL_CHECKPOINT_TIMEOUT) as c:
+                result = c.checkpoint()
+            self.emit({"event": "checkpoint", "id": result["id"], "step": result["step"], "path": result["path"]})
+        except Exception as exc:  # noqa: BLE001 - stopping must go on; the previous checkpoint stays valid
+            if self._stopping_itself(leader):
+                # Signalled with everyone else (`scancel` signals every member of a job): the
+                # servers take their own final checkpoint on the way out.
+                self.emit({"event": "warning", "message": f"{self.leader} was stopping already; the servers' own "
+                                                          "final checkpoint stands for this one"})
+            else:
+                self._fail(f"final checkpoint failed: {exc}")
+
+    @staticmethod
+    def _stopping_itself(m: Member, within: float = 10.0) -> bool:
+        if m.proc is None:
+            return False
+        try:
+            m.proc.wait(within)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
     def respawn(self, m: Member) -> None:
         m.restart_at = None
+        m.fenced = None
         self.spawn(m)
         self.write_state()
 

@@ -39,6 +39,9 @@ class LauncherConfig(HostsSettings):
     max_restarts: Optional[int] = Field(None, ge=0, description="end the run after this many deaths in a row of "
                                                                 "one member (default: never; it is shown failing)")
     ready_timeout: float = Field(180.0, gt=0, description="seconds for every role to become ready")
+    member_timeout: float = Field(15.0, ge=2, le=600, description="a member whose sidecar has not answered for this "
+                                                                 "many seconds is declared lost though its process "
+                                                                 "lives (frozen, cut off): stopped, and replaced")
     state_dir: Path = Field(Path(".rpcps"), description="where role logs and cluster.json go")
     resume: bool = Field(True, description="resume from the newest valid checkpoint (--no-resume: start fresh)")
     resume_from: Optional[str] = Field(None, description="resume from this checkpoint (step-N or its path)")
@@ -58,7 +61,8 @@ class LauncherConfig(HostsSettings):
         "cluster": ("workload", "local", "slurm", "threads", "rpc_transport", "master_addr", "master_port", "sidecar_host",
                     "sidecar_port", "http_read_timeout", "control_token"),
         "checkpoints": ("checkpoint_dir", "resume", "resume_from", "keep_checkpoints", "final_checkpoint"),
-        "failures": ("restart_backoff", "restart_backoff_max", "restart_window", "max_restarts", "ready_timeout"),
+        "failures": ("restart_backoff", "restart_backoff_max", "restart_window", "max_restarts", "ready_timeout",
+                     "member_timeout"),
         "output": ("as_json", "progress_interval", "state_dir", "log_level"),
         "emulated hosts": ("emulate_hosts", "host_cpus", "link_rate"),
     }

@@ -1,5 +1,6 @@
 """`rpcps up` supervises: a trainer killed with SIGKILL is restarted, servers stay up and training
-goes on; a server killed, or stopped past its eviction, costs the trainers a step, not their processes; `rpcps chaos` kills members at random, the leader among them, and each comes back with no
+goes on; a server killed, or stopped past its eviction, costs the trainers a step, not their processes;
+a server frozen past --member-timeout is declared lost, stopped and replaced; `rpcps chaos` kills members at random, the leader among them, and each comes back with no
 more lost than the rules allow; SIGTERM then stops everything within 10 s with exit code 0 and no
 process left."""
 import json
@@ -106,6 +107,27 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     # and go on, in the same processes; the stopped server rejoins with the shard it held.
     gaps = lose_server(up, "ps1", ["trainer0", "trainer1"], ways=("kill", "stop"))
     print("ps1 back -> the trainers' next step: " + ", ".join(f"{g:.2f}s" for g in gaps))
+    assert not [e for e in up.drain() if e["event"] == "lost"], "a stop shorter than --member-timeout replaces none"
+
+    # ps1 frozen past --member-timeout (15 s): declared lost though its process lives, stopped
+    # where it runs, and replaced; the trainers go on in the same processes.
+    frozen, trainer_pids = up.cluster()["pids"]["ps1"], [up.cluster()["pids"][n] for n in ("trainer0", "trainer1")]
+    os.kill(frozen, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        lost = up.wait_event("lost", 60, name="ps1")
+        detected = time.monotonic() - frozen_at
+        wait_until(lambda: not _alive(frozen), 15, "the frozen ps1 stopped")
+    finally:
+        if _alive(frozen):
+            os.kill(frozen, signal.SIGCONT)
+    assert 15 <= detected < 15 + 10 and "no answer from its sidecar for" in lost["reason"], (detected, lost)
+    wait_until(lambda: [e for e in up.drain() if e["event"] == "restart" and e["name"] == "ps1"
+                        and e["reason"] == lost["reason"]], 15, "ps1's restart, for the reason it was lost")
+    steps = trainer_status(urls["trainer0"])["step"]
+    wait_until(lambda: trainer_status(urls["trainer0"])["step"] > steps, 90, "a step after ps1's replacement")
+    print(f"ps1 frozen: declared lost after {detected:.1f}s, a step {time.monotonic() - frozen_at:.1f}s after the freeze")
+    assert [up.cluster()["pids"][n] for n in ("trainer0", "trainer1")] == trainer_pids, "the same trainer processes"
 
     # `rpcps chaos`: 10 random kills of members other than the leader, then the leader. Each
     # recovers by itself; a server loses at most its updates since the newest checkpoint, and when

@@ -155,9 +155,42 @@ def test_chaos_reports_each_kill_and_what_it_cost():
     chaos = Chaos(ChaosConfig(kills=1, interval=1.0, seed=1), cluster, events.append, kill=cluster.kill,
                   clock=lambda: float(next(clock)), pause=lambda s: None)
     assert set(chaos.candidates()) == {"ps1", "trainer0"}, "the leader is left out unless named"
-    leader = chaos.kill_one("ps0")
+    leader = chaos.fault_one("ps0")
     assert leader["steps_lost"] == 10 and leader["resumed_from"] == "step-40" and leader["kept_by"] == ["ps1"]
-    trainer = chaos.kill_one("trainer0")
+    trainer = chaos.fault_one("trainer0")
     assert trainer["steps_lost"] == 5 and trainer["back_at"] > trainer["killed_at"]
     summary = chaos.run()
     assert summary["kills"] == summary["recovered"] == 1 and events[-1]["event"] == "summary"
+
+
+def test_chaos_freezes_a_member_and_reports_whether_it_was_replaced_and_when():
+    import signal
+
+    from services.chaos import Chaos, ChaosConfig, human
+    cluster, sent = FakeCluster(), []
+    now = [100.0]
+
+    def send(pid, sig):
+        sent.append((pid, sig))
+
+    def pause(seconds):
+        now[0] += seconds
+        if replace_after is not None and now[0] - 100.0 >= replace_after and cluster.pids["ps1"] == 11:
+            cluster.kill(11)               # rpcps up declared it lost and replaced it
+
+    # Frozen past the member timeout: replaced before --for ran out, never continued.
+    replace_after = 16.0
+    chaos = Chaos(ChaosConfig(kills=1, fault="stop", for_seconds=30.0), cluster, lambda e: None, clock=lambda: now[0],
+                  pause=pause, send=send)
+    frozen = chaos.fault_one("ps1")
+    assert frozen["replaced"] and 16.0 <= frozen["detected_seconds"] < 16.5 and frozen["steps_lost"] == 10, frozen
+    assert sent == [(11, signal.SIGSTOP)], "a replaced member is not continued"
+    assert "declared lost and replaced after 16." in human({"event": "kill", **frozen})
+    # Frozen for less: continued after --for, nothing restored, nothing lost.
+    replace_after, sent[:] = None, []
+    cluster.statuses["trainer0"] = {"step": 25}
+    brief = Chaos(ChaosConfig(kills=1, fault="stop", for_seconds=5.0), cluster, lambda e: None, clock=lambda: now[0],
+                  pause=pause, send=send).fault_one("trainer0")
+    assert not brief["replaced"] and brief["detected_seconds"] is None and brief["steps_lost"] == 0, brief
+    assert sent == [(12, signal.SIGSTOP), (12, signal.SIGCONT)] and 5.0 <= brief["seconds"] < 5.5, (sent, brief)
+    assert human({"event": "kill", **brief}).startswith("froze trainer0: not replaced, going on after 5.")

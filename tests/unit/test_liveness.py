@@ -1,0 +1,54 @@
+"""Deadlines for members that hang (``services/liveness.py``): any answer of a sidecar counts, a
+503 included; a sidecar that does not answer leaves the last answer where it was; ``rpcps up``
+judges a member by --member-timeout after its first answer since its start, by --ready-timeout
+before it."""
+import http.server
+import threading
+
+import pytest
+
+from services.liveness import Liveness
+from services.processes import free_port
+from tests.support.wait import wait_until
+
+
+class _Unhealthy(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def sidecar():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unhealthy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_any_answer_counts_and_silence_leaves_the_last_one(sidecar):
+    live = Liveness(15.0, 180.0, every=0.05, timeout=0.5)
+    try:
+        live.watch("ps1", sidecar)
+        live.watch("ps2", f"http://127.0.0.1:{free_port()}")       # nobody there
+        wait_until(lambda: live.last_answer("ps1") is not None, 10, "an answer from ps1 (a 503)")
+        wait_until(lambda: live.asked("ps2") >= 3, 10, "three asks of ps2")
+        assert live.last_answer("ps2") is None
+    finally:
+        live.close()
+
+
+def test_a_member_is_judged_by_the_member_timeout_once_it_has_answered_since_its_start():
+    live = Liveness(15.0, 180.0)            # no member watched: its answers set by hand
+    assert live.overdue("ps1", 100.0, 200.0) is None, "not answered yet: --ready-timeout"
+    assert live.overdue("ps1", 100.0, 281.0) == 181.0
+    live._answered["ps1"] = 250.0
+    assert live.overdue("ps1", 100.0, 264.0) is None
+    assert live.overdue("ps1", 100.0, 266.0) == 16.0
+    live._answered["ps1"] = 90.0            # an answer of its life before this start does not count
+    assert live.overdue("ps1", 100.0, 200.0) is None
