@@ -114,6 +114,10 @@ class Chaos:
         return [n for n in names if n != state.get("leader")]
 
     def run(self) -> dict[str, Any]:
+        if self.cfg.fault == "stop" and self.cluster.state().get("hosts"):
+            raise SystemExit("rpcps chaos: --fault stop freezes a process of this machine, and this cluster's members "
+                             "run on emulated hosts or Slurm nodes, behind the process rpcps up started (unshare, "
+                             "srun): not there yet; --fault kill works on them")
         choices = self.candidates()
         records = []
         for k in range(self.cfg.kills):

@@ -194,3 +194,7 @@ def test_chaos_freezes_a_member_and_reports_whether_it_was_replaced_and_when():
     assert not brief["replaced"] and brief["detected_seconds"] is None and brief["steps_lost"] == 0, brief
     assert sent == [(12, signal.SIGSTOP), (12, signal.SIGCONT)] and 5.0 <= brief["seconds"] < 5.5, (sent, brief)
     assert human({"event": "kill", **brief}).startswith("froze trainer0: not replaced, going on after 5.")
+    hosted = FakeCluster()
+    hosted.state = lambda: {"pids": dict(hosted.pids), "leader": "ps0", "hosts": {"ps1": {"node": "n1"}}}
+    with pytest.raises(SystemExit, match="--fault stop freezes a process of this machine"):
+        Chaos(ChaosConfig(kills=1, fault="stop"), hosted, lambda e: None).run()
