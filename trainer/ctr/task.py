@@ -15,6 +15,7 @@ from trainer.ctr.metrics import CtrMetrics
 
 if TYPE_CHECKING:
     from trainer.ctr.custom import SchemaModel
+    from trainer.ctr.local import LocalModel
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +23,15 @@ log = logging.getLogger(__name__)
 class CtrTask:
     unit = "samples"
 
-    def __init__(self, model: "SchemaModel", source: Source, *, name: str, num_trainers: int,
+    def __init__(self, model: "SchemaModel | LocalModel", source: Source, *, name: str, num_trainers: int,
                  eval_samples: int = 0, eval_batch_size: int = 4096, metrics: Optional[CtrMetrics] = None,
                  board: Optional[StatusBoard] = None) -> None:
         self.model, self.source = model, source
-        # A step's computation is the model's own (``trainer.core.loop.Task``).
-        self.fetch, self.lookups, self.loss = model.fetch_for, model.lookups_for, model.loss
+        # A step's computation is the served model's own (``trainer.core.loop.Task``); a model
+        # trained in this one process (``--local``'s) steps itself, and reads and evaluates through
+        # the task only.
+        if hasattr(model, "fetch_for"):
+            self.fetch, self.lookups, self.loss = model.fetch_for, model.lookups_for, model.loss
         self.name, self.num_trainers = name, num_trainers
         self.eval_samples, self.eval_batch_size = eval_samples, eval_batch_size
         self.metrics, self.board = metrics, board
