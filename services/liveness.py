@@ -76,8 +76,8 @@ class Liveness:
                 try:
                     http.get(f"{url.rstrip('/')}/healthz")
                     answered = True
-                except httpx.HTTPError:
-                    answered = False        # silent this time: its last answer stays as it was
+                except Exception:  # noqa: BLE001 - whatever kept the answer away, it is silence, and asking goes on
+                    answered = False
                 with self._lock:
                     self._asked[name] = self._asked.get(name, 0) + 1
                     if answered:

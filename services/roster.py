@@ -46,6 +46,7 @@ class Member:
     log_start: int = 0                      # the size of its log at its last start: what follows is this run's
     causes: tuple[str, ...] = ()            # why it died, each of its deaths in a row
     fenced: Optional[str] = None            # why it was stopped as lost, until it is restarted
+    answering: bool = False                 # its sidecar has answered since its last start: --member-timeout applies
 
     def healthy(self) -> None:
         """Up for --restart-window: its deaths no longer count as in a row."""
@@ -109,6 +110,7 @@ class Roster:
             # first start was told (--no-resume, --resume-from an older one).
             argv = resuming_newest(argv)
         m.log_start = m.log_path.stat().st_size if m.log_path.exists() else 0
+        m.answering = False
         m.proc = self.placement.spawn(m.name, argv, m.log_path, env)
         m.started_at = time.monotonic()
         log.info("started %s (pid %d), log %s", m.name, m.proc.pid, m.log_path)
@@ -145,7 +147,8 @@ class Roster:
         m.restarts += 1
         m.last_exit = LEADER_LOST
         self.on_restart(m)
-        self.emit({"event": "restart", "name": m.name, "exit_code": LEADER_LOST, "reason": "its leader was lost",
+        self.emit({"event": "restart", "name": m.name, "exit_code": LEADER_LOST,
+                   "reason": "it left to rejoin the group (its leader was lost, or evicted it)",
                    "restarts": m.deaths, "in": 0.0})
         self.respawn(m)
 
@@ -196,7 +199,8 @@ class Roster:
                  "leader": self.leader, "launcher_pid": os.getpid(),
                  "checkpoint_dir": str(self.checkpoint_dir.resolve()),
                  "pids": {m.name: m.proc.pid for m in self.members if m.proc}, "master_port": self.master_port,
-                 "failing": {m.name: f for m in self.members if (f := m.failing()) is not None}}
+                 "failing": {m.name: f for m in self.members if (f := m.failing()) is not None},
+                 "answering": [m.name for m in self.members if m.answering]}
         if (hosts := self.placement.describe()) is not None:
             state["hosts"] = hosts
         path = self.cfg.state_dir / "cluster.json"

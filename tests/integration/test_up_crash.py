@@ -111,6 +111,8 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
 
     # ps1 frozen past --member-timeout (15 s): declared lost though its process lives, stopped
     # where it runs, and replaced; the trainers go on in the same processes.
+    # Once rpcps up has heard ps1 since its last start: before that, --ready-timeout applies.
+    wait_until(lambda: "ps1" in up.cluster()["answering"], 30, "rpcps up to hear the restarted ps1")
     frozen, trainer_pids = up.cluster()["pids"]["ps1"], [up.cluster()["pids"][n] for n in ("trainer0", "trainer1")]
     os.kill(frozen, signal.SIGSTOP)
     frozen_at = time.monotonic()
