@@ -203,7 +203,7 @@ class Launcher:
                     if m.deaths and now - m.started_at >= self.cfg.restart_window:
                         m.healthy()           # up long enough: its deaths are no longer in a row
                         self.roster.write_state()
-                    if not m.answering and (self.liveness.last_answer(m.name) or 0.0) >= m.started_at:
+                    if not m.answering and self.liveness.heard_since(m.name, m.started_at):
                         m.answering = True            # from now on, judged by --member-timeout
                         self.roster.write_state()
                     silent = self.liveness.overdue(m.name, m.started_at, now)

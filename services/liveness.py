@@ -49,12 +49,16 @@ class Liveness:
         with self._lock:
             return self._answered.get(name)
 
+    def heard_since(self, name: str, started_at: float) -> bool:
+        """Whether ``name`` has answered since ``started_at`` (its last start)."""
+        answered = self.last_answer(name)
+        return answered is not None and answered >= started_at
+
     def overdue(self, name: str, started_at: float, now: float) -> Optional[float]:
         """The seconds ``name`` (last started at ``started_at``) has been silent, once past what it
         is allowed; else None."""
-        answered = self.last_answer(name)
-        if answered is not None and answered >= started_at:
-            silent, allowed = now - answered, self.member_timeout
+        if self.heard_since(name, started_at):
+            silent, allowed = now - self.last_answer(name), self.member_timeout
         else:
             silent, allowed = now - started_at, self.ready_timeout
         return silent if silent > allowed else None

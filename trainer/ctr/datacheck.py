@@ -109,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
     from rpcps.schema import SchemaError, load_schema
     from rpcps.data.lines import LineError
     from rpcps.data.files import data_files
-    from rpcps.data.formats import reader_of
     from rpcps.data.statistics import check
-    from trainer.ctr.preflight import short_of_trainers
+    from services.errors import ConfigError
+    from trainer.ctr.preflight import held_out
 
     try:
         schema = load_schema(args.schema)
@@ -131,9 +131,9 @@ def run(args: argparse.Namespace) -> int:
               + (f" past the {args.eval_samples} held out" if args.eval_samples else ""), file=sys.stderr)
         return 2
     print(json.dumps(s) if args.json else _table(s), flush=True)
-    total = reader_of(schema).count(schema, paths, args.eval_samples + args.num_trainers)
-    if total - args.eval_samples < args.num_trainers:
-        print(f"rpcps data check: {short_of_trainers(total, args.eval_samples, args.num_trainers, '--num-trainers')}",
-              file=sys.stderr)
+    try:       # the records rpcps up would train on, by its own rule
+        held_out(schema, paths, args.eval_samples, args.num_trainers, flag="--num-trainers")
+    except ConfigError as exc:
+        print(f"rpcps data check: {exc}", file=sys.stderr)
         return 2
     return 1 if s["malformed"] else 0

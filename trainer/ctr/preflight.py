@@ -60,16 +60,18 @@ def _settled_without_data(cfg: CtrUpSettings, why: str) -> None:
                           + (", or start once a file has landed" if cfg.follow else ""))
 
 
-def held_out(schema: Optional[Schema], paths: list[Path], eval_samples: int, trainers: int = 1) -> list[str]:
+def held_out(schema: Optional[Schema], paths: list[Path], eval_samples: int, trainers: int = 1,
+             flag: str = "--trainers") -> list[str]:
     """The files' first ``eval_samples`` records are held out and the rest divided among
     ``trainers``: refuse a held-out set that leaves no record to train on, or fewer records than
-    trainers (a trainer would have none), and warn of a held-out set that takes most of the data."""
+    trainers (a trainer would have none; ``flag`` sets their count), and warn of a held-out set
+    that takes most of the data. `rpcps data check` asks the same."""
     total = reader_of(schema).count(schema, paths, max(2 * eval_samples, eval_samples + trainers))
     if eval_samples and eval_samples >= total:
         raise ConfigError(f"--eval-samples {eval_samples} holds out every one of the {total} records of --data: "
                           f"nothing is left to train on (set it lower, or 0 for no held-out evaluation)")
     if total - eval_samples < trainers:
-        raise ConfigError(short_of_trainers(total, eval_samples, trainers, "--trainers"))
+        raise ConfigError(short_of_trainers(total, eval_samples, trainers, flag))
     if eval_samples and total <= 2 * eval_samples and eval_samples / total > HELD_OUT_WARNING:
         return [f"--eval-samples {eval_samples} holds out {eval_samples / total:.0%} of the {total} records of "
                 f"--data and trains on the other {total - eval_samples} (set it lower to train on more)"]
