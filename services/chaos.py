@@ -1,14 +1,17 @@
-"""``rpcps chaos``: kill or freeze members of a cluster ``rpcps up`` runs here, and report how it
-recovers.
+"""``rpcps chaos``: kill, freeze or cut off members of a cluster ``rpcps up`` runs here, and report
+how it recovers.
 
 Faults come at random intervals (exponential, mean ``--interval``), a bounded number of times,
-each to one member's process: ``--fault kill`` (SIGKILL), or ``--fault stop`` (SIGSTOP, then
-SIGCONT after ``--for`` seconds, unless ``rpcps up`` has declared the member lost and replaced it
-by then: ``--member-timeout``). After each, it waits until the member runs again and every member
-is ready, then records what the fault cost, when the member was replaced (a frozen one: when
-``rpcps up`` detected it) and when it counted its next step (an update applied, for a server; a
-step taken, for a trainer). It only reads what ``rpcps up`` publishes (``cluster.json``) and what
-the sidecars answer; the launcher does the detecting and restarting.
+each to one member, through the handle its placement recorded in ``cluster.json``
+(``services/placement``), wherever it runs: ``--fault kill`` (SIGKILL); ``--fault stop`` (SIGSTOP,
+then SIGCONT after ``--for`` seconds, unless ``rpcps up`` has declared the member lost and
+replaced it by then: ``--member-timeout``); ``--fault partition`` (its host's link down for
+``--for`` seconds, its process running on; emulated hosts only). After each, it waits until the
+member runs again and every member is ready, then records what the fault cost, when the member
+was replaced (a frozen or cut-off one: when ``rpcps up`` detected it), when it counted its next
+step (an update applied, for a server; a step taken, for a trainer), and for a partition whether
+that came while the link was still down. It only reads what ``rpcps up`` publishes
+(``cluster.json``) and what the sidecars answer; the launcher does the detecting and restarting.
 
 "Steps lost" is, for a server, the updates its restored shard lacks (its steps at the kill less the
 step it resumed from: the checkpoint's, or its own handover's when the leader died); for a trainer,
@@ -30,6 +33,7 @@ from pydantic import Field
 from services.checkpoint.store import CheckpointStore
 from services.client import SidecarClient
 from services.config import ConfigBase
+from services.placement import Placed, found
 
 POLL = 0.2
 
@@ -39,10 +43,12 @@ class ChaosConfig(ConfigBase):
 
     state_dir: Path = Field(Path(".rpcps"), description="where `rpcps up` wrote cluster.json")
     kills: int = Field(10, ge=1, le=10_000, description="faults in all", json_schema_extra={"env": "RPCPS_CHAOS_KILLS"})
-    fault: Literal["kill", "stop"] = Field("kill", description="kill: SIGKILL a member; stop: freeze it (SIGSTOP) "
-                                                               "for --for seconds, or until rpcps up replaces it")
+    fault: Literal["kill", "stop", "partition"] = Field(
+        "kill", description="kill: SIGKILL a member; stop: freeze it (SIGSTOP) for --for seconds, or until rpcps up "
+                            "replaces it; partition: cut its host's link for --for seconds (--emulate-hosts)")
     for_seconds: float = Field(30.0, gt=0, le=3600, json_schema_extra={"flag": "--for"},
-                               description="--fault stop: seconds a member stays frozen unless replaced first")
+                               description="--fault stop: seconds a member stays frozen unless replaced first; "
+                                           "--fault partition: seconds its link stays down")
     interval: float = Field(20.0, gt=0, json_schema_extra={"env": "RPCPS_CHAOS_INTERVAL"},
                             description="mean seconds between kills (the gaps are exponentially distributed)")
     members: Optional[str] = Field(None, json_schema_extra={"env": "RPCPS_CHAOS_MEMBERS"},
@@ -93,13 +99,45 @@ def _steps(status: Optional[dict[str, Any]]) -> Optional[int]:
     return int(value) if isinstance(value, (int, float)) else None
 
 
+def handle_of(state: dict[str, Any], name: str) -> Placed:
+    """Member ``name``'s handle, as its placement recorded it (a ``cluster.json`` of an older
+    ``rpcps up`` records only process ids: local processes)."""
+    described = (state.get("placed") or {}).get(name) or {"kind": "local", "pid": state["pids"][name]}
+    return found(described)
+
+
+class _Fault:
+    """One fault in progress on one start of a member: done to it, and undone (continued,
+    reconnected) at the latest when ``undo`` is called, whatever happened meanwhile."""
+
+    def __init__(self, kind: str, target: Placed, clock: Callable[[], float]) -> None:
+        self.kind, self.target, self.pending, self._clock = kind, target, kind != "kill", clock
+        self.undone_at: Optional[float] = None
+
+    def do(self) -> None:
+        if self.kind == "kill":
+            self.target.kill()
+        elif self.kind == "stop":
+            self.target.send_signal(signal.SIGSTOP)
+        else:
+            self.target.connect(False)
+
+    def undo(self) -> None:
+        if self.pending:
+            self.pending = False
+            self.undone_at = self._clock()
+            if self.kind == "stop":
+                self.target.send_signal(signal.SIGCONT)
+            else:
+                self.target.connect(True)
+
+
 class Chaos:
     def __init__(self, cfg: ChaosConfig, cluster: Cluster, emit: Callable[[dict], None],
-                 kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL),
                  clock: Callable[[], float] = time.time, pause: Callable[[float], None] = time.sleep,
-                 send: Callable[[int, int], None] = lambda pid, sig: _send(pid, sig)) -> None:
+                 handle: Callable[[dict, str], Placed] = handle_of) -> None:
         self.cfg, self.cluster, self.emit = cfg, cluster, emit
-        self._kill, self._clock, self._pause, self._send = kill, clock, pause, send
+        self._clock, self._pause, self._handle = clock, pause, handle
         self._rng = random.Random(cfg.seed)
 
     def candidates(self) -> list[str]:
@@ -114,11 +152,13 @@ class Chaos:
         return [n for n in names if n != state.get("leader")]
 
     def run(self) -> dict[str, Any]:
-        if self.cfg.fault == "stop" and self.cluster.state().get("hosts"):
-            raise SystemExit("rpcps chaos: --fault stop freezes a process of this machine, and this cluster's members "
-                             "run on emulated hosts or Slurm nodes, behind the process rpcps up started (unshare, "
-                             "srun): not there yet; --fault kill works on them")
         choices = self.candidates()
+        if self.cfg.fault == "partition":
+            state = self.cluster.state()
+            local = [n for n in choices if self._handle(state, n).kind != "hosts"]
+            if local:
+                raise SystemExit(f"rpcps chaos: --fault partition cuts a host's link, and {', '.join(local)} run on "
+                                 f"no host of their own: start the cluster with rpcps up --emulate-hosts")
         records = []
         for k in range(self.cfg.kills):
             self._pause(self._rng.expovariate(1.0 / self.cfg.interval))
@@ -133,41 +173,33 @@ class Chaos:
         pid, leader = state["pids"][name], state.get("leader")
         before = _steps(self.cluster.status(name))
         checkpoint = self.cluster.newest_checkpoint()
+        fault = _Fault(self.cfg.fault, self._handle(state, name), self._clock)
         killed_at = self._clock()
-        stop = self.cfg.fault == "stop"
-        deadline = killed_at + self.cfg.for_seconds * stop + self.cfg.recover_timeout
-        replaced_at: Optional[float] = None
-        frozen = stop
-        if stop:
-            self._send(pid, signal.SIGSTOP)
-        else:
-            self._kill(pid)
+        lasts = self.cfg.for_seconds if fault.pending else 0.0
+        deadline = killed_at + lasts + self.cfg.recover_timeout
+        fault.do()
         try:
-            while True:
-                now = self.cluster.state()
-                if replaced_at is None and now["pids"].get(name) != pid:
-                    replaced_at = self._clock()
-                if frozen and replaced_at is None and self._clock() - killed_at >= self.cfg.for_seconds:
-                    self._send(pid, signal.SIGCONT)       # not replaced in time: it goes on where it was
-                    frozen = False
-                if (replaced_at is not None or stop and not frozen) and all(self.cluster.ready(n) for n in now["pids"]):
-                    break
-                if self._clock() > deadline:
-                    return {"member": name, "fault": self.cfg.fault, "killed_at": killed_at, "back_at": None,
-                            "seconds": None, "error": f"not back within {self.cfg.recover_timeout:.0f}s"}
+            replaced_at = self._until_back(name, pid, fault, killed_at, deadline)
+            if replaced_at is False:
+                return {"member": name, "fault": self.cfg.fault, "killed_at": killed_at, "back_at": None,
+                        "seconds": None, "error": f"not back within {self.cfg.recover_timeout:.0f}s"}
+            back_at = self._clock()
+            after = self.cluster.status(name) or {}
+            # A partition lasts its --for, replaced or not: did the job step while it lasted?
+            stepping = self._next_step(name, _steps(after), killed_at + lasts if fault.pending else deadline)
+            while fault.pending and self._clock() - killed_at < lasts:
                 self._pause(POLL)
         finally:
-            if frozen and replaced_at is None:      # never left frozen, whatever happened here
-                self._send(pid, signal.SIGCONT)
-        back_at = self._clock()
-        after = self.cluster.status(name) or {}
+            fault.undo()
+        undone_at = fault.undone_at or self._clock()
+        if stepping is None:
+            stepping = self._next_step(name, _steps(after), deadline)
         # A member frozen and continued, not replaced, restored nothing: it goes on where it was.
         resumed = (after.get("resumed_from") or {}) if replaced_at is not None else {}
         resumed_step = resumed.get("step") if resumed else _steps(after) if replaced_at is not None else before
-        stepping = self._next_step(name, _steps(after), deadline)
         record = {"member": name, "fault": self.cfg.fault, "killed_at": killed_at, "back_at": back_at,
                   "seconds": round(back_at - killed_at, 2), "replaced": replaced_at is not None,
-                  "detected_seconds": round(replaced_at - killed_at, 2) if stop and replaced_at is not None else None,
+                  "detected_seconds": round(replaced_at - killed_at, 2) if lasts and replaced_at is not None else None,
                   "next_step_seconds": round(stepping - killed_at, 2) if stepping is not None else None,
                   "steps_before": before, "resumed_from": resumed.get("id"), "resumed_step": resumed_step,
                   "steps_lost": max(0, before - resumed_step) if before is not None and resumed_step is not None else None,
@@ -175,10 +207,34 @@ class Chaos:
                   # A server or the leader restores its state: steps it had taken are lost. A trainer
                   # goes on from its saved position: its steps since are taken again.
                   "restores": name == leader or name.startswith("ps")}
+        if lasts:
+            record.update(lasted_seconds=round(undone_at - killed_at, 2),
+                          stepped_during=stepping is not None and stepping < undone_at,
+                          old_running=replaced_at is not None and fault.target.poll() is None)
         if name == leader:
-            record["kept_by"] = sorted(n for n in now["pids"] if n != name
+            record["kept_by"] = sorted(n for n in self.cluster.state()["pids"] if n != name
                                        and ((self.cluster.status(n) or {}).get("resumed_from") or {}).get("handover"))
         return record
+
+    def _until_back(self, name: str, pid: int, fault: _Fault, at: float, deadline: float) -> Any:
+        """When ``name`` was replaced (None: it was not, and goes on where it was) once every member
+        is ready again; False past the deadline. A frozen member not replaced within --for is
+        continued; a cut-off one is reconnected after --for, replaced or not."""
+        replaced_at: Optional[float] = None
+        while True:
+            now = self.cluster.state()
+            if replaced_at is None and now["pids"].get(name) != pid:
+                replaced_at = self._clock()
+                if fault.kind == "stop":
+                    fault.pending = False       # stopped for good where it was: nothing to continue
+            if fault.pending and replaced_at is None and self._clock() - at >= self.cfg.for_seconds:
+                fault.undo()
+            if (replaced_at is not None or self.cfg.fault != "kill" and not fault.pending) and \
+                    all(self.cluster.ready(n) for n in now["pids"]):
+                return replaced_at
+            if self._clock() > deadline:
+                return False
+            self._pause(POLL)
 
     def _next_step(self, name: str, back: Optional[int], deadline: float) -> Optional[float]:
         """When ``name`` (a server: its updates; a trainer: its steps) counted a step past ``back``;
@@ -189,13 +245,6 @@ class Chaos:
                 return self._clock()
             self._pause(POLL)
         return None
-
-
-def _send(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:      # replaced meanwhile: nothing left to continue
-        pass
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -213,18 +262,18 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def human(e: dict[str, Any]) -> str:
     if e["event"] == "kill":
-        did = "froze" if e.get("fault") == "stop" else "killed"
+        did = {"stop": "froze", "partition": "cut off"}.get(e.get("fault"), "killed")
         if e.get("back_at") is None:
             return f"{did} {e['member']}: {e['error']}"
-        if e.get("fault") == "stop" and not e.get("replaced"):
-            stepping = "" if e.get("next_step_seconds") is None else f", stepping again after {e['next_step_seconds']:.1f}s"
-            return f"froze {e['member']}: not replaced, going on after {e['seconds']:.1f}s{stepping}"
+        stepping = "" if e.get("next_step_seconds") is None else f", stepping again after {e['next_step_seconds']:.1f}s"
+        if e.get("fault") != "kill" and not e.get("replaced"):
+            return f"{did} {e['member']}: not replaced, going on after {e['seconds']:.1f}s{stepping}"
         detected = f"declared lost and replaced after {e['detected_seconds']:.1f}s, " \
             if e.get("detected_seconds") is not None else ""
         lost = "" if e.get("steps_lost") is None else f", {e['steps_lost']} steps lost"
         kept = f", shards kept by {', '.join(e['kept_by'])}" if e.get("kept_by") else ""
-        stepping = "" if e.get("next_step_seconds") is None else f", stepping again after {e['next_step_seconds']:.1f}s"
-        return (f"{did} {e['member']}: {detected}back in {e['seconds']:.1f}s{stepping} (resumed from "
+        during = " while its link was still down" if e.get("fault") == "partition" and e.get("stepped_during") else ""
+        return (f"{did} {e['member']}: {detected}back in {e['seconds']:.1f}s{stepping}{during} (resumed from "
                 f"{e.get('resumed_from') or '-'}{lost}{kept})")
     return (f"{e['kills']} kills, {e['recovered']} recovered; back in a median {e['median_seconds']}s (max "
             f"{e['max_seconds']}s), stepping again after a median {e['median_next_step_seconds']}s; "

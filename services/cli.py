@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from services.errors import ConfigError
 from services.names import parse_name
+from services.placement import alive
 from services.workload import benches, commands, data_writers, roles, settings_of, workloads
 
 STATE_FILE = "cluster.json"
@@ -182,15 +183,6 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 # --- the running cluster, as `rpcps up` recorded it --------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def cluster_state(state_dir: Path, running: bool = True) -> Optional[dict]:
     """What ``rpcps up`` recorded in ``state_dir``, None if nothing; ``CliError`` when the file is
@@ -209,11 +201,11 @@ def cluster_state(state_dir: Path, running: bool = True) -> Optional[dict]:
     hosts = state.get("hosts")
     jobs = {h["job"] for h in hosts.values() if isinstance(h, dict) and h.get("job")} if isinstance(hosts, dict) else set()
     if jobs:        # `rpcps up --slurm`: it ran on a node, where its process id means nothing here
-        from services.slurm import job_alive
+        from services.placement.slurm import job_alive
         ended = not any(job_alive(str(job)) for job in jobs)
     else:
-        ended = (not _alive(pid)) if isinstance(pid, int) else (
-            bool(state.get("pids")) and not any(_alive(p) for p in state["pids"].values() if isinstance(p, int)))
+        ended = (not alive(pid)) if isinstance(pid, int) else (
+            bool(state.get("pids")) and not any(alive(p) for p in state["pids"].values() if isinstance(p, int)))
     if ended and running:
         raise CliError(f"the cluster recorded in {path} is not running (the `rpcps up` that started it has "
                        f"ended): start one with `rpcps up`, or name a sidecar with --sidecar URL")

@@ -59,7 +59,7 @@ class CommonConfig(ConfigBase):
         "cluster": ("name", "master_addr", "master_port", "ps_addr", "sidecar_host", "sidecar_port", "control_token",
                     "http_read_timeout", "threads", "rpc_timeout", "join_timeout", "rpc_transport"),
         "checkpoints": ("checkpoint_dir",),
-        "failures": ("restarts_in_a_row",),
+        "failures": ("restarts_in_a_row", "lease_timeout"),
         "output": ("log_level",),
     }
     name: str = Field(description="RPC name of this process (ps0, trainer1, ...)")
@@ -83,6 +83,10 @@ class CommonConfig(ConfigBase):
         "uv", description="TensorPipe transport: uv (TCP) or shm (lower latency, but busy-polls a core)")
     restarts_in_a_row: int = Field(0, ge=0, description="deaths in a row before this start, as its supervisor "
                                                         "counts them (rpcps up sets it): a crash loop shows in the metrics")
+    lease_timeout: Optional[float] = Field(None, ge=2, le=600, description="exit (code 76) when the supervisor has not "
+                                                                           "renewed this member's lease on /healthz for "
+                                                                           "this many seconds (rpcps up sets it to its "
+                                                                           "--member-timeout; default: no lease)")
 
     @field_validator("name")
     @classmethod

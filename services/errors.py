@@ -46,6 +46,12 @@ class ServerLost(StepLost):
         self.servers = tuple(servers)
 
 
+class Superseded(StepLost):
+    """A request of an old incarnation of a member (one evicted from the group, or replaced by a
+    newer start of its name): refused whole, so nothing of a fenced member lands after its
+    replacement. The old incarnation learns it was evicted and leaves."""
+
+
 class InternalError(RpcpsError):
     """A method failed on a well-formed request: a bug on the serving side, logged there."""
 

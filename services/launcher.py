@@ -25,6 +25,7 @@ from services.config import writable_folder
 from services.errors import ConfigError
 from services.hosts.network import Unavailable
 from services.leader import LEADER_LOST
+from services.lease import FENCED
 from services.lifecycle import RoleStatus
 from services.liveness import Liveness
 from services.names import parse_name
@@ -208,9 +209,12 @@ class Launcher:
                         self.roster.write_state()
                     silent = self.liveness.overdue(m.name, m.started_at, now)
                     if silent is not None and m.fenced is None:
-                        self.roster.fence(m, f"no answer from its sidecar for {silent:.0f}s "
-                                             f"(--member-timeout {self.cfg.member_timeout:g})")
+                        self._fence(m, f"no answer from its sidecar for {silent:.0f}s "
+                                       f"(--member-timeout {self.cfg.member_timeout:g})")
                     continue
+                if code == FENCED and m.fenced is None:
+                    # It fenced itself a moment before its silence was judged here: lost all the same.
+                    self._fence(m, cause(m.log_path, m.log_start))
                 if code == LEADER_LOST:
                     self.roster.rejoin(m)
                 elif not self.roster.schedule_restart(m, code):
@@ -227,6 +231,10 @@ class Launcher:
                 self._report()
             self._stop.wait(0.25)
         return 0
+
+    def _fence(self, m: Member, why: str) -> None:
+        self.roster.fence(m, why)
+        self.liveness.watch(m.name, m.url)      # its replacement's, if it moved
 
     def _report(self) -> None:
         for event in self.workload.progress(self._watched_status()):

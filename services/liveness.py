@@ -4,7 +4,8 @@ stopped process, a paused host) or one cut off from the network does neither, an
 on it would wait for ever. So every member's ``/healthz`` is asked, by a thread of its own so that
 one member's silence delays no other's answer, and a member silent for ``--member-timeout`` is
 declared lost although its process lives (``Launcher`` then fences it: stops it through its
-placement, and the restart path replaces it). Any HTTP answer counts, a 503 included: a member that
+placement, and the restart path replaces it). Each ask renews the member's lease
+(``services/lease.py``): a member no longer asked for the timeout fences itself. Any HTTP answer counts, a 503 included: a member that
 says it is unhealthy is alive, and busy work (a long checkpoint, a CPU quota used up) leaves its
 sidecar's thread time to answer."""
 from __future__ import annotations
@@ -14,6 +15,8 @@ import time
 from typing import Optional
 
 import httpx
+
+from services.lease import LEASE_HEADER
 
 PROBE_EVERY = 1.0       # seconds between asks of one member
 PROBE_TIMEOUT = 2.0     # seconds one ask may take
@@ -78,7 +81,7 @@ class Liveness:
                 with self._lock:
                     url = self._urls[name]
                 try:
-                    http.get(f"{url.rstrip('/')}/healthz")
+                    http.get(f"{url.rstrip('/')}/healthz", headers={LEASE_HEADER: f"{self.member_timeout:g}"})
                     answered = True
                 except Exception:  # noqa: BLE001 - whatever kept the answer away, it is silence, and asking goes on
                     answered = False

@@ -83,26 +83,41 @@ def reachable(name: str, timeout: float = 5.0) -> bool:
 
 
 class ProbeLedger:
-    """The leader's record of its members' liveness: when it first saw each (its join), and each
-    one's failed probes in a row. Pure: the leader feeds it probe results and asks who is dead."""
+    """The leader's record of its members' liveness: when it first saw each (its join), each one's
+    failed probes in a row, and since when each has been silent. Pure: the leader feeds it probe
+    results (True: answered; False: failed, as a dead member's do; None: no answer in time) and
+    asks whom to evict. ``silence``: seconds a member that does not answer, but is not known dead,
+    is given (a supervisor with a deadline of its own judges it: ``rpcps up --member-timeout``);
+    None: a silent probe is a failed one."""
 
-    def __init__(self, failures: int, settle: float = JOIN_SETTLE, clock: Callable[[], float] = time.monotonic) -> None:
-        self.failures, self.settle, self._clock = failures, settle, clock
+    def __init__(self, failures: int, settle: float = JOIN_SETTLE, clock: Callable[[], float] = time.monotonic,
+                 silence: Optional[float] = None) -> None:
+        self.failures, self.settle, self.silence, self._clock = failures, settle, silence, clock
         self._misses: dict[str, int] = {}
         self._first_seen: dict[str, float] = {}
+        self._silent_since: dict[str, float] = {}
 
     def seen(self, names: list[str]) -> None:
         now = self._clock()
         for n in names:
             self._first_seen.setdefault(n, now)
 
-    def after_round(self, results: dict[str, bool]) -> set[str]:
-        """Record one probe round; the members that have now missed ``failures`` in a row."""
+    def after_round(self, results: dict[str, Optional[bool]]) -> set[str]:
+        """Record one probe round; the members to evict now: ``failures`` failed probes in a row,
+        or silent for ``silence`` seconds."""
+        now = self._clock()
         for n, ok in results.items():
-            self._misses[n] = 0 if ok else self._misses.get(n, 0) + 1
+            if ok is None and self.silence is not None:
+                self._silent_since.setdefault(n, now)
+            else:
+                self._silent_since.pop(n, None)
+                self._misses[n] = 0 if ok else self._misses.get(n, 0) + 1
         for n in [n for n in self._misses if n not in results]:
             del self._misses[n]
-        return {n for n, misses in self._misses.items() if misses >= self.failures}
+        for n in [n for n in self._silent_since if n not in results]:
+            del self._silent_since[n]
+        return ({n for n, misses in self._misses.items() if misses >= self.failures} |
+                {n for n, since in self._silent_since.items() if now - since >= self.silence})
 
     def settled(self, unreachable: set[str], deadline: float) -> set[str]:
         """Of members that did not answer before a join, those to evict now: a member that joined
@@ -114,6 +129,7 @@ class ProbeLedger:
     def forget(self, name: str) -> None:
         """``name`` is gone: a later member of that name is a new one."""
         self._misses.pop(name, None)
+        self._silent_since.pop(name, None)
         self._first_seen.pop(name, None)
 
 
@@ -138,18 +154,20 @@ class Membership(Service):
     """Every member has one; the leader's also leads (``GroupLeader``)."""
 
     def __init__(self, me: str, *, probe_interval: float = 1.0, probe_failures: int = 2,
-                 on_evicted: Optional[Callable[[], None]] = None) -> None:
+                 silence: Optional[float] = None, on_evicted: Optional[Callable[[], None]] = None) -> None:
         self.me = me
         self.is_leader = me == leader_of(me)
         self._listeners: list[Callable[[str], None]] = []
         self._listeners_lock = threading.Lock()
-        self.leader = GroupLeader(me, probe_interval, probe_failures, self._notify, on_evicted) if self.is_leader else None
+        self.leader = GroupLeader(me, ProbeLedger(probe_failures, silence=silence), probe_interval, self._notify,
+                                  on_evicted) if self.is_leader else None
 
     @classmethod
     def for_role(cls, cfg: Any, on_evicted: Optional[Callable[[], None]] = None) -> "Membership":
-        """A role's membership; a leader's configuration (``LeaderConfig``) sets how it probes."""
-        probes = ({"probe_interval": cfg.probe_interval, "probe_failures": cfg.probe_failures}
-                  if isinstance(cfg, LeaderConfig) else {})
+        """A role's membership; a leader's configuration (``LeaderConfig``) sets how it probes. A
+        leader with a supervisor's lease leaves a silent member to the supervisor's deadline."""
+        probes = ({"probe_interval": cfg.probe_interval, "probe_failures": cfg.probe_failures,
+                   "silence": cfg.lease_timeout} if isinstance(cfg, LeaderConfig) else {})
         return cls(cfg.name, on_evicted=on_evicted, **probes)
 
     def add_listener(self, fn: Callable[[str], None]) -> None:
@@ -204,12 +222,12 @@ class Membership(Service):
 class GroupLeader:
     """The leader's watchdog: answers join requests, probes members, evicts the dead, frees a stuck token."""
 
-    def __init__(self, me: str, probe_interval: float, probe_failures: int, notify: Callable[[str], None],
+    def __init__(self, me: str, ledger: ProbeLedger, probe_interval: float, notify: Callable[[str], None],
                  on_evicted: Optional[Callable[[], None]]) -> None:
         self.me = me
         self._probe_interval = probe_interval
         self._notify, self._on_evicted = notify, on_evicted
-        self._ledger = ProbeLedger(probe_failures)
+        self._ledger = ledger
         self._token = TokenWatch()
         self._op_lock = threading.Lock()  # one removal at a time (watchdog vs. leave requests)
         self._stop = threading.Event()
@@ -237,7 +255,7 @@ class GroupLeader:
                     next_probe = time.monotonic() + self._probe_interval
                     dead = self._ledger.after_round(probe(self._others()))
                     if dead:
-                        self.remove(dead, reason=f"missed {self._ledger.failures} liveness probes")
+                        self.remove(dead, reason="missed the leader's liveness probes")
                     self._repair_token()
             except Exception:  # the watchdog must survive any single failure
                 if self._stop.is_set():
@@ -325,8 +343,10 @@ class GroupLeader:
                     log.warning("dropped half-joined member %s from the store", e)
 
 
-def probe(names: list[str], timeout: float = 2.0) -> dict[str, bool]:
-    """Whether each member answers a no-op RPC within ``timeout`` (all asked at once)."""
+def probe(names: list[str], timeout: float = 2.0) -> dict[str, Optional[bool]]:
+    """Whether each member answers a no-op RPC within ``timeout`` (all asked at once): True; False
+    when the ask failed (a dead member's connection is refused or reset); None when no answer came
+    in time (frozen, or cut off)."""
     futs = {}
     for n in names:
         try:
@@ -340,8 +360,8 @@ def probe(names: list[str], timeout: float = 2.0) -> dict[str, bool]:
                 raise RuntimeError("send failed")
             f.wait()
             result[n] = True
-        except Exception:
-            result[n] = False
+        except Exception as exc:
+            result[n] = None if "ran for more than set timeout" in str(exc) else False
     return result
 
 

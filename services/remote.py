@@ -41,7 +41,7 @@ import torch.distributed.rpc as rpc
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from services import errors
-from services.errors import BadRequest, InternalError, NotReady, RpcpsError
+from services.errors import BadRequest, InternalError, NotReady, RpcpsError, Superseded
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,9 @@ class Service:
 
     def after_call(self, method: str, seconds: float, ok: bool) -> None:
         """After the method returned (``ok``) or raised, bad requests included."""
+
+    def superseded(self, caller: str, method: str) -> None:
+        """A request of an old incarnation of ``caller`` was refused (``Superseded``)."""
 
 
 class _Hosted:
@@ -179,13 +182,22 @@ def _checked(method: Callable[..., Any], args: tuple) -> list[Any]:
     return values
 
 
-def _invoke(method: Callable[..., Any], caller: str, *args: Any) -> Any:
-    """The one RPC entry point: ``method`` of this process's service, checked, timed and guarded."""
+def _invoke(method: Callable[..., Any], caller: str, rank: int, *args: Any) -> Any:
+    """The one RPC entry point: ``method`` of this process's service, checked, timed and guarded.
+    ``rank``: the caller's in the group, its incarnation (ranks are never reused: a member started
+    again under its name joins with a newer one)."""
     if not is_remote(method):
         raise BadRequest(f"{getattr(method, '__qualname__', method)!r} is not a remote method")
     service = local(_signature(method).owner)
     name = method.__name__
     hooks = service if isinstance(service, Service) else None
+    if not _current(caller, rank):
+        # A fencing token: a member declared lost and replaced, or evicted, may still run (frozen,
+        # cut off); whatever it sends now must not land.
+        if hooks is not None:
+            hooks.superseded(caller, name)
+        raise Superseded(f"{name} from {caller} of rank {rank} refused: no longer a member of that name in this "
+                         f"group (evicted, or replaced by a newer start)")
     if hooks is not None:
         hooks.before_call(caller, name)
     started, ok = time.perf_counter(), False
@@ -206,11 +218,19 @@ def _invoke(method: Callable[..., Any], caller: str, *args: Any) -> Any:
             hooks.after_call(name, time.perf_counter() - started, ok)
 
 
+def _current(caller: str, rank: int) -> bool:
+    """Whether ``rank`` is the member named ``caller`` in this process's view of the group."""
+    try:
+        return rpc.get_worker_info(caller).id == rank
+    except RuntimeError:            # no member of that name: it was evicted
+        return False
+
+
 @rpc.functions.async_execution
-def _invoke_async(method: Callable[..., Any], caller: str, *args: Any) -> torch.futures.Future:
+def _invoke_async(method: Callable[..., Any], caller: str, rank: int, *args: Any) -> torch.futures.Future:
     """``_invoke`` for methods that answer with a future."""
     try:
-        return _invoke(method, caller, *args)
+        return _invoke(method, caller, rank, *args)
     except Exception as exc:  # noqa: BLE001 - returned as the future's error, like any other answer
         failed: torch.futures.Future = torch.futures.Future()
         failed.set_exception(exc)
@@ -222,7 +242,8 @@ def call_async(to: str, method: Callable[..., Any], *args: Any, timeout: Optiona
     """Start ``method(*args)`` on member ``to``'s service; ``wait`` on the future for its answer."""
     entry = _invoke_async if getattr(method, "__rpcps_remote__", False) else _invoke
     kwargs = {} if timeout is None else {"timeout": timeout}
-    return rpc.rpc_async(to, entry, args=(method, rpc.get_worker_info().name, *args), **kwargs)
+    me = rpc.get_worker_info()
+    return rpc.rpc_async(to, entry, args=(method, me.name, me.id, *args), **kwargs)
 
 
 def call(to: str, method: Callable[..., Any], *args: Any, timeout: Optional[float] = None) -> Any:

@@ -34,6 +34,7 @@ class RoleContext:
     store: CheckpointStore
     checkpoints: CheckpointMember     # this process's side of cluster checkpoints; roles add their parts
     leader_lost: threading.Event = field(default_factory=threading.Event)   # set once; the process then leaves
+    lease_timeout: Optional[float] = None   # its supervisor's deadline (services/lease.py), which judges silence
 
     @classmethod
     def build(cls, cfg: Any, role: str, metrics: Metrics, status: type[RoleStatus] = RoleStatus) -> "RoleContext":
@@ -42,7 +43,7 @@ class RoleContext:
         store = CheckpointStore(cfg.checkpoint_dir)
         return cls(metrics=metrics, board=StatusBoard(role, cfg.name, status), endpoint=RpcEndpoint.for_role(cfg),
                    membership=Membership.for_role(cfg, on_evicted=metrics.members_evicted.inc),
-                   store=store, checkpoints=CheckpointMember(cfg.name, store))
+                   store=store, checkpoints=CheckpointMember(cfg.name, store), lease_timeout=cfg.lease_timeout)
 
 
 class RoleBase:
@@ -78,12 +79,12 @@ class RoleBase:
             self.membership.start_leader(self.endpoint.store)
         else:
             self._watch = LeaderWatch(self.endpoint.reader(), lambda why: self.ctx.leader_lost.set(),
-                                      evicted=self.endpoint.evicted()).start()
+                                      evicted=self.endpoint.evicted(), silence=self.ctx.lease_timeout).start()
         return reply
 
     def leader_gone(self) -> bool:
         """Whether this member has lost its leader (asked once more now, after a failure)."""
-        if not self.ctx.leader_lost.is_set() and self._watch is not None and self._watch.check() is not None:
+        if not self.ctx.leader_lost.is_set() and self._watch is not None and self._watch.verdict() is not None:
             self.ctx.leader_lost.set()
         return self.ctx.leader_lost.is_set()
 

@@ -16,9 +16,8 @@ from typing import Callable, Optional
 from services.checkpoint.store import CheckpointStore
 from services.client import SidecarClient
 from services.leader import LEADER_LOST
-from services.placement import Local, OnHosts
+from services.placement import Placed, placement_for
 from services.processes import free_port, stop_in_waves
-from services.slurm import OnSlurm
 from services.upconfig import LauncherConfig, flags
 from services.workload import Launch
 
@@ -37,7 +36,7 @@ class Member:
     argv: list[str]
     url: str
     log_path: Path
-    proc: Optional[subprocess.Popen] = None
+    proc: Optional[Placed] = None
     started_at: float = 0.0                 # time.monotonic() of its last start
     deaths: int = 0                         # in a row: each before it stayed up --restart-window
     restarts: int = 0                       # in this run
@@ -78,8 +77,8 @@ class Roster:
         self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
         self.newest_at_start: Optional[str] = None   # the newest checkpoint before this run
         self.on_restart: Callable[[Member], None] = lambda m: None   # its last status is stale
-        self.placement = OnHosts(cfg.host_cpus, cfg.link_rate, cfg.sidecar_port) if cfg.emulate_hosts else \
-            OnSlurm(cfg.sidecar_port) if cfg.slurm else Local(cfg.master_addr, cfg.sidecar_host, cfg.sidecar_port)
+        self.placement = placement_for(cfg)
+        self._own_argv: dict[str, list[str]] = {}    # each member's role flags, as the workload planned them
 
     def plan(self) -> None:
         cfg = self.cfg
@@ -87,15 +86,25 @@ class Roster:
         logs.mkdir(parents=True, exist_ok=True)
         self.master_port = cfg.master_port or free_port()
         planned = self.workload.plan()
-        place = self.placement
-        place.create([p.name for p in planned])
+        self.placement.create([p.name for p in planned])
         for p in planned:
-            port = place.sidecar_port(p.name)
-            argv = [p.role, "--name", p.name, "--sidecar-port", str(port), "--sidecar-host", place.sidecar_host(p.name),
-                    "--master-addr", place.master_addr(self.leader), "--master-port", str(self.master_port),
-                    "--checkpoint-dir", str(self.checkpoint_dir), *p.argv, *flags(cfg, _COMMON_FLAGS)]
-            self.members.append(Member(p.name, p.role, argv, f"http://{place.reach(p.name)}:{port}",
-                                       logs / f"{p.name}.log"))
+            self._own_argv[p.name] = p.argv
+            m = Member(p.name, p.role, [], "", logs / f"{p.name}.log")
+            self._place(m, anew=True)
+            self.members.append(m)
+
+    def _place(self, m: Member, anew: bool) -> None:
+        """``m``'s command line and sidecar address, where its placement puts it now; a member
+        that did not move keeps its port."""
+        place = self.placement
+        port = place.sidecar_port(m.name) if anew else int(m.url.rsplit(":", 1)[1])
+        m.argv = [m.role, "--name", m.name, "--sidecar-port", str(port), "--sidecar-host", place.sidecar_host(m.name),
+                  "--master-addr", place.master_addr(self.leader), "--master-port", str(self.master_port),
+                  "--checkpoint-dir", str(self.checkpoint_dir),
+                  # A peer silent for the member timeout is lost: no RPC waits on it longer.
+                  "--rpc-timeout", f"{self.cfg.member_timeout:g}",
+                  *self._own_argv[m.name], *flags(self.cfg, _COMMON_FLAGS)]
+        m.url = f"http://{place.reach(m.name)}:{port}"
 
     def newest_checkpoint(self) -> Optional[str]:
         found = CheckpointStore(self.checkpoint_dir).list()
@@ -103,7 +112,8 @@ class Roster:
 
     def spawn(self, m: Member) -> None:
         # The token travels in the environment: argv is visible to every user of the machine.
-        env = {"RPCPS_RESTARTS_IN_A_ROW": str(m.deaths), **({"RPCPS_CONTROL_TOKEN": self._token} if self._token else {})}
+        env = {"RPCPS_RESTARTS_IN_A_ROW": str(m.deaths), "RPCPS_LEASE_TIMEOUT": f"{self.cfg.member_timeout:g}",
+               **({"RPCPS_CONTROL_TOKEN": self._token} if self._token else {})}
         argv = m.argv
         if m.name == self.leader and m.restarts and self.newest_checkpoint() != self.newest_at_start:
             # This run has committed a checkpoint: a restarted leader resumes it, whatever the
@@ -124,7 +134,7 @@ class Roster:
                        f"(--max-restarts; see {m.log_path})")
             return False
         m.causes = (*m.causes, reason)
-        if code > 0 and len(m.causes) >= SAME_FAILURES and len(set(m.causes[-SAME_FAILURES:])) == 1:
+        if code > 0 and m.fenced is None and len(m.causes) >= SAME_FAILURES and len(set(m.causes[-SAME_FAILURES:])) == 1:
             # A restart cannot mend what fails the same way each time (the data, the settings, a bug):
             # say it and end the run rather than loop.
             self._fail(f"{m.name} failed the same way at each of its last {SAME_FAILURES} starts: {reason} "
@@ -157,9 +167,14 @@ class Roster:
         stop it where it runs (a stopped process is killed all the same; a Slurm step is
         cancelled), so that the restart path replaces it and no second copy serves."""
         m.fenced = why
-        log.warning("%s lost: %s; stopping it", m.name, why)
-        self.emit({"event": "lost", "name": m.name, "reason": why})
+        log.warning("%s lost: %s; stopping it %s", m.name, why, m.proc.where())
+        self.emit({"event": "lost", "name": m.name, "reason": why, "where": m.proc.where()})
         m.proc.kill()
+        if self.placement.renew(m.name):
+            # Its replacement starts elsewhere: the others find it there (a new leader's address
+            # is everyone's next start's, after they leave the old leader's group).
+            for member in self.members:
+                self._place(member, anew=member is m)
 
     def final_checkpoint(self) -> None:
         """Once the workers have stopped (their final positions are with the leader), before the
@@ -199,6 +214,7 @@ class Roster:
                  "leader": self.leader, "launcher_pid": os.getpid(),
                  "checkpoint_dir": str(self.checkpoint_dir.resolve()),
                  "pids": {m.name: m.proc.pid for m in self.members if m.proc}, "master_port": self.master_port,
+                 "placed": {m.name: m.proc.describe() for m in self.members if m.proc},
                  "failing": {m.name: f for m in self.members if (f := m.failing()) is not None},
                  "answering": [m.name for m in self.members if m.answering]}
         if (hosts := self.placement.describe()) is not None:

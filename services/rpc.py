@@ -140,8 +140,9 @@ class RpcEndpoint:
 
     def _probing(self, ask: Callable[[dist.TCPStore], T]) -> Callable[[], T]:
         client: Optional[dist.TCPStore] = None
+        asking: Optional[threading.Thread] = None
 
-        def probe() -> T:
+        def once(answer: list[Any]) -> None:
             nonlocal client
             try:
                 if client is None:
@@ -149,10 +150,29 @@ class RpcEndpoint:
                     # connect tells at once that nothing listens (a dead leader on a live host).
                     socket.create_connection((self._addr, self._port), timeout=PROBE_TIMEOUT).close()
                     client = self._client(PROBE_TIMEOUT)
-                return ask(client)
-            except Exception:
+                answer.append((True, ask(client)))
+            except Exception as exc:  # noqa: BLE001 - handed to the prober, which raises it
                 client = None
-                raise
+                answer.append((False, exc))
+
+        def probe() -> T:
+            # A store client's get outlives its timeout when the leader's host is cut off (it
+            # waits for the cancelled wait's answer, which never comes): the ask runs in a thread
+            # of its own, given PROBE_TIMEOUT and a second, and a stuck one is left to end by itself.
+            nonlocal asking, client
+            if asking is not None and asking.is_alive():
+                raise TimeoutError("the leader's store has not answered the previous probe")
+            answer: list[Any] = []          # this probe's own: a stuck one's late answer lands in its own
+            asking = threading.Thread(target=once, args=(answer,), name="leader-probe", daemon=True)
+            asking.start()
+            asking.join(PROBE_TIMEOUT + 1.0)
+            if not answer:
+                client = None           # the stuck thread keeps its own; the next probe connects anew
+                raise TimeoutError(f"the leader's store did not answer within {PROBE_TIMEOUT + 1.0:g}s")
+            ok, value = answer[0]
+            if not ok:
+                raise value
+            return value
         return probe
 
     def _serve_store(self) -> dist.TCPStore:

@@ -6,6 +6,7 @@ bounded grace; RPC is always shut down (an exception with RPC still up can abort
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import resource
@@ -21,6 +22,7 @@ from services.config import CommonConfig
 from services.errors import RpcpsError
 from services.http_server import SidecarServer
 from services.leader import LEADER_LOST
+from services.lease import FENCED, Lease
 from services.lifecycle import RoleState
 from services.log import init_logging
 from services.role import RoleContext
@@ -106,6 +108,14 @@ def _raise_fd_limit() -> None:
             log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
 
 
+def _fence_itself(name: str, silent: float) -> NoReturn:
+    """The lease ran out: its supervisor is about to declare this member lost and start another,
+    so it stops serving now, before anything else of it can land (``services/lease.py``)."""
+    log.error("%s fenced itself: its supervisor has not renewed its lease for %.0fs", name, silent)
+    logging.shutdown()
+    os._exit(FENCED)
+
+
 def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     """Run the role ``spec`` describes, as ``cfg`` sets it, until it ends or a signal stops it;
     exit the process with its code."""
@@ -119,8 +129,11 @@ def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     context.board.update(restarts_in_a_row=cfg.restarts_in_a_row)
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
     routes = resolve(spec.routes) if spec.routes else None
-    sidecar = SidecarServer(create_app(role, registry, token, routes), cfg.sidecar_host, cfg.sidecar_port,
+    lease = Lease(cfg.lease_timeout) if cfg.lease_timeout else None
+    sidecar = SidecarServer(create_app(role, registry, token, routes, lease), cfg.sidecar_host, cfg.sidecar_port,
                             cfg.http_read_timeout).start()
+    if lease is not None:
+        lease.watch(functools.partial(_fence_itself, cfg.name))
     log.info("%s %s: sidecar %s", spec.name, cfg.name, sidecar.url)
     worker = _RoleThread(role, context.leader_lost)
     code = worker.run_until_stopped(cfg.name)

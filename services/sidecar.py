@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from services.control import Controllable, EpisodeStart
+from services.lease import LEASE_HEADER, Lease
 from services.errors import (BadRequest, CheckpointError, CheckpointInProgress, EpisodeConflict, InvalidInput,
                              NotReady, NotSupported, Overloaded, PeerUnavailable, RpcpsError, TooLarge, Unauthorized)
 
@@ -76,10 +77,12 @@ Routes = Callable[[FastAPI, Any], None]     # adds a role's own routes, each cal
 
 
 def create_app(control: Controllable, registry: CollectorRegistry, token: Optional[str] = None,
-               routes: Optional[Routes] = None) -> FastAPI:
+               routes: Optional[Routes] = None, lease: Optional[Lease] = None) -> FastAPI:
+    """The sidecar of ``control``; ``lease``: renewed by a ``/healthz`` that carries its header
+    (``services/lease.py``)."""
     app = FastAPI(title="rpcps sidecar", docs_url=None, redoc_url=None, default_response_class=FiniteJSON)
     _error_answers(app)
-    _probes(app, control, registry)
+    _probes(app, control, registry, lease)
     _control_routes(app, control, _bearer(token))
     if routes is not None:
         routes(app, control)
@@ -124,12 +127,14 @@ def _error_answers(app: FastAPI) -> None:
                             status_code=500)
 
 
-def _probes(app: FastAPI, control: Controllable, registry: CollectorRegistry) -> None:
+def _probes(app: FastAPI, control: Controllable, registry: CollectorRegistry, lease: Optional[Lease]) -> None:
     """What anyone may read: health, readiness, status, metrics, the checkpoints on disk."""
     probe = {503: {"description": "not healthy or not ready; the body says why"}}
 
     @app.get("/healthz", responses=probe)
-    def healthz() -> JSONResponse:
+    def healthz(request: Request) -> JSONResponse:
+        if lease is not None and LEASE_HEADER in request.headers:
+            lease.renew()
         ok, reason = control.healthy()
         return JSONResponse({"ok": ok, "reason": reason}, status_code=200 if ok else 503)
 

@@ -33,6 +33,9 @@ from ps.spec.surface import PsSurface
 from services.remote import call_async, in_autograd_context, wait
 
 
+WAIT_TIMEOUT = 60.0     # seconds a trainer waits at the step clock for the others, at least
+
+
 class PsClient:
     def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:
         self.me, self.ps_names, self.timeout = me, ps_names, timeout
@@ -57,9 +60,11 @@ class PsClient:
         self.row_shapes = infos[0].row_shapes
         self.losses = ServerLosses(self, infos[0])
 
-    def ask(self, ps: str, method: Callable[..., Any], *args: Any) -> torch.futures.Future:
-        """One method of one server, its answer to wait for (``services.remote.wait``)."""
-        future = call_async(ps, method, *args, timeout=self.timeout)
+    def ask(self, ps: str, method: Callable[..., Any], *args: Any, waits: bool = False) -> torch.futures.Future:
+        """One method of one server, its answer to wait for (``services.remote.wait``). ``waits``:
+        the server holds the answer until other trainers arrive (the step clock's barrier), which
+        can take longer than one peer may stay silent (the RPC timeout); at least ``WAIT_TIMEOUT``."""
+        future = call_async(ps, method, *args, timeout=max(self.timeout, WAIT_TIMEOUT) if waits else self.timeout)
         self.traffic.call(args, future, in_autograd_context())
         return future
 

@@ -43,7 +43,8 @@ class StepClock:
             return 0.0
         started = time.perf_counter()
         client = self.client
-        self.granted = wait(client.ask(client.leader, ClockSurface.begin, self.start_with, self.ahead, self.lockstep))
+        self.granted = wait(client.ask(client.leader, ClockSurface.begin, self.start_with, self.ahead, self.lockstep,
+                                      waits=True))
         return time.perf_counter() - started
 
     def arrive(self, clip: float, refused: bool = False, replica_sq: float = 0.0,
@@ -54,7 +55,7 @@ class StepClock:
         client = self.client
         try:
             applied: Applied = wait(client.ask(client.leader, ClockSurface.arrive, float(clip), refused,
-                                               float(replica_sq), broken))
+                                               float(replica_sq), broken, waits=True))
         finally:
             self.granted = None      # reported, even if its step then failed: the clock knows
         return applied, arrived_at

@@ -26,6 +26,10 @@ class PsMetrics(Metrics):
         self.updates_refused = self.counter(
             "rpcps_ps_updates_refused_total", "trainers' updates refused whole: gradients not finite"
         ).labels(**self.labels)
+        self.requests_superseded = self.counter(
+            "rpcps_ps_requests_superseded_total", "requests of a member's old incarnation (evicted, or replaced by "
+            "a newer start) refused whole"
+        ).labels(**self.labels)
         # The step clock's, on the leader (sync and ssp modes); staleness is every server's.
         self.barrier_wait = self.histogram(
             "rpcps_ps_barrier_wait_seconds", "time a trainer waited at the step clock (sync: for the step to be "

@@ -1,5 +1,6 @@
 """Updates a server refuses whole: one trainer's gradients that are not finite must not poison the
-shared model, so they are found before any server applies any of them, and counted."""
+shared model, so they are found before any server applies any of them, and counted; and the
+requests of a member's old incarnation (``services.remote``'s fencing token), counted too."""
 from __future__ import annotations
 
 import math
@@ -17,6 +18,12 @@ class Refusals:
         self.metrics = metrics
         self._lock = threading.Lock()     # RPC threads refuse at once
         self.count = 0
+        self.superseded = 0             # requests of old incarnations refused
+
+    def old_incarnation(self, caller: str, method: str) -> None:
+        with self._lock:
+            self.superseded += 1
+        self.metrics.requests_superseded.inc()
 
     def finite_sq_norm(self, grads: dict[torch.Tensor, torch.Tensor], caller: str, what: str) -> float:
         """The gradients' squared norm, or ``UpdateRefused`` naming the ``caller`` and ``what`` they

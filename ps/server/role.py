@@ -107,8 +107,8 @@ class PsRole(RoleBase, WithoutEpisodes):
     def _show_work(self) -> None:
         server = self.server
         hashed = server.hashed.describe() or None
-        self.board.update(steps=server.optimizer.steps, refused=server.refusals.count, work=server.work.describe(),
-                          hashed=hashed)
+        self.board.update(steps=server.optimizer.steps, refused=server.refusals.count,
+                          superseded=server.refusals.superseded, work=server.work.describe(), hashed=hashed)
         if hashed:
             self.metrics.hashed(hashed, server.hashed.stale_rows)
 

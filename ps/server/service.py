@@ -66,6 +66,7 @@ class ParameterServer(PsSurface):
         self.replica = ReplicaWrites(self.params, self.optimizer, self.checks)
         self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
         self.refusals = Refusals(metrics)
+        self.superseded = self.refusals.old_incarnation          # Service's hook: counted there
 
     def param(self, name: str) -> torch.nn.Parameter:     # ``ShardParams``'s, for operations
         return self.params[name]

@@ -15,6 +15,7 @@ class PsStatus(RoleStatus):
     model: Optional[dict[str, Any]] = None
     steps: int = 0                                 # updates applied
     refused: int = 0                               # updates refused whole (gradients not finite)
+    superseded: int = 0                            # requests of old incarnations refused (fenced members)
     consistency: Optional[str] = None              # async, sync or ssp:K
     clock: Optional[dict[str, Any]] = None         # ps0 in sync/ssp: trainers' step clocks, whom a barrier waits for
     work: Optional[dict[str, dict[str, float]]] = None  # lookup, update: rows, seconds, rows_per_s
@@ -25,6 +26,8 @@ class PsStatus(RoleStatus):
                f"consistency {self.consistency}"]
         if self.refused:
             out.append(f"{self.refused} updates refused")
+        if self.superseded:
+            out.append(f"{self.superseded} requests of old incarnations refused")
         if self.hashed:
             rows = sum(t["rows"] for t in self.hashed.values())
             capacity = sum(t["capacity"] for t in self.hashed.values())

@@ -67,6 +67,14 @@ class EmulatedHosts:
             raise
         return self
 
+    def add(self, name: str) -> str:
+        """One more host, made as the first were, while they run; its address."""
+        address = self.net.add(name)
+        self.quotas[name] = quota = CpuQuota(self.net.namespace(name), self.cpus)
+        quota.create()
+        self.net.limit(name, self.rate)
+        return address
+
     def address(self, name: str) -> str:
         return self.net.addresses[name]
 
@@ -98,8 +106,11 @@ class EmulatedHosts:
 
     def describe(self) -> dict[str, dict[str, Any]]:
         """Each host as ``cluster.json`` records it (what ``usage_of`` reads back)."""
-        return {n: {"address": self.address(n), "namespace": self.net.namespace(n), "cpus": self.cpus,
-                    "link_rate": self.rate, "threads": self.threads} for n in self.names}
+        return {n: self.describe_one(n) for n in self.names}
+
+    def describe_one(self, name: str) -> dict[str, Any]:
+        return {"address": self.address(name), "namespace": self.net.namespace(name), "cpus": self.cpus,
+                "link_rate": self.rate, "threads": self.threads}
 
     def close(self) -> None:
         """Every process left on the hosts ended, every group, namespace and link removed."""

@@ -170,19 +170,37 @@ class HostNetwork:
         ip("-n", self.switch, "link", "set", "up0", "master", "br0", "up")
         ip("addr", "add", f"{self.gateway}/{prefix}", "dev", self.uplink)
         ip("link", "set", self.uplink, "up")
-        for i, (name, address) in enumerate(self.addresses.items()):
-            ns = self.namespace(name)
-            ip("netns", "add", ns)
-            self._made.append(ns)
-            ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0", "up")
-            ip("-n", ns, "addr", "add", f"{address}/{prefix}", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-            etc = ETC_NETNS / ns
-            etc.mkdir(parents=True, exist_ok=True)
-            # A host knows its own name; others it resolves through the resolv.conf a caller writes.
-            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{address} {name}\n")
+        for name in self.addresses:
+            self._host(name)
+
+    def add(self, name: str) -> str:
+        """One more host on the bridge, while the others run (a fenced member's replacement goes
+        to a fresh one: its old host may be cut off); its address."""
+        if name in self.addresses:
+            raise ValueError(f"host {name} exists already")
+        self.addresses[name] = str(self.subnet[10 + len(self.addresses)])
+        self._host(name)
+        return self.addresses[name]
+
+    def _host(self, name: str) -> None:
+        i, address, prefix = list(self.addresses).index(name), self.addresses[name], self.subnet.prefixlen
+        ns = self.namespace(name)
+        ip("netns", "add", ns)
+        self._made.append(ns)
+        ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+        ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0", "up")
+        ip("-n", ns, "addr", "add", f"{address}/{prefix}", "dev", "eth0")
+        ip("-n", ns, "link", "set", "eth0", "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        etc = ETC_NETNS / ns
+        etc.mkdir(parents=True, exist_ok=True)
+        # A host knows its own name; others it resolves through the resolv.conf a caller writes.
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{address} {name}\n")
+
+    def connect(self, name: str, up: bool) -> None:
+        """Host ``name``'s link up or down: down, it is cut off as a host whose network failed is,
+        its processes running on (a partition); up, it is back."""
+        ip("-n", self.namespace(name), "link", "set", "eth0", "up" if up else "down")
 
     def resolve_with(self, name: str, server: str) -> None:
         """Host ``name`` asks ``server`` for names (its ``/etc/resolv.conf``), giving up within 2 s."""

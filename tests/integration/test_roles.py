@@ -1,5 +1,6 @@
 """Each role run alone, as containers and other hosts run them: start order, episodes over HTTP,
-metrics accepted by promtool, the control token, and SIGTERM with a dead peer."""
+metrics accepted by promtool, the control token, SIGTERM with a dead peer, and a member whose
+lease runs out."""
 import json
 import os
 import shutil
@@ -8,9 +9,11 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from services.client import SidecarError
+from services.lease import FENCED, LEASE_HEADER
 from tests.support.cluster import REPO, SMALL_MODEL
 from tests.support.wait import wait_until
 
@@ -124,6 +127,25 @@ def test_a_trainer_waits_for_a_lost_server_as_long_as_it_may(procs):
     t0 = time.monotonic()
     ps0.proc.send_signal(signal.SIGTERM)
     assert ps0.proc.wait(15) == 0 and time.monotonic() - t0 < 10
+
+
+def test_a_member_whose_lease_runs_out_fences_itself(procs):
+    # Started as rpcps up starts it, with a lease (3 s here): each ask of /healthz with the lease
+    # header renews it; asks without it (anyone's curl) do not. Once no renewal comes, the member
+    # stops serving by itself, with its own exit code, before its supervisor would replace it.
+    ps0 = procs.start("ps", "ps0", 1, env={"RPCPS_LEASE_TIMEOUT": "3"}, **MODEL)
+    procs.wait_ready(ps0)
+    renewals_until = time.monotonic() + 6
+    while time.monotonic() < renewals_until:     # renewed for twice the lease: it stays
+        asked = time.monotonic()
+        assert httpx.get(f"{ps0.url}/healthz", headers={LEASE_HEADER: "3"}, timeout=2).status_code == 200
+        last_renewal = asked
+        assert ps0.proc.poll() is None, ps0.log_text()[-2000:]
+        time.sleep(0.5)  # noqa: sleep-ok (the supervisor's pace of asking, not a synchronisation)
+    wait_until(lambda: ps0.proc.poll() is not None or
+               httpx.get(f"{ps0.url}/healthz", timeout=2).status_code != 200, 15, "ps0 to fence itself")
+    assert ps0.proc.wait(10) == FENCED and time.monotonic() - last_renewal >= 3, ps0.log_text()[-2000:]
+    assert "ps0 fenced itself: its supervisor has not renewed its lease for 3s" in ps0.log_text()
 
 
 def test_bad_flag_or_variable_is_refused_at_start(tmp_path):

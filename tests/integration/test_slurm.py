@@ -1,8 +1,9 @@
 """rpcps as a Slurm job, as a user runs it: the shipped batch script (``deploy/slurm/rpcps.sbatch``)
 submitted with ``sbatch`` to a real Slurm cluster of four nodes, each an emulated host
 (``tests/support/slurm.py``). The movies example (a user's model) trains across them with two
-servers and two trainers; ``rpcps status`` on the login node lists every member; ``scancel``
-stops them all with a final checkpoint; a resubmitted job resumes from it and ends by itself."""
+servers and two trainers; ``rpcps status`` on the login node lists every member; a node cut off
+costs its member a start on another node; ``scancel`` stops them all with a final checkpoint; a
+resubmitted job resumes from it and ends by itself."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ from tests.support.wait import wait_until
 SCRIPT = REPO / "deploy" / "slurm" / "rpcps.sbatch"
 MOVIES = ["--workload", "ctr", "--model", "movies_deepfm.model:DeepFM", "--schema", "movies_deepfm/movies.yaml",
           "--data", "ratings", "--optimizer", "adagrad", "--batch-size", "256", "--eval-samples", "2000",
-          "--checkpoint-dir", "ckpt"]
+          "--checkpoint-dir", "ckpt", "--member-timeout", "6"]
 NODE_CPUS = 0.4        # four nodes: 1.6 of this machine's 2 cores at most
 
 
@@ -108,6 +109,27 @@ def test_a_job_trains_across_nodes_stops_on_scancel_and_resumes_when_resubmitted
     assert state["sidecars"] == {n: f"http://node{i + 1}:8080" for i, n in enumerate(["ps0", "ps1", "ctr0", "ctr1"])}
     assert all(m["state"] == "running" for m in seen.values()), seen
 
+    # node4 cut off from the others (its link down, ctr1 running on there): ctr1 is declared lost
+    # within the deadline, fences itself, and starts again on another node of the allocation,
+    # where training goes on while node4 is still cut off.
+    def steps() -> int:
+        return sum(m.get("step") or 0 for n, m in status(slurm, work).items() if n.startswith("ctr"))
+    slurm.hosts.net.connect("node4", False)
+    cut = time.monotonic()
+    try:
+        moved = wait_until(lambda: (node := json.loads((work / ".rpcps" / "cluster.json").read_text())["hosts"]
+                                    ["ctr1"]["node"]) != "node4" and node, 60, "ctr1 started on another node")
+        detected = time.monotonic() - cut
+        before = steps()
+        wait_until(lambda: status(slurm, work).get("ctr1", {}).get("state") == "running" and steps() > before + 2, 90,
+                   "training on, ctr1 on its new node")
+        going_on = time.monotonic() - cut
+    finally:
+        slurm.hosts.net.connect("node4", True)
+    assert moved in ("node2", "node3") and detected < 6 + 15, (moved, detected)
+    assert "ctr1 lost:" in job_output(work, job), job_output(work, job)[-3000:]
+    assert not [m for m in members_left(slurm) if m.startswith("node4:")], "the old ctr1 still runs on node4"
+
     trained = sum(m["step"] for n, m in status(slurm, work).items() if n.startswith("ctr"))
     cancelled = time.monotonic()
     slurm.login(["scancel", str(job)])
@@ -128,4 +150,5 @@ def test_a_job_trains_across_nodes_stops_on_scancel_and_resumes_when_resubmitted
     assert f"resuming from {final[0]['id']} (step {final[0]['step']})" in ps0
     assert "done: 5 steps" in job_output(work, again)
     assert not members_left(slurm)
-    print(f"\nSlurm: sbatch to both trainers stepping {first_step:.1f} s; scancel to every member gone {gone:.1f} s")
+    print(f"\nSlurm: sbatch to both trainers stepping {first_step:.1f} s; node4 cut off: ctr1 on {moved} after "
+          f"{detected:.1f} s, training on after {going_on:.1f} s; scancel to every member gone {gone:.1f} s")

@@ -1,5 +1,5 @@
 """A parameter server lost under training, as an operator sees it: ``kill -9`` of a server other
-than the leader while ``rpcps up`` runs, or SIGSTOP until the leader evicts it. The trainers must stay the same processes, say that they
+than the leader while ``rpcps up`` runs. The trainers must stay the same processes, say that they
 wait for it, step again once it is back, and log no traceback."""
 from __future__ import annotations
 
@@ -32,30 +32,17 @@ def _written_since(sizes: dict[Path, int], up: UpProcess) -> str:
     return "\n".join(out)
 
 
-def lose_server(up: UpProcess, server: str, trainers: list[str], ways: tuple[str, ...] = ("kill", "kill"),
-                stop_seconds: float = 6.0) -> list[float]:
-    """Lose ``server`` once per way, each once every trainer has stepped since the last: "kill"
-    (SIGKILL) or "stop" (SIGSTOP until the leader has evicted it, and ``stop_seconds`` at least,
-    then SIGCONT: it finds itself evicted, and leaves to rejoin with its shard). The seconds from
-    each return (its sidecar says it serves) to the trainers' first step after it."""
+def lose_server(up: UpProcess, server: str, trainers: list[str], times: int = 2) -> list[float]:
+    """Kill ``server`` ``times`` times, each once every trainer has stepped since the last. The
+    seconds from each return (its sidecar says it serves) to the trainers' first step after it."""
     urls = up.cluster()["sidecars"]
     pids = {n: up.cluster()["pids"][n] for n in trainers}
     sizes = _log_sizes(up)
     restarts_before = len([e for e in up.drain() if e["event"] == "restart"])
     gaps = []
-    for k, way in enumerate(ways, start=1):
+    for k in range(1, times + 1):
         victim = up.cluster()["pids"][server]
-        if way == "kill":
-            os.kill(victim, signal.SIGKILL)
-        else:
-            os.kill(victim, signal.SIGSTOP)
-            stopped = time.monotonic()
-            try:
-                wait_until(lambda: server not in _status(urls["ps0"]).get("members", [server]), 30,
-                           f"ps0 to evict the stopped {server}")
-                wait_until(lambda: time.monotonic() - stopped >= stop_seconds, stop_seconds + 1, "the stop's length")
-            finally:
-                os.kill(victim, signal.SIGCONT)
+        os.kill(victim, signal.SIGKILL)
         waited: set[str] = set()
 
         def seen_going() -> bool:
@@ -83,11 +70,9 @@ def lose_server(up: UpProcess, server: str, trainers: list[str], ways: tuple[str
                    f"every trainer stepping after {server}'s return")
         gaps.append(time.monotonic() - back)
         assert waited == set(trainers), f"trainers that showed waiting_for [{server}]: {sorted(waited)}"
-        if way == "stop":
-            assert _status(urls[server])["resumed_from"].get("handover"), "the evicted server kept its shard"
     assert {n: up.cluster()["pids"][n] for n in trainers} == pids, "a trainer was restarted"
     restarts = [e for e in up.drain() if e["event"] == "restart"][restarts_before:]
-    assert [e["name"] for e in restarts] == [server] * len(ways), restarts
+    assert [e["name"] for e in restarts] == [server] * times, restarts
     logs = _written_since(sizes, up)
     assert "Traceback" not in logs, logs[-5000:]
     assert " ERROR " not in logs, [line for line in logs.splitlines() if " ERROR " in line]

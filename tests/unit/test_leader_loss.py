@@ -35,6 +35,28 @@ def test_one_missed_probe_is_no_loss_but_misses_in_a_row_are():
     assert "2 probe(s) in a row" in watch.check()
 
 
+def test_a_silent_leader_is_left_to_the_supervisors_deadline_and_a_refusing_one_is_not():
+    leader, now = FakeLeader(), [100.0]
+    watch = LeaderWatch(leader, lambda why: None, misses=2, silence=15.0, clock=lambda: now[0])
+    watch.leader = leader()
+    assert watch.check() is None                # answered at 100
+
+    def silent() -> str:
+        now[0] += 1.0                           # each probe waits out its timeout
+        raise TimeoutError("timed out")
+    watch._probe = silent                       # frozen, or cut off: no answer in time
+    for _ in range(13):
+        assert watch.check() is None and watch._missed == 0, now
+    # A failed step asks for a verdict: asked again until the silence passes the deadline.
+    assert "its store has not answered for 15s" in watch.verdict() and watch._missed >= watch.misses
+    assert now[0] == 115.0
+    refusing = LeaderWatch(leader, lambda why: None, misses=2, silence=15.0)
+    refusing.leader = leader()
+    leader.down = True                          # dead on a live host: refused at once, counted at once
+    refusing.check()
+    assert "2 probe(s) in a row" in refusing.check()
+
+
 def test_another_leader_answering_is_a_loss_at_once():
     leader = FakeLeader("a")
     watch = LeaderWatch(leader, lambda why: None, misses=5)
@@ -138,6 +160,9 @@ class FakeCluster:
     def newest_checkpoint(self):
         return {"id": "step-40", "step": 40}
 
+    def handle(self, state: dict, name: str) -> "FakeHandle":
+        return FakeHandle(self, state["pids"][name])
+
     def kill(self, pid: int) -> None:
         name = next(n for n, p in self.pids.items() if p == pid)
         self.pids[name] = pid + 100
@@ -148,12 +173,34 @@ class FakeCluster:
                 self.statuses[n] = {"steps": 50, "resumed_from": resumed}
 
 
+class FakeHandle:
+    """A member's handle as ``rpcps chaos`` acts on it: what is done to it is recorded."""
+
+    kind = "local"
+
+    def __init__(self, cluster: FakeCluster, pid: int) -> None:
+        self.cluster, self.pid = cluster, pid
+        self.done: list = cluster.__dict__.setdefault("done", [])
+
+    def kill(self) -> None:
+        self.cluster.kill(self.pid)
+
+    def send_signal(self, sig) -> None:
+        self.done.append((self.pid, sig))
+
+    def connect(self, up: bool) -> None:
+        self.done.append((self.pid, "up" if up else "down"))
+
+    def poll(self):
+        return None if self.pid in self.cluster.pids.values() else -9
+
+
 def test_chaos_reports_each_kill_and_what_it_cost():
     from services.chaos import Chaos, ChaosConfig
     cluster, events = FakeCluster(), []
     clock = iter(range(100, 10_000))
-    chaos = Chaos(ChaosConfig(kills=1, interval=1.0, seed=1), cluster, events.append, kill=cluster.kill,
-                  clock=lambda: float(next(clock)), pause=lambda s: None)
+    chaos = Chaos(ChaosConfig(kills=1, interval=1.0, seed=1), cluster, events.append,
+                  clock=lambda: float(next(clock)), pause=lambda s: None, handle=cluster.handle)
     assert set(chaos.candidates()) == {"ps1", "trainer0"}, "the leader is left out unless named"
     leader = chaos.fault_one("ps0")
     assert leader["steps_lost"] == 10 and leader["resumed_from"] == "step-40" and leader["kept_by"] == ["ps1"]
@@ -167,34 +214,54 @@ def test_chaos_freezes_a_member_and_reports_whether_it_was_replaced_and_when():
     import signal
 
     from services.chaos import Chaos, ChaosConfig, human
-    cluster, sent = FakeCluster(), []
+    cluster = FakeCluster()
     now = [100.0]
-
-    def send(pid, sig):
-        sent.append((pid, sig))
 
     def pause(seconds):
         now[0] += seconds
         if replace_after is not None and now[0] - 100.0 >= replace_after and cluster.pids["ps1"] == 11:
             cluster.kill(11)               # rpcps up declared it lost and replaced it
 
+    def chaos(fault: str, seconds: float) -> Chaos:
+        return Chaos(ChaosConfig(kills=1, fault=fault, for_seconds=seconds), cluster, lambda e: None,
+                     clock=lambda: now[0], pause=pause, handle=cluster.handle)
+
     # Frozen past the member timeout: replaced before --for ran out, never continued.
     replace_after = 16.0
-    chaos = Chaos(ChaosConfig(kills=1, fault="stop", for_seconds=30.0), cluster, lambda e: None, clock=lambda: now[0],
-                  pause=pause, send=send)
-    frozen = chaos.fault_one("ps1")
+    frozen = chaos("stop", 30.0).fault_one("ps1")
     assert frozen["replaced"] and 16.0 <= frozen["detected_seconds"] < 16.5 and frozen["steps_lost"] == 10, frozen
-    assert sent == [(11, signal.SIGSTOP)], "a replaced member is not continued"
+    assert cluster.done == [(11, signal.SIGSTOP)], "a replaced member is not continued"
+    assert not frozen["old_running"] and frozen["stepped_during"] is False, frozen
     assert "declared lost and replaced after 16." in human({"event": "kill", **frozen})
     # Frozen for less: continued after --for, nothing restored, nothing lost.
-    replace_after, sent[:] = None, []
+    replace_after, cluster.done[:] = None, []
     cluster.statuses["trainer0"] = {"step": 25}
-    brief = Chaos(ChaosConfig(kills=1, fault="stop", for_seconds=5.0), cluster, lambda e: None, clock=lambda: now[0],
-                  pause=pause, send=send).fault_one("trainer0")
+    brief = chaos("stop", 5.0).fault_one("trainer0")
     assert not brief["replaced"] and brief["detected_seconds"] is None and brief["steps_lost"] == 0, brief
-    assert sent == [(12, signal.SIGSTOP), (12, signal.SIGCONT)] and 5.0 <= brief["seconds"] < 5.5, (sent, brief)
+    assert cluster.done == [(12, signal.SIGSTOP), (12, signal.SIGCONT)] and 5.0 <= brief["seconds"] < 5.5, brief
     assert human({"event": "kill", **brief}).startswith("froze trainer0: not replaced, going on after 5.")
-    hosted = FakeCluster()
-    hosted.state = lambda: {"pids": dict(hosted.pids), "leader": "ps0", "hosts": {"ps1": {"node": "n1"}}}
-    with pytest.raises(SystemExit, match="--fault stop freezes a process of this machine"):
-        Chaos(ChaosConfig(kills=1, fault="stop"), hosted, lambda e: None).run()
+
+
+def test_chaos_cuts_a_host_off_for_all_of_its_time_and_reports_steps_taken_meanwhile():
+    from services.chaos import Chaos, ChaosConfig, human
+    cluster = FakeCluster()
+    cluster.pids["ps1"] = 11
+    now = [100.0]
+
+    def pause(seconds):
+        now[0] += seconds
+        if now[0] - 100.0 >= 16.0 and cluster.pids["ps1"] == 11:
+            cluster.kill(11)                              # declared lost and replaced elsewhere
+        if now[0] - 100.0 >= 20.0:
+            cluster.statuses["ps1"] = {"steps": 51, "resumed_from": {"id": "step-40", "step": 40}}
+
+    cut = Chaos(ChaosConfig(kills=1, fault="partition", for_seconds=40.0), cluster, lambda e: None,
+                clock=lambda: now[0], pause=pause, handle=cluster.handle).fault_one("ps1")
+    # The link stays down its whole 40 s although ps1 was replaced after 16: the job went on meanwhile.
+    assert cluster.done == [(11, "down"), (11, "up")], cluster.done
+    assert cut["replaced"] and 16.0 <= cut["detected_seconds"] < 16.5 and cut["lasted_seconds"] >= 40.0, cut
+    assert cut["stepped_during"] and 20.0 <= cut["next_step_seconds"] < 21 and not cut["old_running"], cut
+    assert "while its link was still down" in human({"event": "kill", **cut})
+    local = Chaos(ChaosConfig(kills=1, fault="partition"), cluster, lambda e: None, handle=cluster.handle)
+    with pytest.raises(SystemExit, match="--fault partition cuts a host's link, and ps1, trainer0 run on no host"):
+        local.run()

@@ -59,3 +59,21 @@ def test_only_one_holder_keeping_the_token_too_long_is_stuck():
     assert watch.stuck("Token_for_trainer2")
     clock.now += 60
     assert not watch.stuck("")                               # freed: nobody's to be stuck
+
+
+def test_a_silent_member_is_left_to_the_supervisors_deadline_and_a_dead_one_is_not():
+    # None: a probe unanswered in time (frozen, cut off); False: refused (dead).
+    clock = Clock()
+    ledger = ProbeLedger(failures=2, clock=clock, silence=15.0)
+    assert ledger.after_round({"ps1": None, "ctr0": False}) == set()
+    clock.now += 10
+    assert ledger.after_round({"ps1": None, "ctr0": False}) == {"ctr0"}
+    clock.now += 4.9
+    assert ledger.after_round({"ps1": None}) == set()
+    clock.now += 0.2
+    assert ledger.after_round({"ps1": None}) == {"ps1"}
+    assert ledger.after_round({"ps1": True}) == set(), "an answer ends its silence"
+    assert ledger.after_round({"ps1": None}) == set()
+    # Without a supervisor's deadline, silence is a miss like any other.
+    alone = ProbeLedger(failures=2, clock=clock)
+    assert alone.after_round({"ps1": None}) == set() and alone.after_round({"ps1": None}) == {"ps1"}

@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 import os
 import stat
-from pathlib import Path
 
 import pytest
 
 from services import cli
 from services.config import ConfigError, load
 from services.hosts.network import Unavailable
-from services.placement import Local
-from services.slurm import OnSlurm, job_alive
+from services.placement.local import Local
+from services.placement.slurm import OnSlurm, job_alive
 from services.upconfig import UpConfig
 
 
@@ -86,6 +85,15 @@ def test_more_members_than_nodes_share_them_on_ports_of_their_own(fake_slurm):
     place.create(["ps0", "ps1", "ctr0", "ctr1", "ctr2"])
     assert place.nodes == {"ps0": "b", "ps1": "a", "ctr0": "b", "ctr1": "a", "ctr2": "b"}
     assert place.ports == {"ps0": 9000, "ps1": 9000, "ctr0": 9001, "ctr1": 9001, "ctr2": 9002}
+
+
+def test_a_fenced_member_starts_again_on_the_least_busy_other_node_and_the_leader_stays(fake_slurm):
+    fake_slurm(nodes=["n1", "n2", "n3", "n4"])
+    place = OnSlurm(environ={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-4]", "SLURMD_NODENAME": "n1"})
+    place.create(["ps0", "ps1", "ctr0", "ctr1", "ctr2"])          # ctr2 shares n1 with ps0, on 8081
+    assert place.renew("ctr1") and place.reach("ctr1") == "n2" and place.sidecar_port("ctr1") == 8081
+    assert place.renew("ctr1") and place.reach("ctr1") == "n3" and place.sidecar_port("ctr1") == 8081
+    assert not place.renew("ps0") and place.reach("ps0") == "n1", "the leader's store port is the batch node's"
 
 
 def test_on_this_machine_sidecar_ports_follow_the_first_given_or_are_free():

@@ -50,6 +50,7 @@ class EpisodeRunner:
         self.board.set_state(RoleState.RUNNING, f"episode {self.episodes}")
         self.metrics.episode_running.set(1)
         log.info("episode %d: %s steps", self.episodes, request.steps or "unbounded")
+        ended = False
         try:
             try:
                 self._train(episode, request.steps)
@@ -59,14 +60,16 @@ class EpisodeRunner:
                 shutting_down = self.gate.closing
             if self.evaluates and not shutting_down and episode["step"] > 0:
                 self._evaluate()
+            ended = True
         finally:
-            episode["done"] = True
+            # An episode that failed is not done: a supervisor would take the job for finished.
+            episode["done"] = ended
             self.metrics.episodes.inc()
             self.board.update(episode=dict(episode), episodes_completed=self.episodes)
             self.metrics.episode_running.set(0)
             self.gate.finish()
             self.board.set_state(RoleState.IDLE, "waiting for an episode")
-            log.info("episode %d done after %d steps", self.episodes, episode["step"])
+            log.info("episode %d %s after %d steps", self.episodes, "done" if ended else "failed", episode["step"])
 
     def _train(self, episode: dict[str, Any], target: Optional[int]) -> None:
         self.report.new_episode()

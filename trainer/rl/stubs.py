@@ -25,6 +25,9 @@ class AgentClient:
         call(AGENT, AgentService.report_reward, self.me, reward, timeout=self.timeout)
 
 
+EPISODE_TIMEOUT = 60.0     # seconds an episode may take, at least
+
+
 class ObserverClient:
     """What the agent calls on an observer."""
 
@@ -33,5 +36,7 @@ class ObserverClient:
 
     def run_episode(self, observer: str, episode: int, batched: bool,
                     max_steps: Optional[int]) -> torch.futures.Future:
-        """The episode's ``EpisodeReport``, as a future (``services.remote.wait`` it)."""
-        return call_async(observer, ObserverService.run_episode, episode, batched, max_steps, timeout=self.timeout)
+        """The episode's ``EpisodeReport``, as a future (``services.remote.wait`` it). An episode
+        runs many steps: it may take longer than one peer may stay silent (the RPC timeout)."""
+        return call_async(observer, ObserverService.run_episode, episode, batched, max_steps,
+                          timeout=max(self.timeout, EPISODE_TIMEOUT))

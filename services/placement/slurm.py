@@ -14,7 +14,6 @@ member the signal itself; ``kill()`` cancels the step.
 """
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import signal
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from services.hosts.network import Unavailable
+from services.placement import Placed
 from services.processes import spawn_logged
 
 SIDECAR_PORT = 8080
@@ -51,13 +51,20 @@ def job_alive(job: str) -> bool:
                for state in r.stdout.split())
 
 
-class SlurmStep(subprocess.Popen):
-    """``srun`` running one member as a step of job ``job``, named after the member."""
+class SlurmStep(Placed):
+    """A member as step of job ``job``, named after the member; ``proc`` is its ``srun``. Signals go
+    to the step through the controller (``scancel``), which delivers them to the member itself."""
 
-    def __init__(self, job: str, name: str, argv: list[str], **popen: Any) -> None:
-        self.job, self.step_name = job, name
+    kind = "slurm"
+
+    def __init__(self, pid: int, job: str, name: str, node: str, proc: Optional[subprocess.Popen] = None) -> None:
+        super().__init__(pid, proc)
+        self.job, self.step_name, self.node = job, name, node
         self._step: Optional[str] = None
-        super().__init__(argv, **popen)
+
+    @classmethod
+    def found(cls, described: dict[str, Any]) -> "SlurmStep":
+        return cls(int(described["pid"]), described["job"], described["name"], described["node"])
 
     def step(self) -> Optional[str]:
         """``JOB.STEP`` of this member's step, once the controller lists it."""
@@ -69,10 +76,16 @@ class SlurmStep(subprocess.Popen):
             self._step = max(mine, key=lambda step: int(step.rpartition(".")[2])) if mine else None
         return self._step
 
+    def poll(self) -> Optional[int]:
+        if self.proc is None:       # found elsewhere: its srun may run on another node
+            return None if job_alive(self.job) and self.step() is not None else -1
+        return super().poll()
+
     def send_signal(self, sig: int) -> None:
         step = self.step() if self.poll() is None else None
         if step is None:            # not started, or over: srun alone
-            super().send_signal(sig)
+            if self.proc is not None:
+                self.proc.send_signal(sig)
             return
         subprocess.run(["scancel", "--quiet", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}", step],
                        capture_output=True, timeout=30)
@@ -81,7 +94,14 @@ class SlurmStep(subprocess.Popen):
         step = self.step() if self.poll() is None else None
         if step is not None:
             subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=30)
-        super().kill()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
+    def where(self) -> str:
+        return f"as a step of Slurm job {self.job} on node {self.node}"
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "job": self.job, "name": self.step_name, "node": self.node}
 
 
 class OnSlurm:
@@ -93,6 +113,9 @@ class OnSlurm:
         self.job = ""
         self.nodes: dict[str, str] = {}       # member -> its node
         self.ports: dict[str, int] = {}
+        self._allocated: list[str] = []         # the allocation's nodes, the batch node first
+        self._leader = ""
+        self._suspect: set[str] = set()         # nodes a member was fenced on
 
     def create(self, names: list[str]) -> None:
         job, listed = self._environ.get("SLURM_JOB_ID"), self._environ.get("SLURM_JOB_NODELIST")
@@ -105,7 +128,7 @@ class OnSlurm:
         allocated = _run(["scontrol", "show", "hostnames", listed]).split()
         here = self._environ.get("SLURMD_NODENAME") or socket.gethostname()
         nodes = [here] + [n for n in allocated if n != here] if here in allocated else allocated
-        self.job = job
+        self.job, self._allocated, self._leader = job, nodes, names[0] if names else ""
         on_node: dict[str, int] = {}
         for i, name in enumerate(names):
             node = nodes[i % len(nodes)]
@@ -125,13 +148,34 @@ class OnSlurm:
     def reach(self, name: str) -> str:
         return self.nodes[name]
 
-    def spawn(self, name: str, argv: list[str], log_path: Path, env: dict) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str], log_path: Path, env: dict) -> SlurmStep:
         # --overlap: a member may share its node's CPUs with another step (two members on a node,
         # or a restarted member while its old step is still being cleaned up).
         srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.nodes[name]}", "--overlap",
                 f"--job-name={name}", "--kill-on-bad-exit=0", "--quiet",
                 sys.executable, "-m", "services.cli", *argv]
-        return spawn_logged(srun, log_path, env, functools.partial(SlurmStep, self.job, name))
+        proc = spawn_logged(srun, log_path, env)
+        return SlurmStep(proc.pid, self.job, name, self.nodes[name], proc)
+
+    def renew(self, name: str) -> bool:
+        """A fenced member's next start on another node of the allocation (its own may be lost,
+        and no node a member was fenced on is chosen while another is left), the one with the
+        fewest members, at the first port free there. Not the leader: its store's port was found
+        free on the batch node, where it stays."""
+        if name == self._leader:
+            return False
+        self._suspect.add(self.nodes[name])
+        others = [n for n in self._allocated if n not in self._suspect] or \
+            [n for n in self._allocated if n != self.nodes[name]]
+        if not others:
+            return False
+        count = {n: sum(1 for m, at in self.nodes.items() if at == n and m != name) for n in others}
+        node = min(others, key=lambda n: count[n])
+        taken = {self.ports[m] for m, at in self.nodes.items() if at == node and m != name}
+        self.nodes[name] = node
+        self.ports[name] = next(port for port in range(self._base, self._base + len(self.nodes) + 1)
+                                if port not in taken)
+        return True
 
     def describe(self) -> Optional[dict[str, Any]]:
         return {name: {"node": node, "job": self.job} for name, node in self.nodes.items()}

@@ -1,0 +1,130 @@
+"""Where ``rpcps up`` runs its members, and the one handle everything acts on them through.
+
+A placement (``Local``: processes of this machine; ``OnHosts``: ``--emulate-hosts``, a host of its
+own each; ``OnSlurm``: ``--slurm``, a step each of the job's allocation) plans where each member
+runs, says the addresses the others reach it at, and starts it. What it starts is a ``Placed``:
+the supervisor polls and stops it, fencing kills it, ``rpcps chaos`` freezes or cuts it off, and
+``rpcps status`` and ``down`` find it from what it ``describe``\\ s in ``cluster.json`` (``found``).
+Nothing outside this package knows how a member runs: a process id here, a PID namespace on a
+host, a job step on a node. A Kubernetes placement would be one more of each, not a fake process.
+"""
+from __future__ import annotations
+
+import abc
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any, ClassVar, Optional, Protocol
+
+
+class NotPossible(RuntimeError):
+    """What was asked of a member cannot be done where it runs (a partition of a local process)."""
+
+
+class Placed(abc.ABC):
+    """One start of a member, where its placement put it.
+
+    ``proc`` is the process of this machine that stands for the member (the member itself, the
+    ``unshare`` of its host, the ``srun`` of its step): it gives the exit code. A handle made by
+    ``found`` in another process has none, and ``poll`` says only whether the member runs."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, pid: int, proc: Optional[subprocess.Popen] = None) -> None:
+        self.pid, self.proc = pid, proc
+
+    def poll(self) -> Optional[int]:
+        """None while it runs; else its exit code (-1 when only its absence is known)."""
+        if self.proc is not None:
+            return self.proc.poll()
+        return None if alive(self.pid) else -1
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.proc is None:
+            raise NotPossible("a member found from cluster.json cannot be waited for")
+        return self.proc.wait(timeout)
+
+    @abc.abstractmethod
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to the member itself, wherever it runs (SIGSTOP freezes it, SIGCONT continues it)."""
+
+    def kill(self) -> None:
+        """The member ended at once, a frozen one too; what stands for it here with it."""
+        self.send_signal(signal.SIGKILL)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
+    def connect(self, up: bool) -> None:
+        """Cut the member off from the network (``up`` False), its process running on, or bring it
+        back: only where its host's link is the placement's to cut."""
+        raise NotPossible(f"a partition needs members on hosts of their own (rpcps up --emulate-hosts); this "
+                          f"member runs {self.where()}")
+
+    @abc.abstractmethod
+    def where(self) -> str:
+        """Where it runs, in words."""
+
+    def describe(self) -> dict[str, Any]:
+        """What another process needs to find it again (``found``): ``cluster.json``'s record."""
+        return {"kind": self.kind, "pid": self.pid}
+
+
+class Placement(Protocol):
+    """Where a run's members go. ``create`` once with every member's name, before any starts."""
+
+    def create(self, names: list[str]) -> None: ...
+    def master_addr(self, leader: str) -> str: ...
+    def sidecar_host(self, name: str) -> str: ...
+    def sidecar_port(self, name: str) -> int: ...
+    def reach(self, name: str) -> str: ...
+
+    def spawn(self, name: str, argv: list[str], log_path: Path, env: dict) -> Placed:
+        """Start ``python -m services.cli argv`` as member ``name``, output appended to ``log_path``."""
+
+    def renew(self, name: str) -> bool:
+        """Member ``name`` was fenced, and its old place may be cut off: place its next start
+        afresh where the placement can (a fresh host). True when its addresses changed."""
+
+    def describe(self) -> Optional[dict[str, Any]]: ...
+    def close(self) -> None: ...
+
+
+def placement_for(cfg: Any) -> Placement:
+    """The placement ``rpcps up``'s settings choose."""
+    from services.placement.hosts import OnHosts
+    from services.placement.local import Local
+    from services.placement.slurm import OnSlurm
+    if cfg.emulate_hosts:
+        return OnHosts(cfg.host_cpus, cfg.link_rate, cfg.sidecar_port)
+    if cfg.slurm:
+        return OnSlurm(cfg.sidecar_port)
+    return Local(cfg.master_addr, cfg.sidecar_host, cfg.sidecar_port)
+
+
+def found(described: dict[str, Any]) -> Placed:
+    """The handle ``describe`` recorded, in another process (``rpcps chaos``, ``status``); a
+    record without a kind (``cluster.json`` of an older ``rpcps up``) is a local process."""
+    from services.placement.hosts import OnHost
+    from services.placement.local import LocalProcess
+    from services.placement.slurm import SlurmStep
+    kinds = {cls.kind: cls for cls in (LocalProcess, OnHost, SlurmStep)}
+    kind = described.get("kind", LocalProcess.kind)
+    if kind not in kinds:
+        raise NotPossible(f"cluster.json names a placement this rpcps does not know: {kind!r}")
+    return kinds[kind].found(described)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

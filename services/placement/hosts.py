@@ -1,0 +1,115 @@
+"""``OnHosts`` (``rpcps up --emulate-hosts``): every member on an emulated host of its own
+(``services/hosts/``), made when the members are planned and removed when the run ends; the
+leader's store and every sidecar at its host's address, which this machine reaches over the
+hosts' bridge. A member fenced (it stopped answering: frozen, or its host cut off) starts again
+on a fresh host, as a cluster manager reschedules a pod off a node it lost: its old host may
+still be cut off, and a replacement there would be too."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any, Optional
+
+from services.hosts.network import ip
+from services.placement import Placed
+from services.placement.local import _PortsInOrder
+
+
+class OnHost(Placed):
+    """A member on an emulated host: ``pid`` is the ``unshare`` that holds its PID namespace, and
+    the member is its one child (PID 1 there), which signals reach; ``connect`` is its host's link."""
+
+    kind = "hosts"
+
+    def __init__(self, pid: int, namespace: str, host: str, proc: Optional[subprocess.Popen] = None) -> None:
+        super().__init__(pid, proc)
+        self.namespace, self.host = namespace, host
+
+    @classmethod
+    def found(cls, described: dict[str, Any]) -> "OnHost":
+        return cls(int(described["pid"]), described["namespace"], described["host"])
+
+    def member_pid(self) -> Optional[int]:
+        try:
+            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
+
+    def send_signal(self, sig: int) -> None:
+        target = self.member_pid()
+        try:
+            os.kill(target if target is not None else self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        # unshare --kill-child ends the member with it; the member first, in case it is frozen
+        # and unshare is not the one to end it.
+        self.send_signal(signal.SIGKILL)
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc is not None:
+            self.proc.poll()
+
+    def connect(self, up: bool) -> None:
+        ip("-n", self.namespace, "link", "set", "eth0", "up" if up else "down")
+
+    def where(self) -> str:
+        return f"on emulated host {self.host} ({self.namespace})"
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "namespace": self.namespace, "host": self.host}
+
+
+class OnHosts(_PortsInOrder):
+    """Every member on an emulated host of its own (see the module)."""
+
+    def __init__(self, cpus: Optional[float], rate: Optional[str], first_port: int = 0) -> None:
+        super().__init__(first_port)
+        self.cpus, self.rate = cpus, rate
+        self.hosts = None
+        self.host_of: dict[str, str] = {}       # member -> the host it runs on now
+
+    def create(self, names: list[str]) -> None:
+        from services.hosts.emulated import EmulatedHosts
+        self._number(names)
+        self.hosts = EmulatedHosts(names, self.cpus, self.rate).create()
+        self.host_of = {n: n for n in names}
+
+    def master_addr(self, leader: str) -> str:
+        return self.reach(leader)
+
+    def sidecar_host(self, name: str) -> str:
+        return self.reach(name)
+
+    def reach(self, name: str) -> str:
+        return self.hosts.address(self.host_of[name])
+
+    def spawn(self, name: str, argv: list[str], log_path: Path, env: dict) -> OnHost:
+        host = self.host_of[name]
+        proc = self.hosts.python(host, "services.cli", argv, log_path, env)
+        return OnHost(proc.pid, self.hosts.net.namespace(host), host, proc)
+
+    def renew(self, name: str) -> bool:
+        """A fresh host for ``name``'s next start (``ps1-2``, ``ps1-3``, …); the old one stays, its
+        processes ended, until the run ends."""
+        count = sum(1 for member in self.hosts.names if member == name or member.startswith(f"{name}-"))
+        host = f"{name}-{count + 1}"
+        self.hosts.add(host)
+        self.host_of[name] = host
+        return True
+
+    def describe(self) -> Optional[dict[str, Any]]:
+        if self.hosts is None:
+            return None
+        return {name: {**self.hosts.describe_one(host), "host": host} for name, host in self.host_of.items()}
+
+    def close(self) -> None:
+        if self.hosts is not None:
+            self.hosts.close()
+            self.hosts = None
