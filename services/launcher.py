@@ -131,6 +131,9 @@ class Launcher:
                 return 2
             for m in self.members:
                 roster.spawn(m)
+                # Asked from its start: a member cut off right after it was ready is then judged
+                # by --member-timeout, not --ready-timeout.
+                self.liveness.watch(m.name, m.url)
             roster.write_state()
             refused = self._wait_ready()
             if refused is not None:
@@ -138,8 +141,6 @@ class Launcher:
             self._started_at = time.monotonic()
             self.emit({"event": "started", "sidecars": {m.name: m.url for m in self.members},
                        "master_port": roster.master_port, "logs": str(self.cfg.state_dir / "logs")})
-            for m in self.members:
-                self.liveness.watch(m.name, m.url)
             code = self._supervise()
             self._poll()
             if self.cfg.final_checkpoint and code == 0:

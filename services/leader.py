@@ -47,11 +47,13 @@ class LeaderWatch:
     def __init__(self, probe: Callable[[], str], on_lost: Callable[[str], None],
                  interval: float = PROBE_INTERVAL, misses: int = PROBE_MISSES,
                  evicted: Optional[Callable[[], bool]] = None, silence: Optional[float] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 cut_off: Optional[Callable[[], bool]] = None, clock: Callable[[], float] = time.monotonic) -> None:
         """``evicted()``: whether the leader has removed this member from its group. ``silence``:
-        seconds a leader that answers nothing in time is given (None: a miss like any other)."""
+        seconds a leader that answers nothing in time is given (None: a miss like any other).
+        ``cut_off()``: whether this member itself is cut off (its supervisor's asks stopped too):
+        then a silent leader is never taken for a lost one, and the member's lease fences it."""
         self._probe, self._on_lost, self._evicted = probe, on_lost, evicted
-        self.interval, self.misses, self.silence = interval, misses, silence
+        self.interval, self.misses, self.silence, self._cut_off = interval, misses, silence, cut_off
         self._clock = clock
         self._answered = clock()        # when the leader last answered
         self._silent = False            # whether its last probe went unanswered in time
@@ -81,7 +83,7 @@ class LeaderWatch:
         its silence runs past the deadline; a step that timed out on a frozen leader must not be
         taken for this member's own failure."""
         why = self.check()
-        while why is None and self._silent and not self.lost.is_set():
+        while why is None and self._silent and not self.lost.is_set() and not self._stop.is_set():
             self._stop.wait(self.interval)
             why = self.check()
         return why
@@ -97,8 +99,8 @@ class LeaderWatch:
             self._silent = self.silence is not None and _timed_out(exc)
             if self._silent:
                 silent = self._clock() - self._answered
-                if silent < self.silence:
-                    return None             # the supervisor's deadline judges a silent leader
+                if silent < self.silence or (self._cut_off is not None and self._cut_off()):
+                    return None             # the supervisor's deadline judges a silent leader, or this member
                 self._missed = self.misses
                 return f"the leader is gone: its store has not answered for {silent:.0f}s ({said})"
             self._missed += 1

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 LEASE_HEADER = "X-Rpcps-Lease"
 FENCED = 76        # the exit code of a member that fenced itself: its supervisor replaces it as lost
+CUT_OFF_AFTER = 3.0     # seconds without a renewal (asked each second) that say this member is the one cut off
 
 
 class Lease:
@@ -37,13 +38,20 @@ class Lease:
         with self._lock:
             self._renewed = self._clock()
 
-    def expired(self) -> Optional[float]:
-        """The seconds since the last renewal, once past the timeout; else None."""
+    def silent_for(self) -> float:
+        """Seconds since the last renewal (0 before the first)."""
         with self._lock:
             renewed = self._renewed
-        if renewed is None:
-            return None
-        silent = self._clock() - renewed
+        return 0.0 if renewed is None else self._clock() - renewed
+
+    def cut_off(self) -> bool:
+        """Whether its supervisor's asks have stopped coming: when a peer falls silent too, this
+        member is the one cut off, and it is for its lease to fence it, not for it to leave."""
+        return self.silent_for() > CUT_OFF_AFTER
+
+    def expired(self) -> Optional[float]:
+        """The seconds since the last renewal, once past the timeout; else None."""
+        silent = self.silent_for()
         return silent if silent > self.timeout else None
 
     def watch(self, fence: Callable[[float], None], every: float = 0.25) -> threading.Thread:

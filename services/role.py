@@ -16,6 +16,7 @@ from services.checkpoint.member import CheckpointMember
 from services.checkpoint.store import CheckpointStore
 from services.errors import NotReady, NotSupported, PeerUnavailable
 from services.leader import LeaderWatch
+from services.lease import Lease
 from services.lifecycle import RoleState, RoleStatus, StatusBoard
 from services.membership import Membership, current_members, reachable
 from services.metrics import Metrics
@@ -34,7 +35,7 @@ class RoleContext:
     store: CheckpointStore
     checkpoints: CheckpointMember     # this process's side of cluster checkpoints; roles add their parts
     leader_lost: threading.Event = field(default_factory=threading.Event)   # set once; the process then leaves
-    lease_timeout: Optional[float] = None   # its supervisor's deadline (services/lease.py), which judges silence
+    lease: Optional[Lease] = None     # with its supervisor (services/lease.py), whose deadline judges silence
 
     @classmethod
     def build(cls, cfg: Any, role: str, metrics: Metrics, status: type[RoleStatus] = RoleStatus) -> "RoleContext":
@@ -43,7 +44,8 @@ class RoleContext:
         store = CheckpointStore(cfg.checkpoint_dir)
         return cls(metrics=metrics, board=StatusBoard(role, cfg.name, status), endpoint=RpcEndpoint.for_role(cfg),
                    membership=Membership.for_role(cfg, on_evicted=metrics.members_evicted.inc),
-                   store=store, checkpoints=CheckpointMember(cfg.name, store), lease_timeout=cfg.lease_timeout)
+                   store=store, checkpoints=CheckpointMember(cfg.name, store),
+                   lease=Lease(cfg.lease_timeout) if cfg.lease_timeout else None)
 
 
 class RoleBase:
@@ -78,8 +80,10 @@ class RoleBase:
         if self.membership.is_leader:
             self.membership.start_leader(self.endpoint.store)
         else:
+            lease = self.ctx.lease
             self._watch = LeaderWatch(self.endpoint.reader(), lambda why: self.ctx.leader_lost.set(),
-                                      evicted=self.endpoint.evicted(), silence=self.ctx.lease_timeout).start()
+                                      evicted=self.endpoint.evicted(), silence=lease.timeout if lease else None,
+                                      cut_off=lease.cut_off if lease else None).start()
         return reply
 
     def leader_gone(self) -> bool:

@@ -22,7 +22,7 @@ from services.config import CommonConfig
 from services.errors import RpcpsError
 from services.http_server import SidecarServer
 from services.leader import LEADER_LOST
-from services.lease import FENCED, Lease
+from services.lease import FENCED
 from services.lifecycle import RoleState
 from services.log import init_logging
 from services.role import RoleContext
@@ -110,9 +110,13 @@ def _raise_fd_limit() -> None:
 
 def _fence_itself(name: str, silent: float) -> NoReturn:
     """The lease ran out: its supervisor is about to declare this member lost and start another,
-    so it stops serving now, before anything else of it can land (``services/lease.py``)."""
-    log.error("%s fenced itself: its supervisor has not renewed its lease for %.0fs", name, silent)
-    logging.shutdown()
+    so it stops serving now, before anything else of it can land (``services/lease.py``). Its
+    log may be a pipe to a host it is cut off from (srun's), where a write blocks: the line is
+    written by a thread of its own, given a second, and the process ends either way."""
+    said = threading.Thread(target=lambda: (log.error("%s fenced itself: its supervisor has not renewed its lease "
+                                                      "for %.0fs", name, silent), logging.shutdown()), daemon=True)
+    said.start()
+    said.join(1.0)
     os._exit(FENCED)
 
 
@@ -129,7 +133,7 @@ def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     context.board.update(restarts_in_a_row=cfg.restarts_in_a_row)
     token = cfg.control_token.get_secret_value() if cfg.control_token else None
     routes = resolve(spec.routes) if spec.routes else None
-    lease = Lease(cfg.lease_timeout) if cfg.lease_timeout else None
+    lease = context.lease
     sidecar = SidecarServer(create_app(role, registry, token, routes, lease), cfg.sidecar_host, cfg.sidecar_port,
                             cfg.http_read_timeout).start()
     if lease is not None:

@@ -2,13 +2,18 @@
 each such update whole, count it, and the shared model ends exactly as if that trainer's steps had
 never been sent (the hammer steps' gradients do not depend on the parameters, so that state is
 known to the bit). The same for a hashed table of the CTR model: a refused step leaves every row
-as it was."""
+as it was. A trainer's old incarnation, evicted and replaced, is refused by every server."""
+
+import json
+import os
+import signal
 
 import pytest
 import torch
 
 from tests.integration.test_concurrent_updates import replay
 from tests.support.cluster import SMALL_MODEL
+from tests.support.wait import wait_until
 from trainer.lm.config import LmModelConfig as ModelConfig
 
 HONEST_STEPS, POISONED_STEPS = 6, 4
@@ -51,3 +56,29 @@ def test_non_finite_updates_to_a_hashed_table_are_refused_whole(procs):
     assert result["refused"][0] is None and result["refused"][3] is None, result
     assert all(r and "not finite" in r for r in result["refused"][1:3]), result
     assert result["refused_left_all"] and result["honest_moved"], result
+
+
+def test_an_old_incarnation_is_refused_by_every_server_and_counted(procs, tmp_path):
+    # No supervisor here: trainer0 frozen past the leader's probes is evicted, and another
+    # trainer0 joins under a newer rank. The old one, continued, tries a step: refused whole.
+    servers = procs.start_servers(2, **SMALL_MODEL)
+    go = tmp_path / "go"
+    old = procs.spawn_driver("stale", "trainer0", 2, out=go)
+    old_rank = json.loads(old.stdout.readline())["rank"]
+    os.kill(old.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: "trainer0" not in servers[0].client(timeout=2.0).status()["members"], 30,
+                   "ps0 to evict the frozen trainer0")
+        new = procs.spawn_driver("stale", "trainer0", 2, out=tmp_path / "never")
+        new_rank = json.loads(new.stdout.readline())["rank"]
+    finally:
+        os.kill(old.pid, signal.SIGCONT)
+    go.touch()
+    out, err = old.communicate(timeout=60)
+    refused = json.loads(out.strip().splitlines()[-1])["refused"]
+    assert new_rank > old_rank and refused and f"from trainer0 of rank {old_rank} refused" in refused, (refused, err)
+    counted = [s.client(timeout=2.0).status()["superseded"] for s in servers]
+    assert sum(counted) >= 1, counted
+    metric = [x for x in servers[0].client(timeout=2.0).metrics().splitlines()
+              if x.startswith("rpcps_ps_requests_superseded_total")]
+    assert int(float(metric[0].split()[-1])) == counted[0], metric

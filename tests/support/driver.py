@@ -11,6 +11,7 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from ps.spec.config import ps_names
 from ps.server.service import ParameterServer
 from ps.spec.surface import ClockSurface, PsSurface
 from ps.client.client import PsClient
-from services.errors import UpdateRefused
+from services.errors import Superseded, UpdateRefused
 from services.log import init_logging
 from services.membership import Membership, current_members
 from services.rpc import RpcEndpoint
@@ -161,6 +162,23 @@ def hammer(client: PsClient, args: argparse.Namespace) -> dict:
                 refused.append(str(exc).splitlines()[0])
     client.clock.end()
     return {"steps": args.steps, "refused": refused}
+
+
+def stale(client: PsClient, args: argparse.Namespace) -> dict:
+    """An incarnation that may have been replaced: says its rank, waits until ``--out`` exists
+    (the test freezes it meanwhile, has the leader evict it and starts another of its name), then
+    tries one step of the hammer's; whether the servers refused it (``Superseded``)."""
+    print(json.dumps({"rank": args.endpoint.rank}), flush=True)
+    wait_until(lambda: Path(args.out).exists(), 120, "the go-ahead")
+    model = LmModelConfig.model_validate(client.model)
+    ids, targets = hammer_batch(model.ntoken)
+    try:
+        with client.step() as step:
+            rows, weights = step.fetch({"embedding.weight": ids})
+            step.finish(rows["embedding.weight"].sum() + sum(w.sum() for w in weights.values()), clip=0.0)
+        return {"refused": None}
+    except Superseded as exc:
+        return {"refused": str(exc).splitlines()[0]}
 
 
 def poison_hashed(client: PsClient, args: argparse.Namespace) -> dict:
@@ -507,7 +525,7 @@ def bagged(client: PsClient, args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=("equivalence", "sync", "clocked", "hammer", "inspect", "bad", "tiny", "ctr",
-                                    "pushed", "poison_hashed", "bagged", "cached", "dies_cached"))
+                                    "pushed", "poison_hashed", "bagged", "cached", "dies_cached", "stale"))
     p.add_argument("--name", required=True)
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--master-port", type=int, required=True)
@@ -535,7 +553,7 @@ def main() -> None:
         client = PsClient(args.name, servers)
         modes = {"equivalence": equivalence, "sync": sync, "clocked": clocked, "hammer": hammer, "inspect": inspect,
                  "bad": bad, "tiny": tiny, "ctr": ctr, "pushed": pushed, "poison_hashed": poison_hashed,
-                 "bagged": bagged, "cached": cached, "dies_cached": dies_cached}
+                 "bagged": bagged, "cached": cached, "dies_cached": dies_cached, "stale": stale}
         result = modes[args.mode](client, args)
         del client
     finally:

@@ -50,6 +50,11 @@ def test_a_silent_leader_is_left_to_the_supervisors_deadline_and_a_refusing_one_
     # A failed step asks for a verdict: asked again until the silence passes the deadline.
     assert "its store has not answered for 15s" in watch.verdict() and watch._missed >= watch.misses
     assert now[0] == 115.0
+    # This member cut off itself (its supervisor's asks stopped too): the leader is not blamed,
+    # and the member's lease fences it.
+    alone = LeaderWatch(silent, lambda why: None, misses=2, silence=15.0, cut_off=lambda: True, clock=lambda: now[0])
+    now[0] += 60
+    assert alone.check() is None and alone._missed == 0
     refusing = LeaderWatch(leader, lambda why: None, misses=2, silence=15.0)
     refusing.leader = leader()
     leader.down = True                          # dead on a live host: refused at once, counted at once

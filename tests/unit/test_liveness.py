@@ -52,3 +52,18 @@ def test_a_member_is_judged_by_the_member_timeout_once_it_has_answered_since_its
     assert live.overdue("ps1", 100.0, 266.0) == 16.0
     live._answered["ps1"] = 90.0            # an answer of its life before this start does not count
     assert live.overdue("ps1", 100.0, 200.0) is None
+
+
+def test_a_lease_expires_after_its_timeout_since_the_last_renewal_and_says_when_it_is_cut_off():
+    from services.lease import Lease
+    now = [100.0]
+    lease = Lease(6.0, clock=lambda: now[0])
+    now[0] += 60
+    assert lease.expired() is None and not lease.cut_off(), "nothing to expire before the first renewal"
+    lease.renew()
+    now[0] += 3.5                   # asked each second: three missed asks say it is cut off
+    assert lease.cut_off() and lease.expired() is None
+    lease.renew()
+    assert not lease.cut_off()
+    now[0] += 6.5
+    assert lease.expired() == 6.5
