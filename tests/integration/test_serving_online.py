@@ -1,8 +1,8 @@
 """A serving member started by `rpcps up --serve 1`, reading the live servers through its cache: a
 prediction follows training within the staleness bound; killed, it is started again and training
 never stops; once training stops, it answers exactly as the export of that moment's checkpoint (a
-delta on an earlier one);
-with a server gone it refuses (503 naming it) or answers with that same model, never another."""
+delta on an earlier one); with a server gone it refuses (503 naming it) or answers with that same
+model, never another; with a server frozen it answers 503 naming it within the request's deadline."""
 import csv
 import os
 import signal
@@ -108,4 +108,19 @@ def test_online_serving_follows_training_and_never_serves_another_model(tmp_path
         return code == 200 and up.cluster()["pids"]["ps1"] != pid
 
     wait_until(back, 90, "ps1 started again and serve0 answering")
+
+    # A server frozen (for less than --member-timeout): a request whose rows must be read again
+    # answers 503 naming it within the request's deadline (the read's, 5 s), and none waits past it.
+    wait_until(lambda: "ps1" in up.cluster()["answering"], 30, "rpcps up to hear the restarted ps1")
+    frozen = up.cluster()["pids"]["ps1"]
+    os.kill(frozen, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        wait_until(lambda: time.monotonic() - stopped > STALENESS, 2, "the cache's bound to pass")
+        answered = predict(serve, rows)
+        waited = time.monotonic() - stopped - STALENESS
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    print(f"ps1 frozen: /predict answered {answered[0]} after {waited:.1f}s")
+    assert answered[0] == 503 and "ps1" in answered[1]["error"] and waited < 10, (answered, waited)
     assert up.terminate(60) == 0, up.logs()
