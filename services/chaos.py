@@ -155,7 +155,7 @@ class Chaos:
         choices = self.candidates()
         if self.cfg.fault == "partition":
             state = self.cluster.state()
-            local = [n for n in choices if self._handle(state, n).kind != "hosts"]
+            local = [n for n in choices if not self._handle(state, n).cuttable]
             if local:
                 raise SystemExit(f"rpcps chaos: --fault partition cuts a host's link, and {', '.join(local)} run on "
                                  f"no host of their own: start the cluster with rpcps up --emulate-hosts")

@@ -3,8 +3,8 @@
 A placement (``Local``: processes of this machine; ``OnHosts``: ``--emulate-hosts``, a host of its
 own each; ``OnSlurm``: ``--slurm``, a step each of the job's allocation) plans where each member
 runs, says the addresses the others reach it at, and starts it. What it starts is a ``Placed``:
-the supervisor polls and stops it, fencing kills it, ``rpcps chaos`` freezes or cuts it off, and
-``rpcps status`` and ``down`` find it from what it ``describe``\\ s in ``cluster.json`` (``found``).
+the supervisor polls and stops it, fencing kills it, and ``rpcps chaos``, in a process of its own,
+finds it from what it describes in ``cluster.json`` (``found``) to kill, freeze or cut it off.
 Nothing outside this package knows how a member runs: a process id here, a PID namespace on a
 host, a job step on a node. A Kubernetes placement would be one more of each, not a fake process.
 """
@@ -30,6 +30,7 @@ class Placed(abc.ABC):
     ``found`` in another process has none, and ``poll`` says only whether the member runs."""
 
     kind: ClassVar[str]
+    cuttable: ClassVar[bool] = False    # whether ``connect`` can cut it off (its host's link is the placement's)
 
     def __init__(self, pid: int, proc: Optional[subprocess.Popen] = None) -> None:
         self.pid, self.proc = pid, proc

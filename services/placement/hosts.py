@@ -22,6 +22,7 @@ class OnHost(Placed):
     the member is its one child (PID 1 there), which signals reach; ``connect`` is its host's link."""
 
     kind = "hosts"
+    cuttable = True
 
     def __init__(self, pid: int, namespace: str, host: str, proc: Optional[subprocess.Popen] = None) -> None:
         super().__init__(pid, proc)

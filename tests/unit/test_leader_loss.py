@@ -181,7 +181,7 @@ class FakeCluster:
 class FakeHandle:
     """A member's handle as ``rpcps chaos`` acts on it: what is done to it is recorded."""
 
-    kind = "local"
+    cuttable = False            # a process of this machine: no link of its own to cut
 
     def __init__(self, cluster: FakeCluster, pid: int) -> None:
         self.cluster, self.pid = cluster, pid
