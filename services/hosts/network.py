@@ -57,14 +57,21 @@ class HostProcess(subprocess.Popen):
     Killing ``unshare`` kills it too (``--kill-child``)."""
 
     def send_signal(self, sig: int) -> None:
-        try:
-            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
-        except OSError:
-            children = []
-        if children:
-            os.kill(int(children[0]), sig)
+        member = host_child(self.pid)
+        if member is not None:
+            os.kill(member, sig)
         else:
             super().send_signal(sig)
+
+
+def host_child(pid: int) -> Optional[int]:
+    """The process ``unshare`` (``pid``) runs on a host: its one child, PID 1 of the host's PID
+    namespace; None before it starts or once it has ended."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
 
 
 def ip(*argv: str) -> None:

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-from services.hosts.network import ip
+from services.hosts.network import host_child, ip
 from services.placement import Placed
 from services.placement.local import _PortsInOrder
 
@@ -32,15 +32,8 @@ class OnHost(Placed):
     def found(cls, described: dict[str, Any]) -> "OnHost":
         return cls(int(described["pid"]), described["namespace"], described["host"])
 
-    def member_pid(self) -> Optional[int]:
-        try:
-            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
-        except OSError:
-            return None
-        return int(children[0]) if children else None
-
     def send_signal(self, sig: int) -> None:
-        target = self.member_pid()
+        target = host_child(self.pid)
         try:
             os.kill(target if target is not None else self.pid, sig)
         except ProcessLookupError:

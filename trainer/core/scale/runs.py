@@ -17,6 +17,7 @@ import httpx
 
 from services.client import SidecarClient, SidecarError
 from services.hosts.emulated import EmulatedHosts, usage_of
+from services.hosts.network import host_child
 from services.hosts.quota import CpuQuota
 from services.workload import ScaleCase
 
@@ -81,9 +82,8 @@ class Window:
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds the member started as ``pid`` (by ``HostProcess``: its one child) has used, by
     thread name (TensorPipe's, the autograd engine's, Python's own): where a host's cores went."""
-    try:
-        member = int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
-    except (OSError, IndexError, ValueError):
+    member = host_child(pid)
+    if member is None:
         return {}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
