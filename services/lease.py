@@ -9,12 +9,22 @@ asked for that long since it was last asked. Its supervisor stops hearing it no 
 stops being asked, so it is gone before its supervisor declares it lost, and no old incarnation
 serves beside a replacement. A member started by hand, compose or Kubernetes has no lease unless
 told, and never fences itself.
+
+An ask can reach a member long after it was sent: one queued while the member was frozen, or
+retransmitted once a cut link is back, is answered to an asker that gave up on it. Renewing on it
+would let the member outlive its supervisor's deadline by as long. So each ask says when it was
+sent (its asker's monotonic clock) and how long its asker waits; the member renews from the send
+time, read on its own clock through the smallest gap seen (a clock offset between hosts is
+constant), and not at all on an ask older than its asker's wait. What remains is an answer lost
+after the member sent it: the member may then outlive the deadline by one ask's period and wait
+(3 s), less than a replacement takes to start.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
@@ -22,6 +32,30 @@ log = logging.getLogger(__name__)
 LEASE_HEADER = "X-Rpcps-Lease"
 FENCED = 76        # the exit code of a member that fenced itself: its supervisor replaces it as lost
 CUT_OFF_AFTER = 3.0     # seconds without a renewal (asked each second) that say this member is the one cut off
+
+
+DRIFT = 1e-3       # seconds per second the smallest gap may rise by: clocks of two hosts drift apart
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One renewal, as its header says it: when its asker sent it (the asker's ``time.monotonic()``),
+    how long the asker waits for the answer, and which asker (a new one has another clock)."""
+    sent: float
+    within: float
+    asker: str
+
+    def header(self, timeout: float) -> str:
+        return f"timeout={timeout:g};sent={self.sent:.6f};within={self.within:g};by={self.asker}"
+
+    @classmethod
+    def parse(cls, value: str) -> Optional["Ask"]:
+        """The ask of a header; None for one without a send time (a renewal by hand: it counts now)."""
+        fields = dict(part.split("=", 1) for part in value.split(";") if "=" in part)
+        try:
+            return cls(float(fields["sent"]), float(fields["within"]), fields["by"])
+        except (KeyError, ValueError):
+            return None
 
 
 class Lease:
@@ -33,16 +67,41 @@ class Lease:
         self.timeout, self._clock = timeout, clock
         self._lock = threading.Lock()
         self._renewed: Optional[float] = None
+        self._asker: Optional[str] = None
+        self._least = 0.0           # the smallest gap between an ask's arrival and its send time
+        self._least_at = 0.0
 
-    def renew(self) -> None:
+    def renew(self, ask: Optional[Ask] = None) -> bool:
+        """Renewed from ``ask``'s send time (now, for ``None``); False for an ask its asker gave up on."""
+        now = self._clock()
         with self._lock:
-            self._renewed = self._clock()
+            since = now
+            if ask is not None:
+                gap = now - ask.sent            # the clocks' offset, plus this ask's delay
+                if ask.asker != self._asker:
+                    self._asker, self._least = ask.asker, gap
+                self._least = min(self._least + DRIFT * (now - self._least_at), gap)
+                self._least_at = now
+                delay = gap - self._least
+                if delay > ask.within:
+                    return False
+                since = now - delay
+            if self._renewed is None or since > self._renewed:
+                self._renewed = since
+            return True
 
     def silent_for(self) -> float:
         """Seconds since the last renewal (0 before the first)."""
         with self._lock:
             renewed = self._renewed
         return 0.0 if renewed is None else self._clock() - renewed
+
+    def describe(self) -> dict:
+        """What ``/healthz`` shows of it: the timeout, and the seconds since the last renewal
+        (None before the first)."""
+        with self._lock:
+            renewed = self._renewed
+        return {"timeout": self.timeout, "renewed_ago": None if renewed is None else round(self._clock() - renewed, 3)}
 
     def cut_off(self) -> bool:
         """Whether its supervisor's asks have stopped coming: when a peer falls silent too, this

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Optional
 
 import httpx
 
-from services.lease import LEASE_HEADER
+from services.lease import LEASE_HEADER, Ask
 
 PROBE_EVERY = 1.0       # seconds between asks of one member
 PROBE_TIMEOUT = 2.0     # seconds one ask may take
@@ -37,6 +38,7 @@ class Liveness:
         self._urls: dict[str, str] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._asker = uuid.uuid4().hex[:12]
 
     def watch(self, name: str, url: str) -> None:
         """Ask ``name``'s sidecar at ``url`` from now on (a member restarted elsewhere: its new URL)."""
@@ -80,9 +82,12 @@ class Liveness:
             while not self._stop.is_set():
                 with self._lock:
                     url = self._urls[name]
+                ask = Ask(time.monotonic(), self.timeout, self._asker)
                 try:
-                    http.get(f"{url.rstrip('/')}/healthz", headers={LEASE_HEADER: f"{self.member_timeout:g}"})
-                    answered = True
+                    http.get(f"{url.rstrip('/')}/healthz", headers={LEASE_HEADER: ask.header(self.member_timeout)})
+                    # httpx's timeout bounds each phase; the member renews only on asks answered
+                    # within the whole of it, and so does this side.
+                    answered = time.monotonic() - ask.sent <= self.timeout
                 except Exception:  # noqa: BLE001 - whatever kept the answer away, it is silence, and asking goes on
                     answered = False
                 with self._lock:

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from services.control import Controllable, EpisodeStart
-from services.lease import LEASE_HEADER, Lease
+from services.lease import LEASE_HEADER, Ask, Lease
 from services.errors import (BadRequest, CheckpointError, CheckpointInProgress, EpisodeConflict, InvalidInput,
                              NotReady, NotSupported, Overloaded, PeerUnavailable, RpcpsError, TooLarge, Unauthorized)
 
@@ -134,9 +134,12 @@ def _probes(app: FastAPI, control: Controllable, registry: CollectorRegistry, le
     @app.get("/healthz", responses=probe)
     def healthz(request: Request) -> JSONResponse:
         if lease is not None and LEASE_HEADER in request.headers:
-            lease.renew()
+            lease.renew(Ask.parse(request.headers[LEASE_HEADER]))
         ok, reason = control.healthy()
-        return JSONResponse({"ok": ok, "reason": reason}, status_code=200 if ok else 503)
+        body = {"ok": ok, "reason": reason}
+        if lease is not None:       # whether its supervisor still asks: a member about to fence itself shows it
+            body["lease"] = lease.describe()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/readyz", responses=probe)
     def readyz() -> JSONResponse:

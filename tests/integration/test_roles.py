@@ -142,6 +142,8 @@ def test_a_member_whose_lease_runs_out_fences_itself(procs):
         last_renewal = asked
         assert ps0.proc.poll() is None, ps0.log_text()[-2000:]
         time.sleep(0.5)  # noqa: sleep-ok (the supervisor's pace of asking, not a synchronisation)
+    shown = httpx.get(f"{ps0.url}/healthz", timeout=2).json()["lease"]       # asked without the header
+    assert shown["timeout"] == 3 and 0 <= shown["renewed_ago"] < 3, shown
     wait_until(lambda: ps0.proc.poll() is not None or
                httpx.get(f"{ps0.url}/healthz", timeout=2).status_code != 200, 15, "ps0 to fence itself")
     assert ps0.proc.wait(10) == FENCED and time.monotonic() - last_renewal >= 3, ps0.log_text()[-2000:]

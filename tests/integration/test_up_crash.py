@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from services.client import SidecarClient
@@ -128,7 +129,10 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     # ps1 frozen past --member-timeout (15 s): declared lost though its process lives, stopped
     # where it runs, and replaced; the trainers go on in the same processes.
     # Once rpcps up has heard ps1 since its last start: before that, --ready-timeout applies.
+    # And once it has asked ps1 again since the short stop: silence is counted from the last answer.
     wait_until(lambda: "ps1" in up.cluster()["answering"], 30, "rpcps up to hear the restarted ps1")
+    wait_until(lambda: httpx.get(f"{up.cluster()['sidecars']['ps1']}/healthz", timeout=5).json()["lease"]["renewed_ago"]
+               < time.monotonic() - continued, 15, "rpcps up to ask ps1 again after the stop")
     frozen, trainer_pids = up.cluster()["pids"]["ps1"], [up.cluster()["pids"][n] for n in ("trainer0", "trainer1")]
     os.kill(frozen, signal.SIGSTOP)
     frozen_at = time.monotonic()
@@ -139,7 +143,8 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     finally:
         if _alive(frozen):
             os.kill(frozen, signal.SIGCONT)
-    assert 15 <= detected < 15 + 10 and "no answer from its sidecar for" in lost["reason"], (detected, lost)
+    # Silence counts from the last answer, up to one ask (1 s) before the freeze.
+    assert 15 - 1.5 <= detected < 15 + 10 and "no answer from its sidecar for" in lost["reason"], (detected, lost)
     wait_until(lambda: [e for e in up.drain() if e["event"] == "restart" and e["name"] == "ps1"
                         and e["reason"] == lost["reason"]], 15, "ps1's restart, for the reason it was lost")
     steps = trainer_status(urls["trainer0"])["step"]

@@ -60,10 +60,46 @@ def test_a_lease_expires_after_its_timeout_since_the_last_renewal_and_says_when_
     lease = Lease(6.0, clock=lambda: now[0])
     now[0] += 60
     assert lease.expired() is None and not lease.cut_off(), "nothing to expire before the first renewal"
+    assert lease.describe() == {"timeout": 6.0, "renewed_ago": None}
     lease.renew()
     now[0] += 3.5                   # asked each second: three missed asks say it is cut off
-    assert lease.cut_off() and lease.expired() is None
+    assert lease.cut_off() and lease.expired() is None and lease.describe()["renewed_ago"] == 3.5
     lease.renew()
     assert not lease.cut_off()
     now[0] += 6.5
     assert lease.expired() == 6.5
+
+
+def test_a_lease_renews_from_when_an_ask_was_sent_and_not_on_one_its_asker_gave_up_on():
+    from services.lease import Ask, Lease
+    now = [1000.0]
+    lease = Lease(15.0, clock=lambda: now[0])
+    offset = -700.0                  # the asker's clock reads 700 s behind this host's
+    header = Ask(now[0] + offset, 2.0, "up-1").header(15)
+    assert Ask.parse(header) == Ask(now[0] + offset, 2.0, "up-1") and Ask.parse("15") is None
+    for _ in range(3):               # asked each second, answered at once
+        assert lease.renew(Ask.parse(Ask(now[0] + offset - 0.01, 2.0, "up-1").header(15)))
+        now[0] += 1.0
+    assert lease.describe()["renewed_ago"] == pytest.approx(1.0)
+
+    # Frozen for 6 s: the asks sent meanwhile are answered when it goes on; their asker gave up
+    # after 2 s, and counts its silence from its last answer, so they renew nothing.
+    queued = [Ask(now[0] + offset + k - 0.01, 2.0, "up-1") for k in range(6)]
+    now[0] += 6.0
+    assert [lease.renew(a) for a in queued] == [False] * 4 + [True] * 2
+    assert lease.describe()["renewed_ago"] == pytest.approx(1.0, abs=0.02)   # from the last, sent 1 s ago
+
+    # A lease never goes back, and a new asker (another clock) is measured afresh.
+    assert lease.renew(Ask(now[0] + offset - 1.5, 2.0, "up-1"))
+    assert lease.describe()["renewed_ago"] == pytest.approx(1.0, abs=0.02)
+    assert lease.renew(Ask(now[0] + 5000.0, 2.0, "up-2")) and lease.describe()["renewed_ago"] == 0
+    assert lease.renew(None) and lease.describe()["renewed_ago"] == 0     # by hand: now
+
+
+def test_a_slow_drift_between_two_clocks_does_not_make_every_ask_stale():
+    from services.lease import Ask, Lease
+    now = [0.0]
+    lease = Lease(15.0, clock=lambda: now[0])
+    for k in range(20000):           # this host's clock gains 100 ppm on the asker's, for 5.5 hours
+        now[0] = k * 1.0001
+        assert lease.renew(Ask(k * 1.0, 2.0, "up-1")), k
