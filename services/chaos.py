@@ -15,7 +15,8 @@ that came while the link was still down. It only reads what ``rpcps up`` publish
 
 "Steps lost" is, for a server, the updates its restored shard lacks (its steps at the kill less the
 step it resumed from: the checkpoint's, or its own handover's when the leader died); for a trainer,
-the steps it takes again (it resumes its position from the checkpoint).
+the steps it takes again (a CTR trainer resumes after its last batch every server applied, a
+language model's from the checkpoint).
 """
 from __future__ import annotations
 

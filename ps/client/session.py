@@ -26,6 +26,7 @@ import torch.distributed.autograd as dist_autograd
 
 from ps.client.fetching import Fetching
 from ps.client.lookups import LookupPlan, plan_lookups
+from ps.spec.messages import Mark
 from ps.spec.rules import clip_coef
 from ps.spec.surface import PsSurface
 from services.errors import UpdateRefused
@@ -128,12 +129,13 @@ class StepSession:
         return self.client.fetch(lookups, dense)
 
     def finish(self, loss: torch.Tensor, clip: float, replica: Optional[Replica] = None,
-               weights: bool = False) -> Finished:
+               weights: bool = False, mark: Optional[Mark] = None) -> Finished:
         """Send ``loss``'s gradients back to the servers, clip their global norm to ``clip`` (0:
         off), and apply them as the job's consistency says; sync mode also updates the trainers'
         ``replica`` of the weights they hold themselves (``--dense allreduce``). With ``weights``
         (async and ssp), the servers answer the apply with their dense tensors as it left them:
-        ``Finished.weights``, a read the next step may adopt."""
+        ``Finished.weights``, a read the next step may adopt. ``mark``: the batch's, which each
+        server keeps with the update, and by which it applies a batch once (``ps/server/marks.py``)."""
         client = self.client
         averaged = client.consistency.averaged
         if averaged and client.clock.granted is None:
@@ -152,8 +154,8 @@ class StepSession:
             raise (client.losses.failed(exc, replica) or client.clock.lose_step(exc, replica)) from exc
         backward = time.perf_counter() - t0
         if averaged:
-            return self._hand_over(backward, clip, replica, leaves)
-        return self._apply_own(backward, clip, leaves, weights)
+            return self._hand_over(backward, clip, replica, leaves, mark)
+        return self._apply_own(backward, clip, leaves, weights, mark)
 
     def _leaf_grads(self) -> Pushes:
         """The gradients of what the step adopted (read before it) or took from the cache, for the
@@ -173,7 +175,8 @@ class StepSession:
                 kept_dense.update(dense)
         return out
 
-    def _hand_over(self, backward: float, clip: float, replica: Optional[Replica], leaves: Pushes) -> Finished:
+    def _hand_over(self, backward: float, clip: float, replica: Optional[Replica], leaves: Pushes,
+                   mark: Optional[Mark]) -> Finished:
         """sync: hand the gradients to every server; the step clock has them applied, averaged
         with the other trainers', once every trainer has."""
         client = self.client
@@ -183,7 +186,8 @@ class StepSession:
         except Exception as exc:
             raise (client.losses.failed(exc, replica) or client.clock.lose_step(exc, replica)) from exc
         _, refused = wait_all([client.ask(n, PsSurface.contribute, self.context_id, client.clock.granted.step,
-                                             *leaves.get(k, ())) for k, n in enumerate(client.ps_names)])
+                                          *(leaves.get(k) or (None, None)), mark)
+                               for k, n in enumerate(client.ps_names)])
         t3 = time.perf_counter()
         applied, arrived_at = client.clock.arrive(clip, refused is not None,
                                             replica.sq_norm(replicated) if replica is not None else 0.0)
@@ -208,7 +212,8 @@ class StepSession:
             raise UpdateRefused(f"this step's gradient norm is {norm}: nothing of it was applied")
         return norm
 
-    def _apply_own(self, backward: float, clip: float, leaves: Pushes, weights: bool) -> Finished:
+    def _apply_own(self, backward: float, clip: float, leaves: Pushes, weights: bool,
+                   mark: Optional[Mark]) -> Finished:
         """async and ssp: this trainer's own update, checked finite across every server, then
         applied on each, clipped as the norm says (in the same call); ssp then reports the step
         to the clock."""
@@ -222,7 +227,7 @@ class StepSession:
             raise
         t2 = time.perf_counter()
         dense = client.dense_shards if weights else []
-        applies = [client.ask(n, PsSurface.apply, self.context_id, clip_coef(clip, norm), k in dense)
+        applies = [client.ask(n, PsSurface.apply, self.context_id, clip_coef(clip, norm), k in dense, mark)
                    for k, n in enumerate(client.ps_names)]
         for f in applies:
             wait(f)

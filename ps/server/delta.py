@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from ps.server.state import FORMAT
+from ps.server.state import FORMAT, export_shard
 from ps.spec.rules import by_row
 
 CLEAN, TAKEN, MARKED = 0, 1, 2     # as bits: taking and settling are each one pass
@@ -70,6 +70,22 @@ class Touched:
         self.since = step
 
 
+def export_state(server: Any, into: Optional[tuple] = None, since: Optional[int] = None) -> dict[str, Any]:
+    """``server``'s shard for a checkpoint, copied at one instant (into ``optimizer.copy_buffers()``'s
+    when given); a delta if ``since`` is the step of the checkpoint it last saved in."""
+    with server.optimizer.lock:
+        # A checkpoint is when hashed tables' rows unseen for long are evicted (trainers are held).
+        server.hashed.expire(server.optimizer.steps)
+        kept, marks = server.hashed.snapshot(), server.optimizer.marks.snapshot()
+        if since is not None and since == server.params.touched.since:
+            return export_delta(server, since, server.params.touched.take(), kept)
+        server.params.touched.take(listed=False)     # a whole snapshot: the marks' base once committed
+    steps, params, state = server.optimizer.state_copy(into)
+    names = server.params.names
+    return export_shard(server.shard, server.layout, server.spec.meta, steps, dict(zip(names, params)),
+                        {n: s for n, s in zip(names, state) if s}, kept, marks)
+
+
 def export_delta(server: Any, base: int, changed: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
                  hashed: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """``server``'s delta against the checkpoint at step ``base``: copies of each table's rows
@@ -112,6 +128,7 @@ def export_delta(server: Any, base: int, changed: tuple[dict[str, torch.Tensor],
     return {"format": FORMAT, "delta": {"base": base}, "shard": shard, "num_shards": layout.num_shards,
             "model": dict(server.spec.meta), "steps": server.optimizer.steps, "tables": tables,
             "params": out_params, "optim": out_optim, "row_state": row_state, "hashed": kept,
+            "marks": server.optimizer.marks.snapshot(),
             "dense": list(layout.dense_of(shard)),
             "table_params": {t: list(layout.table_params[t]) for t in layout.plans}}
 
@@ -127,6 +144,7 @@ def apply_delta(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"a delta of shard {delta['shard']} of {delta['num_shards']} cannot apply to shard "
                          f"{base['shard']} of {base['num_shards']}")
     out = {**base, "steps": delta["steps"], "model": delta["model"], "params": dict(base["params"]),
+           "marks": dict(delta.get("marks", base.get("marks", {}))),
            "optim": {n: dict(s) for n, s in base["optim"].items()}, "tables": dict(base["tables"]),
            "hashed": {t: dict(h) for t, h in base.get("hashed", {}).items()}}
     for t, ids in delta["tables"].items():

@@ -108,7 +108,8 @@ class PsRole(RoleBase, WithoutEpisodes):
         server = self.server
         hashed = server.hashed.describe() or None
         self.board.update(steps=server.optimizer.steps, refused=server.refusals.count,
-                          superseded=server.refusals.superseded, work=server.work.describe(), hashed=hashed)
+                          superseded=server.refusals.superseded, applied=server.optimizer.marks.status(),
+                          work=server.work.describe(), hashed=hashed)
         if hashed:
             self.metrics.hashed(hashed, server.hashed.stale_rows)
 

@@ -20,15 +20,15 @@ import torch
 from ps.server.checks import RequestChecks
 from ps.spec.consistency import Async, Consistency
 from ps.server.contexts import Contexts
-from ps.server.delta import export_delta
+from ps.server.delta import export_state
 from ps.server.hashed.serving import HashedTables
-from ps.spec.messages import ShardInfo
+from ps.spec.messages import Mark, ShardInfo
 from ps.server.metrics import PsMetrics
 from ps.server.refusals import Refusals
 from ps.server.replica_writes import ReplicaWrites
 from ps.spec.sharding import Layout, placement_of
 from ps.spec.model import ModelSpec
-from ps.server.state import export_shard, gather_shard, initial_shard
+from ps.server.state import gather_shard, initial_shard
 from ps.spec.surface import PsSurface
 from ps.server.tables import ShardParams
 from ps.server.update import SharedOptimizer, SyncSteps
@@ -51,13 +51,13 @@ class ParameterServer(PsSurface):
         self.layout = Layout.of(spec, num_shards)
         self.checks = RequestChecks(self.layout, shard, max_ids)
         if restore is None:
-            values, optim_state, steps, kept = initial_shard(spec, self.layout, shard), {}, 0, {}
+            values, optim_state, steps, kept, marks = initial_shard(spec, self.layout, shard), {}, 0, {}, {}
         else:
-            values, optim_state, steps, kept = gather_shard(restore, self.layout, shard)
+            values, optim_state, steps, kept, marks = gather_shard(restore, self.layout, shard)
         self.params = ShardParams(spec, self.layout, shard, values)
         self.optimizer = SharedOptimizer([self.param(n) for n in self.params.names], self.params.rules, spec.lr,
                                          on_step=self._stepped, touched=self.params.touched.updated)
-        self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.params.names])
+        self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.params.names], marks)
         self.sync = SyncSteps(self.optimizer)
         self.hashed = HashedTables(spec, self.layout, shard, self.params.of_tables(self.layout.hashed_tables()),
                                    self.optimizer.clear_rows, self.params.touched)
@@ -72,18 +72,8 @@ class ParameterServer(PsSurface):
         return self.params[name]
 
     def export_state(self, into: Optional[tuple] = None, since: Optional[int] = None) -> dict[str, Any]:
-        """This shard for a checkpoint, copied at one instant (into ``optimizer.copy_buffers()``'s when
-        given); a delta (``ps/server/delta.py``) if ``since`` is the step of the checkpoint it last saved in."""
-        with self.optimizer.lock:
-            # A checkpoint is when hashed tables' rows unseen for long are evicted (trainers are held).
-            self.hashed.expire(self.optimizer.steps)
-            kept = self.hashed.snapshot()
-            if since is not None and since == self.params.touched.since:
-                return export_delta(self, since, self.params.touched.take(), kept)
-            self.params.touched.take(listed=False)     # a whole snapshot: the marks' base once committed
-        steps, params, state = self.optimizer.state_copy(into)
-        return export_shard(self.shard, self.layout, self.spec.meta, steps, dict(zip(self.params.names, params)),
-                            {n: s for n, s in zip(self.params.names, state) if s}, kept)
+        """This shard for a checkpoint (``ps/server/delta.py``'s ``export_state``)."""
+        return export_state(self, into, since)
 
     def _stepped(self, rows: int, seconds: float) -> None:
         self.metrics.optimizer_steps.inc()
@@ -184,7 +174,12 @@ class ParameterServer(PsSurface):
         return sq
 
     @remote
-    def apply(self, context_id: int, coef: float = 1.0, weights: bool = False) -> Optional[dict[str, torch.Tensor]]:
+    def applied_mark(self, trainer: str) -> Optional[dict[str, Any]]:
+        return self.optimizer.marks.of(trainer)
+
+    @remote
+    def apply(self, context_id: int, coef: float = 1.0, weights: bool = False,
+              mark: Optional[Mark] = None) -> Optional[dict[str, torch.Tensor]]:
         self.consistency.require(False, "apply one trainer's update")
         self.checks.coef(coef)
         grads = self._grads(context_id)
@@ -194,7 +189,8 @@ class ParameterServer(PsSurface):
         if coef < 1.0:
             grads = {p: g * coef for p, g in grads.items()}
         before, left = self.optimizer.apply(grads, self._current(context_id),
-                                           functools.partial(self.params.dense_copy, False) if weights else None)
+                                           functools.partial(self.params.dense_copy, False) if weights else None,
+                                           {self._call.caller: mark} if mark is not None else None)
         if known is not None:
             self.metrics.staleness.observe(before - known.read_at)
         return left
@@ -203,14 +199,14 @@ class ParameterServer(PsSurface):
     @remote
     def contribute(self, context_id: int, step: int,
                    rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
-                   dense: Optional[dict[str, torch.Tensor]] = None) -> None:
+                   dense: Optional[dict[str, torch.Tensor]] = None, mark: Optional[Mark] = None) -> None:
         self.consistency.require(True, "hand over gradients")
         self.push(context_id, rows or {}, dense)      # what came with it (or nothing)
         grads = self._grads(context_id)
         self.refusals.finite_sq_norm(grads, self._call.caller, f"gradients for step {step}")
         with self.optimizer.lock:
             grads = self._current(context_id)(grads)
-        self.sync.contribute(step, self._call.caller, grads)
+        self.sync.contribute(step, self._call.caller, grads, mark)
 
     @remote
     def sync_sq_norm(self, step: int, trainers: list[str]) -> float:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
+from ps.server.marks import gather_marks
 from ps.spec.rules import by_row
 from ps.spec.sharding import HashedPlan, Layout
 
@@ -23,10 +24,12 @@ FORMAT = 1
 
 def export_shard(shard: int, layout: Layout, model: dict, steps: int, params: dict[str, torch.Tensor],
                  optim_state: dict[str, dict[str, torch.Tensor]],
-                 hashed: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+                 hashed: Optional[dict[str, dict[str, Any]]] = None,
+                 marks: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
     """``params``/``optim_state`` must already be private copies (taken under the server's lock).
     ``hashed``: each hashed table's live ``rows``, their ``ids`` and bookkeeping (``last_seen``,
-    ``hits``, ``counts``), taken under the same lock; only those rows are saved, by id."""
+    ``hits``, ``counts``), taken under the same lock; only those rows are saved, by id. ``marks``:
+    the trainers' batches the parameters hold (``ps/server/marks.py``)."""
     hashed = hashed or {}
     tables = {t: hashed[t]["ids"] if t in hashed else plan.global_ids(shard) for t, plan in layout.plans.items()}
     params, optim_state = dict(params), {n: dict(st) for n, st in optim_state.items()}
@@ -38,7 +41,7 @@ def export_shard(shard: int, layout: Layout, model: dict, steps: int, params: di
             for key in by_row(layout.row_state.get(name), state, rows_of):
                 optim_state[name][key] = state[key][kept["rows"]]
     return {"format": FORMAT, "shard": shard, "num_shards": layout.num_shards, "model": dict(model), "steps": steps,
-            "tables": tables, "params": params, "optim": optim_state,
+            "tables": tables, "params": params, "optim": optim_state, "marks": dict(marks or {}),
             "hashed": {t: {k: v for k, v in kept.items() if k not in ("rows", "ids")} for t, kept in hashed.items()}}
 
 
@@ -56,6 +59,7 @@ class Gathered(NamedTuple):
     optim: dict[str, dict[str, torch.Tensor]]
     steps: int
     hashed: dict[str, dict[str, Any]]      # per hashed table: ids (in rows 0, 1, ...), last_seen, hits, counts
+    marks: dict[str, dict[str, Any]]       # per trainer, its newest batch the shard holds (``ps/server/marks.py``)
 
 
 def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int) -> Gathered:
@@ -93,7 +97,7 @@ def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int) -> Ga
         params[name] = holder[0]["params"][name] if own else holder[0]["params"][name].clone()
         if name in holder[0]["optim"]:
             optim[name] = {k: v if own else v.clone() for k, v in holder[0]["optim"][name].items()}
-    return Gathered(params, optim, max(int(s["steps"]) for s in states), hashed)
+    return Gathered(params, optim, max(int(s["steps"]) for s in states), hashed, gather_marks(states))
 
 
 def _gather_hashed(states: list[dict[str, Any]], table: str, layout: Layout, capacity: int,

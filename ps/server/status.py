@@ -16,6 +16,7 @@ class PsStatus(RoleStatus):
     steps: int = 0                                 # updates applied
     refused: int = 0                               # updates refused whole (gradients not finite)
     superseded: int = 0                            # requests of old incarnations refused (fenced members)
+    applied: Optional[dict[str, Any]] = None       # per trainer: steps and records applied here; repeats not applied
     consistency: Optional[str] = None              # async, sync or ssp:K
     clock: Optional[dict[str, Any]] = None         # ps0 in sync/ssp: trainers' step clocks, whom a barrier waits for
     work: Optional[dict[str, dict[str, float]]] = None  # lookup, update: rows, seconds, rows_per_s
@@ -28,6 +29,8 @@ class PsStatus(RoleStatus):
             out.append(f"{self.refused} updates refused")
         if self.superseded:
             out.append(f"{self.superseded} requests of old incarnations refused")
+        if (self.applied or {}).get("repeated"):
+            out.append(f"{self.applied['repeated']} repeated batches not applied again")
         if self.hashed:
             rows = sum(t["rows"] for t in self.hashed.values())
             capacity = sum(t["capacity"] for t in self.hashed.values())

@@ -18,10 +18,12 @@ import functools
 import os
 import threading
 import time
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import Callable, Iterator, Mapping, Optional, TypeVar
 
 import torch
 
+from ps.server.marks import AppliedMarks
+from ps.spec.messages import Mark
 from ps.spec.rules import RuleOptimizer, UpdateRule, grad_sq_norm
 from services.errors import BadRequest
 
@@ -43,12 +45,16 @@ class SyncSteps:
         self.optimizer = optimizer
         self._lock = threading.Lock()
         self._given: dict[str, dict[torch.Tensor, torch.Tensor]] = {}   # trainer -> its gradients
+        self._marks: dict[str, Mark] = {}
         self._average: Optional[tuple[int, tuple[str, ...], dict[torch.Tensor, torch.Tensor]]] = None
 
-    def contribute(self, step: int, trainer: str, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+    def contribute(self, step: int, trainer: str, grads: dict[torch.Tensor, torch.Tensor],
+                   mark: Optional[Mark] = None) -> None:
         self._check_open(step)
         with self._lock:
             self._given[trainer] = grads     # a retried hand-over replaces the first
+            if mark is not None:
+                self._marks[trainer] = mark
 
     def sq_norm(self, step: int, trainers: tuple[str, ...]) -> float:
         """The squared norm of this server's share of the step's averaged gradient."""
@@ -59,9 +65,12 @@ class SyncSteps:
         if coef < 1.0:
             for g in grads.values():
                 g.mul_(coef)
-        self.optimizer.apply(grads)
+        with self._lock:
+            marks = {t: self._marks[t] for t in trainers if t in self._marks}
+        self.optimizer.apply(grads, marks=marks)
         with self._lock:
             self._given.clear()       # a dead trainer's partial hand-over goes with the step
+            self._marks.clear()
             self._average = None
 
     def _check_open(self, step: int) -> None:
@@ -98,20 +107,27 @@ class SharedOptimizer:
         self.optimizer = RuleOptimizer(list(zip(params, rules)), lr)
         self._on_step, self._touched = on_step, touched
         self.steps = 0  # updates applied: the cluster's step, the same on every server at a pause
+        self.marks = AppliedMarks()     # which trainers' batches the parameters hold (``ps/server/marks.py``)
 
     def apply(self, grads: dict[torch.Tensor, torch.Tensor],
-              keep: Optional[Callable[[dict], dict]] = None, then: Optional[Callable[[], T]] = None
-              ) -> tuple[int, Optional[T]]:
+              keep: Optional[Callable[[dict], dict]] = None, then: Optional[Callable[[], T]] = None,
+              marks: Optional[Mapping[str, Mark]] = None) -> tuple[int, Optional[T]]:
         """Apply ``grads`` (parameter -> gradient; parameters left out are not updated), as
-        ``keep(grads)`` leaves them, under the lock. The number of updates applied before this one,
-        and what ``then()`` read under the same lock: the parameters as this update left them,
-        before another's."""
+        ``keep(grads)`` leaves them, under the lock, and record whose batches they are (``marks``);
+        none of it if every mark is of a batch applied here before. The number of updates applied
+        before this one, and what ``then()`` read under the same lock: the parameters as this
+        update left them, before another's."""
         with self.lock:
             before = self.steps
+            fresh = {t: m for t, m in (marks or {}).items() if self.marks.fresh(t, m)}
+            if marks and not fresh:
+                self.marks.repeat()
+                return before, then() if then is not None else None
             started = time.perf_counter()
             if keep is not None:
                 grads = keep(grads)
             rows = self._step(grads)
+            self.marks.record(fresh)
             seconds = time.perf_counter() - started
             after = then() if then is not None else None
         if self._on_step is not None:
@@ -187,10 +203,12 @@ class SharedOptimizer:
                         dst[k].copy_(v)
             return self.steps, buffers[0], buffers[1]
 
-    def load_state(self, steps: int, state: list[dict[str, torch.Tensor]]) -> None:
-        """Adopt (not copy) restored per-parameter state."""
+    def load_state(self, steps: int, state: list[dict[str, torch.Tensor]],
+                   marks: Optional[Mapping[str, dict]] = None) -> None:
+        """Adopt (not copy) restored per-parameter state, and the marks saved with it."""
         with self.lock:
             self.steps = steps
+            self.marks = AppliedMarks(marks)
             for p, s in zip(self.params, state):
                 if s:
                     self.optimizer.state[p] = dict(s)

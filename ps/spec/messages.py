@@ -23,6 +23,18 @@ class ShardInfo:
 
 
 @dataclass(frozen=True)
+class Mark:
+    """What a trainer's update says of itself, so that a server applies each batch once: the
+    trainer's ``steps`` once it is applied (a replacement numbers its batches as the incarnation
+    before it did, from the position it resumes), the ``records`` of its batch, and the
+    ``position`` its data stands at after the batch (its ``Task.position``)."""
+
+    steps: int
+    records: int
+    position: dict
+
+
+@dataclass(frozen=True)
 class Granted:
     """``begin``'s answer: the step the trainer may begin now, and in lockstep its group."""
 

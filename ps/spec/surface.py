@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from ps.spec.messages import ShardInfo
+from ps.spec.messages import Mark, ShardInfo
 from services.remote import Service, remote
 
 
@@ -95,19 +95,28 @@ class PsSurface(Service):
         raise NotImplementedError
 
     @remote
-    def apply(self, context_id: int, coef: float = 1.0, weights: bool = False) -> Optional[dict[str, torch.Tensor]]:
+    def applied_mark(self, trainer: str) -> Optional[dict[str, Any]]:
+        """The newest of ``trainer``'s batches this server holds (``steps``, ``records`` applied in
+        all, its data's ``position`` after it), None if none (``ps/server/marks.py``)."""
+        raise NotImplementedError
+
+    @remote
+    def apply(self, context_id: int, coef: float = 1.0, weights: bool = False,
+              mark: Optional[Mark] = None) -> Optional[dict[str, torch.Tensor]]:
         """async and ssp modes: apply the caller's gradients in ``context_id`` now, all or none,
         scaled by ``coef`` in [0, 1] (the global clip); with ``weights``, answer this server's
-        dense tensors as the update left them (``dense_params``, without a round of its own)."""
+        dense tensors as the update left them (``dense_params``, without a round of its own).
+        With ``mark``, not if the caller's batch of those steps was applied here already."""
         raise NotImplementedError
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote
     def contribute(self, context_id: int, step: int,
                    rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
-                   dense: Optional[dict[str, torch.Tensor]] = None) -> None:
+                   dense: Optional[dict[str, torch.Tensor]] = None, mark: Optional[Mark] = None) -> None:
         """The caller's gradients in ``context_id``, for step ``step`` (the open one); ``rows`` and
-        ``dense``: gradients pushed with them, as ``push`` takes them."""
+        ``dense``: gradients pushed with them, as ``push`` takes them; ``mark``: recorded once the
+        step is applied with them."""
         raise NotImplementedError
 
     @remote

@@ -44,7 +44,9 @@ class Source(Protocol):
         """``count`` held-out samples (never trained on), ``batch_size`` at a time."""
 
     def state(self) -> dict[str, Any]:
-        """Where it is, as JSON a checkpoint saves: ``restore`` takes it back."""
+        """Where it is, as JSON a checkpoint saves: ``restore`` takes it back. Asked after every
+        batch, whose update carries it to the servers (a replacement resumes after the last batch
+        they applied): keep it a few numbers."""
 
     def restore(self, states: list[dict[str, Any]], mine: Optional[dict[str, Any]]) -> str:
         """Go on from ``mine`` (this trainer's saved state, the trainers the same), or else from

@@ -33,7 +33,7 @@ class ScriptedLoop:
     def ready(self, wait):
         return True
 
-    def step(self):
+    def step(self, steps=None):
         outcome = self.script.pop(0)
         if outcome == "lost":
             raise StepLost("this step was lost, nothing of it applied: Connection reset by peer")

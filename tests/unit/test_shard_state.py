@@ -50,7 +50,7 @@ def test_resharding_reassembles_exactly_the_saved_model(old, new):
     seen_dense = set()
     for k in range(new):
         dense = lay.dense_of(k)
-        p, o, steps, _ = gather_shard(states, lay, k)
+        p, o, steps, _, _ = gather_shard(states, lay, k)
         rows = plan.global_ids(k)
         assert steps == 42
         for n in ROW_PARAMS:
@@ -73,7 +73,7 @@ def test_same_shape_restores_from_the_shards_own_file_alone():
     params, optim = full_model()
     states = shard_states(2)
     plan = layout(2).plans["vocabulary"]
-    p, o, steps, _ = gather_shard([states[1]], layout(2), 1)
+    p, o, steps, _, _ = gather_shard([states[1]], layout(2), 1)
     rows = plan.global_ids(1)
     assert steps == 42 and torch.equal(p["decoder.bias"], params["decoder.bias"][rows])
     assert torch.equal(o["embedding.weight"]["sum"], optim["embedding.weight"]["sum"][rows])
@@ -94,7 +94,7 @@ def test_row_state_of_any_shape_reshards_and_a_shard_without_state_counts_as_zer
         whole_sum[ids] = float(k + 1)
         bias_sum[ids] = state["optim"]["decoder.bias"]["sum"] if k != 1 else 0.0
     for shard in range(2):
-        _, optim, _, _ = gather_shard(states, lay, shard)
+        _, optim, _, _, _ = gather_shard(states, lay, shard)
         ids = plan.global_ids(shard)
         assert torch.equal(optim["decoder.weight"]["sum"], whole_sum[ids])
         assert torch.equal(optim["decoder.bias"]["sum"], bias_sum[ids])
@@ -122,6 +122,6 @@ def test_the_rule_says_which_state_moves_with_the_rows_whatever_its_shape():
     states = [export_shard(k, Layout.of(spec, 2), {}, 7, {"t.weight": torch.zeros(3, side)},
                            {"t.weight": {"scale": scale}}) for k in range(2)]
     for k in range(3):
-        _, optim, _, _ = gather_shard(states, Layout.of(spec, 3), k)
+        _, optim, _, _, _ = gather_shard(states, Layout.of(spec, 3), k)
         assert torch.equal(optim["t.weight"]["scale"], scale), k
     assert Layout.of(spec, 3).row_state == {"t.weight": ()}

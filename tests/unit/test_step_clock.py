@@ -269,6 +269,13 @@ def test_sync_first_step_waits_for_the_trainers_the_job_starts_with():
     late = StepOf()
     clock.begin("trainer2", late, 3)
     assert late.result(0) == 42
+    # Every member gone (one waits for data, the others died): the job has begun, and whoever
+    # comes back steps without waiting for the trainers it started with.
+    for name in ("trainer0", "trainer1", "trainer2"):
+        clock.leave(name)
+    back = StepOf()
+    clock.begin("trainer1", back, 3)
+    assert back.done() and back.result(0) == 42 and clock.describe().get("waiting") is None
     alone, _, _, _ = make("sync")
     assert begin(alone, "trainer0").result(0) == 1
 

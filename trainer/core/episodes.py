@@ -83,7 +83,7 @@ class EpisodeRunner:
                 continue
             started = time.time()
             try:
-                result = self.loop.step()
+                result = self.loop.step(self.steps + 1)
             except ServerLost as exc:
                 if not self.failures.await_servers(exc):
                     return

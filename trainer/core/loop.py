@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from ps.client.cache import CacheCounts, HotRows
+from ps.spec.messages import Mark
 from trainer.core.prefetch import Lookahead
 from trainer.core.served import ServedModel
 
@@ -35,6 +36,8 @@ class Task(Protocol):
     position in its data, which checkpoints save), a step's loss, and the held-out evaluation."""
 
     unit: str                   # what throughput counts: "tokens", "samples"
+    # (optional) exactly_once: bool -- each batch goes with its position to the servers, which
+    # apply it once and tell a replacement where to resume (``ps/server/marks.py``)
     model: ServedModel
     data: str                   # what it trains on, in words (saved with positions)
 
@@ -82,6 +85,9 @@ class TrainLoop:
         client = task.model.client
         client.read_ahead(prefetch, cache)
         self.lookahead: Optional[Lookahead] = None
+        # Each batch's update says which it is, so each server applies it once (``ps/server/marks.py``):
+        # a task opts in (``exactly_once``) when its position after a batch is small and whole.
+        self.marks = bool(getattr(task, "exactly_once", False))
         if prefetch:
             self.lookahead = Lookahead(task, client, prefetch, dense=task.model.replica is None)
         # With reads ahead, what a step moves is counted from the end of the step before: the
@@ -117,7 +123,9 @@ class TrainLoop:
         """What this trainer has moved so far: RPC bytes, all-reduce bytes, RPC messages."""
         return self.model.client.traffic.total, self.model.allreduce_bytes, self.model.client.traffic.calls
 
-    def step(self) -> StepResult:
+    def step(self, steps: Optional[int] = None) -> StepResult:
+        """One step; ``steps``: this trainer's steps once it applies, which with where the data
+        then stands marks its batch for the servers (``ps.spec.messages.Mark``)."""
         client = self.model.client
         # The step boundary: in sync and ssp modes, wait for the step clock before taking the batch.
         rpc_before, allreduce_before, calls_before = self._moved_since or self._moved()
@@ -127,6 +135,7 @@ class TrainLoop:
         try:
             ahead = self.lookahead.next() if self.lookahead is not None else None
             batch = ahead.batch if ahead is not None else self.task.next_batch()
+            mark = Mark(steps, self.task.units(batch), self.position(steps)) if steps is not None and self.marks else None
             self.model.train()
             t0 = time.perf_counter()
             with client.step() as step:
@@ -137,7 +146,7 @@ class TrainLoop:
                     t_forward = time.perf_counter()
                     # Read ahead, the next step's dense weights come with this step's apply (async, ssp).
                     done = step.finish(loss, self.clip, self.model.replica,
-                                       weights=self.lookahead is not None and self.lookahead.dense)
+                                       weights=self.lookahead is not None and self.lookahead.dense, mark=mark)
                 except Exception as exc:
                     # Inside the step's context: ``failed`` holds its release until a lost server
                     # has left this process's view of the group (``PsClient.failed``).

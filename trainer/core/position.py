@@ -3,7 +3,7 @@ their shards, then saved by the coordinator. What a position holds is the worklo
 ``Task.position``); no RPC here."""
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from services.checkpoint.parts import PausedPart
 from services.errors import CheckpointError
@@ -30,3 +30,23 @@ class PositionPart(PausedPart):
 
     def state_dict(self) -> dict[str, Any]:
         return self._position()
+
+
+def resume_from(saved: Optional[dict[str, Any]], marks: list[Optional[dict[str, Any]]], name: str
+                ) -> Optional[dict[str, Any]]:
+    """Where trainer ``name`` resumes: ``saved`` (the coordinator's ``positions``: every trainer's
+    in the newest checkpoint, or told since), with its own replaced by the oldest of the servers'
+    ``marks`` of it (``PsSurface.applied_mark``) when every server holds one and it is newer. A
+    server its last update did not reach has not trained that batch: it is trained again, and a
+    server that holds it already answers without applying it (``ps/server/marks.py``)."""
+    if not marks or any(m is None for m in marks):
+        return saved
+    oldest = min(marks, key=lambda m: int(m["steps"]))
+    states = list(saved["states"]) if saved is not None else []
+    mine = next((s for s in states if s.get("name") == name), None)
+    if mine is not None and int(mine.get("steps", -1)) >= int(oldest["steps"]):
+        return saved
+    checkpoint = saved["checkpoint"] if saved is not None else "no checkpoint"
+    states = [s for s in states if s is not mine] + [dict(oldest["position"])]
+    return {**(saved or {}), "states": states,
+            "checkpoint": f"{checkpoint}, then the servers' updates to step {oldest['steps']}"}

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 from torch.distributed import PrefixStore, Store
 
 from ps.spec.config import ps_names
+from ps.spec.surface import PsSurface
 from ps.client.cache import HotRows
 from ps.client.client import PsClient
 from ps.client.clock import ClockPause
@@ -31,7 +32,7 @@ from services.torchrun import workers_store
 from trainer.core.config import TrainerSettings, dense_needs_sync
 from trainer.core.episodes import EpisodeRunner
 from trainer.core.loop import Task, TrainLoop
-from trainer.core.position import PositionPart
+from trainer.core.position import PositionPart, resume_from
 from trainer.core.replica import GROUP_PREFIX, ReplicaHold
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,13 @@ class ServedTrainer(RoleBase):
         episodes = self._episodes
         return episodes.loop.position(episodes.steps)
 
-    def _restore_position(self, task: Task) -> int:
-        """Move ``task`` to where the cluster's checkpoint left this trainer; the steps it had taken."""
+    def _restore_position(self, task: Task, client: PsClient) -> int:
+        """Move ``task`` to where the cluster's checkpoint left this trainer, or past it to after
+        its last batch every server applied; the steps it had taken."""
         saved = self._ask_coordinator(Coordinator.positions, timeout=60)
+        if getattr(task, "exactly_once", False):
+            saved = resume_from(saved, [client.call(n, PsSurface.applied_mark, self.cfg.name)
+                                        for n in client.ps_names], self.cfg.name)
         return 0 if saved is None else task.restore(saved["states"], saved["checkpoint"])
 
     def _group_stores(self) -> Callable[[str], Store]:
@@ -133,7 +138,7 @@ class ServedTrainer(RoleBase):
             loop = TrainLoop.of(task, cfg, self.metrics, self.prefetch(), cache)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        steps = self._restore_position(task)
+        steps = self._restore_position(task, client)
         with self._lock:
             self._episodes = EpisodeRunner(loop, cfg, self.board, self.metrics, self.gate, self.pause, self._wake,
                                            self.evaluates(), self._heartbeat, steps, tell=self._tell_position)

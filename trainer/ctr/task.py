@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 class CtrTask:
     unit = "samples"
+    exactly_once = True         # a source's position is a few numbers: each batch's goes with its update
 
     def __init__(self, model: "SchemaModel | LocalModel", source: Source, *, name: str, num_trainers: int,
                  eval_samples: int = 0, eval_batch_size: int = 4096, metrics: Optional[CtrMetrics] = None,

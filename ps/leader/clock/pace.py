@@ -101,6 +101,9 @@ class SyncPace:
         self.short = False                          # a member of the open step was dropped
         self.group = Lockstep()
         self._started_short = False                 # the job's start lapsed (warned once)
+        # The job has begun: a clock every member left (one waits for data, another died) is not
+        # a job's start, and whoever comes back does not wait for the trainers it starts with.
+        self._begun = False
 
     def lockstep(self) -> bool:
         clock = self.clock
@@ -136,7 +139,8 @@ class SyncPace:
         has waited ``START_WAIT_SECONDS``."""
         clock = self.clock
         expected = max((clock.begins[n].start_with for n in waiting), default=0)
-        if len(waiting) >= expected:
+        if self._begun or len(waiting) >= expected:
+            self._begun = True
             return True
         if clock.now() - min(clock.begins[n].since for n in waiting) < START_WAIT_SECONDS:
             return False
@@ -144,12 +148,13 @@ class SyncPace:
             self._started_short = True
             log.warning("step %d begins with %d of the %d trainers the job starts with: the others have not asked "
                         "within %.0fs", clock.step + 1, len(waiting), expected, START_WAIT_SECONDS)
+        self._begun = True
         return True
 
     def _missing(self) -> int:
         """At the job's start: the trainers the first step still waits for."""
         clock = self.clock
-        if clock.members or not clock.begins:
+        if self._begun or clock.members or not clock.begins:
             return 0
         return max(w.start_with for w in clock.begins.values()) - len(clock.begins)
 
