@@ -55,6 +55,12 @@ def test_two_trainer_hosts_train_across_their_links_within_their_quotas(tmp_path
             nspids = [Path(f"/proc/{p}/status").read_text().split("NSpid:")[1].split("\n")[0].split()
                       for p in members]
             assert any(ids[-1] == "1" for ids in nspids), (name, nspids)
+            # Its TCP retries at least every 3 s once a cut link is back (where the kernel can say
+            # so), and gives up on a connection no sooner than the machine's own setting does.
+            tcp = subprocess.run(["nsenter", f"--net=/run/netns/{host['namespace']}", "sh", "-c",
+                                  "cat /proc/sys/net/ipv4/tcp_retries2 /proc/sys/net/ipv4/tcp_rto_max_ms"],
+                                 capture_output=True, text=True, timeout=30).stdout.split()
+            assert tcp[:1] == ["255"] and tcp[1:] in ([], ["3000"]), (name, tcp)
 
         def link_bytes(name: str) -> int:
             out = subprocess.run(["ip", "-n", hosts[name]["namespace"], "-s", "-j", "link", "show", "eth0"],

@@ -105,8 +105,14 @@ def test_files_landing_are_trained_once_though_a_trainer_dies_between_two(tmp_pa
     def applied(ps):
         return httpx.get(f"{urls[ps]}/status", timeout=5).json()["applied"]
     for ps in ("ps0", "ps1"):
-        records = {t: a["records"] for t, a in applied(ps)["trainers"].items()}
-        assert sum(records.values()) == ROWS * FILES, (ps, records, applied(ps), up.logs())
+        # A server's /status is refreshed each second: wait for it to show the last steps.
+        def records(ps=ps):
+            return {t: a["records"] for t, a in applied(ps)["trainers"].items()}
+        try:
+            wait_until(lambda: sum(records().values()) == ROWS * FILES, 15, f"{ps}'s records to add up")
+        except AssertionError:
+            print(up.logs())        # the assertion's own message is cut short
+            raise AssertionError((ps, applied(ps))) from None
         # A replacement resumes after its last batch every server applied: at most the one batch
         # a kill left applied on one server only is repeated there, per kill.
         assert applied(ps)["repeated"] <= 2, applied(ps)

@@ -13,6 +13,7 @@ import torch
 
 from ps.client.cache import CacheCounts, HotRows
 from ps.spec.messages import Mark
+from services.errors import StepLost
 from trainer.core.prefetch import Lookahead
 from trainer.core.served import ServedModel
 
@@ -88,6 +89,7 @@ class TrainLoop:
         # Each batch's update says which it is, so each server applies it once (``ps/server/marks.py``):
         # a task opts in (``exactly_once``) when its position after a batch is small and whole.
         self.marks = bool(getattr(task, "exactly_once", False))
+        self._again: Optional[tuple[Any, Mark]] = None     # a marked batch whose step was lost: trained next
         if prefetch:
             self.lookahead = Lookahead(task, client, prefetch, dense=task.model.replica is None)
         # With reads ahead, what a step moves is counted from the end of the step before: the
@@ -123,6 +125,19 @@ class TrainLoop:
         """What this trainer has moved so far: RPC bytes, all-reduce bytes, RPC messages."""
         return self.model.client.traffic.total, self.model.allreduce_bytes, self.model.client.traffic.calls
 
+    def _take(self, steps: Optional[int]) -> tuple[Any, Any, Optional[Mark]]:
+        """The step's batch (read ahead, or now) and its mark when the task opts in. A marked batch
+        whose step was lost on its way (a server went away, a request refused as an old
+        incarnation's) comes again under the same mark: a server that applied it before the loss
+        does not apply it twice, and none misses it."""
+        if self._again is not None:
+            (batch, mark), self._again = self._again, None
+            return None, batch, mark
+        ahead = self.lookahead.next() if self.lookahead is not None else None
+        batch = ahead.batch if ahead is not None else self.task.next_batch()
+        mark = Mark(steps, self.task.units(batch), self.position(steps)) if steps is not None and self.marks else None
+        return ahead, batch, mark
+
     def step(self, steps: Optional[int] = None) -> StepResult:
         """One step; ``steps``: this trainer's steps once it applies, which with where the data
         then stands marks its batch for the servers (``ps.spec.messages.Mark``)."""
@@ -132,10 +147,9 @@ class TrainLoop:
         cached_before = replace(client.cache.counts) if client.cache is not None else None
         waited = client.clock.begin()
         self.model.follow_group()
+        batch, mark = None, None
         try:
-            ahead = self.lookahead.next() if self.lookahead is not None else None
-            batch = ahead.batch if ahead is not None else self.task.next_batch()
-            mark = Mark(steps, self.task.units(batch), self.position(steps)) if steps is not None and self.marks else None
+            ahead, batch, mark = self._take(steps)
             self.model.train()
             t0 = time.perf_counter()
             with client.step() as step:
@@ -154,8 +168,10 @@ class TrainLoop:
                     if lost is None:
                         raise
                     raise lost from exc
-        except BaseException:
+        except BaseException as exc:
             self.idle()        # what was read ahead may predate the failure's consequences
+            if mark is not None and isinstance(exc, StepLost):
+                self._again = (batch, mark)
             raise
         if self.lookahead is not None:
             self.lookahead.applied(done.weights)

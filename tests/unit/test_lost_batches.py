@@ -1,0 +1,81 @@
+"""A marked batch whose step was lost on its way is trained again under the same mark
+(``TrainLoop``, over a fake client and task): a server that applied it before the loss answers
+the repeat without applying it (``ps/server/marks.py``), and none misses it. A refused one (its
+gradients not finite) is skipped: the data is what is wrong."""
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.errors import ServerLost, UpdateRefused
+from trainer.core.loop import TrainLoop
+
+
+class Task:
+    unit, exactly_once = "samples", True
+
+    def __init__(self):
+        self.cursor = 0
+
+    def next_batch(self):
+        self.cursor += 1
+        return self.cursor - 1
+
+    def position(self, steps):
+        return {"steps": steps, "record": self.cursor}
+
+    def fetch(self, batch):
+        return None
+
+    def loss(self, batch, fetched):
+        return torch.tensor(float(batch))
+
+    def units(self, batch):
+        return 10
+
+    def stepped(self):
+        pass
+
+
+def loop_failing(*failures):
+    """A loop whose steps' ``finish`` raise ``failures`` in turn (None: it applies); the marks
+    that reached ``finish``, in order."""
+    marks, left = [], list(failures)
+
+    def finish(loss, clip, replica, weights, mark):
+        marks.append(mark)
+        failure = left.pop(0) if left else None
+        if failure is not None:
+            raise failure
+        return SimpleNamespace(grad_norm=0.0, backward=0.0, clip=0.0, optimize=0.0, barrier=0.0, arrived_at=0.0,
+                               weights=None)
+    client = SimpleNamespace(clock=SimpleNamespace(begin=lambda: 0.0, ahead=0), cache=None,
+                             consistency=SimpleNamespace(averaged=False),
+                             read_ahead=lambda early, cache: None, traffic=SimpleNamespace(total=0, calls=0),
+                             losses=SimpleNamespace(failed=lambda exc, replica: None),
+                             step=lambda: contextlib.nullcontext(SimpleNamespace(finish=finish)))
+    task = Task()
+    task.model = SimpleNamespace(client=client, replica=None, allreduce_bytes=0, follow_group=lambda: None,
+                                 train=lambda: None)
+    return TrainLoop(task, clip=0.0), marks
+
+
+def test_a_lost_step_trains_its_batch_again_under_the_same_mark_and_a_refused_one_is_skipped():
+    loop, marks = loop_failing(ServerLost("ps1 went away", ("ps1",)), None, UpdateRefused("not finite"), None)
+    with pytest.raises(ServerLost):
+        loop.step(1)
+    loop.step(1)                    # the runner's steps did not move: the same number
+    with pytest.raises(UpdateRefused):
+        loop.step(2)
+    loop.step(2)
+    assert [(m.steps, m.position["record"]) for m in marks] == [(1, 1), (1, 1), (2, 2), (2, 3)]
+    assert marks[0] is marks[1], "the lost batch again, with its own mark"
+
+
+def test_unmarked_steps_take_the_next_batch_after_a_loss():
+    loop, marks = loop_failing(ServerLost("ps1 went away", ("ps1",)))
+    with pytest.raises(ServerLost):
+        loop.step()
+    loop.step()
+    assert marks == [None, None] and loop.task.cursor == 2
