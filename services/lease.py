@@ -22,6 +22,7 @@ after the member sent it: the member may then outlive the deadline by one ask's 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -53,9 +54,11 @@ class Ask:
         """The ask of a header; None for one without a send time (a renewal by hand: it counts now)."""
         fields = dict(part.split("=", 1) for part in value.split(";") if "=" in part)
         try:
-            return cls(float(fields["sent"]), float(fields["within"]), fields["by"])
+            ask = cls(float(fields["sent"]), float(fields["within"]), fields["by"])
         except (KeyError, ValueError):
             return None
+        # A NaN would compare false everywhere and leave a lease that never runs out.
+        return ask if math.isfinite(ask.sent) and math.isfinite(ask.within) else None
 
 
 class Lease:

@@ -77,6 +77,7 @@ def test_a_lease_renews_from_when_an_ask_was_sent_and_not_on_one_its_asker_gave_
     offset = -700.0                  # the asker's clock reads 700 s behind this host's
     header = Ask(now[0] + offset, 2.0, "up-1").header(15)
     assert Ask.parse(header) == Ask(now[0] + offset, 2.0, "up-1") and Ask.parse("15") is None
+    assert Ask.parse("sent=nan;within=2;by=x") is None and Ask.parse("sent=1;within=inf;by=x") is None
     for _ in range(3):               # asked each second, answered at once
         assert lease.renew(Ask.parse(Ask(now[0] + offset - 0.01, 2.0, "up-1").header(15)))
         now[0] += 1.0
