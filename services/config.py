@@ -59,7 +59,7 @@ class CommonConfig(ConfigBase):
         "cluster": ("name", "master_addr", "master_port", "ps_addr", "sidecar_host", "sidecar_port", "control_token",
                     "http_read_timeout", "threads", "rpc_timeout", "join_timeout", "rpc_transport"),
         "checkpoints": ("checkpoint_dir",),
-        "failures": ("restarts_in_a_row", "lease_timeout"),
+        "failures": ("restarts_in_a_row", "lease_timeout", "requeue_job"),
         "output": ("log_level",),
     }
     name: str = Field(description="RPC name of this process (ps0, trainer1, ...)")
@@ -87,6 +87,10 @@ class CommonConfig(ConfigBase):
                                                                            "renewed this member's lease on /healthz for "
                                                                            "this many seconds (rpcps up sets it to its "
                                                                            "--member-timeout; default: no lease)")
+    requeue_job: Optional[str] = Field(None, pattern=r"^[0-9]+(_[0-9]+)?$",
+                                       description="Slurm job to requeue when this member's lease runs out and its "
+                                                   "leader's store is out of reach too (the batch node, where rpcps "
+                                                   "up runs, is lost); rpcps up --slurm sets it")
 
     @field_validator("name")
     @classmethod

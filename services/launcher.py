@@ -53,6 +53,8 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
         return f"{e['name']} left to rejoin the group (its leader was lost, or evicted it); restarting it"
     if kind == "lost":
         return f"{e['name']} lost: {e['reason']}; stopping it, and a replacement starts"
+    if kind == "relocated":
+        return f"{e['name']} cannot start where it ran ({e['reason']}); it starts at {e['to']}"
     if kind == "restart":
         return (f"{e['name']} exited with code {e['exit_code']} ({e['reason']}); restarting in {e['in']:.0f}s "
                 f"({e['restarts']} in a row)")
@@ -199,6 +201,7 @@ class Launcher:
                 if m.restart_at is not None:
                     if now >= m.restart_at:
                         self.roster.respawn(m)
+                        self.liveness.watch(m.name, m.url)      # it may have moved
                     continue
                 code = m.proc.poll()
                 if code is None:
@@ -218,6 +221,7 @@ class Launcher:
                     self._fence(m, cause(m.log_path, m.log_start))
                 if code == LEADER_LOST:
                     self.roster.rejoin(m)
+                    self.liveness.watch(m.name, m.url)
                 elif not self.roster.schedule_restart(m, code):
                     return 1
             if time.monotonic() >= next_poll:  # statuses once a second; liveness every tick

@@ -170,11 +170,16 @@ class Roster:
         log.warning("%s lost: %s; stopping it %s", m.name, why, m.proc.where())
         self.emit({"event": "lost", "name": m.name, "reason": why, "where": m.proc.where()})
         m.proc.kill()
-        if self.placement.renew(m.name):
-            # Its replacement starts elsewhere: the others find it there (a new leader's address
-            # is everyone's next start's, after they leave the old leader's group).
-            for member in self.members:
-                self._place(member, anew=member is m)
+        self._renew(m)
+
+    def _renew(self, m: Member) -> bool:
+        """``m``'s next start placed afresh, if its placement can: the others find it there (a new
+        leader's address is everyone's next start's, after they leave the old leader's group)."""
+        if not self.placement.renew(m.name):
+            return False
+        for member in self.members:
+            self._place(member, anew=member is m)
+        return True
 
     def final_checkpoint(self) -> None:
         """Once the workers have stopped (their final positions are with the leader), before the
@@ -206,6 +211,9 @@ class Roster:
     def respawn(self, m: Member) -> None:
         m.restart_at = None
         m.fenced = None
+        gone = self.placement.gone(m.name)
+        if gone and self._renew(m):
+            self.emit({"event": "relocated", "name": m.name, "reason": gone, "to": m.url})
         self.spawn(m)
         self.write_state()
 

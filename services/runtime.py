@@ -13,6 +13,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 from typing import Any, NoReturn, Optional, Protocol
 
 import torch
@@ -22,9 +23,10 @@ from services.config import CommonConfig
 from services.errors import RpcpsError
 from services.http_server import SidecarServer
 from services.leader import LEADER_LOST
-from services.lease import FENCED
+from services.lease import FENCED, Lease
 from services.lifecycle import RoleState
 from services.log import init_logging
+from services.placement.slurm import requeue_orphaned
 from services.role import RoleContext
 from services.sidecar import create_app
 from services.workload import RoleSpec, resolve
@@ -32,6 +34,7 @@ from services.workload import RoleSpec, resolve
 log = logging.getLogger(__name__)
 
 STOP_GRACE = 7.0  # seconds a role gets to reach a step boundary; leaves room inside a 10 s budget
+FENCE_GRACE = 6.0  # seconds a fencing member gives its last words: a store to try (2 s), scontrol (4 s)
 
 
 class Role(Protocol):
@@ -108,16 +111,33 @@ def _raise_fd_limit() -> None:
             log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
 
 
-def _fence_itself(name: str, silent: float) -> NoReturn:
+def _fence_itself(cfg: CommonConfig, silent: float) -> NoReturn:
     """The lease ran out: its supervisor is about to declare this member lost and start another,
     so it stops serving now, before anything else of it can land (``services/lease.py``). Its
     log may be a pipe to a host it is cut off from (srun's), where a write blocks: the line is
-    written by a thread of its own, given a second, and the process ends either way."""
-    said = threading.Thread(target=lambda: (log.error("%s fenced itself: its supervisor has not renewed its lease "
-                                                      "for %.0fs", name, silent), logging.shutdown()), daemon=True)
+    written by a thread of its own, given a few seconds (in a Slurm job, a lost batch node has
+    it requeue the job first), and the process ends either way."""
+    def say() -> None:
+        requeued = requeue_orphaned(cfg.requeue_job, (cfg.master_addr, cfg.master_port))
+        log.error("%s fenced itself: its supervisor has not renewed its lease for %.0fs%s", cfg.name, silent,
+                  f"; {requeued}" if requeued else "")
+        logging.shutdown()
+    said = threading.Thread(target=say, daemon=True)
     said.start()
-    said.join(1.0)
+    said.join(FENCE_GRACE)
     os._exit(FENCED)
+
+
+def _hear_supervisor(lease: Lease) -> None:
+    """A member of a Slurm job leaves a lost leader for its supervisor to start it again, but
+    under Slurm the supervisor ran on the leader's node: it waits, its sidecar up, for one more
+    ask. If the supervisor asks (within a second, normally), it leaves as usual; if not, the lease
+    runs out and fencing requeues the job (``_fence_itself``), for nothing else would start it."""
+    left = time.monotonic()
+    while time.monotonic() - left < lease.timeout + FENCE_GRACE + 1:
+        if lease.silent_for() < time.monotonic() - left:
+            return                  # asked since it left: the supervisor is there
+        time.sleep(0.1)  # noqa: sleep-ok (a watch of the lease's clock; the fence thread ends the wait)
 
 
 def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
@@ -137,10 +157,12 @@ def run_role(cfg: CommonConfig, spec: RoleSpec) -> NoReturn:
     sidecar = SidecarServer(create_app(role, registry, token, routes, lease), cfg.sidecar_host, cfg.sidecar_port,
                             cfg.http_read_timeout).start()
     if lease is not None:
-        lease.watch(functools.partial(_fence_itself, cfg.name))
+        lease.watch(functools.partial(_fence_itself, cfg))
     log.info("%s %s: sidecar %s", spec.name, cfg.name, sidecar.url)
     worker = _RoleThread(role, context.leader_lost)
     code = worker.run_until_stopped(cfg.name)
+    if code == LEADER_LOST and lease is not None and cfg.requeue_job:
+        _hear_supervisor(lease)
     try:
         role.close()
     except Exception:

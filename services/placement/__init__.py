@@ -91,6 +91,10 @@ class Placement(Protocol):
         """Member ``name`` was fenced, and its old place may be cut off: place its next start
         afresh where the placement can (a fresh host). True when its addresses changed."""
 
+    def gone(self, name: str) -> Optional[str]:
+        """Why member ``name``, which died, cannot start again where it ran (its Slurm node left
+        the allocation), so that its next start is placed afresh (``renew``); None: it can."""
+
     def describe(self) -> Optional[dict[str, Any]]: ...
     def close(self) -> None: ...
 

@@ -98,6 +98,9 @@ class OnHosts(_PortsInOrder):
         self.host_of[name] = host
         return True
 
+    def gone(self, name: str) -> Optional[str]:
+        return None         # a host lost is found by the deadline, and renewed by fencing
+
     def describe(self) -> Optional[dict[str, Any]]:
         if self.hosts is None:
             return None

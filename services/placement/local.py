@@ -74,6 +74,9 @@ class Local(_PortsInOrder):
     def renew(self, name: str) -> bool:
         return False        # a process of this machine: its replacement is one too
 
+    def gone(self, name: str) -> Optional[str]:
+        return None         # this machine is always there
+
     def describe(self) -> Optional[dict[str, Any]]:
         return None
 

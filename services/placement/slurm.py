@@ -51,6 +51,35 @@ def job_alive(job: str) -> bool:
                for state in r.stdout.split())
 
 
+def requeue_orphaned(job: Optional[str], store: tuple[str, int], wait: float = 2.0) -> Optional[str]:
+    """For a member of a Slurm job whose lease ran out: requeue the job if its batch node is lost.
+    ``rpcps up`` and the leader's store run on the batch node; when the store cannot be reached
+    either, but Slurm's controller can, the batch node is gone and nothing is left to supervise.
+    Slurm would keep a job that outlives node failures (``--no-kill``) running without its
+    batch script; requeued, it resumes from its newest checkpoint. A member cut off from
+    everything reaches neither, and only fences itself. Says what it did (None: nothing)."""
+    if not job or shutil.which("scontrol") is None:
+        return None
+    try:
+        socket.create_connection(store, timeout=wait).close()
+        return None                 # the batch node is there: this member alone was let go
+    except OSError:
+        pass
+    try:
+        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=2 * wait)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None                 # the controller is out of reach too, or the job is over or requeued
+    return f"its leader's store at {store[0]}:{store[1]} is out of reach: requeued Slurm job {job}"
+
+
+def _unusable(state: str) -> bool:
+    """A node state (``sinfo``'s short form) no step can start in: down, failed, or not
+    responding (a ``*`` after the state)."""
+    return state.endswith("*") or state.rstrip("*~#!%$@^-").startswith(("down", "fail"))
+
+
 class SlurmStep(Placed):
     """A member as step of job ``job``, named after the member; ``proc`` is its ``srun``. Signals go
     to the step through the controller (``scancel``), which delivers them to the member itself."""
@@ -154,7 +183,7 @@ class OnSlurm:
         srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.nodes[name]}", "--overlap",
                 f"--job-name={name}", "--kill-on-bad-exit=0", "--quiet",
                 sys.executable, "-m", "services.cli", *argv]
-        proc = spawn_logged(srun, log_path, env)
+        proc = spawn_logged(srun, log_path, {**env, "RPCPS_REQUEUE_JOB": self.job})
         return SlurmStep(proc.pid, self.job, name, self.nodes[name], proc)
 
     def renew(self, name: str) -> bool:
@@ -165,8 +194,8 @@ class OnSlurm:
         if name == self._leader:
             return False
         self._suspect.add(self.nodes[name])
-        others = [n for n in self._allocated if n not in self._suspect] or \
-            [n for n in self._allocated if n != self.nodes[name]]
+        usable = self._usable()
+        others = [n for n in usable if n not in self._suspect] or [n for n in usable if n != self.nodes[name]]
         if not others:
             return False
         count = {n: sum(1 for m, at in self.nodes.items() if at == n and m != name) for n in others}
@@ -176,6 +205,30 @@ class OnSlurm:
         self.ports[name] = next(port for port in range(self._base, self._base + len(self.nodes) + 1)
                                 if port not in taken)
         return True
+
+    def gone(self, name: str) -> Optional[str]:
+        """Why ``name``'s node can no longer take it (None: it can). A job that outlives a node's
+        failure (``--no-kill``) loses the node from its allocation once Slurm sets it DOWN; a
+        step started there is refused, so a member that died on it starts on another node."""
+        node = self.nodes[name]
+        if name == self._leader or node in self._usable():
+            return None
+        return f"its node {node} is no longer in Slurm job {self.job}'s allocation, or is not responding"
+
+    def _usable(self) -> list[str]:
+        """The allocation's nodes a step can start on now: still the job's and responding. When
+        Slurm cannot say, every node of the allocation."""
+        try:
+            listed = _run(["squeue", "-h", "--jobs", self.job, "--format", "%N"]).strip()
+            if not listed:
+                return list(self._allocated)
+            current = set(_run(["scontrol", "show", "hostnames", listed]).split())
+            states = dict(line.split()[:2] for line in _run(
+                ["sinfo", "-h", "-N", "--nodes", ",".join(self._allocated), "--format", "%N %t"]).splitlines()
+                if len(line.split()) >= 2)
+        except (Unavailable, OSError, subprocess.TimeoutExpired):
+            return list(self._allocated)
+        return [n for n in self._allocated if n in current and not _unusable(states.get(n, ""))]
 
     def describe(self) -> Optional[dict[str, Any]]:
         return {name: {"node": node, "job": self.job} for name, node in self.nodes.items()}

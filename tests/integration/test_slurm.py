@@ -136,6 +136,98 @@ def test_a_job_trains_across_nodes_stops_on_scancel_and_resumes_when_resubmitted
     print(f"\nSlurm: sbatch to both trainers stepping {first_step:.1f} s; scancel to every member gone {gone:.1f} s")
 
 
+def placed(work: Path, name: str) -> str:
+    return json.loads((work / ".rpcps" / "cluster.json").read_text())["hosts"][name]["node"]
+
+
+def trainer_steps(slurm: SlurmCluster, work: Path) -> int:
+    return sum(m.get("step") or 0 for n, m in status(slurm, work).items() if n.startswith("ctr"))
+
+
+def test_a_node_set_down_moves_its_member_and_a_requeued_job_resumes_from_the_newest_checkpoint(slurm, work):
+    env = user_env(slurm)
+    job = slurm.sbatch(SCRIPT, MOVIES, work, env)
+    try:
+        wait_until(lambda: len([m for n, m in status(slurm, work).items() if n.startswith("ctr") and m.get("step")])
+                   == 2, 180, "both trainers stepping")
+        assert placed(work, "ctr1") == "node4"
+        # node4's slurmd hangs: the controller sets node4 DOWN, and the job (--no-kill) loses it
+        # from its allocation. ctr1 still runs there and answers, until Slurm ends its step: then
+        # it starts on another node of the allocation, and the old one, no longer asked, fences itself.
+        slurm.hang("node4")
+        hung = time.monotonic()
+        try:
+            moved = wait_until(lambda: (node := placed(work, "ctr1")) != "node4" and node, 90,
+                               "ctr1 started on another node")
+            downed = slurm.node_state("node4")
+            before = trainer_steps(slurm, work)
+            wait_until(lambda: status(slurm, work).get("ctr1", {}).get("state") == "running"
+                       and trainer_steps(slurm, work) > before + 2, 90, "training on, ctr1 on its new node")
+            going_on = time.monotonic() - hung
+            wait_until(lambda: not [m for m in members_left(slurm) if m.startswith("node4:")], 30,
+                       "the old ctr1 gone from node4")
+        finally:
+            slurm.hang("node4", False)
+        assert downed.startswith("down"), downed
+        assert moved in ("node1", "node2", "node3"), moved
+        assert slurm.state(job) == "RUNNING"
+        assert f"ctr1 cannot start where it ran (its node node4 is no longer in Slurm job {job}'s allocation" \
+            in job_output(work, job), job_output(work, job)[-3000:]
+
+        # node4 back (ReturnToService=2), the whole job requeued: every member stops (the servers
+        # checkpoint on the way out), and the job, started again, resumes from the newest checkpoint.
+        wait_until(lambda: slurm.node_state("node4") in ("idle", "mix", "alloc"), 60, "node4 back in service")
+        slurm.login(["scontrol", "requeue", str(job)])
+        wait_until(lambda: slurm.state(job) == "PENDING" and not members_left(slurm), 90,
+                   "the requeued job's members gone")
+        newest = checkpoints(slurm, work)[0]
+        assert newest["state"] == "complete", newest
+        requeued = time.monotonic()
+        wait_until(lambda: slurm.state(job) == "RUNNING" and trainer_steps(slurm, work) > 0, 180,
+                   "the requeued job training again")
+        again = time.monotonic() - requeued
+        ps0 = (work / ".rpcps" / "logs" / "ps0.log").read_text(errors="replace")
+        assert f"resuming from {newest['id']} (step {newest['step']})" in ps0, ps0[-3000:]
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{job_output(work, job)[-3000:]}\n{slurm.logs()}") from None
+    finally:
+        slurm.login(["scancel", str(job)], check=False)
+        wait_until(lambda: slurm.state(job) not in ("RUNNING", "COMPLETING") and not members_left(slurm), 60,
+                   f"job {job} over")
+    print(f"\nSlurm: node4's slurmd hung: ctr1 on {moved}, training on after {going_on:.1f} s; "
+          f"requeued: training again {again:.1f} s after it was pending")
+
+
+def test_the_batch_node_lost_has_the_members_requeue_the_job_which_resumes_from_the_newest_checkpoint(slurm, work):
+    # rpcps up and the leader run on the batch node; the job outlives node failures (--no-kill),
+    # so Slurm would keep it running with nothing in it. The members, their leader lost and no
+    # supervisor asking, requeue it; it starts again when the nodes are back.
+    job = slurm.sbatch(SCRIPT, [*MOVIES, "--checkpoint-every-steps", "50"], work, user_env(slurm))
+    try:
+        wait_until(lambda: [c for c in checkpoints(slurm, work) if c["state"] == "complete"], 180, "a checkpoint")
+        slurm.crash("node1")
+        crashed = time.monotonic()
+        try:
+            wait_until(lambda: slurm.state(job) in ("COMPLETING", "PENDING"), 60, "the job requeued")
+            requeued = time.monotonic() - crashed
+            newest = next(c for c in checkpoints(slurm, work) if c["state"] == "complete")
+        finally:
+            slurm.boot("node1")         # back, as a machine that restarts
+        wait_until(lambda: slurm.state(job) == "RUNNING" and trainer_steps(slurm, work) > 0, 180,
+                   "the requeued job training again")
+        again = time.monotonic() - crashed
+        ps0 = (work / ".rpcps" / "logs" / "ps0.log").read_text(errors="replace")
+        assert f"resuming from {newest['id']} (step {newest['step']})" in ps0, ps0[-3000:]
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{job_output(work, job)[-3000:]}\n{slurm.logs()}") from None
+    finally:
+        slurm.login(["scancel", str(job)], check=False)
+        wait_until(lambda: slurm.state(job) not in ("RUNNING", "COMPLETING") and not members_left(slurm), 60,
+                   f"job {job} over")
+    print(f"\nSlurm: the batch node lost: the job requeued after {requeued:.1f} s, training again after "
+          f"{again:.1f} s")
+
+
 def test_a_member_on_a_node_cut_off_starts_again_on_another_node(slurm, work):
     # A job of its own, left to the cluster's end: a step on a node that was cut off keeps its
     # job COMPLETING until that node's slurmd gets the step's end through, on a back-off of its own.

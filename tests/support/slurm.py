@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Optional
@@ -51,7 +52,7 @@ class SlurmCluster:
             self._write_conf()
             self._spawn(CONTROLLER, ["slurmctld", "-D", "-i", "-f", str(self.conf)])
             for node in self.nodes:
-                self._spawn(node, ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
+                self.boot(node)
             wait_until(self._idle, 60, f"the Slurm nodes {self.nodes} idle")
         except BaseException:
             self.close()
@@ -75,6 +76,9 @@ class SlurmCluster:
         self._munged = int(pid_file.read_text())
 
     def _write_conf(self) -> None:
+        """Slurm's defaults but two, so that a test need not wait minutes: a node whose slurmd is
+        silent for 10 s is set DOWN (``SlurmdTimeout``, 300 s by default), and a requeued job
+        waits 20 s before it starts again (``cred_expire``, 120 s by default)."""
         state = self.folder / "state"
         for sub in ("ctld", "spool", "logs"):
             (state / sub).mkdir(parents=True, exist_ok=True)
@@ -85,7 +89,7 @@ class SlurmCluster:
 ClusterName=rpcpstest
 SlurmctldHost={CONTROLLER}({self.hosts.address(CONTROLLER)})
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=20
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -104,6 +108,7 @@ MpiDefault=none
 ReturnToService=2
 PropagateResourceLimits=NONE
 KillWait=30
+SlurmdTimeout=10
 {nodes}
 PartitionName=rpcps Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
@@ -150,6 +155,26 @@ PartitionName=rpcps Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return wait_until(lambda: (s := self.state(job)) not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
                           and s, timeout, f"Slurm job {job} to end")
 
+    def hang(self, node: str, hung: bool = True) -> None:
+        """``node``'s slurmd stopped (SIGSTOP), or continued: to the controller, a slurmd hung or
+        killed, so it sets the node DOWN after ``SlurmdTimeout``, while what runs there lives on."""
+        proc = next(p for host, p in self._daemons if host == node)
+        proc.send_signal(signal.SIGSTOP if hung else signal.SIGCONT)
+
+    def crash(self, node: str) -> None:
+        """``node`` down at once, as a machine that loses power: its slurmd is its host's first
+        process, and everything on the host ends with it."""
+        next(p for host, p in self._daemons if host == node).kill()
+
+    def boot(self, node: str) -> None:
+        """``node``'s slurmd started again after a crash; it rejoins (``ReturnToService=2``)."""
+        self._daemons = [(host, p) for host, p in self._daemons if host != node]
+        self._spawn(node, ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
+
+    def node_state(self, node: str) -> str:
+        """``sinfo``'s short state of ``node`` (``idle``, ``mix``, ``down*``, …)."""
+        return self.login(["sinfo", "-h", "-N", "--nodes", node, "-o", "%t"], check=False).stdout.strip()
+
     def logs(self) -> str:
         out = []
         for path in sorted((self.folder / "state" / "logs").glob("*")):
@@ -160,6 +185,9 @@ PartitionName=rpcps Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def close(self) -> None:
         """Every job cancelled, the daemons stopped, munged ended and the hosts removed."""
         try:
+            for host, proc in self._daemons:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGCONT)     # a hung one, to take its SIGTERM
             if any(proc.poll() is None for host, proc in self._daemons if host == CONTROLLER):
                 self.login(["scancel", "--full", "--user", "root"], check=False, timeout=30)
             stop_in_waves([[(h, p) for h, p in self._daemons if h != CONTROLLER],

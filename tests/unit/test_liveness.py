@@ -4,11 +4,14 @@ judges a member by --member-timeout after its first answer since its start, by -
 before it."""
 import http.server
 import threading
+import time
 
 import pytest
 
+from services.lease import Lease
 from services.liveness import Liveness
 from services.processes import free_port
+from services.runtime import _hear_supervisor
 from tests.support.wait import wait_until
 
 
@@ -104,3 +107,15 @@ def test_a_slow_drift_between_two_clocks_does_not_make_every_ask_stale():
     for k in range(20000):           # this host's clock gains 100 ppm on the asker's, for 5.5 hours
         now[0] = k * 1.0001
         assert lease.renew(Ask(k * 1.0, 2.0, "up-1")), k
+
+
+def test_a_member_that_lost_its_leader_leaves_once_its_supervisor_asks_again():
+    """Under Slurm the supervisor runs beside the leader: a member leaving a lost leader first
+    hears from it (or, when the supervisor is gone too, its lease runs out and fencing requeues)."""
+    lease = Lease(timeout=5)
+    lease.renew()
+    asks = threading.Timer(0.3, lease.renew)
+    asks.start()
+    left = time.monotonic()
+    _hear_supervisor(lease)
+    assert 0.25 < time.monotonic() - left < 3

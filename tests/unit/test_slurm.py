@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 
 import pytest
@@ -14,7 +15,7 @@ from services import cli
 from services.config import ConfigError, load
 from services.hosts.network import Unavailable
 from services.placement.local import Local
-from services.placement.slurm import OnSlurm, job_alive
+from services.placement.slurm import OnSlurm, job_alive, requeue_orphaned
 from services.upconfig import UpConfig
 
 
@@ -24,27 +25,37 @@ def up(*argv: str) -> UpConfig:
 
 @pytest.fixture
 def fake_slurm(tmp_path, monkeypatch):
-    """``scontrol show hostnames`` and ``squeue`` as a Slurm controller would answer them:
-    ``nodes`` expanded from any list, ``jobs`` (id -> state) for squeue."""
+    """``scontrol show hostnames``, ``squeue`` and ``sinfo`` as a Slurm controller would answer
+    them: ``nodes`` expanded from the allocation's list, a comma list as itself; ``jobs`` (id ->
+    state) for squeue, and the job's nodes now (``held``, all of ``nodes`` unless given);
+    ``states`` (node -> sinfo's short state, ``mix`` unless given)."""
     folder = tmp_path / "bin"
     folder.mkdir()
     answers = tmp_path / "answers.json"
 
-    def write(nodes=(), jobs=None):
-        answers.write_text(json.dumps({"nodes": list(nodes), "jobs": jobs or {}}))
+    def write(nodes=(), jobs=None, held=None, states=None):
+        answers.write_text(json.dumps({"nodes": list(nodes), "jobs": jobs or {},
+                                       "held": list(nodes if held is None else held), "states": states or {}}))
     write()
     program = f"""#!/usr/bin/env python3
-import json, sys
+import json, os, sys
 a = json.load(open({str(answers)!r}))
+with open({str(tmp_path / "calls")!r}, "a") as calls:
+    calls.write(os.path.basename(sys.argv[0]) + " " + " ".join(sys.argv[1:]) + "\\n")
 if sys.argv[0].endswith("scontrol"):
-    print("\\n".join(a["nodes"]))
+    listed = sys.argv[-1]
+    print("\\n".join(listed.split(",") if "," in listed else a["nodes"]))
+elif sys.argv[0].endswith("sinfo"):
+    print("\\n".join(f"{{n}} {{a['states'].get(n, 'mix')}}" for n in a["nodes"]))
+elif "%N" in sys.argv:
+    print(",".join(a["held"]))
 else:
     job = sys.argv[sys.argv.index("--jobs") + 1]
     if job not in a["jobs"]:
         sys.exit("slurm_load_jobs error: Invalid job id specified")
     print(a["jobs"][job])
 """
-    for tool in ("scontrol", "squeue", "srun", "scancel"):
+    for tool in ("scontrol", "squeue", "sinfo", "srun", "scancel"):
         path = folder / tool
         path.write_text(program)
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
@@ -94,6 +105,38 @@ def test_a_fenced_member_starts_again_on_the_least_busy_other_node_and_the_leade
     assert place.renew("ctr1") and place.reach("ctr1") == "n2" and place.sidecar_port("ctr1") == 8081
     assert place.renew("ctr1") and place.reach("ctr1") == "n3" and place.sidecar_port("ctr1") == 8081
     assert not place.renew("ps0") and place.reach("ps0") == "n1", "the leader's store port is the batch node's"
+
+
+def test_a_member_whose_node_left_the_allocation_starts_elsewhere_and_fencing_skips_such_nodes(fake_slurm):
+    fake_slurm(nodes=["n1", "n2", "n3", "n4"])
+    place = OnSlurm(environ={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-4]", "SLURMD_NODENAME": "n1"})
+    place.create(["ps0", "ps1", "ctr0", "ctr1"])
+    assert place.gone("ctr1") is None
+    # Slurm set n4 DOWN and the job (--no-kill) lost it: ctr1 cannot start there again.
+    fake_slurm(nodes=["n1", "n2", "n3", "n4"], held=["n1", "n2", "n3"], states={"n4": "down*"})
+    assert "its node n4 is no longer in Slurm job 7's allocation" in place.gone("ctr1")
+    assert place.renew("ctr1") and place.reach("ctr1") == "n1" and place.sidecar_port("ctr1") == 8081
+    assert place.gone("ctr1") is None
+    # n3 still the job's but not responding: no start goes there; ctr0 goes to the least busy of
+    # the nodes left.
+    fake_slurm(nodes=["n1", "n2", "n3", "n4"], held=["n1", "n2", "n3"], states={"n3": "mix*"})
+    assert place.gone("ctr0") is not None
+    assert place.renew("ctr0") and place.reach("ctr0") == "n2"
+    fake_slurm(nodes=["n1", "n2", "n3", "n4"], held=["n2", "n3", "n4"], states={"n1": "down"})
+    assert place.gone("ps0") is None, "the leader stays on the batch node, where rpcps up runs"
+
+
+def test_a_member_fencing_itself_requeues_the_job_only_when_its_leaders_store_is_out_of_reach(fake_slurm, tmp_path):
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        store.listen()
+        assert requeue_orphaned("7", store.getsockname()) is None, "the batch node is there"
+        port = store.getsockname()[1]
+    assert requeue_orphaned(None, ("127.0.0.1", port)) is None, "not a member of a Slurm job"
+    assert not (tmp_path / "calls").exists()
+    said = requeue_orphaned("7", ("127.0.0.1", port))
+    assert said == f"its leader's store at 127.0.0.1:{port} is out of reach: requeued Slurm job 7"
+    assert (tmp_path / "calls").read_text() == "scontrol requeue 7\n"
 
 
 def test_on_this_machine_sidecar_ports_follow_the_first_given_or_are_free():
