@@ -42,7 +42,9 @@ class TrainerSettings(ServersConfig):
     steps: Optional[int] = Field(None, ge=1, description="steps of the episode started at launch (default: unbounded)")
     dense: Dense = Field("ps", description=DENSE_HELP)
     group_timeout: float = Field(30.0, gt=0, description="--dense allreduce: seconds the trainers' process group "
-                                                         "waits for a member, forming it and in each all-reduce")
+                                                         "waits for a member, forming it and in each all-reduce "
+                                                         "(at most --rpc-timeout, which rpcps up sets to its "
+                                                         "--member-timeout)")
     exit_when_done: bool = Field(False, description="stop, with exit 0, when the episode started at launch ends "
                                                     "(a batch job: under torchrun, the default)")
     seed: int = Field(1111, description="seed of the trainer's randomness (dropout, stragglers, generated data)")

@@ -104,10 +104,16 @@ class ServedTrainer(RoleBase):
                                         for n in client.ps_names], self.cfg.name)
         return 0 if saved is None else task.restore(saved["states"], saved["checkpoint"])
 
+    def _group_wait(self) -> float:
+        """How long the trainers' process group waits for a member: ``--group-timeout``, but no
+        longer than ``--rpc-timeout``, which ``rpcps up`` sets to its member timeout (a peer silent
+        that long is lost, and is fenced: no wait on it lasts longer)."""
+        return min(self.cfg.group_timeout, self.cfg.rpc_timeout)
+
     def _group_stores(self) -> Callable[[str], Store]:
         """Where the trainers' process groups meet (--dense allreduce): under torchrun, at its own
         store (its MASTER_ADDR/MASTER_PORT); else at the leader's, each under its own key."""
-        timeout = self.cfg.group_timeout
+        timeout = self._group_wait()
         torchrun = workers_store(os.environ, timeout)
         if torchrun is None:
             log.info("the trainers' process groups meet at ps0's store")
@@ -133,7 +139,7 @@ class ServedTrainer(RoleBase):
                 dense_needs_sync(cfg.dense, str(client.consistency))
             except ValueError as exc:
                 raise ConfigError(f"{exc} (the servers run {client.consistency})") from None
-            model.replicate(self._group_stores(), cfg.group_timeout, hot=cache if replicated else None)
+            model.replicate(self._group_stores(), self._group_wait(), hot=cache if replicated else None)
         try:
             loop = TrainLoop.of(task, cfg, self.metrics, self.prefetch(), cache)
         except ValueError as exc:
