@@ -6,6 +6,7 @@ costs its member a start on another node; ``scancel`` stops them all with a fina
 resubmitted job resumes from it and ends by itself."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -144,10 +146,31 @@ def trainer_steps(slurm: SlurmCluster, work: Path) -> int:
     return sum(m.get("step") or 0 for n, m in status(slurm, work).items() if n.startswith("ctr"))
 
 
-def test_a_node_set_down_moves_its_member_and_a_requeued_job_resumes_from_the_newest_checkpoint(slurm, work):
-    env = user_env(slurm)
-    job = slurm.sbatch(SCRIPT, MOVIES, work, env)
+@contextlib.contextmanager
+def a_job(slurm: SlurmCluster, work: Path, args: list[str]) -> Iterator[int]:
+    """A job submitted from ``work``; a failure said with its output and the daemons' logs; at
+    the end, cancelled and its members gone."""
+    job = slurm.sbatch(SCRIPT, args, work, user_env(slurm))
     try:
+        yield job
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{job_output(work, job)[-3000:]}\n{slurm.logs()}") from None
+    finally:
+        slurm.login(["scancel", str(job)], check=False)
+        wait_until(lambda: slurm.state(job) not in ("RUNNING", "COMPLETING") and not members_left(slurm), 60,
+                   f"job {job} over")
+
+
+def resumed(slurm: SlurmCluster, work: Path, job: int, newest: dict) -> None:
+    """The requeued ``job`` trains again, its leader restored from checkpoint ``newest``."""
+    wait_until(lambda: slurm.state(job) == "RUNNING" and trainer_steps(slurm, work) > 0, 180,
+               "the requeued job training again")
+    ps0 = (work / ".rpcps" / "logs" / "ps0.log").read_text(errors="replace")
+    assert f"resuming from {newest['id']} (step {newest['step']})" in ps0, ps0[-3000:]
+
+
+def test_a_node_set_down_moves_its_member_and_a_requeued_job_resumes_from_the_newest_checkpoint(slurm, work):
+    with a_job(slurm, work, MOVIES) as job:
         wait_until(lambda: len([m for n, m in status(slurm, work).items() if n.startswith("ctr") and m.get("step")])
                    == 2, 180, "both trainers stepping")
         assert placed(work, "ctr1") == "node4"
@@ -183,17 +206,8 @@ def test_a_node_set_down_moves_its_member_and_a_requeued_job_resumes_from_the_ne
         newest = checkpoints(slurm, work)[0]
         assert newest["state"] == "complete", newest
         requeued = time.monotonic()
-        wait_until(lambda: slurm.state(job) == "RUNNING" and trainer_steps(slurm, work) > 0, 180,
-                   "the requeued job training again")
+        resumed(slurm, work, job, newest)
         again = time.monotonic() - requeued
-        ps0 = (work / ".rpcps" / "logs" / "ps0.log").read_text(errors="replace")
-        assert f"resuming from {newest['id']} (step {newest['step']})" in ps0, ps0[-3000:]
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{job_output(work, job)[-3000:]}\n{slurm.logs()}") from None
-    finally:
-        slurm.login(["scancel", str(job)], check=False)
-        wait_until(lambda: slurm.state(job) not in ("RUNNING", "COMPLETING") and not members_left(slurm), 60,
-                   f"job {job} over")
     print(f"\nSlurm: node4's slurmd hung: ctr1 on {moved}, training on after {going_on:.1f} s; "
           f"requeued: training again {again:.1f} s after it was pending")
 
@@ -202,8 +216,7 @@ def test_the_batch_node_lost_has_the_members_requeue_the_job_which_resumes_from_
     # rpcps up and the leader run on the batch node; the job outlives node failures (--no-kill),
     # so Slurm would keep it running with nothing in it. The members, their leader lost and no
     # supervisor asking, requeue it; it starts again when the nodes are back.
-    job = slurm.sbatch(SCRIPT, [*MOVIES, "--checkpoint-every-steps", "50"], work, user_env(slurm))
-    try:
+    with a_job(slurm, work, [*MOVIES, "--checkpoint-every-steps", "50"]) as job:
         wait_until(lambda: [c for c in checkpoints(slurm, work) if c["state"] == "complete"], 180, "a checkpoint")
         slurm.crash("node1")
         crashed = time.monotonic()
@@ -213,17 +226,8 @@ def test_the_batch_node_lost_has_the_members_requeue_the_job_which_resumes_from_
             newest = next(c for c in checkpoints(slurm, work) if c["state"] == "complete")
         finally:
             slurm.boot("node1")         # back, as a machine that restarts
-        wait_until(lambda: slurm.state(job) == "RUNNING" and trainer_steps(slurm, work) > 0, 180,
-                   "the requeued job training again")
+        resumed(slurm, work, job, newest)
         again = time.monotonic() - crashed
-        ps0 = (work / ".rpcps" / "logs" / "ps0.log").read_text(errors="replace")
-        assert f"resuming from {newest['id']} (step {newest['step']})" in ps0, ps0[-3000:]
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{job_output(work, job)[-3000:]}\n{slurm.logs()}") from None
-    finally:
-        slurm.login(["scancel", str(job)], check=False)
-        wait_until(lambda: slurm.state(job) not in ("RUNNING", "COMPLETING") and not members_left(slurm), 60,
-                   f"job {job} over")
     print(f"\nSlurm: the batch node lost: the job requeued after {requeued:.1f} s, training again after "
           f"{again:.1f} s")
 
@@ -234,22 +238,20 @@ def test_a_member_on_a_node_cut_off_starts_again_on_another_node(slurm, work):
     job = slurm.sbatch(SCRIPT, MOVIES, work, user_env(slurm))
     wait_until(lambda: len([m for n, m in status(slurm, work).items() if n.startswith("ctr") and m.get("step")]) == 2,
                180, "both trainers stepping")
-    assert json.loads((work / ".rpcps" / "cluster.json").read_text())["hosts"]["ctr1"]["node"] == "node4"
+    assert placed(work, "ctr1") == "node4"
     # node4 cut off from the others (its link down, ctr1 running on there): ctr1 is declared lost
     # within the deadline, fences itself, and starts again on another node of the allocation,
     # where training goes on while node4 is still cut off.
-    def steps() -> int:
-        return sum(m.get("step") or 0 for n, m in status(slurm, work).items() if n.startswith("ctr"))
     wait_until(lambda: "ctr1" in json.loads((work / ".rpcps" / "cluster.json").read_text())["answering"], 30,
                "rpcps up to hear ctr1")
     slurm.hosts.net.connect("node4", False)
     cut = time.monotonic()
     try:
-        moved = wait_until(lambda: (node := json.loads((work / ".rpcps" / "cluster.json").read_text())["hosts"]
-                                    ["ctr1"]["node"]) != "node4" and node, 60, "ctr1 started on another node")
+        moved = wait_until(lambda: (node := placed(work, "ctr1")) != "node4" and node, 60, "ctr1 started on another node")
         detected = time.monotonic() - cut
-        before = steps()
-        wait_until(lambda: status(slurm, work).get("ctr1", {}).get("state") == "running" and steps() > before + 2, 90,
+        before = trainer_steps(slurm, work)
+        wait_until(lambda: status(slurm, work).get("ctr1", {}).get("state") == "running"
+                   and trainer_steps(slurm, work) > before + 2, 90,
                    "training on, ctr1 on its new node")
         going_on = time.monotonic() - cut
     finally:
