@@ -77,8 +77,11 @@ def test_an_old_incarnation_is_refused_by_every_server_and_counted(procs, tmp_pa
     out, err = old.communicate(timeout=60)
     refused = json.loads(out.strip().splitlines()[-1])["refused"]
     assert new_rank > old_rank and refused and f"from trainer0 of rank {old_rank} refused" in refused, (refused, err)
-    counted = [s.client(timeout=2.0).status()["superseded"] for s in servers]
-    assert sum(counted) >= 1, counted
-    metric = [x for x in servers[0].client(timeout=2.0).metrics().splitlines()
-              if x.startswith("rpcps_ps_requests_superseded_total")]
-    assert int(float(metric[0].split()[-1])) == counted[0], metric
+    # A server's /status is refreshed each second, its metrics at once: wait for the refusal to
+    # show in both, the same count.
+    def superseded(server) -> tuple[int, int]:
+        metric = [x for x in server.client(timeout=2.0).metrics().splitlines()
+                  if x.startswith("rpcps_ps_requests_superseded_total")]
+        return server.client(timeout=2.0).status()["superseded"], int(float(metric[0].split()[-1]))
+    wait_until(lambda: (c := [superseded(s) for s in servers]) and sum(shown for shown, _ in c) >= 1
+               and all(shown == metric for shown, metric in c), 10, "the refusal counted in /status and the metrics")
