@@ -85,6 +85,7 @@ class Launcher:
         self._stop = threading.Event()
         self.roster = Roster(cfg, self.workload, self.leader, self.checkpoint_dir, self.emit, self._fail)
         self.roster.on_restart = lambda m: self._last_status.pop(m.name, None)
+        self.roster.on_respawn = lambda m: self.liveness.watch(m.name, m.url)    # at its address now
         self.members = self.roster.members
         self._last_status: dict[str, dict] = {}
         self._started_at = time.monotonic()           # when every member was ready
@@ -201,7 +202,6 @@ class Launcher:
                 if m.restart_at is not None:
                     if now >= m.restart_at:
                         self.roster.respawn(m)
-                        self.liveness.watch(m.name, m.url)      # it may have moved
                     continue
                 code = m.proc.poll()
                 if code is None:
@@ -213,15 +213,14 @@ class Launcher:
                         self.roster.write_state()
                     silent = self.liveness.overdue(m.name, m.started_at, now)
                     if silent is not None and m.fenced is None:
-                        self._fence(m, f"no answer from its sidecar for {silent:.0f}s "
+                        self.roster.fence(m, f"no answer from its sidecar for {silent:.0f}s "
                                        f"(--member-timeout {self.cfg.member_timeout:g})")
                     continue
                 if code == FENCED and m.fenced is None:
                     # It fenced itself a moment before its silence was judged here: lost all the same.
-                    self._fence(m, cause(m.log_path, m.log_start))
+                    self.roster.fence(m, cause(m.log_path, m.log_start))
                 if code == LEADER_LOST:
                     self.roster.rejoin(m)
-                    self.liveness.watch(m.name, m.url)
                 elif not self.roster.schedule_restart(m, code):
                     return 1
             if time.monotonic() >= next_poll:  # statuses once a second; liveness every tick
@@ -236,10 +235,6 @@ class Launcher:
                 self._report()
             self._stop.wait(0.25)
         return 0
-
-    def _fence(self, m: Member, why: str) -> None:
-        self.roster.fence(m, why)
-        self.liveness.watch(m.name, m.url)      # its replacement's, if it moved
 
     def _report(self) -> None:
         for event in self.workload.progress(self._watched_status()):

@@ -77,6 +77,7 @@ class Roster:
         self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
         self.newest_at_start: Optional[str] = None   # the newest checkpoint before this run
         self.on_restart: Callable[[Member], None] = lambda m: None   # its last status is stale
+        self.on_respawn: Callable[[Member], None] = lambda m: None   # started again, maybe elsewhere
         self.placement = placement_for(cfg)
         self._own_argv: dict[str, list[str]] = {}    # each member's role flags, as the workload planned them
 
@@ -215,6 +216,7 @@ class Roster:
         if gone and self._renew(m):
             self.emit({"event": "relocated", "name": m.name, "reason": gone, "to": m.url})
         self.spawn(m)
+        self.on_respawn(m)
         self.write_state()
 
     def write_state(self) -> None:
