@@ -23,7 +23,9 @@ def cli(tmp_path, *args, env=None):
 
 @pytest.mark.skipif(not WIKITEXT.is_dir(), reason="shared WikiText-2 not present")
 def test_up_steps_on_wikitext2_loss_falls_and_reports_perplexity(tmp_path, cleanup):
-    up = UpProcess(tmp_path, "--steps", "40", "--data", str(WIKITEXT), "--eval-tokens", "4000", *FAST)
+    # Its 40 steps take about two seconds: report often enough to see training midway.
+    up = UpProcess(tmp_path, "--steps", "40", "--data", str(WIKITEXT), "--eval-tokens", "4000", *FAST,
+                   "--progress-interval", "0.2")
     cleanup(up)
     started = up.wait_event("started", 120)
     assert set(started["sidecars"]) == {"ps0", "ps1", "trainer0", "trainer1"}
