@@ -82,8 +82,7 @@ class PsClient:
             self.consistency.check_reads(early, kept)
         except ValueError as exc:
             raise ValueError(f"the servers run {self.consistency}: {exc}") from None
-        ssp = self.consistency.clocked and not self.consistency.averaged
-        self.clock.ahead = max(early, kept) if ssp else 0
+        self.clock.ahead = max(early, kept) if self.consistency.bounded else 0
         self.cache = cache
 
     def step(self) -> "StepSession":

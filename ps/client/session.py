@@ -7,7 +7,10 @@ its end as the job's consistency says (``ps/server/update.py``):
 * ssp:K: the same, then report the step to the leader's step clock;
 * sync: hand the gradients to every server, then arrive at the clock, which answers once the
   step's averaged (and clipped) update is applied everywhere. A server refuses gradients that
-  are not finite; the trainer then arrives as refused, and the step goes on without it.
+  are not finite; the trainer then arrives as refused, and the step goes on without it;
+* hybrid: the rows as in async, each trainer's own update clipped by its own norm; the replica's
+  average (all-reduced in backward) clipped by its norm, the same on every trainer, and applied
+  by each alike, even when the rows were refused; then report the step to the clock.
 
 A refused step raises ``UpdateRefused`` once the clock is told: the caller skips that batch. A
 step that fails because a server other than the leader went away (died, restarted, or stopped
@@ -138,10 +141,10 @@ class StepSession:
         server keeps with the update, and by which it applies a batch once (``ps/server/marks.py``)."""
         client = self.client
         averaged = client.consistency.averaged
-        if averaged and client.clock.granted is None:
-            raise RuntimeError("a sync step needs client.begin() at its boundary first")
-        if replica is not None and not averaged:
-            raise RuntimeError("replicated weights are updated in sync mode only")
+        if (averaged or replica is not None) and client.clock.granted is None:
+            raise RuntimeError("a sync or hybrid step needs client.begin() at its boundary first")
+        if replica is not None and "allreduce" not in client.consistency.dense_modes:
+            raise RuntimeError(f"replicated weights are updated in sync or hybrid mode, not {client.consistency}")
         t0 = time.perf_counter()
         try:
             dist_autograd.backward(self.context_id, [loss])
@@ -149,13 +152,28 @@ class StepSession:
         except Exception as exc:
             # A sync step that cannot hand its gradients over still ends at the clock, or every
             # other trainer would wait for it (with a replica: a peer in its all-reduce died).
-            if not averaged:
+            if not (averaged or replica is not None):
                 raise
-            raise (client.losses.failed(exc, replica) or client.clock.lose_step(exc, replica)) from exc
+            raise self._lost(exc, replica) from exc
         backward = time.perf_counter() - t0
         if averaged:
             return self._hand_over(backward, clip, replica, leaves, mark)
-        return self._apply_own(backward, clip, leaves, weights, mark)
+        return self._apply_own(backward, clip, leaves, weights, mark, replica)
+
+    def _lost(self, exc: Exception, replica: Optional[Replica]) -> Exception:
+        """A clocked step that failed, told to the clock (or the server loss it was)."""
+        client = self.client
+        return client.losses.failed(exc, replica) or client.clock.lose_step(exc, replica)
+
+    def _replicated(self, replica: Optional[Replica]) -> Optional[dict[torch.Tensor, torch.Tensor]]:
+        """The replica's averaged gradients of the step (None without one, or when they are
+        skipped); its average may all-reduce (hot rows): a peer may die in it."""
+        if replica is None:
+            return None
+        try:
+            return replica.averaged(dist_autograd.get_gradients(self.context_id))
+        except Exception as exc:
+            raise self._lost(exc, replica) from exc
 
     def _leaf_grads(self) -> Pushes:
         """The gradients of what the step adopted (read before it) or took from the cache, for the
@@ -181,10 +199,7 @@ class StepSession:
         with the other trainers', once every trainer has."""
         client = self.client
         t1 = time.perf_counter()
-        try:        # the replica's average may all-reduce (hot rows): a peer may die in it
-            replicated = replica.averaged(dist_autograd.get_gradients(self.context_id)) if replica is not None else None
-        except Exception as exc:
-            raise (client.losses.failed(exc, replica) or client.clock.lose_step(exc, replica)) from exc
+        replicated = self._replicated(replica)
         _, refused = wait_all([client.ask(n, PsSurface.contribute, self.context_id, client.clock.granted.step,
                                           *(leaves.get(k) or (None, None)), mark)
                                for k, n in enumerate(client.ps_names)])
@@ -213,17 +228,21 @@ class StepSession:
         return norm
 
     def _apply_own(self, backward: float, clip: float, leaves: Pushes, weights: bool,
-                   mark: Optional[Mark]) -> Finished:
-        """async and ssp: this trainer's own update, checked finite across every server, then
-        applied on each, clipped as the norm says (in the same call); ssp then reports the step
-        to the clock."""
+                   mark: Optional[Mark], replica: Optional[Replica]) -> Finished:
+        """async, ssp and hybrid: this trainer's own update of the rows (and dense tensors the
+        servers hold), checked finite across every server, then applied on each, clipped as the
+        norm says (in the same call); hybrid then updates the ``replica``; a clocked mode then
+        reports the step to the clock."""
         client = self.client
         t1 = time.perf_counter()
+        replicated = self._replicated(replica)
+        replica_sq = replica.sq_norm(replicated) if replica is not None else 0.0
         try:
             norm = self._grad_norm(leaves)
         except UpdateRefused:
+            self._step_replica(replica, replicated, clip, replica_sq)
             if client.consistency.clocked:
-                client.clock.arrive(clip)      # ssp: its step is over, without an update
+                client.clock.arrive(clip, refused=True)      # its step is over, without an update of its own
             raise
         t2 = time.perf_counter()
         dense = client.dense_shards if weights else []
@@ -231,8 +250,16 @@ class StepSession:
                    for k, n in enumerate(client.ps_names)]
         for f in applies:
             wait(f)
+        self._step_replica(replica, replicated, clip, replica_sq)
         t3, arrived_at = time.perf_counter(), 0.0
         if client.consistency.clocked:
             _, arrived_at = client.clock.arrive(clip)
         left = Fetching(LookupPlan([], {}), [], [applies[k] for k in dense], dense) if dense else None
-        return Finished(norm, backward, t2 - t1, t3 - t2, time.perf_counter() - t3, arrived_at, left)
+        return Finished(math.sqrt(norm ** 2 + replica_sq), backward, t2 - t1, t3 - t2, time.perf_counter() - t3,
+                        arrived_at, left)
+
+    def _step_replica(self, replica: Optional[Replica], replicated: Optional[dict[torch.Tensor, torch.Tensor]],
+                      clip: float, sq: float) -> None:
+        """hybrid: the replica's average, clipped by its own norm: the same update on every trainer."""
+        if replica is not None:
+            replica.apply(replicated, clip_coef(clip, math.sqrt(sq)), self.client.clock.granted.step)

@@ -17,7 +17,7 @@ class PsStatus(RoleStatus):
     refused: int = 0                               # updates refused whole (gradients not finite)
     superseded: int = 0                            # requests of old incarnations refused (fenced members)
     applied: Optional[dict[str, Any]] = None       # per trainer: steps and records applied here; repeats not applied
-    consistency: Optional[str] = None              # async, sync or ssp:K
+    consistency: Optional[str] = None              # async, sync, hybrid or ssp:K
     clock: Optional[dict[str, Any]] = None         # ps0 in sync/ssp: trainers' step clocks, whom a barrier waits for
     work: Optional[dict[str, dict[str, float]]] = None  # lookup, update: rows, seconds, rows_per_s
     hashed: Optional[dict[str, dict[str, Any]]] = None  # per hashed table: rows, capacity, admitted, evicted, …

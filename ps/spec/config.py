@@ -56,8 +56,10 @@ class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
     max_ids_per_request: int = Field(65_536, ge=1, description="ids one lookup or operation may name; a request "
                                                                   "past it is refused (a bound on what one caller "
                                                                   "can make a server allocate)")
-    consistency: str = Field("async", description="how updates are applied: async, sync (averaged, in lockstep) or "
-                                                  "ssp:K (no trainer more than K steps ahead); every server the same")
+    consistency: str = Field("async", description="how updates are applied: async, sync (averaged, in lockstep), "
+                                                  "hybrid (tables async, dense weights all-reduced among the "
+                                                  "trainers in lockstep) or ssp:K (no trainer more than K steps "
+                                                  "ahead); every server the same")
 
     _consistency = field_validator("consistency")(classmethod(lambda cls, v: checked(v)))
 

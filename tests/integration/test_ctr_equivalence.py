@@ -146,3 +146,15 @@ def test_pushed_gradients_move_rows_as_those_back_through_autograd(procs, consis
     assert torch.equal(autograd[1], autograd[2]), "a repeated id is one row"
     assert [r.split(":")[0] for r in result["refused"]] == ["BadRequest", "BadRequest"], result["refused"]
     assert "must be a tensor [2, 4]" in result["refused"][0], result["refused"]
+
+
+def test_one_hybrid_trainer_trains_the_one_process_dlrm(procs):
+    """hybrid: the rows are the trainer's own update (as in async), the MLPs a replica all-reduced
+    over a group of one; with one trainer that is the one-process model, table and MLP alike."""
+    procs.start_servers(2, **{**MODEL, "consistency": "hybrid"}, table_rule="rowwise_adagrad")
+    lead = procs.run_driver("ctr", "ctr0", 2, steps=STEPS, trainers=1, dense="allreduce")
+    assert lead["consistency"] == "hybrid"
+    assert lead["losses"] == pytest.approx(lead["local_losses"], rel=1e-5)
+    assert lead["tables_moved"] > 1e-3, "the steps changed the tables"
+    for name, diff in lead["param_diff"].items():
+        assert diff < TOLERANCE["rowwise_adagrad"], f"{name} differs by {diff} after {STEPS} steps"

@@ -20,11 +20,12 @@ TINY = ["--emsize", "16", "--nhid", "16", "--batch-size", "4", "--bptt", "5", "-
         "--progress-interval", "1"]
 
 
-def test_allreduce_needs_sync_and_says_so(tmp_path):
+def test_allreduce_needs_sync_or_hybrid_and_says_so(tmp_path):
     r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--dense", "allreduce", *TINY],
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 2
-    assert "--dense allreduce updates synchronously" in r.stderr and "use --consistency sync" in r.stderr
+    assert "--consistency async keeps the dense weights on the servers" in r.stderr, r.stderr
+    assert "need --consistency sync or hybrid" in r.stderr, r.stderr
 
 
 def lstm_of(folder) -> dict[str, torch.Tensor]:

@@ -2,15 +2,17 @@
 as a user runs it: the trainers replicate the hot rows, take them instead of reading them, and
 end where the same run without them ends, bit for bit: its held-out evaluation (which reads the
 hot rows from the replica) and the final checkpoint (which the trainers gave the rows back to).
-A trainer killed leaves the others training with equal hot rows, and its replacement takes them."""
+In hybrid (the rows async, the MLPs and hot rows replicated) a trainer killed leaves the others
+training with equal replicas and hot rows, and its replacement takes them."""
 import httpx
 import torch
 
 from tests.support.replicas import GROUP_TIMEOUT, RESTART_LATER, kill_one_and_see_it_rejoin
 from tests.support.upcli import UpProcess
 
-SMALL = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "32", "--top", "32", "--batch-size", "256",
-         "--eval-samples", "1000", "--progress-interval", "1", "--consistency", "sync", "--dense", "allreduce"]
+TINY = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "32", "--top", "32", "--batch-size", "256",
+        "--eval-samples", "1000", "--progress-interval", "1"]
+SMALL = [*TINY, "--consistency", "sync", "--dense", "allreduce"]
 HOT = ["--cache-rows", "20", "--cache-staleness", "0"]
 
 
@@ -42,9 +44,9 @@ def test_hot_rows_replicated_end_where_rows_read_from_the_servers_end(tmp_path, 
     assert not differ, f"the final checkpoints differ in {differ}"
 
 
-def test_a_killed_trainer_leaves_the_others_equal_hot_rows_and_its_replacement_takes_them(tmp_path, cleanup):
-    up = UpProcess(tmp_path, *SMALL, *HOT, "--num-trainers", "3", "--no-final-checkpoint", *RESTART_LATER,
-                   env=GROUP_TIMEOUT)
+def test_hybrid_a_killed_trainer_leaves_the_others_equal_replicas_and_its_replacement_takes_them(tmp_path, cleanup):
+    up = UpProcess(tmp_path, *TINY, "--consistency", "hybrid", *HOT, "--num-trainers", "3", "--no-final-checkpoint",
+                   *RESTART_LATER, env=GROUP_TIMEOUT)
     cleanup(up)
     urls = up.wait_event("started", 120)["sidecars"]
 

@@ -166,9 +166,16 @@ def test_the_flags_choose_the_cache_and_staleness_0_needs_the_replica():
     assert type(row_cache(10, 0)) is ReplicatedRows
     base = {"consistency": "sync", "cache_rows": 10, "cache_staleness": 0}
     assert CtrUpSettings.model_validate({**base, "dense": "allreduce"})
-    with pytest.raises(ValueError, match="needs --consistency sync --dense allreduce"):
-        CtrUpSettings.model_validate(base)
-    with pytest.raises(ValueError, match="needs --consistency sync --dense allreduce"):
-        CtrTrainerConfig.model_validate({"cache_rows": 10, "cache_staleness": 0})
+    with pytest.raises(ValueError, match=r"needs --dense allreduce \(--consistency sync or hybrid\)"):
+        CtrUpSettings.model_validate({**base, "dense": "ps"})
+    with pytest.raises(ValueError, match=r"needs --dense allreduce"):
+        CtrTrainerConfig.model_validate({"cache_rows": 10, "cache_staleness": 0, "dense": "ps"})
+    # hybrid replicates the dense weights unless told otherwise, and with them the hot rows.
+    hybrid = CtrUpSettings.model_validate({**base, "consistency": "hybrid"})
+    assert hybrid.dense is None and hybrid.dense_at == "allreduce"
+    with pytest.raises(ValueError, match="keeps the dense weights replicated on the trainers: --dense allreduce"):
+        CtrUpSettings.model_validate({"consistency": "hybrid", "dense": "ps"})
+    with pytest.raises(ValueError, match="on the servers: --dense ps"):
+        CtrUpSettings.model_validate({"dense": "allreduce"})
     with pytest.raises(ValueError, match="replicates the hot rows among the trainers"):
         CtrUpSettings.model_validate({**base, "cache_staleness": 1, "dense": "allreduce"})

@@ -86,7 +86,7 @@ def test_up_refuses_a_setting_of_the_other_workload():
 
 def test_a_workload_setting_is_checked_when_up_loads_it():
     assert load(UpConfig, {"consistency": "SSP:2"}, {}).settings().consistency == "ssp:2"
-    with pytest.raises(ConfigError, match=r"--consistency: consistency must be async, sync or ssp:K .*got 'bsp'"):
+    with pytest.raises(ConfigError, match=r"--consistency: consistency must be async, sync, hybrid or ssp:K .*got 'bsp'"):
         load(UpConfig, {"consistency": "bsp"}, {})
     with pytest.raises(ConfigError, match=r"flag --consistency: consistency must be .*got 'ssp:x'"):
         load(PsConfig, {"consistency": "ssp:x"}, {})

@@ -66,11 +66,14 @@ def arrive(clock, name, clip=0.25, refused=False, broken=False) -> Future:
     return f
 
 
-def test_consistency_parses_the_three_modes_and_refuses_others():
+def test_consistency_parses_the_four_modes_and_refuses_others():
     assert str(Consistency.parse("SYNC")) == "sync" and Consistency.parse("ssp:3").bound == 3
     assert not Consistency.parse("async").clocked and Consistency.parse("ssp:0").clocked
+    hybrid = Consistency.parse(" Hybrid ")
+    assert str(hybrid) == "hybrid" and hybrid.clocked and not hybrid.averaged and not hybrid.bounded
+    assert hybrid.dense_modes == ("allreduce",) and Consistency.parse("sync").dense_modes == ("ps", "allreduce")
     for bad in ("ssp", "ssp:-1", "ssp:x", "bsp", ""):
-        with pytest.raises(ValueError, match="async, sync or ssp:K"):
+        with pytest.raises(ValueError, match="async, sync, hybrid or ssp:K"):
             Consistency.parse(bad)
 
 
@@ -363,8 +366,27 @@ def test_lockstep_and_plain_trainers_cannot_share_a_clock():
     with pytest.raises(BadRequest, match="every trainer of a job needs the same --dense"):
         begin(clock, "trainer1")
     ssp, _, _, _ = make("ssp:1")
-    with pytest.raises(BadRequest, match="need the sync mode"):
+    with pytest.raises(BadRequest, match="need --consistency sync or hybrid"):
         lockstep(ssp, "trainer0")
+    hybrid, _, _, _ = make("hybrid")
+    with pytest.raises(BadRequest, match="keeps the dense weights replicated on the trainers"):
+        begin(hybrid, "trainer0")
+
+
+def test_hybrid_steps_in_lockstep_and_closes_a_step_without_applying_anything():
+    clock, applied, _, _ = make("hybrid")
+    first = [lockstep(clock, n) for n in ("trainer0", "trainer1")]
+    assert [f.result(0).step for f in first] == [1, 1] and first[0].result(0).group == ("trainer0", "trainer1")
+    late = arrive(clock, "trainer0")
+    assert not late.done(), "the step closes once every member arrived"
+    again = lockstep(clock, "trainer0")
+    assert not again.done()
+    # trainer1's rows were refused: still a step of the replicas, counted by the clock.
+    assert arrive(clock, "trainer1", refused=True).result(0).step == 1 and late.result(0).step == 1
+    assert not again.done(), "lockstep: the next step begins for both at once"
+    other = lockstep(clock, "trainer1")
+    assert again.result(0).step == other.result(0).step == 2 and clock.step == 1
+    assert applied == [], "each trainer applied its own rows: the clock applies nothing"
 
 
 def test_lockstep_freeze_holds_every_member_and_the_group_at_the_boundary():

@@ -7,27 +7,32 @@ from typing import ClassVar, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from ps.spec.config import FULL_EVERY_HELP, ServersConfig
-from ps.spec.consistency import checked
+from ps.spec.consistency import Consistency, checked
 from services.config import ConfigBase
 
 Dense = Literal["ps", "allreduce"]
 DENSE_HELP = ("where the model's dense layers live: ps (on the servers, fetched each step) or allreduce (replicated "
-              "on every trainer and kept in step by DDP's all-reduce among them; needs --consistency sync)")
+              "on every trainer and kept in step by DDP's all-reduce among them; with --consistency sync or hybrid). "
+              "Default: the consistency's (allreduce for hybrid, else ps)")
 
 
-def dense_needs_sync(dense: str, consistency: str) -> None:
-    if dense == "allreduce" and consistency != "sync":
-        raise ValueError(f"--dense allreduce updates synchronously (the replicas all-reduce every step), but the "
-                         f"consistency is {consistency}: use --consistency sync, or --dense ps")
+def dense_for(dense: Optional[str], consistency: str) -> str:
+    """Where the dense weights live: ``dense``, or the consistency's own place for them when not
+    given; ``ValueError`` when that mode cannot keep them there."""
+    mode = Consistency.parse(consistency)
+    chosen = dense or mode.dense_modes[0]
+    mode.check_dense(chosen)
+    return chosen
 
 
 _REPLICATED_ROWS = ("--cache-staleness 0 keeps the hot rows exact by replicating them among the trainers, which step "
-                   "them together with the dense weights: it needs --consistency sync --dense allreduce (or give "
-                   "--cache-staleness S > 0 for copies up to S steps old, in async or ssp)")
+                   "them together with the dense weights: it needs --dense allreduce (--consistency sync or "
+                   "hybrid); or give --cache-staleness S > 0 for copies up to S steps old, in async, ssp or hybrid")
 
 
-def replicated_rows_need_replica(cached: bool, staleness: int, dense: str) -> None:
-    if cached and staleness == 0 and dense != "allreduce":
+def replicated_rows_need_replica(cached: bool, staleness: int, dense: Optional[str]) -> None:
+    """``dense``: where the dense weights live (None: not known yet, the servers' consistency decides)."""
+    if cached and staleness == 0 and dense not in (None, "allreduce"):
         raise ValueError(_REPLICATED_ROWS)
 
 
@@ -40,7 +45,7 @@ class TrainerSettings(ServersConfig):
     clip: float = Field(0.25, ge=0, description="global gradient-norm clip (0: off)")
     start: bool = Field(False, description="start an episode at launch instead of waiting for one")
     steps: Optional[int] = Field(None, ge=1, description="steps of the episode started at launch (default: unbounded)")
-    dense: Dense = Field("ps", description=DENSE_HELP)
+    dense: Optional[Dense] = Field(None, description=DENSE_HELP)
     group_timeout: float = Field(30.0, gt=0, description="--dense allreduce: seconds the trainers' process group "
                                                          "waits for a member, forming it and in each all-reduce "
                                                          "(at most --rpc-timeout, which rpcps up sets to its "
@@ -86,8 +91,8 @@ class TrainersUpSettings(ConfigBase):
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N cluster steps")
     checkpoint_every_seconds: Optional[float] = Field(None, gt=0, description="checkpoint every M seconds")
     full_checkpoint_every: int = Field(1, ge=1, description=FULL_EVERY_HELP)
-    consistency: str = Field("async", description="how the servers apply updates: async, sync or ssp:K")
-    dense: Dense = Field("ps", description=DENSE_HELP)
+    consistency: str = Field("async", description="how the servers apply updates: async, sync, hybrid or ssp:K")
+    dense: Optional[Dense] = Field(None, description=DENSE_HELP)
     straggler: float = Field(1.0, ge=1.0, le=100.0, description="run trainer 0 at 1/N speed (its --slow-down), "
                                                                  "a straggler for benchmarks")
     jitter: float = Field(1.0, ge=1.0, le=100.0, description="every trainer runs at 1/N speed on a random "
@@ -100,5 +105,10 @@ class TrainersUpSettings(ConfigBase):
     def _one_slow_down(self) -> "TrainersUpSettings":
         if self.straggler > 1.0 and self.jitter > 1.0:
             raise ValueError("--straggler and --jitter both slow trainer 0 down: choose one")
-        dense_needs_sync(self.dense, self.consistency)
+        dense_for(self.dense, self.consistency)
         return self
+
+    @property
+    def dense_at(self) -> str:
+        """Where the dense weights live: ``--dense``, or the consistency's default."""
+        return dense_for(self.dense, self.consistency)

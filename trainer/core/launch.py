@@ -14,7 +14,7 @@ from trainer.core.config import TrainersUpSettings
 
 LEADER = "ps0"
 SERVER_FLAGS = ("seed", "checkpoint_every_steps", "checkpoint_every_seconds", "full_checkpoint_every", "consistency")
-TRAINER_FLAGS = ("seed", "clip", "warmup_steps", "dense")
+TRAINER_FLAGS = ("seed", "clip", "warmup_steps")
 
 
 class TrainersLaunch:
@@ -39,7 +39,7 @@ class TrainersLaunch:
         trainers = []
         for i in range(cfg.num_trainers):
             argv = ["--num-ps", str(cfg.num_ps), "--num-trainers", str(cfg.num_trainers), "--start",
-                    *flags(cfg, (*TRAINER_FLAGS, *self.trainer_flags))]
+                    "--dense", cfg.dense_at, *flags(cfg, (*TRAINER_FLAGS, *self.trainer_flags))]
             if cfg.steps:
                 argv += ["--steps", str(cfg.steps)]
             if i == 0 and cfg.straggler > 1.0:

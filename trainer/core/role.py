@@ -29,7 +29,7 @@ from services.membership import current_members
 from services.remote import withdraw
 from services.role import RoleBase, RoleContext
 from services.torchrun import workers_store
-from trainer.core.config import TrainerSettings, dense_needs_sync
+from trainer.core.config import TrainerSettings, dense_for, replicated_rows_need_replica
 from trainer.core.episodes import EpisodeRunner
 from trainer.core.loop import Task, TrainLoop
 from trainer.core.position import PositionPart, resume_from
@@ -132,13 +132,14 @@ class ServedTrainer(RoleBase):
         client.clock.start_with = cfg.num_trainers        # sync: the job's first step waits for them all
         task = self.task(client)
         model = task.model
-        cache = self.cache()      # staleness 0 (replicated) with --dense allreduce only: the settings checked it
+        cache = self.cache()
         replicated = cache is not None and cache.replicated
-        if cfg.dense == "allreduce":
-            try:
-                dense_needs_sync(cfg.dense, str(client.consistency))
-            except ValueError as exc:
-                raise ConfigError(f"{exc} (the servers run {client.consistency})") from None
+        try:        # where the dense weights live is the servers' consistency's to allow, or to choose
+            dense = dense_for(cfg.dense, str(client.consistency))
+            replicated_rows_need_replica(replicated, 0, dense)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (the servers run {client.consistency})") from None
+        if dense == "allreduce":
             model.replicate(self._group_stores(), self._group_wait(), hot=cache if replicated else None)
         try:
             loop = TrainLoop.of(task, cfg, self.metrics, self.prefetch(), cache)

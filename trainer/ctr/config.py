@@ -258,14 +258,14 @@ class CtrUpSettings(CtrDataSettings, TrainersUpSettings, CtrModelSettings):
 
     @model_validator(mode="after")
     def _prefetch_within_consistency(self) -> "CtrUpSettings":
-        _follow_without_allreduce(self.follow, self.dense)
+        _follow_without_allreduce(self.follow, self.dense_at)
         cached = self.cache_rows or self.cache_share
         Consistency.parse(self.consistency).check_reads(self.prefetch, self.cache_staleness if cached else 0)
-        replicated_rows_need_replica(bool(cached), self.cache_staleness, self.dense)
+        replicated_rows_need_replica(bool(cached), self.cache_staleness, self.dense_at)
         return self
 
 
-def _follow_without_allreduce(follow: bool, dense: str) -> None:
+def _follow_without_allreduce(follow: bool, dense: Optional[str]) -> None:
     if follow and dense == "allreduce":
         raise ValueError("--follow with --dense allreduce: a trainer waiting for the next file would hold every "
                          "other trainer's all-reduce; use --dense ps")

@@ -41,7 +41,8 @@ SPEC = WorkloadSpec(
     commands=(BenchSpec("export", "a checkpoint's model as a folder a program loads without servers "
                                   "(rpcps.load_model): every table whole, the dense weights, the schema",
                         "trainer.ctr.export"),),
-    benches=(BenchSpec("ctr", "samples/s, AUC and memory: one process vs async, sync and sync-allreduce servers",
+    benches=(BenchSpec("ctr", "samples/s, AUC and memory: one process vs async, sync, sync-allreduce and hybrid "
+                              "servers",
                        "trainer.ctr.bench"),
              BenchSpec("serve", "rpcps serve, snapshot and online: latency of one row, rows/s batched, "
                                 "freshness, and what it costs training beside it", "trainer.ctr.serving.bench"),
@@ -57,6 +58,9 @@ SPEC = WorkloadSpec(
                      "samples", "auc", efficiency=0.9, exact=True),
            ScaleCase("ctr-async", "the built-in DLRM in async, its MLPs on the servers", _DLRM, "samples", "auc",
                      efficiency=0.85, serve_rows="trainer.ctr.scale:rows", serve_flags=("--serve", "1")),
+           ScaleCase("ctr-hybrid", "the built-in DLRM in hybrid: its tables async, its MLPs replicated and "
+                                   "all-reduced", (*_DLRM, "--consistency", "hybrid"), "samples", "auc",
+                     efficiency=0.9),
            # Its steps are short: 4,096 samples a step, so that a step is more than its round trips.
            ScaleCase("movies", "the DeepFM of examples/ over generated movie ratings, in async",
                      ("--workload", "ctr", "--batch-size", "4096", "--eval-samples", "8192"), "samples", "auc",
@@ -73,6 +77,7 @@ SPEC = WorkloadSpec(
                                                           "held-out AUC beside the best possible"),
               ("--workload ctr --data day_0.gz --steps 1000", "Criteo-format files, streamed"),
               ("--workload ctr --consistency sync --dense allreduce", "the MLPs on the trainers, all-reduced"),
+              ("--workload ctr --consistency hybrid", "the tables async, the MLPs on the trainers, all-reduced"),
               ("--workload ctr --tables hashed --table-capacity 20000 --admit-after 2",
                "tables keyed by raw 64-bit ids, within a capacity"),
               ("--workload ctr --model mypkg.models:MyModel --schema features.yaml --data dir/",

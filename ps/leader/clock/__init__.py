@@ -1,4 +1,4 @@
-"""The step clock: how trainers keep in step in the sync and ssp modes. The leader (ps0) keeps it.
+"""The step clock: how trainers keep in step in the sync, hybrid and ssp modes. The leader (ps0) keeps it.
 
 A trainer asks ``begin`` before it reads parameters for a step, and is answered the step's number
 when its mode allows; it reports ``arrive`` once its part of the step is done.
@@ -14,6 +14,9 @@ when its mode allows; it reports ``arrive`` once its part of the step is done.
   starting count of trainers asks). The members of a step are its *group*; a new group (a trainer
   died, left or joined, or a member found the group broken) has a new ``group_key``, under which
   its members form a new process group before the step (``trainer/core/replica.py``).
+* **hybrid**: lockstep as above, every trainer replicating the dense weights; but each trainer's
+  rows are its own update, applied before it arrives, so closing a step applies nothing: it
+  only lets the group's next step begin.
 * **ssp:K**: an update is the trainer's own, applied before it arrives; ``begin`` of a trainer's
   step t waits while the slowest member has not finished step t-K-1.
 

@@ -74,15 +74,17 @@ class StepClock:
         """``start_with``: the trainers its job starts with (sync: the job's first step waits for
         them). ``ahead``: the steps further on whose rows it reads during this one (a prefetch),
         which the pace counts as steps ahead. ``lockstep``: the trainer replicates weights with the
-        others (sync only)."""
+        others (sync, hybrid)."""
         with self.lock:
             member = self.members.get(name)
             if member is not None and member.working:
                 raise BadRequest(f"{name} began a step it has not arrived from")
             if name in self.begins:
                 raise BadRequest(f"{name} is already waiting to begin a step")
-            if lockstep and not self.consistency.averaged:
-                raise BadRequest(f"lockstep steps need the sync mode; the servers run {self.consistency}")
+            try:
+                self.consistency.check_dense("allreduce" if lockstep else "ps")
+            except ValueError as exc:
+                raise BadRequest(f"{name} cannot step here: {exc}") from None
             others = [(n, m.lockstep) for n, m in self.members.items() if n != name] + \
                      [(n, w.lockstep) for n, w in self.begins.items()]
             mixed = [n for n, other in others if other != lockstep]

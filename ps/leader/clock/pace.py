@@ -2,7 +2,8 @@
 member's clock starts, and whom a stall waits for. ``SspPace`` lets a trainer run at most ``bound``
 steps ahead of the slowest and answers each arrival at once; ``SyncPace`` holds the arrivals of the
 open step until every member has arrived, has the servers apply their average, and in lockstep
-begins each step for the whole group at once. Each works on its ``StepClock``'s members, under its
+begins each step for the whole group at once; ``HybridPace`` is sync's lockstep without the
+average (each trainer's rows were applied as in async). Each works on its ``StepClock``'s members, under its
 lock; the actions it returns run after the lock is let go."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ps.spec.messages import Applied
 from services.errors import BadRequest
 from ps.leader.clock.lockstep import Lockstep
-from ps.spec.consistency import Consistency, Ssp, Sync
+from ps.spec.consistency import Consistency, Hybrid, Ssp, Sync
 
 if TYPE_CHECKING:
     from ps.leader.clock.clock import StepClock, _Member, _Waiting
@@ -269,11 +270,28 @@ class SyncPace:
         return {"group": self.group.describe()} if self.lockstep() else {}
 
 
+class HybridPace(SyncPace):
+    """Every trainer replicates the dense weights, so every step is in lockstep; its rows' updates
+    were each trainer's own, applied before it arrived, so a step closes without one."""
+
+    def lockstep(self) -> bool:
+        return True
+
+    def _close(self) -> Callable[[], None]:
+        self.applying = True
+        step, arrived = self.clock.step + 1, dict(self.arrivals)
+        participants = sorted(n for n, w in arrived.items() if not w.refused)
+        # A step all of whose trainers were refused is still a step of the replicas (their dense
+        # average was applied alike): the clock counts it, so the replicas' step stays the group's.
+        return lambda: self._closed(step, arrived, math.nan, participants or sorted(arrived))
+
+
 PACES: dict[type, Callable[..., Any]] = {Sync: lambda clock, mode: SyncPace(clock),
+                                         Hybrid: lambda clock, mode: HybridPace(clock),
                                          Ssp: lambda clock, mode: SspPace(clock, mode.bound)}
 
 
-def pace_for(clock: "StepClock", mode: Consistency) -> "SspPace | SyncPace":
+def pace_for(clock: "StepClock", mode: Consistency) -> "SspPace | SyncPace | HybridPace":
     make = PACES.get(type(mode))
     if make is None:
         raise ValueError(f"{mode} needs no step clock")
