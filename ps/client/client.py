@@ -49,6 +49,7 @@ class PsClient:
         self.cache: Optional[HotRows] = None      # copies of the rows read most (``read_ahead``)
         self.steps = 0                             # steps begun: the cache counts its copies' ages in them
         self.session: Optional[StepSession] = None   # the step under way
+        self.local_backward = False     # steps run backward here, not by distributed autograd (``backward_here``)
         self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
         placed = infos[0].placement
         self.plans = {table: from_placement(placed.get(table, ("row_wise", 0)), len(ps_names),
@@ -119,8 +120,21 @@ class PsClient:
     def fetch(self, lookups: dict[str, torch.Tensor], dense: bool = True
               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``issue`` and wait for it: the rows, each [..., *row shape] as its ids were shaped, and
-        the dense tensors by name."""
-        return self.issue(lookups, dense).collect()
+        the dense tensors by name (in a step whose backward runs here, leaves of its graph)."""
+        fetching = self.issue(lookups, dense)
+        return fetching.adopted() if self.session is not None and self.session.local else fetching.collect()
+
+    def backward_here(self) -> None:
+        """Steps run plain autograd on this trainer over what they read, and send each server its
+        gradients with the update: one message a server, where distributed autograd costs a round
+        for the gradients, one for the norm and one to release the step's context. Only for a
+        model whose servers compute nothing of its forward, and ``ValueError`` with a hashed
+        table, whose reads are recorded in the step's context (ids admitted, rows changing hands)."""
+        hashed = sorted(t for t, plan in self.plans.items() if isinstance(plan, HashedPlan))
+        if hashed:
+            raise ValueError(f"a hashed table's reads are recorded in the step's distributed autograd context "
+                             f"({', '.join(hashed)}): --backward distributed")
+        self.local_backward = True
 
     def each_dense_shard(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         """``method`` of every server that holds dense tensors, at once; their answers."""

@@ -4,7 +4,7 @@ pushes the gradients of (``ps/client/session.py``)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -137,3 +137,46 @@ class Copies:
             return []
         parts = self.hits.spread(got)
         return [(k, part, {}) for (k, _), part in zip(self.hits.requests, parts)]
+
+
+# Gradients pushed with a step's norm round or hand-over, per server: its rows' parameter ->
+# (ids, gradients), and its dense tensors' name -> gradient (``PsSurface.push``'s arguments).
+Pushes = dict[int, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]
+
+
+class GradOf:
+    """Gradients by tensor as a local backward leaves them (each leaf's ``.grad``), asked as a
+    distributed autograd context's are (``dist_autograd.get_gradients``)."""
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return t.grad is not None
+
+    def __getitem__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.grad is None:
+            raise KeyError("no gradient")
+        return t.grad
+
+    def get(self, t: torch.Tensor, default: Any = None) -> Any:
+        return default if t.grad is None else t.grad
+
+
+def merged(pushes: list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]) -> Pushes:
+    """``pushes`` (as ``Fetching.pushes`` gives them) gathered by server: a table's rows from two
+    answers (a cut request, a copy) in one, each row once, its gradients summed."""
+    out: Pushes = {}
+    for k, rows, dense in pushes:
+        kept_rows, kept_dense = out.setdefault(k, ({}, {}))
+        for param, (ids, grad) in rows.items():
+            if param in kept_rows:
+                ids, grad = _summed(torch.cat([kept_rows[param][0], ids]), torch.cat([kept_rows[param][1], grad]))
+            kept_rows[param] = (ids, grad)
+        kept_dense.update(dense)
+    return out
+
+
+def _summed(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's gradients summed where ``ids`` name it more than once: each id once."""
+    unique, where = torch.unique(ids, return_inverse=True)
+    if unique.numel() == ids.numel():
+        return ids, grads
+    return unique, torch.zeros((unique.numel(), *grads.shape[1:]), dtype=grads.dtype).index_add_(0, where, grads)

@@ -1,5 +1,6 @@
-"""A training step on the trainer's side (``StepSession``): its distributed autograd context, and
-its end as the job's consistency says (``ps/server/update.py``):
+"""A training step on the trainer's side (``StepSession``): its distributed autograd context (or,
+with its backward run on the trainer, none: its reads are leaves, their gradients sent with the
+update), and its end as the job's consistency says (``ps/server/update.py``):
 
 * async: the global norm of this trainer's gradients (one round to every server); a server that
   finds them not finite refuses the step there, before any server applies any of it; else clip
@@ -27,20 +28,16 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 import torch
 import torch.distributed.autograd as dist_autograd
 
-from ps.client.fetching import Fetching
+from ps.client.fetching import Fetching, GradOf, Pushes, merged
 from ps.client.lookups import LookupPlan, plan_lookups
 from ps.spec.messages import Mark
-from ps.spec.rules import clip_coef
+from ps.spec.rules import clip_coef, grad_sq_norm
 from ps.spec.surface import PsSurface
 from services.errors import UpdateRefused
 from services.remote import wait
 
 if TYPE_CHECKING:
     from ps.client.client import PsClient
-
-# Gradients pushed with a step's norm round or hand-over, per server: its rows' parameter ->
-# (ids, gradients), and its dense tensors' name -> gradient (``PsSurface.push``'s arguments).
-Pushes = dict[int, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]
 
 
 class Replica(Protocol):
@@ -78,30 +75,38 @@ class Finished:
 
 
 class StepSession:
-    """One step's distributed autograd context, and its end: backward, clipping, the update.
+    """One step: what it read, and its end: backward, clipping, the update.
 
-    It is the one owner of that context: it opens it, every lookup issued on this thread until
-    ``finish`` is recorded in it (the way back for the step's gradients), ``finish`` runs backward
-    and hands the gradients over by its id, and leaving the ``with`` block releases it. torch
-    allows one such context per thread, so what is issued for a later step before this one ends
-    (a prefetch) must be issued in that step's own session."""
+    Its backward is where the client says (``PsClient.local_backward``). Distributed: the session
+    owns the step's distributed autograd context: it opens it, every lookup issued on this thread
+    until ``finish`` is recorded in it (the way back for the step's gradients), ``finish`` runs
+    backward and hands the gradients over by its id, and leaving the ``with`` block releases it;
+    torch allows one such context per thread, so what is issued for a later step before this one
+    ends (a prefetch) must be issued in that step's own session. Local: no context; every read is
+    a leaf of this process's graph (``Fetching.adopted``), ``finish`` runs plain autograd, takes
+    the global norm here, and sends each server its rows' and dense tensors' gradients with the
+    update itself: one message a server."""
 
     def __init__(self, client: PsClient) -> None:
         self.client = client
+        self.local = client.local_backward
         self._context: Any = None
-        self.context_id = -1
+        self.context_id: Optional[int] = None     # distributed: the step's autograd context
         self._fetched: list[Fetching] = []      # what this step read, whose leaves it pushes the gradients of
+        self._pushed: list[tuple[int, dict, dict]] = []   # local: ``push``ed, sent with the update
 
     def __enter__(self) -> "StepSession":
-        self._context = dist_autograd.context()
-        self.context_id = self._context.__enter__()
+        if not self.local:
+            self._context = dist_autograd.context()
+            self.context_id = self._context.__enter__()
         self.client.steps += 1
         self.client.session = self
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.client.session = None
-        self._context.__exit__(*exc)
+        if self._context is not None:
+            self._context.__exit__(*exc)
 
     def track(self, fetching: Fetching) -> None:
         self._fetched.append(fetching)
@@ -123,6 +128,9 @@ class StepSession:
         client = self.client
         plan = plan_lookups(lookups, client.plans, client.table_of, client.max_ids)
         pushes = plan.spread({param: g.detach().float() for param, g in grads.items()})
+        if self.local:
+            self._pushed += [(k, part, {}) for (k, _), part in zip(plan.requests, pushes)]
+            return
         for f in [client.ask(client.ps_names[k], PsSurface.push, self.context_id, part)
                   for (k, _), part in zip(plan.requests, pushes)]:
             wait(f)
@@ -147,7 +155,10 @@ class StepSession:
             raise RuntimeError(f"replicated weights are updated in sync or hybrid mode, not {client.consistency}")
         t0 = time.perf_counter()
         try:
-            dist_autograd.backward(self.context_id, [loss])
+            if self.local:
+                torch.autograd.backward([loss])
+            else:
+                dist_autograd.backward(self.context_id, [loss])
             leaves = self._leaf_grads()
         except Exception as exc:
             # A sync step that cannot hand its gradients over still ends at the clock, or every
@@ -171,27 +182,22 @@ class StepSession:
         if replica is None:
             return None
         try:
-            return replica.averaged(dist_autograd.get_gradients(self.context_id))
+            return replica.averaged(self._grads())
         except Exception as exc:
             raise self._lost(exc, replica) from exc
 
+    def _grads(self) -> Any:
+        """The step's gradients by tensor: its context's, or (local) its leaves' own."""
+        return GradOf() if self.local else dist_autograd.get_gradients(self.context_id)
+
     def _leaf_grads(self) -> Pushes:
-        """The gradients of what the step adopted (read before it) or took from the cache, for the
-        servers that own it. They go with the step's norm round or hand-over, so they cost no
-        round of their own."""
-        if not any(f.has_leaves for f in self._fetched):
+        """The gradients of what the step adopted (read before it, or locally), took from the
+        cache or ``push``ed, for the servers that own it, one message's worth each. They go with
+        the step's norm round, update or hand-over, so they cost no round of their own."""
+        if not any(f.has_leaves for f in self._fetched) and not self._pushed:
             return {}
-        grads = dist_autograd.get_gradients(self.context_id)
-        out: Pushes = {}
-        for fetching in self._fetched:
-            for k, rows, dense in fetching.pushes(grads):
-                kept_rows, kept_dense = out.setdefault(k, ({}, {}))
-                for param, (ids, grad) in rows.items():
-                    if param in kept_rows:       # the same table's rows from two answers (a cut request, a copy)
-                        ids, grad = torch.cat([kept_rows[param][0], ids]), torch.cat([kept_rows[param][1], grad])
-                    kept_rows[param] = (ids, grad)
-                kept_dense.update(dense)
-        return out
+        grads = self._grads()
+        return merged([push for f in self._fetched for push in f.pushes(grads)] + self._pushed)
 
     def _hand_over(self, backward: float, clip: float, replica: Optional[Replica], leaves: Pushes,
                    mark: Optional[Mark]) -> Finished:
@@ -216,12 +222,16 @@ class StepSession:
 
     def _grad_norm(self, leaves: Pushes) -> float:
         """The global norm of every shard's gradients of this step, ``leaves`` (``_leaf_grads``)
-        pushed with the question; ``UpdateRefused`` if a server found them not finite."""
+        pushed with the question (local: all of them, the norm taken here); ``UpdateRefused`` if
+        they are not finite (found by a server, or here)."""
         client = self.client
-        parts, refused = wait_all([client.ask(n, PsSurface.grad_sq_norm, self.context_id, *leaves.get(k, ()))
-                                   for k, n in enumerate(client.ps_names)])
-        if refused is not None:
-            raise refused
+        if self.local:
+            parts = [grad_sq_norm([g for _, g in rows.values()] + list(dense.values())) for rows, dense in leaves.values()]
+        else:
+            parts, refused = wait_all([client.ask(n, PsSurface.grad_sq_norm, self.context_id, *leaves.get(k, ()))
+                                       for k, n in enumerate(client.ps_names)])
+            if refused is not None:
+                raise refused
         norm = sum(parts) ** 0.5
         if not math.isfinite(norm):   # finite parts, too large to add up
             raise UpdateRefused(f"this step's gradient norm is {norm}: nothing of it was applied")
@@ -246,7 +256,8 @@ class StepSession:
             raise
         t2 = time.perf_counter()
         dense = client.dense_shards if weights else []
-        applies = [client.ask(n, PsSurface.apply, self.context_id, clip_coef(clip, norm), k in dense, mark)
+        carried = (lambda k: leaves.get(k, ({}, {}))) if self.local else (lambda k: ())   # pushed with the norm round
+        applies = [client.ask(n, PsSurface.apply, self.context_id, clip_coef(clip, norm), k in dense, mark, *carried(k))
                    for k, n in enumerate(client.ps_names)]
         for f in applies:
             wait(f)

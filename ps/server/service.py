@@ -21,6 +21,7 @@ from ps.server.checks import RequestChecks
 from ps.spec.consistency import Async, Consistency
 from ps.server.contexts import Contexts
 from ps.server.delta import export_state
+from ps.server.gradients import StepGradients
 from ps.server.hashed.serving import HashedTables
 from ps.spec.messages import Mark, ShardInfo
 from ps.server.metrics import PsMetrics
@@ -63,6 +64,7 @@ class ParameterServer(PsSurface):
                                    self.optimizer.clear_rows, self.params.touched)
         self.hashed.restore(kept)
         self.contexts = Contexts()
+        self.gradients = StepGradients(self.params, self.checks, self.contexts, lambda: self.optimizer.steps)
         self.replica = ReplicaWrites(self.params, self.optimizer, self.checks)
         self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
         self.refusals = Refusals(metrics)
@@ -120,19 +122,10 @@ class ParameterServer(PsSurface):
         known = self.contexts.get(self._call.caller, context_id)
         return self.hashed.keep_current(known.reads if known is not None else {})
 
-    def _grads(self, context_id: int) -> dict[torch.Tensor, torch.Tensor]:
-        return self.contexts.gradients(self._call.caller, context_id, self.params.by_param)
-
     @remote
     def push(self, context_id: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
              dense: Optional[dict[str, torch.Tensor]] = None) -> None:
-        dense = dense or {}
-        self.checks.pushed(grads, dense, lambda name: self.param(name).shape)
-        for param, (ids, grad) in grads.items():
-            self.contexts.push(self._call.caller, context_id, self.optimizer.steps, self.param(param),
-                               self.params.sparse_grad(param, ids, grad))
-        for name, grad in dense.items():
-            self.contexts.push(self._call.caller, context_id, self.optimizer.steps, self.param(name), grad.float())
+        self.gradients.push(self._call.caller, context_id, grads, dense)
 
     @remote
     def dense_params(self) -> dict[str, torch.Tensor]:
@@ -168,8 +161,8 @@ class ParameterServer(PsSurface):
     @remote
     def grad_sq_norm(self, context_id: int, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
                      dense: Optional[dict[str, torch.Tensor]] = None) -> float:
-        self.push(context_id, rows or {}, dense)      # what came with it (or nothing)
-        sq = self.refusals.finite_sq_norm(self._grads(context_id), self._call.caller, f"update in context {context_id}")
+        grads, _ = self.gradients.of(self._call.caller, context_id, rows, dense)
+        sq = self.refusals.finite_sq_norm(grads, self._call.caller, f"update in context {context_id}")
         self.contexts.mark_checked(self._call.caller, context_id)
         return sq
 
@@ -178,12 +171,12 @@ class ParameterServer(PsSurface):
         return self.optimizer.marks.of(trainer)
 
     @remote
-    def apply(self, context_id: int, coef: float = 1.0, weights: bool = False,
-              mark: Optional[Mark] = None) -> Optional[dict[str, torch.Tensor]]:
+    def apply(self, context_id: Optional[int], coef: float = 1.0, weights: bool = False,
+              mark: Optional[Mark] = None, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
+              dense: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict[str, torch.Tensor]]:
         self.consistency.require(False, "apply one trainer's update")
         self.checks.coef(coef)
-        grads = self._grads(context_id)
-        known = self.contexts.get(self._call.caller, context_id)
+        grads, known = self.gradients.of(self._call.caller, context_id, rows, dense)
         if known is None or not known.checked:     # a caller that skipped the norm round
             self.refusals.finite_sq_norm(grads, self._call.caller, f"update in context {context_id}")
         if coef < 1.0:
@@ -197,12 +190,11 @@ class ParameterServer(PsSurface):
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote
-    def contribute(self, context_id: int, step: int,
+    def contribute(self, context_id: Optional[int], step: int,
                    rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
                    dense: Optional[dict[str, torch.Tensor]] = None, mark: Optional[Mark] = None) -> None:
         self.consistency.require(True, "hand over gradients")
-        self.push(context_id, rows or {}, dense)      # what came with it (or nothing)
-        grads = self._grads(context_id)
+        grads, _ = self.gradients.of(self._call.caller, context_id, rows, dense)
         self.refusals.finite_sq_norm(grads, self._call.caller, f"gradients for step {step}")
         with self.optimizer.lock:
             grads = self._current(context_id)(grads)

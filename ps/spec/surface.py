@@ -101,22 +101,25 @@ class PsSurface(Service):
         raise NotImplementedError
 
     @remote
-    def apply(self, context_id: int, coef: float = 1.0, weights: bool = False,
-              mark: Optional[Mark] = None) -> Optional[dict[str, torch.Tensor]]:
-        """async and ssp modes: apply the caller's gradients in ``context_id`` now, all or none,
-        scaled by ``coef`` in [0, 1] (the global clip); with ``weights``, answer this server's
-        dense tensors as the update left them (``dense_params``, without a round of its own).
-        With ``mark``, not if the caller's batch of those steps was applied here already."""
+    def apply(self, context_id: Optional[int], coef: float = 1.0, weights: bool = False,
+              mark: Optional[Mark] = None, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
+              dense: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict[str, torch.Tensor]]:
+        """async, ssp and hybrid modes: apply the caller's gradients in ``context_id`` now, all or
+        none, scaled by ``coef`` in [0, 1] (the global clip); with ``weights``, answer this
+        server's dense tensors as the update left them (``dense_params``, without a round of its
+        own). With ``mark``, not if the caller's batch of those steps was applied here already.
+        ``rows`` and ``dense``: gradients pushed with it, as ``push`` takes them; with
+        ``context_id`` None, the whole update (a backward the trainer ran itself: one message)."""
         raise NotImplementedError
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step
     @remote
-    def contribute(self, context_id: int, step: int,
+    def contribute(self, context_id: Optional[int], step: int,
                    rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
                    dense: Optional[dict[str, torch.Tensor]] = None, mark: Optional[Mark] = None) -> None:
         """The caller's gradients in ``context_id``, for step ``step`` (the open one); ``rows`` and
-        ``dense``: gradients pushed with them, as ``push`` takes them; ``mark``: recorded once the
-        step is applied with them."""
+        ``dense``: gradients pushed with them, as ``push`` takes them (with ``context_id`` None,
+        all of them); ``mark``: recorded once the step is applied with them."""
         raise NotImplementedError
 
     @remote

@@ -25,17 +25,18 @@ MODEL = {"workload": "ctr", "scale": 0.0005, "dim": 4, "bottom": "8", "top": "8"
 # each row's root mean square, which magnifies that for rows with tiny gradients.
 TOLERANCE = {"sgd": 1e-6, "rowwise_adagrad": 1e-5}
 
-# The last field: --max-ids-per-request, so small that every step's lookups are cut into requests.
-CASES = [(1, "rowwise_adagrad", "auto", None), (2, "sgd", "auto", 50), (2, "rowwise_adagrad", "table_wise", None),
-         (3, "rowwise_adagrad", "auto", None)]
+# --max-ids-per-request, so small that every step's lookups are cut into requests; and where the
+# trainers' backward runs (their own autograd, each server's gradients sent with the hand-over).
+CASES = [(1, "rowwise_adagrad", "auto", None, "distributed"), (2, "sgd", "auto", 50, "local"),
+         (2, "rowwise_adagrad", "table_wise", None, "distributed"), (3, "rowwise_adagrad", "auto", None, "local")]
 
 
-@pytest.mark.parametrize("num_ps,table_rule,placement,cap", CASES)
-def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement, cap):
+@pytest.mark.parametrize("num_ps,table_rule,placement,cap,backward", CASES)
+def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement, cap, backward):
     servers = procs.start_servers(num_ps, **MODEL, table_rule=table_rule, placement=placement,
                                   max_ids_per_request=cap)
-    results = procs.finish_drivers([procs.spawn_driver("ctr", f"ctr{k}", num_ps, steps=STEPS, trainers=TRAINERS)
-                                    for k in range(TRAINERS)])
+    results = procs.finish_drivers([procs.spawn_driver("ctr", f"ctr{k}", num_ps, steps=STEPS, trainers=TRAINERS,
+                                                       backward=backward) for k in range(TRAINERS)])
     lead = results[0]
     assert {r["consistency"] for r in results} == {"sync"}
     # auto: tables row by row, but those smaller than the server count (2 rows, of 3 servers) whole.
@@ -46,7 +47,7 @@ def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement, ca
         mean = sum(r["losses"][step] for r in results) / TRAINERS
         assert mean == pytest.approx(lead["local_losses"][step], rel=1e-5), f"step {step + 1}"
     largest = max(lead["param_diff"].values())
-    print(f"{num_ps} servers, {table_rule}, {placement}: largest difference {largest:.3g} "
+    print(f"{num_ps} servers, {table_rule}, {placement}, {backward} backward: largest difference {largest:.3g} "
           f"(tables moved up to {lead['tables_moved']:.3g})")
     assert lead["tables_moved"] > 1e-3, "the steps changed the tables"
     if cap is not None:

@@ -153,9 +153,9 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     assert work["update"]["seconds"] > 0, work
     assert up.terminate(timeout=15) == 0, up.logs()
     done = up.wait_event("done", 5)
-    # Each step: a lookup, the MLPs' weights, the norm, the apply, and distributed backward's
-    # gradients for the rows and the weights.
-    assert done["per_step"]["rpcs"] >= 6, done["per_step"]
+    # Each step of its one server: a lookup, the MLPs' weights, and the apply carrying the
+    # gradients (the backward ran on the trainer; distributed autograd's took 6 and more).
+    assert done["per_step"]["rpcs"] == 3, done["per_step"]
     assert {"fetch", "forward", "backward", "optimize", "total"} <= set(done["per_step"]["seconds"]), done
     assert 0 < done["per_step"]["cache_hit_rate"] < done["per_step"]["cache_lookup_hit_rate"] < 1, done
     assert done["bytes_per_step"]["saved"] > 0, done

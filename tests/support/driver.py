@@ -324,6 +324,8 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
     hot = ReplicatedRows(args.hot_rows, every=2) if args.hot_rows else None
     if args.dense == "allreduce":
         task.model.replicate(lambda key: args.endpoint.prefixed_store(f"{GROUP_PREFIX}{key}/", 60), 60, hot=hot)
+    if args.backward == "local":
+        client.backward_here()
     loop = TrainLoop(task, clip=0.0, prefetch=args.prefetch, cache=hot)
     client.clock.start_with = args.trainers
     client.clock.begin()
@@ -537,6 +539,7 @@ def main() -> None:
     p.add_argument("--poison", default="", help="hammer: scale each step's loss by these in turn (nan,inf)")
     p.add_argument("--dense", default="ps", choices=("ps", "allreduce"), help="sync: where the LSTM lives")
     p.add_argument("--prefetch", type=int, default=0, help="ctr: batches read ahead")
+    p.add_argument("--backward", default="distributed", choices=("local", "distributed"), help="ctr: where it runs")
     p.add_argument("--staleness", type=int, default=0, help="cached: the rows cache's bound, in steps")
     p.add_argument("--hot-rows", type=int, default=0, help="ctr --dense allreduce: hot rows replicated, per table")
     args = p.parse_args()

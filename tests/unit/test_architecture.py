@@ -149,6 +149,7 @@ SHARED_WORDS = {
     "staleness": "how old a read may be (ssp's bound, a cache's)", "scale": "scaling a tensor (an update rule's factor)",
     "hits": "a cache's (ps/client/cache.py)", "misses": "a cache's, a membership probe's",
     "lookups": "a step's requests for rows (ps/client/lookups.py), and a cache's count of them",
+    "backward": "a step's phase (ps/client/session.py), and where a CTR trainer runs it",
 }
 
 

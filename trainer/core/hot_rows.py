@@ -140,6 +140,11 @@ class ReplicatedRows(HotRows):
         """The replica is where hot rows live: a server back from a checkpoint leaves them be."""
 
     # --- the group's step (``DenseReplica``) ---------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Before a backward run on the trainer, which adds the hot rows' gradients to their ``.grad``."""
+        for h in self.held.values():
+            h.rows.grad = None
+
     def averaged(self, grads: dict[torch.Tensor, torch.Tensor], union: Callable[[torch.Tensor], torch.Tensor],
                  mean: Callable[[torch.Tensor], torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
         """The group's average of the step's gradients of the hot rows (``grads``: this trainer's,

@@ -205,6 +205,9 @@ class DenseReplica:
             if self.ddp is None:
                 raise RuntimeError("a training step with a replica needs its group first (follow)")
             self._reduced.counts.clear()
+            self.optimizer.zero_grad()     # a backward run on the trainer adds DDP's average to .grad
+            if self.hot is not None:
+                self.hot.zero_grad()
             return self.ddp(*inputs)
         return self.module(*inputs)     # evaluation: no gradients, nothing to all-reduce
 

@@ -66,6 +66,10 @@ class ServedTrainer(RoleBase):
         """How many batches a step's reads go out ahead of (``trainer/core/prefetch.py``; 0: none)."""
         return 0
 
+    def place_backward(self, client: PsClient) -> None:
+        """Where the steps' backward runs (``PsClient.backward_here``): by distributed autograd
+        unless the workload knows its servers compute none of its forward."""
+
     def cache(self) -> Optional[HotRows]:
         """Copies of the rows read most, kept here (``ps/client/cache.py``; None: none)."""
         return None
@@ -131,6 +135,7 @@ class ServedTrainer(RoleBase):
         client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
         client.clock.start_with = cfg.num_trainers        # sync: the job's first step waits for them all
         task = self.task(client)
+        self.place_backward(client)
         model = task.model
         cache = self.cache()
         replicated = cache is not None and cache.replicated

@@ -14,6 +14,10 @@
   (``HOT``, ``--cache-staleness 0``): exact, so its AUC is ``sync-allreduce``'s;
 * ``hybrid``: the tables async, the MLPs replicated and all-reduced in lockstep (``--consistency
   hybrid``): within 0.002 AUC of ``sync``, at least as fast as ``async``;
+* ``async-distributed``, ``sync-distributed``, ``hybrid-distributed``: the same with each step's
+  backward run by distributed autograd (``--backward distributed``) instead of on the trainer, each
+  server's gradients sent with the update (the default): messages, CPU and samples/s side by side,
+  and sync's AUC the same to every digit;
 * ``hashed``, ``hashed-10``: sync, the big tables keyed by raw 64-bit ids (``--tables C3,…``), with
   room for twice their ids (``--capacity-share 2``: nothing evicted) and for a tenth of them
   (``--capacity-share 0.1``): what a bounded table costs in AUC;
@@ -51,7 +55,8 @@ from typing import Any, Optional
 from services.client import SidecarClient
 
 VARIANTS = ("local", "async", "sync", "async-prefetch", "sync-prefetch", "async-cache", "async-prefetch-cache",
-            "sync-allreduce", "sync-allreduce-hot", "hybrid", "hashed", "hashed-10", "fp16", "bf16", "wire-fp16")
+            "sync-allreduce", "sync-allreduce-hot", "hybrid", "async-distributed", "sync-distributed",
+            "hybrid-distributed", "hashed", "hashed-10", "fp16", "bf16", "wire-fp16")
 # The rows cache of the cache variants: 1 % of the biggest table at --scale 0.1, each copy serving up to 10 steps.
 CACHE = ("--cache-rows", "10000", "--cache-staleness", "10")
 # The hot rows of sync-allreduce-hot: up to 2,000 rows of each table replicated among the trainers (exact).
@@ -61,7 +66,8 @@ TRAINERS = 2
 TARGETS = {"async_vs_local": 0.8, "sync_auc_minus_local": 0.002, "rows_bytes_ratio": 2.0,
            "hashed_10_auc_minus_hashed": 0.005, "sync_prefetch_vs_local": 0.9, "sync_prefetch_auc_minus_sync": 0.0,
            "async_prefetch_cache_vs_local": 1.0, "cache_hit_rate": 0.85,
-           "sync_allreduce_hot_auc_minus_sync_allreduce": 0.002, "hybrid_auc_minus_sync": 0.002, "hybrid_vs_async": 1.0}
+           "sync_allreduce_hot_auc_minus_sync_allreduce": 0.002, "hybrid_auc_minus_sync": 0.002, "hybrid_vs_async": 1.0,
+           "sync_auc_minus_sync_distributed": 0.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -252,6 +258,8 @@ def extra(variant: str, scale: float) -> tuple[str, ...]:
         return ("--consistency", "sync", "--tables", big, "--capacity-share", "0.1" if variant == "hashed-10" else "2")
     if variant in HALF:
         return ("--consistency", "sync", *HALF[variant])
+    if variant.endswith("-distributed"):
+        return (*extra(variant.removesuffix("-distributed"), scale), "--backward", "distributed")
     return {"async": (), "sync": ("--consistency", "sync"), "async-prefetch": ("--prefetch", "1"),
             "sync-prefetch": ("--consistency", "sync", "--prefetch", "1"), "async-cache": CACHE,
             "async-prefetch-cache": ("--prefetch", "1", *CACHE),
@@ -336,6 +344,10 @@ def _ratios(results: dict[str, dict], rounds: list[dict[str, dict]], rows: float
         if name in results and plain in results:
             ratios[f"{key}_vs_{plain_key}"] = side_by_side(name, plain)
             ratios[f"{key}_auc_minus_{plain_key}"] = results[name]["auc"] - results[plain]["auc"]
+    for mode in ("async", "sync", "hybrid"):     # a step's backward here, beside distributed autograd's
+        if mode in results and f"{mode}-distributed" in results:
+            ratios[f"{mode}_vs_{mode}_distributed"] = side_by_side(mode, f"{mode}-distributed")
+            ratios[f"{mode}_auc_minus_{mode}_distributed"] = results[mode]["auc"] - results[f"{mode}-distributed"]["auc"]
     if "hybrid" in results and "sync" in results:
         ratios["hybrid_auc_minus_sync"] = results["hybrid"]["auc"] - results["sync"]["auc"]
     if "hybrid" in results and "async" in results:
@@ -360,6 +372,8 @@ def _met(results: dict[str, dict], ratios: dict[str, float]) -> dict[str, bool]:
                 "hybrid_auc_minus_sync"):
         if key in ratios:        # exact: within the bar, as equal as measured
             met[key] = abs(ratios[key]) <= TARGETS[key]
+    if "sync_auc_minus_sync_distributed" in ratios:       # exact: the same AUC to every digit
+        met["sync_auc_minus_sync_distributed"] = ratios["sync_auc_minus_sync_distributed"] == 0.0
     if "hybrid_vs_async" in ratios:
         met["hybrid_vs_async"] = ratios["hybrid_vs_async"] >= TARGETS["hybrid_vs_async"]
     for key in ("sync_prefetch_vs_local", "sync_prefetch_auc_minus_sync", "async_prefetch_cache_vs_local"):

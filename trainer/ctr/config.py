@@ -170,6 +170,10 @@ class CtrDataSettings(SchemaSettings):
     prefetch: int = Field(0, ge=0, le=16, description="read the rows of this many batches ahead while a step "
                                                       "computes (async; ssp:K up to K; sync 1, read once the step "
                                                       "before is applied: exact); 0: each step reads its own")
+    backward: Optional[Literal["local", "distributed"]] = Field(
+        None, description="where a step's backward runs: local (plain autograd on the trainer; each server gets its "
+                          "gradients with the update, one message a step) or distributed (torch's distributed "
+                          "autograd). Default: local, or distributed with a hashed table")
     cache_rows: int = Field(0, ge=0, le=100_000_000, description="keep copies of up to this many rows of each table "
                                                                  "on the trainer, the most recently used (0: none; "
                                                                  "hashed tables are never cached)")

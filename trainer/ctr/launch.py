@@ -17,7 +17,8 @@ class CtrLaunch(TrainersLaunch):
     workload, trainer, unit = "ctr", "ctr", "samples"
     server_flags = MODEL_FLAGS
     trainer_flags = ("batch_size", "hot", "data_seed", "eval_samples", "eval_data", "data", "schema_file",
-                     "source", "follow", "eval_fraction", "prefetch", "cache_rows", "cache_share", "cache_staleness")
+                     "source", "follow", "eval_fraction", "prefetch", "backward", "cache_rows", "cache_share",
+                     "cache_staleness")
 
     def plan(self) -> list[Planned]:
         """The servers and trainers, and ``--serve`` serving members reading the live servers (told

@@ -38,6 +38,16 @@ class CtrTrainer(ServedTrainer):
     def prefetch(self) -> int:
         return self.cfg.prefetch
 
+    def place_backward(self, client: PsClient) -> None:
+        if self.cfg.backward == "distributed":
+            return
+        try:
+            client.backward_here()
+        except ValueError as exc:
+            if self.cfg.backward == "local":
+                raise ConfigError(f"--backward local: {exc}") from None
+            log.info("the steps' backward runs by distributed autograd: %s", exc)
+
     def cache(self) -> Optional[HotRows]:
         return row_cache(self.cfg.cache_rows, self.cfg.cache_staleness, self.cfg.cache_share)
 
