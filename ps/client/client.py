@@ -132,8 +132,9 @@ class PsClient:
         table, whose reads are recorded in the step's context (ids admitted, rows changing hands)."""
         hashed = sorted(t for t, plan in self.plans.items() if isinstance(plan, HashedPlan))
         if hashed:
+            more = f" and {len(hashed) - 1} more" if len(hashed) > 1 else ""
             raise ValueError(f"a hashed table's reads are recorded in the step's distributed autograd context "
-                             f"({', '.join(hashed)}): --backward distributed")
+                             f"({hashed[0]}{more}): --backward distributed")
         self.local_backward = True
 
     def each_dense_shard(self, method: Callable[..., Any], *args: Any) -> list[Any]:

@@ -2,9 +2,10 @@
 with its backward run on the trainer, none: its reads are leaves, their gradients sent with the
 update), and its end as the job's consistency says (``ps/server/update.py``):
 
-* async: the global norm of this trainer's gradients (one round to every server); a server that
-  finds them not finite refuses the step there, before any server applies any of it; else clip
-  and have every server apply its share;
+* async: the global norm of this trainer's gradients (one round to every server; with the
+  backward run on the trainer, taken there); a server (or the trainer) that finds them not finite
+  refuses the step there, before any server applies any of it; else clip and have every server
+  apply its share (with the backward run on the trainer, its gradients in the same message);
 * ssp:K: the same, then report the step to the leader's step clock;
 * sync: hand the gradients to every server, then arrive at the clock, which answers once the
   step's averaged (and clipped) update is applied everywhere. A server refuses gradients that
@@ -83,9 +84,8 @@ class StepSession:
     backward and hands the gradients over by its id, and leaving the ``with`` block releases it;
     torch allows one such context per thread, so what is issued for a later step before this one
     ends (a prefetch) must be issued in that step's own session. Local: no context; every read is
-    a leaf of this process's graph (``Fetching.adopted``), ``finish`` runs plain autograd, takes
-    the global norm here, and sends each server its rows' and dense tensors' gradients with the
-    update itself: one message a server."""
+    a leaf here (``Fetching.adopted``), ``finish`` runs plain autograd, takes the global norm, and
+    sends each server its gradients with the update itself: one message a server."""
 
     def __init__(self, client: PsClient) -> None:
         self.client = client
@@ -173,8 +173,7 @@ class StepSession:
 
     def _lost(self, exc: Exception, replica: Optional[Replica]) -> Exception:
         """A clocked step that failed, told to the clock (or the server loss it was)."""
-        client = self.client
-        return client.losses.failed(exc, replica) or client.clock.lose_step(exc, replica)
+        return self.client.losses.failed(exc, replica) or self.client.clock.lose_step(exc, replica)
 
     def _replicated(self, replica: Optional[Replica]) -> Optional[dict[torch.Tensor, torch.Tensor]]:
         """The replica's averaged gradients of the step (None without one, or when they are
@@ -226,7 +225,9 @@ class StepSession:
         they are not finite (found by a server, or here)."""
         client = self.client
         if self.local:
-            parts = [grad_sq_norm([g for _, g in rows.values()] + list(dense.values())) for rows, dense in leaves.values()]
+            # In fp32, as a server takes it: a half-precision wire's squares add up past fp16's range.
+            parts = [grad_sq_norm([g.float() for _, g in rows.values()] + [g.float() for g in dense.values()])
+                     for rows, dense in leaves.values()]
         else:
             parts, refused = wait_all([client.ask(n, PsSurface.grad_sq_norm, self.context_id, *leaves.get(k, ()))
                                        for k, n in enumerate(client.ps_names)])

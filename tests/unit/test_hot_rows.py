@@ -179,3 +179,4 @@ def test_the_flags_choose_the_cache_and_staleness_0_needs_the_replica():
         CtrUpSettings.model_validate({"dense": "allreduce"})
     with pytest.raises(ValueError, match="replicates the hot rows among the trainers"):
         CtrUpSettings.model_validate({**base, "cache_staleness": 1, "dense": "allreduce"})
+

@@ -1,8 +1,10 @@
 """A step whose backward runs on the trainer: its leaves' gradients read as a context's are, and
 gathered one message a server, a row named twice sent once with its gradients summed."""
+import pytest
 import torch
 
 from ps.client.fetching import GradOf, merged
+from trainer.ctr.config import CtrUpSettings
 
 
 def test_a_leaf_gradient_is_read_as_a_context_gives_it():
@@ -24,3 +26,10 @@ def test_pushes_are_gathered_per_server_each_row_once():
     assert got == {1: 11.0, 4: 1.0, 9: 10.0}, "id 1 came in two answers: once, its gradients summed"
     assert out[0][0]["u"][0].tolist() == [2] and out[0][1]["w"] is w
     assert out[1][0]["t"][0].tolist() == [7] and out[1][1] == {}
+
+
+def test_local_backward_with_a_hashed_table_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="--backward local with --tables C3: a hashed table's reads"):
+        CtrUpSettings.model_validate({"tables": "C3", "backward": "local"})
+    assert CtrUpSettings.model_validate({"tables": "C3"}).backward is None
+    assert CtrUpSettings.model_validate({"backward": "local"}).backward == "local"

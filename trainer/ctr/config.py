@@ -266,6 +266,10 @@ class CtrUpSettings(CtrDataSettings, TrainersUpSettings, CtrModelSettings):
         cached = self.cache_rows or self.cache_share
         Consistency.parse(self.consistency).check_reads(self.prefetch, self.cache_staleness if cached else 0)
         replicated_rows_need_replica(bool(cached), self.cache_staleness, self.dense_at)
+        if self.backward == "local" and self.hashed_tables():
+            raise ValueError(f"--backward local with --tables {self.tables}: a hashed table's reads are recorded in "
+                             f"the step's distributed autograd context (ids admitted, rows changing hands); leave "
+                             f"--backward out, or give --backward distributed")
         return self
 
 
