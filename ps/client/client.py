@@ -7,7 +7,7 @@ shard at once (``issue``, which returns the answers on their way as a ``Fetching
 shard in parallel. Its parts, each in a file of its own:
 
 - a training step, ``step()``: a ``StepSession`` (``ps/client/session.py``), whose ``finish`` runs
-  backward and ends the step as the job's consistency says;
+  backward and ends the step as the job's consistency says (``ps/client/step_end.py``);
 - the leader's step clock, ``clock`` (``ps/client/clock.py``), in sync and ssp modes;
 - the servers it can no longer count on, ``losses`` (``ps/client/losses.py``): what a failed step
   means, and which servers have come back;

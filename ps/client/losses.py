@@ -16,7 +16,7 @@ from services.remote import call_async, wait
 
 if TYPE_CHECKING:
     from ps.client.client import PsClient
-    from ps.client.session import Replica
+    from ps.client.step_end import Replica
 
 log = logging.getLogger(__name__)
 

@@ -400,6 +400,7 @@ def cached(client: PsClient, args: argparse.Namespace) -> dict:
     a step between them writes X without reading it (a pushed gradient: to this cache, another
     trainer's write). What each step computed with, beside the servers' rows just before it."""
     from ps.client.cache import HotRows
+    from ps.client.step_end import StepEnd
     param, x = "tables.weights.C3", torch.tensor([3, 7, 11])
     w = torch.linspace(-1, 1, x.numel() * 4).reshape(x.numel(), 4)
     client.read_ahead(cache=HotRows(capacity=100, staleness=args.staleness))
@@ -433,6 +434,7 @@ def dies_cached(client: PsClient, args: argparse.Namespace) -> dict:
     are on the servers (pushed with its norm round), before its update: it prints the servers' rows of X and waits to be killed."""
     import torch.distributed.autograd as dist_autograd
     from ps.client.cache import HotRows
+    from ps.client.step_end import StepEnd
     param, x = "tables.weights.C3", torch.tensor([3, 7, 11])
     w = torch.linspace(-1, 1, x.numel() * 4).reshape(x.numel(), 4)
     client.read_ahead(cache=HotRows(capacity=x.numel(), staleness=1))
@@ -444,7 +446,8 @@ def dies_cached(client: PsClient, args: argparse.Namespace) -> dict:
     with client.step() as step:
         rows, _ = step.fetch({param: x}, dense=False)
         dist_autograd.backward(step.context_id, [(rows[param] * w).sum()])
-        step._grad_norm(step._leaf_grads())     # what finish does first, with the copies' gradients; its update next
+        # What finish does first, with the copies' gradients; its update next.
+        StepEnd(client, step.context_id, step._grads)._grad_norm(step._leaf_grads())
         print(json.dumps({"servers_before": before, "hits": client.cache.counts.hits, "rows": client.cache.rows}),
               flush=True)
         threading.Event().wait(120)     # killed here
