@@ -400,7 +400,6 @@ def cached(client: PsClient, args: argparse.Namespace) -> dict:
     a step between them writes X without reading it (a pushed gradient: to this cache, another
     trainer's write). What each step computed with, beside the servers' rows just before it."""
     from ps.client.cache import HotRows
-    from ps.client.step_end import StepEnd
     param, x = "tables.weights.C3", torch.tensor([3, 7, 11])
     w = torch.linspace(-1, 1, x.numel() * 4).reshape(x.numel(), 4)
     client.read_ahead(cache=HotRows(capacity=100, staleness=args.staleness))
