@@ -51,6 +51,8 @@ class OnHost(Placed):
             self.proc.poll()
 
     def connect(self, up: bool) -> None:
+        if up and not Path(f"/run/netns/{self.namespace}").exists():
+            return      # its host is gone (the run that made it ended): no link is left to bring back
         ip("-n", self.namespace, "link", "set", "eth0", "up" if up else "down")
 
     def where(self) -> str:

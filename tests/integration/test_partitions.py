@@ -31,7 +31,7 @@ def chaos(up: UpProcess, member: str, seconds: float) -> dict:
                            "--fault", "partition", "--for", str(seconds), "--members", member, "--kills", "1",
                            "--interval", "0.1", "--recover-timeout", "120"], capture_output=True, text=True,
                           timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{up.explain()}\n{up.logs()}"
     record = next(json.loads(line) for line in done.stdout.splitlines() if json.loads(line)["event"] == "kill")
     print(f"{member} cut off {seconds:g}s: {record}")
     return record

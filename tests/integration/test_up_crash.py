@@ -43,6 +43,15 @@ def trainer_status(url: str) -> dict:
         return c.status()
 
 
+def step_of(up: UpProcess, name: str) -> int:
+    """``name``'s steps so far; a trainer without any (it is starting again) fails the test with
+    what was going on, rather than a bare KeyError."""
+    s = trainer_status(up.cluster()["sidecars"][name])
+    if "step" not in s:
+        raise AssertionError(f"{name} reports no step: {s}; {up.explain()}\n{up.logs()}")
+    return s["step"]
+
+
 def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     started = up.wait_event("started", 120)
     urls = started["sidecars"]
@@ -80,7 +89,7 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     # Killed twice more, the second time as soon as it is back: a death in a row doubles the
     # back-off, `rpcps status` shows it failing meanwhile, and the others train on.
     assert restart["in"] == 0.25
-    steps_before = trainer_status(urls["trainer0"])["step"]
+    steps_before = step_of(up, "trainer0")
 
     def trainer1_restarts() -> list[dict]:
         return [e for e in up.drain() if e["event"] == "restart" and e["name"] == "trainer1"]
@@ -118,7 +127,7 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     finally:
         os.kill(stopped, signal.SIGCONT)
     continued = time.monotonic()
-    steps = {n: trainer_status(urls[n])["step"] for n in ("trainer0", "trainer1")}
+    steps = {n: step_of(up, n) for n in ("trainer0", "trainer1")}
     wait_until(lambda: all(trainer_status(urls[n])["step"] > steps[n] for n in steps), 15, "steps after the stop")
     gap = time.monotonic() - continued
     print(f"ps1 stopped 6 s: the trainers stepped again {gap:.1f}s after it went on")
@@ -147,7 +156,7 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     assert 15 - 1.5 <= detected < 15 + 10 and "no answer from its sidecar for" in lost["reason"], (detected, lost)
     wait_until(lambda: [e for e in up.drain() if e["event"] == "restart" and e["name"] == "ps1"
                         and e["reason"] == lost["reason"]], 15, "ps1's restart, for the reason it was lost")
-    steps = trainer_status(urls["trainer0"])["step"]
+    steps = step_of(up, "trainer0")
     wait_until(lambda: trainer_status(urls["trainer0"])["step"] > steps, 90, "a step after ps1's replacement")
     print(f"ps1 frozen: declared lost after {detected:.1f}s, a step {time.monotonic() - frozen_at:.1f}s after the freeze")
     assert [up.cluster()["pids"][n] for n in ("trainer0", "trainer1")] == trainer_pids, "the same trainer processes"

@@ -50,10 +50,14 @@ class UpProcess:
                 if e.get("event") == kind and all(e.get(k) == v for k, v in match.items()):
                     return e
             if self.proc.poll() is not None:
-                raise AssertionError(f"rpcps up exited {self.proc.returncode} without a {kind} event; "
-                                     f"events {self.events}; stderr {''.join(self._stderr)[-3000:]}")
+                raise AssertionError(f"no {kind} event: {self.explain()}")
             return None
         return wait_until(find, timeout, f"a {kind} event from rpcps up", interval=0.2)
+
+    def explain(self) -> str:
+        """What a failing test shows of the run: how it ended if it did, its last events, its stderr."""
+        ended = "runs" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        return f"rpcps up {ended}; events {self.drain()[-10:]}; stderr {''.join(self._stderr)[-3000:]}"
 
     def cluster(self) -> dict:
         return json.loads((self.state_dir / "cluster.json").read_text())
