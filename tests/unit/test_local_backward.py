@@ -1,9 +1,14 @@
 """A step whose backward runs on the trainer: its leaves' gradients read as a context's are, and
-gathered one message a server, a row named twice sent once with its gradients summed."""
+gathered one message a server, a row named twice sent once with its gradients summed; under hybrid,
+rows refused (not finite) still leave every replica the same averaged update."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from ps.client.fetching import GradOf, merged
+from ps.client.step_end import StepEnd
+from services.errors import UpdateRefused
 from trainer.ctr.config import CtrUpSettings
 
 
@@ -33,3 +38,45 @@ def test_local_backward_with_a_hashed_table_is_refused_before_anything_starts():
         CtrUpSettings.model_validate({"tables": "C3", "backward": "local"})
     assert CtrUpSettings.model_validate({"tables": "C3"}).backward is None
     assert CtrUpSettings.model_validate({"backward": "local"}).backward == "local"
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.granted, self.arrived = SimpleNamespace(step=7), []
+
+    def arrive(self, clip: float, refused: bool = False) -> tuple[None, float]:
+        self.arrived.append(refused)
+        return None, 0.0
+
+
+class _Replica:
+    """The dense replica as hybrid steps it: the group's average is the trainer's own here."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[dict, float, int]] = []
+
+    def averaged(self, grads: dict) -> dict:
+        return grads
+
+    def sq_norm(self, grads: dict) -> float:
+        return sum(float(g.pow(2).sum()) for g in grads.values())
+
+    def apply(self, grads: dict, coef: float, step: int) -> None:
+        self.applied.append((grads, coef, step))
+
+
+def test_hybrid_rows_refused_still_step_the_replica_and_tell_the_clock():
+    clock, replica, asked = _Clock(), _Replica(), []
+    client = SimpleNamespace(consistency=SimpleNamespace(clocked=True), clock=clock, ps_names=["ps0", "ps1"],
+                             dense_shards=[], ask=lambda *a: asked.append(a))
+    w = torch.ones(2)
+    end = StepEnd(client, None, lambda: {w: torch.full((2,), 3.0)})
+    rows = {0: ({"t": (torch.tensor([1]), torch.tensor([[float("nan"), 1.0]]))}, {}),
+            1: ({"t": (torch.tensor([2]), torch.tensor([[1.0, 1.0]]))}, {})}
+    with pytest.raises(UpdateRefused, match="not finite|norm is nan"):
+        end.apply_own(0.0, 1.0, rows, False, None, replica)
+    assert asked == [], "no server was asked to apply rows whose gradients are not finite"
+    assert clock.arrived == [True], "the clock heard the step end, refused"
+    (grads, coef, step), = replica.applied
+    # Every trainer applies the same average, clipped by its own norm (sqrt(18) > clip 1).
+    assert step == 7 and coef == pytest.approx(1.0 / (18 ** 0.5 + 1e-6)) and torch.equal(grads[w], torch.full((2,), 3.0))
