@@ -147,7 +147,10 @@ def test_the_scale_bench_says_which_targets_were_met():
     from services.workload import ScaleCase
     from trainer.core.scale.bench import _met
     sync = ScaleCase("ctr-sync", "", (), "samples", "auc", efficiency=0.9, exact=True)
-    swept = {"ctr-sync": {"runs": [{"trainers": 4, "servers": 1, "efficiency": 0.7},
+    hosts = {"trainer0": {"role": "trainer", "cpu_us_per_sample": 50.0}, "trainer1": {"role": "trainer",
+             "cpu_us_per_sample": 46.0}, "ps0": {"role": "ps", "cpu_us_per_sample": 10.0}}
+    swept = {"ctr-sync": {"baseline_cpu_us_per_unit": 40.0, "client_role": "trainer",
+                          "runs": [{"trainers": 4, "servers": 1, "efficiency": 0.7, "hosts": hosts},
                                    {"trainers": 4, "servers": 2, "efficiency": 0.92},
                                    {"trainers": 2, "servers": 2, "efficiency": 0.99}],
                           "quality_minus_one_process": {"2": 0.0004, "1": -0.003}}}
@@ -155,8 +158,17 @@ def test_the_scale_bench_says_which_targets_were_met():
                                           "1gbit": {"ratio": 1.0}}}
     targets, met = _met({"ctr-sync": sync}, swept, links, {"ratio": 0.88}, most=4)
     assert met == {"ctr-sync_efficiency_at_4": True,           # the servers it needs: the best of 1 and 2
+                   "ctr-sync_trainer_cpu_per_unit_vs_one_process_at_4": False,   # (50 + 46) / 2 / 40 = 1.2
                    "ctr-sync_quality_minus_one_process_2_servers": True,
                    "ctr-sync_quality_minus_one_process_1_servers": False,
                    "ctr-async-prefetch-cache_vs_ctr-async_at_100mbit": True,   # the slowest link, in any order
                    "training_beside_serving": False}
     assert targets["ctr-sync_efficiency_at_4"] == 0.9 and targets["training_beside_serving"] == 0.9
+
+
+def test_the_scale_bench_counts_units_per_core_given_and_used():
+    from trainer.core.scale.bench import per_core
+    hosts = {"trainer0": {"cores": 0.25}, "trainer1": {"cores": 0.2}, "ps0": {"cores": 0.05}}
+    # Three hosts of 0.25 cores were given 0.75; they used 0.5 of them.
+    assert per_core(1500.0, hosts, 0.25) == {"per_core": pytest.approx(2000.0), "per_core_used": pytest.approx(3000.0)}
+    assert per_core(1500.0, {}, 0.25) == {"per_core": None, "per_core_used": None}

@@ -37,6 +37,7 @@ from trainer.core.scale.runs import Load, Plan, cluster, one_process
 QUALITY_EQUAL = 0.002           # |sync - one process| held-out AUC (or loss) counted as equal
 SERVING_TARGET = 0.9            # training beside a serving host at its peak, against training alone
 SERVING_TRAINERS = 2
+TRAINER_CPU_TARGET = 1.0        # a trainer's CPU per unit, against one process's whole step
 
 
 def cases() -> dict[str, tuple[ScaleCase, Any]]:
@@ -98,13 +99,15 @@ class Bench:
         # While every trainer trained (else, a run too short to see that: the whole run's).
         per_s = result["window_per_s"] or done[f"{unit}_per_s"]
         hosts = result["hosts"]
-        for h in hosts.values():      # a trainer's bytes per its own units; a server's per the cluster's
+        for h in hosts.values():      # a trainer's bytes and CPU per its own units; a server's per the cluster's
             own = per_s / trainers if h["role"] == plan.client_role else per_s
             h[f"bytes_per_{unit[:-1]}"] = h["link_bytes_per_s"] / own if own else None
+            h[f"cpu_us_per_{unit[:-1]}"] = h["cores"] / own * 1e6 if own else None
         run = {"kind": kind, "case": case.name, "trainers": trainers, "servers": servers, "link_rate": link_rate,
                "per_s": per_s, "per_s_whole_run": done[f"{unit}_per_s"], "unit": unit,
                "quality": done.get(case.quality),
-               "efficiency": per_s / (trainers * baseline) if baseline else None, "hosts": hosts,
+               "efficiency": per_s / (trainers * baseline) if baseline else None, **per_core(per_s, hosts, plan.cpus),
+               "hosts": hosts,
                "done": {k: done.get(k) for k in ("per_step", "bytes_per_step", "steps", "restarts")}}
         if result.get("served") is not None:
             run["served"] = result["served"]
@@ -131,8 +134,11 @@ class Bench:
             return None
         baseline = base["done"][f"{case.unit}_per_s"]
         _emit({"kind": "baseline", "case": case.name, "per_s": baseline, "unit": case.unit,
+               "per_core": baseline / plan.cpus, f"cpu_us_per_{case.unit[:-1]}": plan.cpus / baseline * 1e6,
                "quality": base["done"].get(case.quality), "host": base["host"]})
-        out: dict[str, Any] = {"baseline": baseline, "baseline_host": base["host"], "runs": []}
+        out: dict[str, Any] = {"baseline": baseline, "baseline_per_core": baseline / plan.cpus,
+                               "baseline_cpu_us_per_unit": plan.cpus / baseline * 1e6, "client_role": plan.client_role,
+                               "baseline_host": base["host"], "runs": []}
         for servers in self.servers:
             for trainers in self.trainers:
                 what = {"kind": "hosts", "case": case.name, "trainers": trainers, "servers": servers}
@@ -206,6 +212,23 @@ class Bench:
                 "served": beside.get("served")}
 
 
+def per_core(per_s: float, hosts: dict[str, dict[str, Any]], cpus: float) -> dict[str, Optional[float]]:
+    """Units a second per core: of the cores the hosts were given (what a cluster costs, servers
+    included; one process's is its baseline ÷ ``cpus``), and of the cores they used meanwhile."""
+    used = sum(h["cores"] for h in hosts.values())
+    return {"per_core": per_s / (len(hosts) * cpus) if hosts else None, "per_core_used": per_s / used if used else None}
+
+
+def trainer_cpu_ratio(result: dict[str, Any], unit: str, trainers: int) -> Optional[float]:
+    """The trainers' mean CPU per unit at ``trainers`` hosts (the fewest servers measured), over
+    one process's (its quota's cores, which it uses up: see its ``throttled``)."""
+    runs = sorted((r for r in result["runs"] if r["trainers"] == trainers), key=lambda r: r["servers"])
+    key, baseline = f"cpu_us_per_{unit[:-1]}", result.get("baseline_cpu_us_per_unit")
+    spent = [h[key] for h in runs[0].get("hosts", {}).values()
+             if h["role"] == result["client_role"] and h.get(key) is not None] if runs and baseline else []
+    return sum(spent) / len(spent) / baseline if spent else None
+
+
 def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, Any],
          serving: Optional[dict], most: int) -> tuple[dict[str, float], dict[str, bool]]:
     targets, met = {}, {}
@@ -216,6 +239,11 @@ def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, 
         if case.efficiency is not None and best is not None:
             key = f"{name}_efficiency_at_{most}"
             targets[key], met[key] = case.efficiency, best >= case.efficiency
+        ratio = trainer_cpu_ratio(result, case.unit, most)
+        if ratio is not None:
+            # A trainer's CPU per unit against one process's whole step: what running apart costs.
+            key = f"{name}_trainer_cpu_per_unit_vs_one_process_at_{most}"
+            targets[key], met[key] = TRAINER_CPU_TARGET, ratio <= TRAINER_CPU_TARGET
         for servers, diff in result.get("quality_minus_one_process", {}).items():
             key = f"{name}_quality_minus_one_process_{servers}_servers"
             targets[key], met[key] = QUALITY_EQUAL, abs(diff) <= QUALITY_EQUAL
