@@ -57,7 +57,8 @@ class ConfigBase(BaseModel):
 class CommonConfig(ConfigBase):
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "cluster": ("name", "master_addr", "master_port", "ps_addr", "sidecar_host", "sidecar_port", "control_token",
-                    "http_read_timeout", "threads", "rpc_timeout", "join_timeout", "rpc_transport"),
+                    "http_read_timeout", "threads", "rpc_timeout", "join_timeout", "rpc_transport",
+                    "rpc_channel"),
         "checkpoints": ("checkpoint_dir",),
         "failures": ("restarts_in_a_row", "lease_timeout", "requeue_job"),
         "output": ("log_level",),
@@ -81,6 +82,10 @@ class CommonConfig(ConfigBase):
     join_timeout: float = Field(300.0, gt=0, description="seconds to wait for the cluster when joining")
     rpc_transport: Literal["uv", "shm"] = Field(
         "uv", description="TensorPipe transport: uv (TCP) or shm (lower latency, but busy-polls a core)")
+    rpc_channel: Literal["basic", "multiplexed"] = Field(
+        "basic", description="how tensors cross to another host: basic (on the message's own connection) or "
+                             "multiplexed (TensorPipe's default: 16 more loop threads a process and 16 more "
+                             "connections a peer, for fast links); between processes of one machine they are copied (cma) either way")
     restarts_in_a_row: int = Field(0, ge=0, description="deaths in a row before this start, as its supervisor "
                                                         "counts them (rpcps up sets it): a crash loop shows in the metrics")
     lease_timeout: Optional[float] = Field(None, ge=2, le=600, description="exit (code 76) when the supervisor has not "

@@ -26,7 +26,7 @@ log = logging.getLogger("services.launcher")
 STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
 FINAL_CHECKPOINT_TIMEOUT = 30.0
 SAME_FAILURES = 3   # deaths in a row, each of the same error, that end the run: it fails at every start
-_COMMON_FLAGS = ("threads", "log_level", "http_read_timeout", "rpc_transport")
+_COMMON_FLAGS = ("threads", "log_level", "http_read_timeout", "rpc_transport", "rpc_channel")
 
 
 @dataclass

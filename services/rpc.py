@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 SHUTDOWN_SECONDS = 3.0   # torch RPC's local shutdown takes milliseconds; a stop must stay bounded
 _SCHEME = "rpcps"
+# TensorPipe's channels by ``--rpc-channel``, best first: cma copies between processes of one
+# machine; across hosts, basic sends on the message's own connection, while TensorPipe's default
+# adds mpt_uv: 16 more loop threads in every process and 16 more connections to each peer, whose
+# loops cost a trainer on a host of 0.25 cores several times basic's (`rpcps bench scale`).
+CHANNELS = {"basic": ("cma", "basic"), "multiplexed": ("cma", "mpt_uv", "basic")}
 _lent: dict[str, dist.Store] = {}    # name -> the store its init_rpc is to use
 _lent_lock = threading.Lock()
 
@@ -84,7 +89,7 @@ def _keep_local(master_addr: str) -> None:
 class RpcEndpoint:
     def __init__(self, name: str, master_addr: str, master_port: int, *, rpc_timeout: float = 60.0,
                  join_timeout: float = 300.0, num_worker_threads: int = 16, transport: str = "uv",
-                 store_host: Optional[str] = None) -> None:
+                 channel: str = "basic", store_host: Optional[str] = None) -> None:
         self.name = name
         self._store_host = store_host
         self._listener: Optional[socket.socket] = None   # the leader's store's socket, kept open
@@ -93,6 +98,7 @@ class RpcEndpoint:
         self._rpc_timeout, self._join_timeout = rpc_timeout, join_timeout
         self._threads = num_worker_threads
         self._transport = transport
+        self._channels = CHANNELS[channel]
         self.rank: Optional[int] = None
         self.store: Optional[dist.TCPStore] = None  # plain client of the rendezvous store
         self.joined = False
@@ -101,7 +107,7 @@ class RpcEndpoint:
     def for_role(cls, cfg: Any) -> "RpcEndpoint":
         """The endpoint a role's configuration (``services.config.CommonConfig``) describes."""
         return cls(cfg.name, cfg.master_addr, cfg.master_port, rpc_timeout=cfg.rpc_timeout,
-                   join_timeout=cfg.join_timeout, transport=cfg.rpc_transport,
+                   join_timeout=cfg.join_timeout, transport=cfg.rpc_transport, channel=cfg.rpc_channel,
                    store_host=cfg.store_host if isinstance(cfg, LeaderConfig) else None)
 
     def _options(self) -> rpc.TensorPipeRpcBackendOptions:
@@ -113,6 +119,7 @@ class RpcEndpoint:
             rpc_timeout=self._rpc_timeout,
             init_method=f"{_SCHEME}://{self.name}",
             _transports=[self._transport],
+            _channels=list(self._channels),
         )
 
     def _client(self, timeout: Optional[float] = None) -> dist.TCPStore:

@@ -23,6 +23,8 @@ class LauncherConfig(HostsSettings):
                           json_schema_extra={"flag": "--json", "env": "RPCPS_JSON"})
     threads: int = Field(1, ge=1, description="torch threads per process")
     rpc_transport: Literal["uv", "shm"] = Field("uv", description="TensorPipe transport of every role")
+    rpc_channel: Literal["basic", "multiplexed"] = Field("basic", description="how every role's tensors cross to "
+                                                                          "another host (see rpcps ps --help)")
     master_addr: str = Field("127.0.0.1", description="address of the rendezvous store (the leader: ps0 or the agent)")
     master_port: int = Field(0, ge=0, le=65535, description="rendezvous port (0: a free port)")
     sidecar_host: str = Field("127.0.0.1", description="address the sidecars bind")
@@ -58,7 +60,7 @@ class LauncherConfig(HostsSettings):
     # Set on the composed ``UpConfig``: each workload's own settings, by name.
     workload_settings: ClassVar[dict[str, type[ConfigBase]]] = {}
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "cluster": ("workload", "local", "slurm", "threads", "rpc_transport", "master_addr", "master_port", "sidecar_host",
+        "cluster": ("workload", "local", "slurm", "threads", "rpc_transport", "rpc_channel", "master_addr", "master_port", "sidecar_host",
                     "sidecar_port", "http_read_timeout", "control_token"),
         "checkpoints": ("checkpoint_dir", "resume", "resume_from", "keep_checkpoints", "final_checkpoint"),
         "failures": ("restart_backoff", "restart_backoff_max", "restart_window", "max_restarts", "ready_timeout",

@@ -32,6 +32,16 @@ def _namespaces(tag: str) -> list[str]:
     return [n for n in out if n.startswith(f"rpcps{tag}")]
 
 
+def _thread_names(pid: int) -> list[str]:
+    names = []
+    for comm in Path(f"/proc/{pid}/task").glob("*/comm"):
+        try:
+            names.append(comm.read_text().strip())
+        except OSError:       # a thread that ended meanwhile
+            pass
+    return names
+
+
 def test_two_trainer_hosts_train_across_their_links_within_their_quotas(tmp_path):
     _hosts_possible()
     up = UpProcess(tmp_path, "--workload", "ctr", "--emulate-hosts", "--host-cpus", "0.3", "--num-ps", "1",
@@ -55,6 +65,9 @@ def test_two_trainer_hosts_train_across_their_links_within_their_quotas(tmp_path
             nspids = [Path(f"/proc/{p}/status").read_text().split("NSpid:")[1].split("\n")[0].split()
                       for p in members]
             assert any(ids[-1] == "1" for ids in nspids), (name, nspids)
+            # One TensorPipe loop thread (--rpc-channel basic): the multiplexed channel would add 16.
+            loops = [c for p in members for c in _thread_names(p) if c == "TP_UV_loop"]
+            assert len(loops) == 1, (name, loops)
             # Its TCP retries at least every 3 s once a cut link is back (where the kernel can say
             # so), and gives up on a connection no sooner than the machine's own setting does.
             tcp = subprocess.run(["nsenter", f"--net=/run/netns/{host['namespace']}", "sh", "-c",

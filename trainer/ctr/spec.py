@@ -57,7 +57,7 @@ SPEC = WorkloadSpec(
     scale=(ScaleCase("ctr-sync", "the built-in DLRM in sync, its MLPs replicated and all-reduced", (*_DLRM, *_SYNC),
                      "samples", "auc", efficiency=0.9, exact=True),
            ScaleCase("ctr-async", "the built-in DLRM in async, its MLPs on the servers", _DLRM, "samples", "auc",
-                     efficiency=0.85, serve_rows="trainer.ctr.scale:rows", serve_flags=("--serve", "1")),
+                     efficiency=0.9, serve_rows="trainer.ctr.scale:rows", serve_flags=("--serve", "1")),
            ScaleCase("ctr-hybrid", "the built-in DLRM in hybrid: its tables async, its MLPs replicated and "
                                    "all-reduced", (*_DLRM, "--consistency", "hybrid"), "samples", "auc",
                      efficiency=0.9),
@@ -65,6 +65,9 @@ SPEC = WorkloadSpec(
            ScaleCase("movies", "the DeepFM of examples/ over generated movie ratings, in async",
                      ("--workload", "ctr", "--batch-size", "4096", "--eval-samples", "8192"), "samples", "auc",
                      prepare="trainer.ctr.scale:movies"),
+           ScaleCase("ctr-async-multiplexed", "ctr-async with TensorPipe's multiplexed channel between hosts (its "
+                                              "default)", (*_DLRM, "--rpc-channel", "multiplexed"), "samples", "auc",
+                     against="ctr-async"),
            ScaleCase("ctr-async-prefetch", "ctr-async reading each step's rows while the step before computes",
                      (*_DLRM, "--prefetch", "1"), "samples", "auc", against="ctr-async"),
            ScaleCase("ctr-async-cache", "ctr-async with a rows cache on each trainer", (*_DLRM, *_CACHE), "samples",
