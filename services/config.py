@@ -85,7 +85,8 @@ class CommonConfig(ConfigBase):
     rpc_channel: Literal["basic", "multiplexed"] = Field(
         "basic", description="how tensors cross to another host: basic (on the message's own connection) or "
                              "multiplexed (TensorPipe's default: 16 more loop threads a process and 16 more "
-                             "connections a peer, for fast links); between processes of one machine they are copied (cma) either way")
+                             "connections a peer, for fast links); between processes of one machine they are "
+                             "copied (cma) either way")
     restarts_in_a_row: int = Field(0, ge=0, description="deaths in a row before this start, as its supervisor "
                                                         "counts them (rpcps up sets it): a crash loop shows in the metrics")
     lease_timeout: Optional[float] = Field(None, ge=2, le=600, description="exit (code 76) when the supervisor has not "

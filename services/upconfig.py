@@ -60,8 +60,8 @@ class LauncherConfig(HostsSettings):
     # Set on the composed ``UpConfig``: each workload's own settings, by name.
     workload_settings: ClassVar[dict[str, type[ConfigBase]]] = {}
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "cluster": ("workload", "local", "slurm", "threads", "rpc_transport", "rpc_channel", "master_addr", "master_port", "sidecar_host",
-                    "sidecar_port", "http_read_timeout", "control_token"),
+        "cluster": ("workload", "local", "slurm", "threads", "rpc_transport", "rpc_channel", "master_addr",
+                    "master_port", "sidecar_host", "sidecar_port", "http_read_timeout", "control_token"),
         "checkpoints": ("checkpoint_dir", "resume", "resume_from", "keep_checkpoints", "final_checkpoint"),
         "failures": ("restart_backoff", "restart_backoff_max", "restart_window", "max_restarts", "ready_timeout",
                      "member_timeout"),
