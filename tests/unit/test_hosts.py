@@ -172,3 +172,11 @@ def test_the_scale_bench_counts_units_per_core_given_and_used():
     # Three hosts of 0.25 cores were given 0.75; they used 0.5 of them.
     assert per_core(1500.0, hosts, 0.25) == {"per_core": pytest.approx(2000.0), "per_core_used": pytest.approx(3000.0)}
     assert per_core(1500.0, {}, 0.25) == {"per_core": None, "per_core_used": None}
+
+
+def test_the_scale_bench_takes_the_median_of_its_baseline_rounds():
+    from trainer.core.scale.bench import median_run
+    runs = [{"done": {"samples_per_s": v}, "n": i} for i, v in enumerate([5063.0, 5891.0, 5880.0])]
+    assert median_run(runs, "samples_per_s")["n"] == 2
+    assert median_run(runs[:2], "samples_per_s")["n"] == 0, "of two, the lower"
+    assert median_run(runs[:1], "samples_per_s")["n"] == 0

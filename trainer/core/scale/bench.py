@@ -5,7 +5,8 @@ Needs root.
 
 For each case the workloads declare (``ScaleCase``; ``--cases``):
 
-* the baseline: one process (``rpcps up --local``) on one host of ``--cpus`` cores;
+* the baseline: one process (``rpcps up --local``) on one host of ``--cpus`` cores, the median of
+  ``--baseline-rounds`` runs;
 * ``--trainers`` trainer hosts with each of ``--servers`` server hosts, every one of ``--cpus``
   cores: throughput, **weak-scaling efficiency** (cluster / (trainer hosts x baseline)), and per
   host, while every trainer trained past its warm-up: cores used, the share of its quota's periods
@@ -56,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                            "well under the machine's cores)")
     p.add_argument("--steps", type=int, default=30, help="steps per trainer")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each trainer left out")
+    p.add_argument("--baseline-rounds", type=int, default=3, choices=range(1, 10), metavar="N",
+                   help="runs of each case's one-process baseline, whose median is the baseline (one run "
+                        "varies by about 15 %% on a shared machine)")
     p.add_argument("--rates", default="none,1gbit,100mbit", help="link rates of the link variants (tc's units; "
                                                                  "none: unlimited; empty: no link sweep)")
     p.add_argument("--variants", default=",".join(variants), help=f"link variants (of {', '.join(variants)})")
@@ -129,11 +133,14 @@ class Bench:
         plan = self.attempt({"kind": "prepare", "case": case.name}, self.plan, case, spec)
         if plan is None:
             return None
-        base = self.attempt({"kind": "baseline", "case": case.name}, one_process, plan)
-        if base is None:
+        bases = [base for _ in range(self.ns.baseline_rounds)
+                 if (base := self.attempt({"kind": "baseline", "case": case.name}, one_process, plan)) is not None]
+        if not bases:
             return None
+        base = median_run(bases, f"{case.unit}_per_s")
         baseline = base["done"][f"{case.unit}_per_s"]
         _emit({"kind": "baseline", "case": case.name, "per_s": baseline, "unit": case.unit,
+               "rounds": [b["done"][f"{case.unit}_per_s"] for b in bases],
                "per_core": baseline / plan.cpus, f"cpu_us_per_{case.unit[:-1]}": plan.cpus / baseline * 1e6,
                "quality": base["done"].get(case.quality), "host": base["host"]})
         out: dict[str, Any] = {"baseline": baseline, "baseline_per_core": baseline / plan.cpus,
@@ -210,6 +217,11 @@ class Bench:
         return {"case": case.name, "trainers": n, "servers": s, "alone_per_s": alone["per_s"],
                 "beside_per_s": beside["per_s"], "ratio": beside["per_s"] / alone["per_s"],
                 "served": beside.get("served")}
+
+
+def median_run(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The run of median ``done[key]`` (of an even count, the lower of the middle two)."""
+    return sorted(runs, key=lambda r: r["done"][key])[(len(runs) - 1) // 2]
 
 
 def per_core(per_s: float, hosts: dict[str, dict[str, Any]], cpus: float) -> dict[str, Optional[float]]:
@@ -320,7 +332,8 @@ def run(ns: argparse.Namespace) -> int:
     targets, met = _met({n: known[n][0] for n in names}, swept, links, serving, most)
     summary = {"bench": "scale", "results": swept, "links": links, "serving": serving, "failures": bench.failures,
                "model": _model(bench.runs, ns.cpus, _counts(ns.project), _rates(ns)), "targets": targets, "met": met,
-               "config": {"cpus": ns.cpus, "steps": ns.steps, "warmup": ns.warmup, "trainers": bench.trainers,
+               "config": {"cpus": ns.cpus, "steps": ns.steps, "warmup": ns.warmup,
+                          "baseline_rounds": ns.baseline_rounds, "trainers": bench.trainers,
                           "servers": bench.servers, "machine_cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
     if ns.plot is not None:
         from trainer.core.scale.plot import draw
