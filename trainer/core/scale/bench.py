@@ -137,15 +137,16 @@ class Bench:
                  if (base := self.attempt({"kind": "baseline", "case": case.name}, one_process, plan)) is not None]
         if not bases:
             return None
-        base = median_run(bases, f"{case.unit}_per_s")
-        baseline = base["done"][f"{case.unit}_per_s"]
+        rate = f"{case.unit}_per_s"
+        base = median_run(bases, rate)
+        baseline = base["done"][rate]
+        # One process uses its whole quota (its host's ``throttled`` says so): its CPU a unit is the quota's.
+        per_core, cpu_us = baseline / plan.cpus, plan.cpus / baseline * 1e6
         _emit({"kind": "baseline", "case": case.name, "per_s": baseline, "unit": case.unit,
-               "rounds": [b["done"][f"{case.unit}_per_s"] for b in bases],
-               "per_core": baseline / plan.cpus, f"cpu_us_per_{case.unit[:-1]}": plan.cpus / baseline * 1e6,
-               "quality": base["done"].get(case.quality), "host": base["host"]})
-        out: dict[str, Any] = {"baseline": baseline, "baseline_per_core": baseline / plan.cpus,
-                               "baseline_cpu_us_per_unit": plan.cpus / baseline * 1e6, "client_role": plan.client_role,
-                               "baseline_host": base["host"], "runs": []}
+               "rounds": [b["done"][rate] for b in bases], "per_core": per_core,
+               f"cpu_us_per_{case.unit[:-1]}": cpu_us, "quality": base["done"].get(case.quality), "host": base["host"]})
+        out: dict[str, Any] = {"baseline": baseline, "baseline_per_core": per_core, "baseline_cpu_us_per_unit": cpu_us,
+                               "client_role": plan.client_role, "baseline_host": base["host"], "runs": []}
         for servers in self.servers:
             for trainers in self.trainers:
                 what = {"kind": "hosts", "case": case.name, "trainers": trainers, "servers": servers}
