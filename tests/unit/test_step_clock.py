@@ -374,19 +374,24 @@ def test_lockstep_and_plain_trainers_cannot_share_a_clock():
 
 
 def test_hybrid_steps_in_lockstep_and_closes_a_step_without_applying_anything():
-    clock, applied, _, _ = make("hybrid")
+    clock, applied, time, metrics = make("hybrid")
     first = [lockstep(clock, n) for n in ("trainer0", "trainer1")]
     assert [f.result(0).step for f in first] == [1, 1] and first[0].result(0).group == ("trainer0", "trainer1")
-    late = arrive(clock, "trainer0")
-    assert not late.done(), "the step closes once every member arrived"
+    time.t = 1.0
+    early = arrive(clock, "trainer0")
+    assert early.result(0).step == 1, "nothing of the close is news: the arrival is answered at once"
     again = lockstep(clock, "trainer0")
-    assert not again.done()
+    assert not again.done() and clock.step == 0, "the step closes once every member arrived"
+    assert clock.describe()["waiting"] == {"step": 1, "on": ["trainer1"], "seconds": 0.0}
+    time.t = 3.0
     # trainer1's rows were refused: still a step of the replicas, counted by the clock.
-    assert arrive(clock, "trainer1", refused=True).result(0).step == 1 and late.result(0).step == 1
+    assert arrive(clock, "trainer1", refused=True).result(0).step == 1 and clock.step == 1
     assert not again.done(), "lockstep: the next step begins for both at once"
     other = lockstep(clock, "trainer1")
     assert again.result(0).step == other.result(0).step == 2 and clock.step == 1
     assert applied == [], "each trainer applied its own rows: the clock applies nothing"
+    # A trainer's wait is at its begin: the first grants (0 s) and trainer0's 2 s for trainer1.
+    assert metrics.waits == [0.0, 0.0, 2.0, 0.0]
 
 
 def test_lockstep_freeze_holds_every_member_and_the_group_at_the_boundary():

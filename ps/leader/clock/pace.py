@@ -3,13 +3,13 @@ member's clock starts, and whom a stall waits for. ``SspPace`` lets a trainer ru
 steps ahead of the slowest and answers each arrival at once; ``SyncPace`` holds the arrivals of the
 open step until every member has arrived, has the servers apply their average, and in lockstep
 begins each step for the whole group at once; ``HybridPace`` is sync's lockstep without the
-average (each trainer's rows were applied as in async). Each works on its ``StepClock``'s members, under its
+average (each trainer's rows were applied as in async), so it answers arrivals at once. Each works on its ``StepClock``'s members, under its
 lock; the actions it returns run after the lock is let go."""
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ps.spec.messages import Applied
@@ -237,7 +237,7 @@ class SyncPace:
                     if self.short:
                         clock.metrics.short_step()
                     now = clock.now()
-                    for waiting in arrived.values():
+                    for waiting in arrived.values() if not self.waits_at_begin else ():
                         clock.metrics.observe_wait(now - waiting.since)
             self.short = False
             actions = clock.settle()
@@ -272,10 +272,19 @@ class SyncPace:
 
 class HybridPace(SyncPace):
     """Every trainer replicates the dense weights, so every step is in lockstep; its rows' updates
-    were each trainer's own, applied before it arrived, so a step closes without one."""
+    were each trainer's own, applied before it arrived, so a step closes without one. Nothing of
+    the close is news to a trainer, so its arrival is answered at once and it waits only at its
+    next begin, which the close lets go for all at once: one wait a step, not two."""
+
+    waits_at_begin = True
 
     def lockstep(self) -> bool:
         return True
+
+    def arrive(self, name: str, member: "_Member", arrival: "_Waiting", broken: bool) -> Actions:
+        answer, pending = Applied(self.clock.step + 1, (name,), math.nan), arrival.pending
+        actions = super().arrive(name, member, replace(arrival, pending=_ANSWERED), broken)
+        return actions + [lambda: pending.set_result(answer)]
 
     def _close(self) -> Callable[[], None]:
         self.applying = True
@@ -285,6 +294,18 @@ class HybridPace(SyncPace):
         # average was applied alike): the clock counts it, so the replicas' step stays the group's.
         return lambda: self._closed(step, arrived, math.nan, participants or sorted(arrived))
 
+
+class _Answered:
+    """Where an arrival answered already is answered again when its step closes: nowhere."""
+
+    def set_result(self, result: Any) -> None:
+        pass
+
+    def set_exception(self, exc: BaseException) -> None:
+        pass
+
+
+_ANSWERED = _Answered()
 
 PACES: dict[type, Callable[..., Any]] = {Sync: lambda clock, mode: SyncPace(clock),
                                          Hybrid: lambda clock, mode: HybridPace(clock),
