@@ -150,9 +150,9 @@ def test_the_scale_bench_says_which_targets_were_met():
     hosts = {"trainer0": {"role": "trainer", "cpu_us_per_sample": 50.0}, "trainer1": {"role": "trainer",
              "cpu_us_per_sample": 46.0}, "ps0": {"role": "ps", "cpu_us_per_sample": 10.0}}
     swept = {"ctr-sync": {"baseline_cpu_us_per_unit": 40.0, "client_role": "trainer",
-                          "runs": [{"trainers": 4, "servers": 1, "efficiency": 0.7, "hosts": hosts},
-                                   {"trainers": 4, "servers": 2, "efficiency": 0.92},
-                                   {"trainers": 2, "servers": 2, "efficiency": 0.99}],
+                          "runs": [{"trainers": 4, "servers": 1, "per_s": 1.0, "efficiency": 0.7, "hosts": hosts},
+                                   {"trainers": 4, "servers": 2, "per_s": 2.0, "efficiency": 0.92},
+                                   {"trainers": 2, "servers": 2, "per_s": 3.0, "efficiency": 0.99}],
                           "quality_minus_one_process": {"2": 0.0004, "1": -0.003}}}
     links = {"ctr-async-prefetch-cache": {"100mbit": {"ratio": 1.25}, "none": {"ratio": 0.9},
                                           "1gbit": {"ratio": 1.0}}}
@@ -177,6 +177,26 @@ def test_the_scale_bench_counts_units_per_core_given_and_used():
 def test_the_scale_bench_takes_the_median_of_its_baseline_rounds():
     from trainer.core.scale.bench import median_run
     runs = [{"done": {"samples_per_s": v}, "n": i} for i, v in enumerate([5063.0, 5891.0, 5880.0])]
-    assert median_run(runs, "samples_per_s")["n"] == 2
-    assert median_run(runs[:2], "samples_per_s")["n"] == 0, "of two, the lower"
-    assert median_run(runs[:1], "samples_per_s")["n"] == 0
+    rate = lambda r: r["done"]["samples_per_s"]  # noqa: E731
+    assert median_run(runs, rate)["n"] == 2
+    assert median_run(runs[:2], rate)["n"] == 0, "of two, the lower"
+    assert median_run(runs[:1], rate)["n"] == 0
+
+
+def test_the_scale_bench_judges_each_count_of_hosts_on_its_median_round():
+    from services.workload import ScaleCase
+    from trainer.core.scale.bench import _met, medians
+    case = ScaleCase("ctr-async", "", (), "samples", "auc", efficiency=0.9)
+    trainer = lambda us: {"trainer0": {"role": "trainer", "cpu_us_per_sample": us}}  # noqa: E731
+    runs = [{"round": 0, "trainers": 4, "servers": 1, "per_s": 21000.0, "efficiency": 0.91, "hosts": trainer(44.0)},
+            {"round": 0, "trainers": 4, "servers": 2, "per_s": 15000.0, "efficiency": 0.65},
+            {"round": 1, "trainers": 4, "servers": 1, "per_s": 18000.0, "efficiency": 0.78, "hosts": trainer(50.0)},
+            {"round": 1, "trainers": 4, "servers": 2, "per_s": 16000.0, "efficiency": 0.70}]
+    assert [(r["servers"], r["round"]) for r in medians(runs)] == [(1, 1), (2, 0)], "of two rounds, the slower"
+    swept = {"ctr-async": {"baseline_cpu_us_per_unit": 40.0, "client_role": "trainer", "runs": runs}}
+    targets, met = _met({"ctr-async": case}, swept, {}, None, most=4)
+    # One round reached 0.91, but the count's median is its slower round, 0.78, at 50 us a sample.
+    assert met == {"ctr-async_efficiency_at_4": False, "ctr-async_trainer_cpu_per_unit_vs_one_process_at_4": False}
+    runs[2].update(per_s=22000.0, efficiency=0.95, hosts=trainer(39.0))
+    assert _met({"ctr-async": case}, swept, {}, None, most=4)[1] == {
+        "ctr-async_efficiency_at_4": True, "ctr-async_trainer_cpu_per_unit_vs_one_process_at_4": False}

@@ -11,7 +11,8 @@ For each case the workloads declare (``ScaleCase``; ``--cases``):
   cores: throughput, **weak-scaling efficiency** (cluster / (trainer hosts x baseline)), and per
   host, while every trainer trained past its warm-up: cores used, the share of its quota's periods
   throttled (the proof the quota was the limit, not the shared machine), and its link's bytes per
-  unit trained (a trainer's per its own units, a server's per the cluster's);
+  unit trained (a trainer's per its own units, a server's per the cluster's); each count run
+  ``--rounds`` times, every count in turn each round, and judged on its median run;
 * a case that is exact (sync): its held-out quality beside one process's on every trainer's
   samples (``rpcps up --local --num-trainers N``), at the most trainer hosts.
 
@@ -29,7 +30,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from services.workload import ScaleCase, resolve, roles, workloads
 from trainer.core.scale import fit
@@ -60,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-rounds", type=int, default=3, choices=range(1, 10), metavar="N",
                    help="runs of each case's one-process baseline, whose median is the baseline (one run "
                         "varies by about 15 %% on a shared machine)")
+    p.add_argument("--rounds", type=int, default=1, choices=range(1, 10), metavar="N",
+                   help="runs of each count of trainer and server hosts, every count in turn each round; the "
+                        "targets are judged on each count's median run (of two, the slower)")
     p.add_argument("--rates", default="none,1gbit,100mbit", help="link rates of the link variants (tc's units; "
                                                                  "none: unlimited; empty: no link sweep)")
     p.add_argument("--variants", default=",".join(variants), help=f"link variants (of {', '.join(variants)})")
@@ -98,7 +102,8 @@ class Bench:
         return self.plans[case.name]
 
     def record(self, case: ScaleCase, plan: Plan, trainers: int, servers: int, result: dict[str, Any],
-               baseline: Optional[float], link_rate: Optional[str] = None, kind: str = "hosts") -> dict[str, Any]:
+               baseline: Optional[float], link_rate: Optional[str] = None, kind: str = "hosts",
+               round_: int = 0) -> dict[str, Any]:
         done, unit = result["done"], case.unit
         # While every trainer trained (else, a run too short to see that: the whole run's).
         per_s = result["window_per_s"] or done[f"{unit}_per_s"]
@@ -107,7 +112,8 @@ class Bench:
             own = per_s / trainers if h["role"] == plan.client_role else per_s
             h[f"bytes_per_{unit[:-1]}"] = h["link_bytes_per_s"] / own if own else None
             h[f"cpu_us_per_{unit[:-1]}"] = h["cores"] / own * 1e6 if own else None
-        run = {"kind": kind, "case": case.name, "trainers": trainers, "servers": servers, "link_rate": link_rate,
+        run = {"kind": kind, "case": case.name, "round": round_, "trainers": trainers, "servers": servers,
+               "link_rate": link_rate,
                "per_s": per_s, "per_s_whole_run": done[f"{unit}_per_s"], "unit": unit,
                "quality": done.get(case.quality),
                "efficiency": per_s / (trainers * baseline) if baseline else None, **per_core(per_s, hosts, plan.cpus),
@@ -138,7 +144,7 @@ class Bench:
         if not bases:
             return None
         rate = f"{case.unit}_per_s"
-        base = median_run(bases, rate)
+        base = median_run(bases, lambda b: b["done"][rate])
         baseline = base["done"][rate]
         # One process uses its whole quota (its host's ``throttled`` says so): its CPU a unit is the quota's.
         per_core, cpu_us = baseline / plan.cpus, plan.cpus / baseline * 1e6
@@ -147,12 +153,16 @@ class Bench:
                f"cpu_us_per_{case.unit[:-1]}": cpu_us, "quality": base["done"].get(case.quality), "host": base["host"]})
         out: dict[str, Any] = {"baseline": baseline, "baseline_per_core": per_core, "baseline_cpu_us_per_unit": cpu_us,
                                "client_role": plan.client_role, "baseline_host": base["host"], "runs": []}
-        for servers in self.servers:
-            for trainers in self.trainers:
-                what = {"kind": "hosts", "case": case.name, "trainers": trainers, "servers": servers}
-                result = self.attempt(what, cluster, plan, trainers, servers)
-                if result is not None:
-                    out["runs"].append(self.record(case, plan, trainers, servers, result, baseline))
+        for round_ in range(self.ns.rounds):
+            for servers in self.servers:
+                for trainers in self.trainers:
+                    what = {"kind": "hosts", "case": case.name, "round": round_, "trainers": trainers,
+                            "servers": servers}
+                    result = self.attempt(what, cluster, plan, trainers, servers)
+                    if result is not None:
+                        out["runs"].append(self.record(case, plan, trainers, servers, result, baseline,
+                                                       round_=round_))
+        out["rounds"] = {f"{t}x{s}": [r["per_s"] for r in runs] for (t, s), runs in by_count(out["runs"]).items()}
         most = max(self.trainers)
         reference = self.attempt({"kind": "one process", "case": case.name, "trainers": most}, one_process, plan,
                                  trainers=most, on_host=False) if case.exact else None
@@ -160,7 +170,7 @@ class Bench:
             ref = reference["done"].get(case.quality)
             out["one_process_quality"] = ref
             out["quality_minus_one_process"] = {
-                str(r["servers"]): r["quality"] - ref for r in out["runs"] if r["trainers"] == most
+                str(r["servers"]): r["quality"] - ref for r in medians(out["runs"]) if r["trainers"] == most
                 and r["quality"] is not None and ref is not None}
         return out
 
@@ -173,7 +183,7 @@ class Bench:
         n, s = max(self.trainers), max(self.servers)
         measured: dict[tuple[str, str], dict] = {}
         for name, result in swept.items():        # the plain cases' unlimited runs are the sweep's own
-            for run in result["runs"]:
+            for run in medians(result["runs"]):
                 if run["trainers"] == n and run["servers"] == s:
                     measured[(name, "none")] = run
         for rate in rates:
@@ -220,9 +230,22 @@ class Bench:
                 "served": beside.get("served")}
 
 
-def median_run(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """The run of median ``done[key]`` (of an even count, the lower of the middle two)."""
-    return sorted(runs, key=lambda r: r["done"][key])[(len(runs) - 1) // 2]
+def median_run(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], float]) -> dict[str, Any]:
+    """The run of median ``key`` (of an even count, the lower of the middle two)."""
+    return sorted(runs, key=key)[(len(runs) - 1) // 2]
+
+
+def by_count(runs: list[dict[str, Any]]) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """``runs`` by their (trainer hosts, server hosts), rounds in order."""
+    out: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        out.setdefault((r["trainers"], r["servers"]), []).append(r)
+    return out
+
+
+def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each count of hosts' median run over its rounds, by throughput (of two, the slower)."""
+    return [median_run(rounds, lambda r: r["per_s"]) for rounds in by_count(runs).values()]
 
 
 def per_core(per_s: float, hosts: dict[str, dict[str, Any]], cpus: float) -> dict[str, Optional[float]]:
@@ -235,7 +258,7 @@ def per_core(per_s: float, hosts: dict[str, dict[str, Any]], cpus: float) -> dic
 def trainer_cpu_ratio(result: dict[str, Any], unit: str, trainers: int) -> Optional[float]:
     """The trainers' mean CPU per unit at ``trainers`` hosts (the fewest servers measured), over
     one process's (its quota's cores, which it uses up: see its ``throttled``)."""
-    runs = sorted((r for r in result["runs"] if r["trainers"] == trainers), key=lambda r: r["servers"])
+    runs = sorted((r for r in medians(result["runs"]) if r["trainers"] == trainers), key=lambda r: r["servers"])
     key, baseline = f"cpu_us_per_{unit[:-1]}", result.get("baseline_cpu_us_per_unit")
     spent = [h[key] for h in runs[0].get("hosts", {}).values()
              if h["role"] == result["client_role"] and h.get(key) is not None] if runs and baseline else []
@@ -247,7 +270,7 @@ def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, 
     targets, met = {}, {}
     for name, result in swept.items():
         case = chosen[name]
-        best = max((r["efficiency"] for r in result["runs"] if r["trainers"] == most and r["efficiency"]),
+        best = max((r["efficiency"] for r in medians(result["runs"]) if r["trainers"] == most and r["efficiency"]),
                    default=None)
         if case.efficiency is not None and best is not None:
             key = f"{name}_efficiency_at_{most}"
@@ -334,7 +357,7 @@ def run(ns: argparse.Namespace) -> int:
     summary = {"bench": "scale", "results": swept, "links": links, "serving": serving, "failures": bench.failures,
                "model": _model(bench.runs, ns.cpus, _counts(ns.project), _rates(ns)), "targets": targets, "met": met,
                "config": {"cpus": ns.cpus, "steps": ns.steps, "warmup": ns.warmup,
-                          "baseline_rounds": ns.baseline_rounds, "trainers": bench.trainers,
+                          "baseline_rounds": ns.baseline_rounds, "rounds": ns.rounds, "trainers": bench.trainers,
                           "servers": bench.servers, "machine_cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
     if ns.plot is not None:
         from trainer.core.scale.plot import draw

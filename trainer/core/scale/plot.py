@@ -1,9 +1,12 @@
 """The figure of ``rpcps bench scale --plot``: throughput against trainer hosts, one panel per
-case, a line per server count, and the ideal (trainer hosts x one process on one host) beside."""
+case, a line per server count (each count's median round), and the ideal (trainer hosts x one
+process on one host) beside."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from trainer.core.scale.bench import medians
 
 
 def draw(summary: dict[str, Any], path: Path) -> None:
@@ -17,7 +20,7 @@ def draw(summary: dict[str, Any], path: Path) -> None:
     results = summary["results"]
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
     for ax, (name, result) in zip(axes[0], results.items()):
-        runs = result["runs"]
+        runs = medians(result["runs"])
         unit = runs[0]["unit"] if runs else "samples"
         counts = sorted({r["trainers"] for r in runs})
         ax.plot(counts, [n * result["baseline"] for n in counts], "k--", label="ideal (hosts x one process)")
