@@ -200,3 +200,26 @@ def test_the_scale_bench_judges_each_count_of_hosts_on_its_median_round():
     runs[2].update(per_s=22000.0, efficiency=0.95, hosts=trainer(39.0))
     assert _met({"ctr-async": case}, swept, {}, None, most=4)[1] == {
         "ctr-async_efficiency_at_4": True, "ctr-async_trainer_cpu_per_unit_vs_one_process_at_4": False}
+
+
+def test_the_scale_bench_chooses_the_servers_its_model_says_more_trainers_need(tmp_path):
+    import argparse
+
+    from trainer.core.scale.bench import Bench, add_arguments, cases
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    bench = Bench(p.parse_args(["--trainers", "1,4,8", "--servers", "auto", "--rounds", "2"]), tmp_path)
+    case = cases()["ctr-async"][0]
+    runs: list = []
+    chosen = bench.counts(case, runs)
+    assert next(chosen) == (1, 1), "before any run: one server host"
+    # One trainer host: its whole 0.25 cores for a 0.4 s step, the server host 0.1 cores: a step
+    # costs the servers 0.04 CPU seconds; 4 trainers' steps, 0.16 s of every 0.4, more than one
+    # host's 0.9 x 0.25 cores gives (0.09).
+    link = {"link_rx_bytes_per_s": 1e6, "link_tx_bytes_per_s": 1e6}
+    runs.append({"kind": "hosts", "case": "ctr-async", "trainers": 1, "servers": 1, "link_rate": None,
+                 "done": {"per_step": {"seconds": {"total": 0.4}, "rpcs": 3.0}, "bytes_per_step": {}},
+                 "hosts": {"ctr0": {"role": "ctr", "cores": 0.25, **link}, "ps0": {"role": "ps", "cores": 0.1, **link}}})
+    assert list(chosen) == [(4, 2), (8, 4)]
+    assert list(bench.counts(case, runs)) == [(1, 1), (4, 2), (8, 4)], "the next round runs the same counts"
+    assert bench.servers_at("ctr-async-prefetch", 8) == 4, "a link variant runs on its plain case's hosts"

@@ -283,7 +283,7 @@ class HybridPace(SyncPace):
 
     def arrive(self, name: str, member: "_Member", arrival: "_Waiting", broken: bool) -> Actions:
         answer, pending = Applied(self.clock.step + 1, (name,), math.nan), arrival.pending
-        actions = super().arrive(name, member, replace(arrival, pending=_ANSWERED), broken)
+        actions = super().arrive(name, member, replace(arrival, pending=_Answered()), broken)
         return actions + [lambda: pending.set_result(answer)]
 
     def _close(self) -> Callable[[], None]:
@@ -304,8 +304,6 @@ class _Answered:
     def set_exception(self, exc: BaseException) -> None:
         pass
 
-
-_ANSWERED = _Answered()
 
 PACES: dict[type, Callable[..., Any]] = {Sync: lambda clock, mode: SyncPace(clock),
                                          Hybrid: lambda clock, mode: HybridPace(clock),

@@ -30,7 +30,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from services.workload import ScaleCase, resolve, roles, workloads
 from trainer.core.scale import fit
@@ -53,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="JSON lines only (the default output is JSON too)")
     p.add_argument("--cases", default=",".join(swept), help=f"cases run as hosts are added (of {', '.join(swept)})")
     p.add_argument("--trainers", default="1,2,3,4", help="trainer host counts")
-    p.add_argument("--servers", default="1,2", help="server host counts")
+    p.add_argument("--servers", default="1,2", help="server host counts, or auto: for each count of trainer hosts "
+                                                    "the fewest the step-time model, fitted on the runs before, "
+                                                    "says stay short of busy (1 for the first)")
     p.add_argument("--cpus", type=float, default=0.25, help="cores of every host (the hosts together should stay "
                                                            "well under the machine's cores)")
     p.add_argument("--steps", type=int, default=30, help="steps per trainer")
@@ -86,7 +88,9 @@ def _emit(record: dict) -> None:
 class Bench:
     def __init__(self, ns: argparse.Namespace, folder: Path) -> None:
         self.ns, self.folder = ns, folder
-        self.trainers, self.servers = _counts(ns.trainers), _counts(ns.servers)
+        self.trainers = _counts(ns.trainers)
+        self.servers = None if ns.servers.strip() == "auto" else _counts(ns.servers)   # None: chosen
+        self.chosen: dict[tuple[str, int], int] = {}      # --servers auto: (case, trainer hosts) -> server hosts
         self.runs: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
         self.plans: dict[str, Plan] = {}
@@ -154,14 +158,11 @@ class Bench:
         out: dict[str, Any] = {"baseline": baseline, "baseline_per_core": per_core, "baseline_cpu_us_per_unit": cpu_us,
                                "client_role": plan.client_role, "baseline_host": base["host"], "runs": []}
         for round_ in range(self.ns.rounds):
-            for servers in self.servers:
-                for trainers in self.trainers:
-                    what = {"kind": "hosts", "case": case.name, "round": round_, "trainers": trainers,
-                            "servers": servers}
-                    result = self.attempt(what, cluster, plan, trainers, servers)
-                    if result is not None:
-                        out["runs"].append(self.record(case, plan, trainers, servers, result, baseline,
-                                                       round_=round_))
+            for trainers, servers in self.counts(case, out["runs"]):
+                what = {"kind": "hosts", "case": case.name, "round": round_, "trainers": trainers, "servers": servers}
+                result = self.attempt(what, cluster, plan, trainers, servers)
+                if result is not None:
+                    out["runs"].append(self.record(case, plan, trainers, servers, result, baseline, round_=round_))
         out["rounds"] = {f"{t}x{s}": [r["per_s"] for r in runs] for (t, s), runs in by_count(out["runs"]).items()}
         most = max(self.trainers)
         reference = self.attempt({"kind": "one process", "case": case.name, "trainers": most}, one_process, plan,
@@ -174,24 +175,45 @@ class Bench:
                 and r["quality"] is not None and ref is not None}
         return out
 
+    def counts(self, case: ScaleCase, runs: list[dict[str, Any]]) -> Iterator[tuple[int, int]]:
+        """(trainer hosts, server hosts) of each of ``case``'s runs in a round, server counts
+        outer; with ``--servers auto`` chosen from the runs so far as each comes."""
+        if self.servers is not None:
+            yield from ((t, s) for s in self.servers for t in self.trainers)
+            return
+        for trainers in self.trainers:
+            key = (case.name, trainers)
+            if key not in self.chosen:
+                self.chosen[key] = servers_needed(case.name, runs, self.ns.cpus, trainers)
+                _emit({"kind": "servers", "case": case.name, "trainers": trainers, "servers": self.chosen[key]})
+            yield trainers, self.chosen[key]
+
+    def servers_at(self, name: str, trainers: int) -> int:
+        """The server hosts ``name``'s runs at ``trainers`` hosts had (a link variant: its plain
+        case's): the most of ``--servers``, or those chosen."""
+        if self.servers is not None:
+            return max(self.servers)
+        against = cases()[name][0].against or name
+        return self.chosen.get((against, trainers), 1)
+
     def links(self, swept: dict[str, dict]) -> dict[str, Any]:
         rates = [r.strip() for r in self.ns.rates.split(",") if r.strip()]
         names = [v for v in self.ns.variants.split(",") if v]
         if not rates or not names:
             return {}
         known = cases()
-        n, s = max(self.trainers), max(self.servers)
+        n = max(self.trainers)
         measured: dict[tuple[str, str], dict] = {}
         for name, result in swept.items():        # the plain cases' unlimited runs are the sweep's own
             for run in medians(result["runs"]):
-                if run["trainers"] == n and run["servers"] == s:
+                if run["trainers"] == n and run["servers"] == self.servers_at(name, n):
                     measured[(name, "none")] = run
         for rate in rates:
             for name in dict.fromkeys([c for v in names for c in (known[v][0].against, v)]):
                 if (name, rate) in measured:
                     continue
                 case, spec = known[name]
-                plan = self.plan(case, spec)
+                plan, s = self.plan(case, spec), self.servers_at(name, n)
                 result = self.attempt({"kind": "link", "case": name, "link_rate": rate}, cluster, plan, n, s,
                                       None if rate == "none" else rate)
                 if result is None:
@@ -215,8 +237,8 @@ class Bench:
         if not self.ns.serve or not found:
             return None
         case, spec = found[0]
-        plan, s = self.plan(case, spec), max(self.servers)
         n = SERVING_TRAINERS if SERVING_TRAINERS in self.trainers else min(self.trainers)
+        plan, s = self.plan(case, spec), self.servers_at(case.name, n)
         alone = next((r for r in swept[case.name]["runs"] if r["trainers"] == n and r["servers"] == s), None)
         role = next(r.name for r in spec.roles if r.name != spec.server.client_role)
         rows = resolve(case.serve_rows)(4096)
@@ -296,6 +318,20 @@ def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, 
     return targets, met
 
 
+def servers_needed(name: str, runs: list[dict[str, Any]], cpus: float, trainers: int) -> int:
+    """``--servers auto``: the server hosts ``trainers`` trainer hosts of case ``name`` need, as
+    the step-time model fitted on ``runs`` projects them (1 before any run)."""
+    model = fit.fit(_fitted(name, runs), cpus)
+    return fit.project(model, 0.0, cpus, [trainers], [None])[0]["servers"] if model is not None else 1
+
+
+def _fitted(name: str, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``name``'s runs the model fits, with the roles it tells trainers and servers apart by."""
+    spec = cases()[name][1]
+    return [{**r, "client_role": spec.server.client_role, "server_roles": _server_roles()} for r in runs
+            if r["case"] == name and r["kind"] in ("hosts", "link")]
+
+
 def _model(runs: list[dict[str, Any]], cpus: float, counts: list[int], rates: list[Optional[str]]) -> dict[str, Any]:
     """Each swept case's step-time model (``fit.py``), fitted on its runs and projected."""
     out = {}
@@ -303,8 +339,7 @@ def _model(runs: list[dict[str, Any]], cpus: float, counts: list[int], rates: li
         case, spec = cases()[name]
         if case.against is not None:
             continue
-        mine = [{**r, "client_role": spec.server.client_role, "server_roles": _server_roles()} for r in runs
-                if r["case"] == name and r["kind"] in ("hosts", "link")]
+        mine = _fitted(name, runs)
         model = fit.fit(mine, cpus)
         if model is None:
             continue
@@ -358,7 +393,8 @@ def run(ns: argparse.Namespace) -> int:
                "model": _model(bench.runs, ns.cpus, _counts(ns.project), _rates(ns)), "targets": targets, "met": met,
                "config": {"cpus": ns.cpus, "steps": ns.steps, "warmup": ns.warmup,
                           "baseline_rounds": ns.baseline_rounds, "rounds": ns.rounds, "trainers": bench.trainers,
-                          "servers": bench.servers, "machine_cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
+                          "servers": bench.servers or "auto",
+                          "servers_chosen": {f"{c}@{t}": n for (c, t), n in bench.chosen.items()}, "machine_cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
     if ns.plot is not None:
         from trainer.core.scale.plot import draw
         draw(summary, ns.plot)
