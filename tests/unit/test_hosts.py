@@ -219,7 +219,8 @@ def test_the_scale_bench_chooses_the_servers_its_model_says_more_trainers_need(t
     link = {"link_rx_bytes_per_s": 1e6, "link_tx_bytes_per_s": 1e6}
     runs.append({"kind": "hosts", "case": "ctr-async", "trainers": 1, "servers": 1, "link_rate": None,
                  "done": {"per_step": {"seconds": {"total": 0.4}, "rpcs": 3.0}, "bytes_per_step": {}},
-                 "hosts": {"ctr0": {"role": "ctr", "cores": 0.25, **link}, "ps0": {"role": "ps", "cores": 0.1, **link}}})
+                 "hosts": {"ctr0": {"role": "ctr", "cores": 0.25, **link},
+                           "ps0": {"role": "ps", "cores": 0.1, **link}}})
     assert list(chosen) == [(4, 2), (8, 4)]
     assert list(bench.counts(case, runs)) == [(1, 1), (4, 2), (8, 4)], "the next round runs the same counts"
     assert bench.servers_at("ctr-async-prefetch", 8) == 4, "a link variant runs on its plain case's hosts"

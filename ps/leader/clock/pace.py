@@ -3,8 +3,9 @@ member's clock starts, and whom a stall waits for. ``SspPace`` lets a trainer ru
 steps ahead of the slowest and answers each arrival at once; ``SyncPace`` holds the arrivals of the
 open step until every member has arrived, has the servers apply their average, and in lockstep
 begins each step for the whole group at once; ``HybridPace`` is sync's lockstep without the
-average (each trainer's rows were applied as in async), so it answers arrivals at once. Each works on its ``StepClock``'s members, under its
-lock; the actions it returns run after the lock is let go."""
+average (each trainer's rows were applied as in async), so it answers arrivals at once. Each
+works on its ``StepClock``'s members, under its lock; the actions it returns run after the lock
+is let go."""
 from __future__ import annotations
 
 import logging

@@ -117,8 +117,7 @@ class Bench:
             h[f"bytes_per_{unit[:-1]}"] = h["link_bytes_per_s"] / own if own else None
             h[f"cpu_us_per_{unit[:-1]}"] = h["cores"] / own * 1e6 if own else None
         run = {"kind": kind, "case": case.name, "round": round_, "trainers": trainers, "servers": servers,
-               "link_rate": link_rate,
-               "per_s": per_s, "per_s_whole_run": done[f"{unit}_per_s"], "unit": unit,
+               "link_rate": link_rate, "per_s": per_s, "per_s_whole_run": done[f"{unit}_per_s"], "unit": unit,
                "quality": done.get(case.quality),
                "efficiency": per_s / (trainers * baseline) if baseline else None, **per_core(per_s, hosts, plan.cpus),
                "hosts": hosts,
@@ -239,7 +238,7 @@ class Bench:
         case, spec = found[0]
         n = SERVING_TRAINERS if SERVING_TRAINERS in self.trainers else min(self.trainers)
         plan, s = self.plan(case, spec), self.servers_at(case.name, n)
-        alone = next((r for r in swept[case.name]["runs"] if r["trainers"] == n and r["servers"] == s), None)
+        alone = next((r for r in medians(swept[case.name]["runs"]) if r["trainers"] == n and r["servers"] == s), None)
         role = next(r.name for r in spec.roles if r.name != spec.server.client_role)
         rows = resolve(case.serve_rows)(4096)
         result = self.attempt({"kind": "serving", "case": case.name}, cluster, plan, n, s, extra=case.serve_flags,
@@ -394,7 +393,8 @@ def run(ns: argparse.Namespace) -> int:
                "config": {"cpus": ns.cpus, "steps": ns.steps, "warmup": ns.warmup,
                           "baseline_rounds": ns.baseline_rounds, "rounds": ns.rounds, "trainers": bench.trainers,
                           "servers": bench.servers or "auto",
-                          "servers_chosen": {f"{c}@{t}": n for (c, t), n in bench.chosen.items()}, "machine_cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
+                          "servers_chosen": {f"{c}@{t}": n for (c, t), n in bench.chosen.items()},
+                          "machine_cpus": os.cpu_count(), "load_avg": os.getloadavg()}}
     if ns.plot is not None:
         from trainer.core.scale.plot import draw
         draw(summary, ns.plot)
