@@ -102,10 +102,13 @@ class PsClient:
             copies, lookups = Copies.take(self, lookups, ahead)
         plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids, self.row_shapes,
                             copies.taken if copies is not None else ())
-        answers = [self.ask(self.ps_names[k], PsSurface.lookup_many, ask) for k, ask in plan.requests]
+        # A step whose backward runs here has no context to remember its first read at each
+        # server: the answers say when they were read (``Fetching.read_at``).
+        read = PsSurface.read_rows if self.local_backward else PsSurface.lookup_many
+        answers = [self.ask(self.ps_names[k], read, ask) for k, ask in plan.requests]
         dense_shards = self.dense_shards if dense else []
         dense_futures = [self.ask(self.ps_names[k], PsSurface.dense_params) for k in dense_shards]
-        fetching = Fetching(plan, answers, dense_futures, dense_shards, copies)
+        fetching = Fetching(plan, answers, dense_futures, dense_shards, copies, stamped=self.local_backward)
         if self.session is not None:
             self.session.track(fetching)
         return fetching

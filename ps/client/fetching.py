@@ -4,7 +4,7 @@ pushes the gradients of (``ps/client/session.py``)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -23,7 +23,12 @@ class Fetching:
     them as its own leaves, and pushes their gradients (``StepSession.finish``)."""
 
     def __init__(self, plan: LookupPlan, answers: list[torch.futures.Future],
-                 dense: list[torch.futures.Future], dense_servers: list[int], copies: Optional[Copies] = None) -> None:
+                 dense: list[torch.futures.Future], dense_servers: list[int], copies: Optional[Copies] = None,
+                 stamped: bool = False) -> None:
+        # ``stamped``: each answer is (the server's updates when it read, the rows) (``read_rows``).
+        self._stamps: list[Optional[int]] = [None] * len(answers)
+        if stamped:
+            answers = [f.then(self._unstamp(i)) for i, f in enumerate(answers)]
         self.plan, self._answers, self._dense = plan, answers, dense
         self._dense_servers = dense_servers      # the server of each dense answer
         self.copies = copies                     # rows taken from the cache
@@ -32,6 +37,16 @@ class Fetching:
         for f in (*answers, *dense):
             f.add_done_callback(lambda _: self._landed.append(time.perf_counter()))
         self._leaves: Optional[tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]] = None
+
+    def _unstamp(self, i: int) -> Callable[[torch.futures.Future], dict[str, torch.Tensor]]:
+        def rows(f: torch.futures.Future) -> dict[str, torch.Tensor]:
+            self._stamps[i], answer = f.value()
+            return answer
+        return rows
+
+    def stamps(self) -> list[tuple[int, int]]:
+        """(server, its updates so far when it answered) of each answer stamped and in."""
+        return [(k, stamp) for (k, _), stamp in zip(self.plan.requests, self._stamps) if stamp is not None]
 
     @property
     def has_leaves(self) -> bool:
@@ -137,6 +152,14 @@ class Copies:
             return []
         parts = self.hits.spread(got)
         return [(k, part, {}) for (k, _), part in zip(self.hits.requests, parts)]
+
+
+def earliest(stamps: list[tuple[int, int]]) -> dict[int, int]:
+    """By server, the earliest of ``stamps`` (``Fetching.stamps``): when a step first read there."""
+    out: dict[int, int] = {}
+    for k, stamp in stamps:
+        out[k] = min(stamp, out.get(k, stamp))
+    return out
 
 
 # Gradients pushed with a step's norm round or hand-over, per server: its rows' parameter ->

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed.autograd as dist_autograd
 
-from ps.client.fetching import Fetching, GradOf, Pushes, merged
+from ps.client.fetching import Fetching, GradOf, Pushes, earliest, merged
 from ps.client.lookups import plan_lookups
 from ps.client.step_end import Finished, Replica, StepEnd
 from ps.spec.messages import Mark
@@ -101,7 +101,8 @@ class StepSession:
             raise RuntimeError("a sync or hybrid step needs client.begin() at its boundary first")
         if replica is not None and "allreduce" not in client.consistency.dense_modes:
             raise RuntimeError(f"replicated weights are updated in sync or hybrid mode, not {client.consistency}")
-        end = StepEnd(client, self.context_id, self._grads)
+        end = StepEnd(client, self.context_id, self._grads,
+                      earliest([s for f in self._fetched for s in f.stamps()]))
         t0 = time.perf_counter()
         try:
             if self.local:

@@ -78,9 +78,11 @@ class StepEnd:
     backward ran on the trainer, and its gradients go with the update); ``grads()`` the step's
     gradients by tensor."""
 
-    def __init__(self, client: PsClient, context_id: Optional[int], grads: Callable[[], Any]) -> None:
+    def __init__(self, client: PsClient, context_id: Optional[int], grads: Callable[[], Any],
+                 read_at: Optional[dict[int, int]] = None) -> None:
         self.client, self.context_id, self._grads = client, context_id, grads
         self.local = context_id is None
+        self.read_at = read_at or {}      # local: by server, its updates when the step first read there
 
     def lost(self, exc: Exception, replica: Optional[Replica]) -> Exception:
         """A clocked step that failed, told to the clock (or the server loss it was)."""
@@ -155,7 +157,8 @@ class StepEnd:
             raise
         t2 = time.perf_counter()
         dense = client.dense_shards if weights else []
-        carried = (lambda k: leaves.get(k, ({}, {}))) if self.local else (lambda k: ())   # pushed with the norm round
+        # local: the whole update, and when the step first read there; else pushed with the norm round.
+        carried = (lambda k: (*leaves.get(k, ({}, {})), self.read_at.get(k))) if self.local else (lambda k: ())
         applies = [client.ask(n, PsSurface.apply, self.context_id, clip_coef(clip, norm), k in dense, mark, *carried(k))
                    for k, n in enumerate(client.ps_names)]
         for f in applies:

@@ -101,13 +101,18 @@ class ParameterServer(PsSurface):
 
     @remote
     def lookup_many(self, lookups: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.read_rows(lookups)[1]
+
+    @remote
+    def read_rows(self, lookups: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
         total = self.checks.lookups(lookups)
         with self.optimizer.lock:  # rows are read whole, never mid-update
             started = time.perf_counter()
+            steps = self.optimizer.steps
             rows = {param: self._rows_of(param, ids).to(self.params.wire[param]) for param, ids in lookups.items()}
             self.work.add("lookup", total, time.perf_counter() - started)
         self.metrics.rows_looked_up.inc(total)
-        return rows
+        return steps, rows
 
     def _rows_of(self, param: str, ids: torch.Tensor) -> torch.Tensor:
         table = self.checks.table_of(param)
@@ -173,9 +178,12 @@ class ParameterServer(PsSurface):
     @remote
     def apply(self, context_id: Optional[int], coef: float = 1.0, weights: bool = False,
               mark: Optional[Mark] = None, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
-              dense: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict[str, torch.Tensor]]:
+              dense: Optional[dict[str, torch.Tensor]] = None,
+              read_at: Optional[int] = None) -> Optional[dict[str, torch.Tensor]]:
         self.consistency.require(False, "apply one trainer's update")
         self.checks.coef(coef)
+        if read_at is not None and read_at < 0:
+            raise BadRequest(f"read_at must be the updates a server had made (>= 0), got {read_at}")
         grads, known = self.gradients.of(self._call.caller, context_id, rows, dense)
         if known is None or not known.checked:     # a caller that skipped the norm round
             self.refusals.finite_sq_norm(grads, self._call.caller, f"update in context {context_id}")
@@ -184,8 +192,9 @@ class ParameterServer(PsSurface):
         before, left = self.optimizer.apply(grads, self._current(context_id),
                                            functools.partial(self.params.dense_copy, False) if weights else None,
                                            {self._call.caller: mark} if mark is not None else None)
-        if known is not None:
-            self.metrics.staleness.observe(before - known.read_at)
+        first_read = known.read_at if known is not None else read_at
+        if first_read is not None:       # a read stamped by an incarnation before this one's restore: 0
+            self.metrics.staleness.observe(max(0, before - first_read))
         return left
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step

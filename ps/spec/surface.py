@@ -101,15 +101,25 @@ class PsSurface(Service):
         raise NotImplementedError
 
     @remote
+    def read_rows(self, lookups: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
+        """``lookup_many``, with this server's updates so far as it read them: a step whose
+        backward runs on the trainer has no context that remembers when it first read here, so
+        it hands that back with its update (``apply``'s ``read_at``)."""
+        raise NotImplementedError
+
+    @remote
     def apply(self, context_id: Optional[int], coef: float = 1.0, weights: bool = False,
               mark: Optional[Mark] = None, rows: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None,
-              dense: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict[str, torch.Tensor]]:
+              dense: Optional[dict[str, torch.Tensor]] = None,
+              read_at: Optional[int] = None) -> Optional[dict[str, torch.Tensor]]:
         """async, ssp and hybrid modes: apply the caller's gradients in ``context_id`` now, all or
         none, scaled by ``coef`` in [0, 1] (the global clip); with ``weights``, answer this
         server's dense tensors as the update left them (``dense_params``, without a round of its
         own). With ``mark``, not if the caller's batch of those steps was applied here already.
         ``rows`` and ``dense``: gradients pushed with it, as ``push`` takes them; with
-        ``context_id`` None, the whole update (a backward the trainer ran itself: one message)."""
+        ``context_id`` None, the whole update (a backward the trainer ran itself: one message),
+        and ``read_at`` the updates this server had made when the step first read here
+        (``read_rows``), from which its staleness is counted."""
         raise NotImplementedError
 
     # sync mode: the trainer hands over its step's gradients; the leader's step clock closes the step

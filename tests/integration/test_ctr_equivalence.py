@@ -51,9 +51,11 @@ def test_sharded_ctr_equals_one_process(procs, num_ps, table_rule, placement, ca
           f"(tables moved up to {lead['tables_moved']:.3g})")
     assert lead["tables_moved"] > 1e-3, "the steps changed the tables"
     if cap is not None:
+        # A local backward's reads are stamped with the server's updates (read_rows).
+        method = 'method="read_rows"' if backward == "local" else 'method="lookup_many"'
         with servers[0].client() as c:
             asked = next(line for line in c.metrics().splitlines()
-                         if line.startswith("rpcps_ps_requests_total") and 'method="lookup_many"' in line)
+                         if line.startswith("rpcps_ps_requests_total") and method in line)
         assert float(asked.split()[-1]) > 2 * STEPS * TRAINERS, f"lookups cut into several requests: {asked}"
     for name, diff in lead["param_diff"].items():
         assert diff < TOLERANCE[table_rule], f"{name} differs by {diff} after {STEPS} steps"
@@ -152,10 +154,19 @@ def test_pushed_gradients_move_rows_as_those_back_through_autograd(procs, consis
 def test_one_hybrid_trainer_trains_the_one_process_dlrm(procs):
     """hybrid: the rows are the trainer's own update (as in async), the MLPs a replica all-reduced
     over a group of one; with one trainer that is the one-process model, table and MLP alike."""
-    procs.start_servers(2, **{**MODEL, "consistency": "hybrid"}, table_rule="rowwise_adagrad")
-    lead = procs.run_driver("ctr", "ctr0", 2, steps=STEPS, trainers=1, dense="allreduce")
+    servers = procs.start_servers(2, **{**MODEL, "consistency": "hybrid"}, table_rule="rowwise_adagrad")
+    lead = procs.run_driver("ctr", "ctr0", 2, steps=STEPS, trainers=1, dense="allreduce", backward="local")
     assert lead["consistency"] == "hybrid"
     assert lead["losses"] == pytest.approx(lead["local_losses"], rel=1e-5)
     assert lead["tables_moved"] > 1e-3, "the steps changed the tables"
     for name, diff in lead["param_diff"].items():
         assert diff < TOLERANCE["rowwise_adagrad"], f"{name} differs by {diff} after {STEPS} steps"
+    # Its backward ran here, with no context: each update's staleness counted from the read's
+    # stamp, on every server, and none, as nothing came between a read and its own update.
+    for server in servers:
+        with server.client() as c:
+            staleness = {line.split("{")[0].rsplit("_", 1)[-1]: float(line.split()[-1])
+                         for line in c.metrics().splitlines()
+                         if line.startswith(("rpcps_ps_update_staleness_steps_count",
+                                             "rpcps_ps_update_staleness_steps_sum"))}
+        assert staleness == {"count": STEPS, "sum": 0.0}, (server.name, staleness)

@@ -1,12 +1,15 @@
 """A step whose backward runs on the trainer: its leaves' gradients read as a context's are, and
 gathered one message a server, a row named twice sent once with its gradients summed; under hybrid,
-rows refused (not finite) still leave every replica the same averaged update."""
+rows refused (not finite) still leave every replica the same averaged update; and each server's
+update says when the step first read there, which is how its staleness is counted."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ps.client.fetching import GradOf, merged
+from ps.client.fetching import Fetching, GradOf, earliest, merged
+from ps.client.lookups import plan_lookups
+from ps.spec.sharding import ShardPlan
 from ps.client.step_end import StepEnd
 from services.errors import UpdateRefused
 from trainer.ctr.config import CtrUpSettings
@@ -81,3 +84,38 @@ def test_hybrid_rows_refused_still_step_the_replica_and_tell_the_clock():
     # Every trainer applies the same average, clipped by its own norm (sqrt(18) > clip 1).
     assert step == 7 and coef == pytest.approx(1.0 / (18 ** 0.5 + 1e-6))
     assert torch.equal(grads[w], torch.full((2,), 3.0))
+
+
+def _answered(value) -> torch.futures.Future:
+    f: torch.futures.Future = torch.futures.Future()
+    f.set_result(value)
+    return f
+
+
+def test_a_local_step_hands_each_server_its_earliest_read():
+    # Two tables over two servers, the first cut into two requests per server (a cap of 2 ids).
+    plans = {"a": ShardPlan(2, 10), "b": ShardPlan(2, 10)}
+    plan = plan_lookups({"a": torch.tensor([0, 1, 2, 3]), "b": torch.tensor([5])}, plans, {"a": "a", "b": "b"}, 2)
+    assert [k for k, _ in plan.requests] == [0, 1, 1]
+    stamps = [11, 9, 12]     # each server's updates so far when it answered that request
+    answers = [_answered((stamp, {p: torch.full((len(ids), 1), float(k)) for p, ids in ask.items()}))
+               for stamp, (k, ask) in zip(stamps, plan.requests)]
+    fetching = Fetching(plan, answers, [], [], stamped=True)
+    rows, _ = fetching.adopted()
+    assert rows["a"].flatten().tolist() == [0.0, 1.0, 0.0, 1.0] and rows["b"].flatten().tolist() == [1.0]
+    assert fetching.stamps() == [(0, 11), (1, 9), (1, 12)]
+    later = Fetching(plan, [_answered((20, {p: torch.zeros(len(ids), 1) for p, ids in ask.items()}))
+                            for _, ask in plan.requests], [], [], stamped=True)
+    later.collect()
+    assert earliest(fetching.stamps() + later.stamps()) == {0: 11, 1: 9}, "each server's first read"
+
+
+def test_each_server_is_told_when_the_step_first_read_there():
+    asked = []
+    client = SimpleNamespace(consistency=SimpleNamespace(clocked=False), ps_names=["ps0", "ps1"], dense_shards=[],
+                             ask=lambda *a: asked.append(a) or _answered(None))
+    end = StepEnd(client, None, lambda: {}, {1: 9})
+    rows = {0: ({"t": (torch.tensor([1]), torch.ones(1, 2))}, {}), 1: ({"t": (torch.tensor([2]), torch.ones(1, 2))}, {})}
+    end.apply_own(0.0, 0.0, rows, False, None, None)
+    # (server, method, context, coef, weights, mark, rows, dense, read_at): ps0 did not answer a read.
+    assert [(a[0], a[-1]) for a in asked] == [("ps0", None), ("ps1", 9)]
