@@ -103,7 +103,7 @@ class PsClient:
         plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids, self.row_shapes,
                             copies.taken if copies is not None else ())
         # A step whose backward runs here has no context to remember its first read at each
-        # server: the answers say when they were read (``Fetching.read_at``).
+        # server: the answers say when they were read (``Fetching.stamps``).
         read = PsSurface.read_rows if self.local_backward else PsSurface.lookup_many
         answers = [self.ask(self.ps_names[k], read, ask) for k, ask in plan.requests]
         dense_shards = self.dense_shards if dense else []

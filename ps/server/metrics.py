@@ -33,7 +33,8 @@ class PsMetrics(Metrics):
         # The step clock's, on the leader (sync and ssp modes); staleness is every server's.
         self.barrier_wait = self.histogram(
             "rpcps_ps_barrier_wait_seconds", "time a trainer waited at the step clock (sync: for the step to be "
-            "applied; ssp: for the slowest to catch up; hybrid: for every trainer to begin the step)", buckets=WAIT_BUCKETS).labels(**self.labels)
+            "applied; ssp: for the slowest to catch up; hybrid: for every trainer to begin the step)",
+            buckets=WAIT_BUCKETS).labels(**self.labels)
         # Hashed tables (``ps/server/hashed/``), by table.
         self._hashed_rows = Gauge("rpcps_ps_hashed_rows", "a hashed table's rows in use", [*self.labels, "table"],
                                   registry=registry)

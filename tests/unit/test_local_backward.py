@@ -115,7 +115,8 @@ def test_each_server_is_told_when_the_step_first_read_there():
     client = SimpleNamespace(consistency=SimpleNamespace(clocked=False), ps_names=["ps0", "ps1"], dense_shards=[],
                              ask=lambda *a: asked.append(a) or _answered(None))
     end = StepEnd(client, None, lambda: {}, {1: 9})
-    rows = {0: ({"t": (torch.tensor([1]), torch.ones(1, 2))}, {}), 1: ({"t": (torch.tensor([2]), torch.ones(1, 2))}, {})}
+    rows = {0: ({"t": (torch.tensor([1]), torch.ones(1, 2))}, {}),
+            1: ({"t": (torch.tensor([2]), torch.ones(1, 2))}, {})}
     end.apply_own(0.0, 0.0, rows, False, None, None)
     # (server, method, context, coef, weights, mark, rows, dense, read_at): ps0 did not answer a read.
     assert [(a[0], a[-1]) for a in asked] == [("ps0", None), ("ps1", 9)]
