@@ -33,8 +33,11 @@ class _Gather:
         gathers (answers to deduplicated, deduplicated to ids) made one, so the rows, and in
         backward their gradients, pass through one gather instead of two."""
         if self._index is None:
-            order = self.pieces[0][1] if len(self.pieces) == 1 else torch.cat([places for _, places in self.pieces])
-            self._index = torch.argsort(order).index_select(0, self.inverse)
+            if len(self.pieces) == 1 and self.pieces[0][1].numel() == self.unique:
+                self._index = self.inverse      # one request holds them all, in order (places rise)
+            else:
+                order = torch.cat([places for _, places in self.pieces])
+                self._index = torch.argsort(order).index_select(0, self.inverse)
         return self._index
 
 

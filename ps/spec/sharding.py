@@ -54,7 +54,9 @@ class ShardPlan:
         return ids // self.num_shards
 
     def partition(self, unique_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per shard: (positions in ``unique_ids``, the global ids there)."""
+        """Per shard: (positions in ``unique_ids``, the global ids there), positions rising."""
+        if self.num_shards == 1:
+            return [(torch.arange(unique_ids.numel()), unique_ids)]
         owners = self.owner(unique_ids)
         out = []
         for shard in range(self.num_shards):
