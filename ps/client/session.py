@@ -103,7 +103,7 @@ class StepSession:
             raise RuntimeError(f"replicated weights are updated in sync or hybrid mode, not {client.consistency}")
         end = StepEnd(client, self.context_id, self._grads,
                       earliest([s for f in self._fetched for s in f.stamps()]))
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             if self.local:
                 torch.autograd.backward([loss])
@@ -116,10 +116,11 @@ class StepSession:
             if not (averaged or replica is not None):
                 raise
             raise end.lost(exc, replica) from exc
-        backward = time.perf_counter() - t0
-        if averaged:
-            return end.hand_over(backward, clip, replica, leaves, mark)
-        return end.apply_own(backward, clip, leaves, weights, mark, replica)
+        backward, backward_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        finished = end.hand_over(backward, clip, replica, leaves, mark) if averaged else \
+            end.apply_own(backward, clip, leaves, weights, mark, replica)
+        finished.backward_cpu = backward_cpu
+        return finished
 
     def _grads(self) -> Any:
         """The step's gradients by tensor: its context's, or (local) its leaves' own."""

@@ -71,6 +71,7 @@ class Finished:
     barrier: float = 0.0      # at the step clock (sync: until the step was applied everywhere)
     arrived_at: float = 0.0   # time.monotonic() when it reported the step to the step clock (0: async)
     weights: Optional["Fetching"] = None    # the dense tensors as the update left them, when asked for
+    backward_cpu: float = 0.0   # this thread's CPU seconds in ``backward`` (the rest of it is waiting)
 
 
 class StepEnd:

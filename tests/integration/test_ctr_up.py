@@ -157,6 +157,9 @@ def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
     # gradients (the backward ran on the trainer; distributed autograd's took 6 and more).
     assert done["per_step"]["rpcs"] == 3, done["per_step"]
     assert {"fetch", "forward", "backward", "optimize", "total"} <= set(done["per_step"]["seconds"]), done
+    # … and the training thread's CPU in each: the model's passes are most of it.
+    cpu = done["per_step"]["cpu_seconds"]
+    assert cpu["forward"] > 0 and cpu["backward"] > 0 and cpu["total"] >= cpu["forward"] + cpu["backward"], cpu
     assert 0 < done["per_step"]["cache_hit_rate"] < done["per_step"]["cache_lookup_hit_rate"] < 1, done
     assert done["bytes_per_step"]["saved"] > 0, done
 

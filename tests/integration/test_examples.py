@@ -97,6 +97,9 @@ def test_an_example_trains_on_servers_as_its_readme_says(tmp_path, monkeypatch, 
         assert local.returncode == 0, local.stderr[-3000:]
         done = [json.loads(line) for line in local.stdout.splitlines() if '"done"' in line][-1]
         assert done["local"] and done["steps"] == 3 and 0 < done["auc"] < 1, done
+        # Its CPU a step by phase, named as a trainer's, for the benchmarks to set side by side.
+        cpu = done["per_step"]["cpu_seconds"]
+        assert {"batch", "forward", "backward", "update", "total"} == set(cpu) and cpu["backward"] > 0, done
 
 
 def test_the_movies_example_trains_on_two_trainers_from_parquet_written_as_most_users_write_it(tmp_path):

@@ -202,6 +202,18 @@ def test_the_scale_bench_judges_each_count_of_hosts_on_its_median_round():
         "ctr-async_efficiency_at_4": True, "ctr-async_trainer_cpu_per_unit_vs_one_process_at_4": False}
 
 
+def test_the_scale_bench_sets_a_trainers_cpu_by_phase_beside_one_processs():
+    from trainer.core.scale.bench import cpu_by_phase
+    cpu = lambda forward, total: {"per_step": {"cpu_seconds": {"forward": forward, "total": total}}}  # noqa: E731
+    runs = [{"round": r, "trainers": t, "servers": 1, "link_rate": None, "per_s": per_s, "done": cpu(fwd, total)}
+            for r, t, per_s, fwd, total in ((0, 1, 5000.0, 0.02, 0.09), (0, 4, 19000.0, 0.024, 0.11),
+                                            (1, 4, 17000.0, 0.026, 0.12))]
+    found = cpu_by_phase(cpu(0.025, 0.085), runs, most=4)
+    # At 4 trainer hosts, the median of two rounds: the slower one's.
+    assert found == {"one_process": {"forward": 25.0, "total": 85.0}, "trainer": {"1": {"forward": 26.0, "total": 120.0}}}
+    assert cpu_by_phase({}, [], most=4) == {"one_process": {}, "trainer": {}}
+
+
 def test_the_scale_bench_chooses_the_servers_its_model_says_more_trainers_need(tmp_path):
     import argparse
 

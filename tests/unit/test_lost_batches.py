@@ -3,6 +3,7 @@
 the repeat without applying it (``ps/server/marks.py``), and none misses it. A refused one (its
 gradients not finite) is skipped: the data is what is wrong."""
 import contextlib
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -48,7 +49,7 @@ def loop_failing(*failures):
         failure = left.pop(0) if left else None
         if failure is not None:
             raise failure
-        return SimpleNamespace(grad_norm=0.0, backward=0.0, clip=0.0, optimize=0.0, barrier=0.0, arrived_at=0.0,
+        return SimpleNamespace(grad_norm=0.0, backward=0.0, backward_cpu=0.0, clip=0.0, optimize=0.0, barrier=0.0, arrived_at=0.0,
                                weights=None)
     client = SimpleNamespace(clock=SimpleNamespace(begin=lambda: 0.0, ahead=0), cache=None,
                              consistency=SimpleNamespace(averaged=False),
@@ -79,3 +80,26 @@ def test_unmarked_steps_take_the_next_batch_after_a_loss():
         loop.step()
     loop.step()
     assert marks == [None, None] and loop.task.cursor == 2
+
+
+def _spend(seconds: float) -> None:
+    """Keeps this thread on the CPU for ``seconds`` of its own CPU time."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
+def test_a_steps_cpu_is_told_by_phase_and_the_backwards_comes_from_its_finish():
+    loop, _ = loop_failing()
+    loop.task.loss = lambda batch, fetched: (_spend(0.03), torch.tensor(1.0))[1]
+    finish = loop.model.client.step().__enter__().finish
+
+    def finish_spending(*args, **kwargs):
+        _spend(0.025)                   # a backward of 0.01 of it, then the update
+        return SimpleNamespace(**{**vars(finish(*args, **kwargs)), "backward_cpu": 0.01})
+    loop.model.client.step = lambda: contextlib.nullcontext(SimpleNamespace(finish=finish_spending))
+    cpu = loop.step().cpu
+    assert set(cpu) == {"batch", "fetch", "forward", "backward", "update", "total"}, cpu
+    assert 0.03 <= cpu["forward"] < 0.2 and cpu["backward"] == 0.01 and 0.01 <= cpu["update"] < 0.2, cpu
+    parts = sum(v for k, v in cpu.items() if k != "total")
+    assert abs(cpu["total"] - parts) < 1e-9 and cpu["total"] >= 0.05, cpu

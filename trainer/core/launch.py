@@ -155,14 +155,17 @@ def _bytes_per_step(statuses: list[Any]) -> dict[str, float]:
 
 def _per_step(statuses: list[Any]) -> dict[str, Any]:
     """Where a trainer's step goes, on average over every trainer's steps: its messages to the
-    servers, the seconds of each phase (of the steps past the warm-up), and with a rows cache
-    the share of ids it gave."""
+    servers, the seconds of each phase and its training thread's CPU seconds in each (of the steps
+    past the warm-up), and with a rows cache the share of ids it gave."""
     steps = sum(s.moved.steps for s in statuses)
     timed = sum(s.moved.timed_steps for s in statuses)
     phases = sorted({p for s in statuses for p in s.moved.phase_seconds})
+    cpu_phases = sorted({p for s in statuses for p in s.moved.phase_cpu_seconds})
     found = {"rpcs": sum(s.moved.rpcs for s in statuses) / steps if steps else 0.0,
              "seconds": {p: sum(s.moved.phase_seconds.get(p, 0.0) for s in statuses) / timed for p in phases}
-             if timed else {}}
+             if timed else {},
+             "cpu_seconds": {p: sum(s.moved.phase_cpu_seconds.get(p, 0.0) for s in statuses) / timed
+                             for p in cpu_phases} if timed else {}}
     caches = [s.cache for s in statuses if s.cache is not None]
     asked = sum(c.hits + c.misses for c in caches)
     if asked:           # --cache-rows: of a step's distinct ids, the share taken from the trainer's copies

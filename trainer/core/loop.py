@@ -30,6 +30,31 @@ class StepResult:
     allreduce_bytes: int = 0    # bytes handed to the trainers' all-reduce (--dense allreduce)
     rpcs: int = 0               # messages to the servers: calls and distributed backward's gradients
     cache: Optional[CacheCounts] = None   # what the rows cache gave this step (its ``rows`` and ``max_age``: so far)
+    cpu: dict[str, float] = field(default_factory=dict)   # the training thread's CPU seconds by phase (metrics.CPU_PHASES)
+
+
+class _Moments:
+    """A step's moments, each on the clock and on the training thread's CPU clock, and the
+    phases between them."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        self.wall[name], self.cpu[name] = time.perf_counter(), time.thread_time()
+
+    def phases(self, done: Any, waited: float) -> tuple[dict[str, float], dict[str, float]]:
+        """Seconds of each phase on the clock (``metrics.STEP_PHASES``), and of CPU (``metrics.CPU_PHASES``), of
+        a step that waited ``waited`` at its clock and ended as ``done`` (a ``Finished``)."""
+        w, c = self.wall, self.cpu
+        phases = {"fetch": w["fetched"] - w["start"], "forward": w["forward"] - w["fetched"], "backward": done.backward,
+                  "clip": done.clip, "optimize": done.optimize, "barrier": waited + done.barrier,
+                  "total": w["end"] - w["start"] + waited}
+        cpu = {"batch": c["start"] - c["begin"], "fetch": c["fetched"] - c["start"], "forward": c["forward"] - c["fetched"],
+               "backward": done.backward_cpu, "update": c["end"] - c["forward"] - done.backward_cpu,
+               "total": c["end"] - c["begin"]}
+        return phases, cpu
 
 
 class Task(Protocol):
@@ -145,19 +170,21 @@ class TrainLoop:
         # The step boundary: in sync and ssp modes, wait for the step clock before taking the batch.
         rpc_before, allreduce_before, calls_before = self._moved_since or self._moved()
         cached_before = replace(client.cache.counts) if client.cache is not None else None
+        at = _Moments()
+        at("begin")
         waited = client.clock.begin()
         self.model.follow_group()
         batch, mark = None, None
         try:
             ahead, batch, mark = self._take(steps)
             self.model.train()
-            t0 = time.perf_counter()
+            at("start")
             with client.step() as step:
                 try:
                     fetched = self.task.fetch(batch) if ahead is None else self.lookahead.fetched(ahead, step)
-                    t_fetch = time.perf_counter()
+                    at("fetched")
                     loss = self.task.loss(batch, fetched)
-                    t_forward = time.perf_counter()
+                    at("forward")
                     # Read ahead, the next step's dense weights come with this step's apply (async, ssp).
                     done = step.finish(loss, self.clip, self.model.replica,
                                        weights=self.lookahead is not None and self.lookahead.dense, mark=mark)
@@ -175,22 +202,21 @@ class TrainLoop:
             raise
         if self.lookahead is not None:
             self.lookahead.applied(done.weights)
-        total = time.perf_counter() - t0
+        at("end")
         self.task.stepped()
         if self.slow_down > 1.0 and self._slow.random() < self.slow_fraction:
             # A straggler on purpose: idle (N-1) times this step's own work (not its wait for others).
-            time.sleep((self.slow_down - 1.0) * (total - done.barrier))
-            total = time.perf_counter() - t0
-        phases = {"fetch": t_fetch - t0, "forward": t_forward - t_fetch, "backward": done.backward, "clip": done.clip,
-                  "optimize": done.optimize, "barrier": waited + done.barrier, "total": total + waited}
+            time.sleep((self.slow_down - 1.0) * (at.wall["end"] - at.wall["start"] - done.barrier))
+            at.wall["end"] = time.perf_counter()
+        phases, cpu = at.phases(done, waited)
         if self.lookahead is not None:
             phases["fetch_hidden"] = self.lookahead.hidden
         rpc_now, allreduce_now, calls_now = moved = self._moved()
         if self.lookahead is not None:
             self._moved_since = moved
-        result = StepResult(float(loss.detach()), self.task.units(batch), total + waited, done.grad_norm, phases,
+        result = StepResult(float(loss.detach()), self.task.units(batch), phases["total"], done.grad_norm, phases,
                             done.arrived_at, rpc_now - rpc_before, allreduce_now - allreduce_before,
-                            calls_now - calls_before)
+                            calls_now - calls_before, cpu=cpu)
         if cached_before is not None:
             result.cache = client.cache.counts.since(cached_before, client.cache.rows)
         if self.metrics is not None:

@@ -9,6 +9,10 @@ from prometheus_client import CollectorRegistry
 from services.metrics import Metrics
 
 STEP_PHASES = ("fetch", "forward", "backward", "clip", "optimize", "barrier", "total")
+# The stepping thread's CPU by phase: making the batch (with the wait at the step clock), reading
+# the rows, the forward pass, the backward pass (with the replica's all-reduce), and the update
+# (handing over or applying, the clock). What other threads spend (RPC, all-reduce loops) is not in it.
+CPU_PHASES = ("batch", "fetch", "forward", "backward", "update", "total")
 
 
 class TrainerMetrics(Metrics):
@@ -31,6 +35,11 @@ class TrainerMetrics(Metrics):
         self._step_seconds = self.histogram("rpcps_trainer_step_seconds", "time of a training step by phase", ("phase",))
         for phase in STEP_PHASES:   # every phase series at 0, so dashboards see them before the first step
             self._step_seconds.labels(phase=phase, **self.labels)
+        self._step_cpu = self.counter("rpcps_trainer_step_cpu_seconds_total", "CPU seconds the training thread "
+                                      "spent in its steps, by phase (batch, fetch, forward, backward, update, "
+                                      "total)", ("phase",))
+        for phase in CPU_PHASES:
+            self._step_cpu.labels(phase=phase, **self.labels)
         self._cache_ids = self.counter("rpcps_trainer_cache_ids_total", "--cache-rows: a step's distinct ids taken "
                                        "from the trainer's copies (hit) or read from the servers (miss)", ("outcome",))
         self._cache_lookups = self.counter("rpcps_trainer_cache_lookups_total", "--cache-rows: the ids a step's "
@@ -49,6 +58,8 @@ class TrainerMetrics(Metrics):
         """A step done (a ``trainer.core.loop.StepResult``)."""
         for phase, seconds in result.phases.items():
             self.observe_phase(phase, seconds)
+        for phase, seconds in result.cpu.items():
+            self._step_cpu.labels(phase=phase, **self.labels).inc(max(0.0, seconds))
         if result.cache is not None:
             self._cache_ids.labels(outcome="hit", **self.labels).inc(result.cache.hits)
             self._cache_ids.labels(outcome="miss", **self.labels).inc(result.cache.misses)

@@ -30,7 +30,8 @@ class ReplicaState(BaseModel):
 class Traffic(BaseModel):
     """What this trainer's successful steps moved and where their time went: tensor bytes to and
     from the servers over RPC (distributed backward's gradients included), the messages that
-    carried them, what it handed to the trainers' all-reduce, and the seconds of each phase."""
+    carried them, what it handed to the trainers' all-reduce, and the seconds of each phase, on the
+    clock and of the training thread's CPU."""
 
     steps: int = 0
     rpc_bytes: int = 0
@@ -39,6 +40,8 @@ class Traffic(BaseModel):
     bytes_saved: int = 0               # of rows taken from the trainer's cache instead of the servers
     timed_steps: int = 0               # those past the warm-up steps, which ``phase_seconds`` adds up
     phase_seconds: dict[str, float] = {}   # per phase (fetch, forward, backward, clip, optimize, barrier, total)
+    # the training thread's CPU seconds of those steps per phase (batch, fetch, forward, backward, update, total)
+    phase_cpu_seconds: dict[str, float] = {}
 
 
 class RowCacheState(BaseModel):
@@ -74,6 +77,7 @@ class TrainerStatusBase(RoleStatus):
     loss_first: Optional[float] = None
     grad_norm: Optional[float] = None
     step_seconds: Optional[dict[str, float]] = None
+    step_cpu_seconds: Optional[dict[str, float]] = None   # the last step's, by phase, of its training thread
     evaluating: bool = False
 
     def steps_line(self) -> list[str]:

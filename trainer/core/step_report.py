@@ -45,7 +45,7 @@ class StepReport:
     def __init__(self, warmup: int, unit: str, replica: Callable[[], Any]) -> None:
         self.warmup, self.unit, self._replica = warmup, unit, replica
         self._traffic: dict[str, Any] = {"steps": 0, "rpc_bytes": 0, "rpcs": 0, "allreduce_bytes": 0,
-                                         "bytes_saved": 0, "timed_steps": 0, "phase_seconds": {}}
+                                         "bytes_saved": 0, "timed_steps": 0, "phase_seconds": {}, "phase_cpu_seconds": {}}
         self._cache = CacheCounts()        # --cache-rows: what the copies gave, over every step so far
         self._digests: deque[tuple[int, str]] = deque(maxlen=128)   # --dense allreduce: the replica's last steps
         self.new_episode()
@@ -69,6 +69,7 @@ class StepReport:
         return {"loss": result.loss, "loss_avg": self.loss_avg, "loss_first": self._first_loss,
                 f"{self.unit}_per_s": self.per_s, "grad_norm": result.grad_norm, "timed": self._throughput.window,
                 "step_seconds": {k: round(v, 6) for k, v in result.phases.items()},
+                "step_cpu_seconds": {k: round(v, 6) for k, v in result.cpu.items()},
                 "moved": self._count_traffic(result, step > self.warmup),
                 **self._replica_status(), **self._cache_status(result)}
 
@@ -82,9 +83,11 @@ class StepReport:
         t["bytes_saved"] += result.cache.saved if result.cache is not None else 0
         if timed:
             t["timed_steps"] += 1
-            for phase, seconds in result.phases.items():
-                t["phase_seconds"][phase] = t["phase_seconds"].get(phase, 0.0) + seconds
-        return {**t, "phase_seconds": {k: round(v, 6) for k, v in t["phase_seconds"].items()}}
+            for key, by_phase in (("phase_seconds", result.phases), ("phase_cpu_seconds", result.cpu)):
+                for phase, seconds in by_phase.items():
+                    t[key][phase] = t[key].get(phase, 0.0) + seconds
+        return {**t, **{key: {k: round(v, 6) for k, v in t[key].items()}
+                        for key in ("phase_seconds", "phase_cpu_seconds")}}
 
     def _cache_status(self, result: StepResult) -> dict[str, Any]:
         """--cache-rows: what the trainer's copies of rows gave, so far."""

@@ -27,6 +27,7 @@ class LocalModel:
         from rpcps.local import local_optimizer
         self.module = module
         self.optimizer = local_optimizer(module, cfg.optimizer, cfg.lr, cfg.table_rule)
+        self.cpu: dict[str, float] = {}
 
     @classmethod
     def of(cls, cfg: CtrModelSettings) -> "LocalModel":
@@ -36,11 +37,17 @@ class LocalModel:
         return cls(built(ref, schema, cfg.seed, options), cfg)
 
     def step(self, batch: Any) -> float:
+        """One step on ``batch``; its loss. ``cpu``: this thread's CPU seconds in each of its phases,
+        named as a trainer's (``trainer.core.metrics.CPU_PHASES``)."""
+        c0 = time.thread_time()
         self.module.train()
         self.optimizer.zero_grad()
         loss = F.binary_cross_entropy_with_logits(self.module(batch), batch.labels)
+        c1 = time.thread_time()
         loss.backward()
+        c2 = time.thread_time()
         self.optimizer.step()
+        self.cpu = {"forward": c1 - c0, "backward": c2 - c1, "update": time.thread_time() - c2}
         return float(loss.detach())
 
     def eval(self) -> None:
@@ -68,13 +75,17 @@ def run_local(cfg: CtrUpSettings, emit: Callable[[dict], None], should_stop: Cal
     model = LocalModel.of(cfg)
     task = CtrTask(model, source, name="local", num_trainers=1, eval_samples=cfg.eval_samples)
     losses, step, trained, seconds, said = [], 0, 0, 0.0, time.monotonic()
+    cpu: dict[str, float] = {}            # CPU seconds by phase of the timed steps, as a trainer reports them
     while (cfg.steps is None or step < cfg.steps) and not should_stop():
-        t0 = time.perf_counter()          # making the batch counts, as it does in a trainer's step
+        t0, c0 = time.perf_counter(), time.thread_time()   # making the batch counts, as in a trainer's step
         batch = task.next_batch()
+        batched = time.thread_time() - c0
         losses.append(model.step(batch))
         step += 1
         if step > cfg.warmup_steps:       # as a trainer counts: its first steps pay allocation
             trained, seconds = trained + task.units(batch), seconds + time.perf_counter() - t0
+            for phase, spent in {"batch": batched, **model.cpu, "total": time.thread_time() - c0}.items():
+                cpu[phase] = cpu.get(phase, 0.0) + spent
         if time.monotonic() - said >= interval:
             said = time.monotonic()
             emit({"event": "progress", "step": step, "steps": cfg.steps, "loss": losses[-1], "phase": "train",
@@ -86,5 +97,7 @@ def run_local(cfg: CtrUpSettings, emit: Callable[[dict], None], should_stop: Cal
           "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
           "samples_per_s": rate, "auc": found.get("auc"), "logloss": found.get("logloss"),
           "oracle_auc": found.get("oracle_auc"), "eval_samples": found.get("samples", 0),
-          "skipped_lines": source.skipped, "truncated_lists": source.truncated, "restarts": 0})
+          "skipped_lines": source.skipped, "truncated_lists": source.truncated, "restarts": 0,
+          "per_step": {"cpu_seconds": {k: v / timed for k, v in cpu.items()} if (timed := step - cfg.warmup_steps) > 0
+                       else {}}})
     return 0

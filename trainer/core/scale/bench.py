@@ -164,6 +164,7 @@ class Bench:
                     out["runs"].append(self.record(case, plan, trainers, servers, result, baseline, round_=round_))
         out["rounds"] = {f"{t}x{s}": [r["per_s"] for r in runs] for (t, s), runs in by_count(out["runs"]).items()}
         most = max(self.trainers)
+        out["cpu_ms_per_step"] = cpu_by_phase(base["done"], out["runs"], most)
         reference = self.attempt({"kind": "one process", "case": case.name, "trainers": most}, one_process, plan,
                                  trainers=most, on_host=False) if case.exact else None
         if reference is not None:
@@ -284,6 +285,16 @@ def trainer_cpu_ratio(result: dict[str, Any], unit: str, trainers: int) -> Optio
     spent = [h[key] for h in runs[0].get("hosts", {}).values()
              if h["role"] == result["client_role"] and h.get(key) is not None] if runs and baseline else []
     return sum(spent) / len(spent) / baseline if spent else None
+
+
+def cpu_by_phase(baseline: dict[str, Any], runs: list[dict[str, Any]], most: int) -> dict[str, Any]:
+    """The training thread's CPU milliseconds a step, by phase: one process's (``baseline``, its
+    ``done`` event) beside a trainer's in the median run at ``most`` trainer hosts, by server hosts.
+    Each step is one trainer's batch in both, so the phases compare as they stand."""
+    def ms(done: dict[str, Any]) -> dict[str, float]:
+        return {k: round(v * 1e3, 3) for k, v in ((done.get("per_step") or {}).get("cpu_seconds") or {}).items()}
+    return {"one_process": ms(baseline), "trainer": {str(r["servers"]): ms(r["done"]) for r in medians(runs)
+                                                     if r["trainers"] == most and r["link_rate"] is None}}
 
 
 def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, Any],
