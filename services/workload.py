@@ -103,6 +103,9 @@ class ScaleCase:
     higher_is_better: bool = True
     efficiency: Optional[float] = None   # weak-scaling target at the most trainer hosts (None: none)
     exact: bool = False                  # sync: its quality equals one process's on every trainer's samples
+    # (case, margin): its quality at the most trainer hosts is no worse than that case's by more
+    # than the margin, when both ran (hybrid against sync)
+    quality_near: Optional[tuple[str, float]] = None
     against: Optional[str] = None        # a link variant (not added hosts): the case it is measured beside
     link_target: Optional[float] = None  # … and the ratio it should reach on the slowest link
     prepare: Optional[str] = None        # "module:function(folder) -> (flags, working folder)": data it needs

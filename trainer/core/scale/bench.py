@@ -297,6 +297,16 @@ def cpu_by_phase(baseline: dict[str, Any], runs: list[dict[str, Any]], most: int
                                                      if r["trainers"] == most and r["link_rate"] is None}}
 
 
+def quality_minus(runs: list[dict[str, Any]], others: list[dict[str, Any]], most: int) -> dict[str, float]:
+    """By server hosts: the quality of the median run at ``most`` trainer hosts of ``runs``
+    minus that of ``others``, where both have one."""
+    def at_most(rs: list[dict[str, Any]]) -> dict[str, float]:
+        return {str(r["servers"]): r["quality"] for r in medians(rs)
+                if r["trainers"] == most and r["link_rate"] is None and r["quality"] is not None}
+    mine, theirs = at_most(runs), at_most(others)
+    return {servers: mine[servers] - theirs[servers] for servers in mine if servers in theirs}
+
+
 def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, Any],
          serving: Optional[dict], most: int) -> tuple[dict[str, float], dict[str, bool]]:
     targets, met = {}, {}
@@ -315,6 +325,13 @@ def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, 
         for servers, diff in result.get("quality_minus_one_process", {}).items():
             key = f"{name}_quality_minus_one_process_{servers}_servers"
             targets[key], met[key] = QUALITY_EQUAL, abs(diff) <= QUALITY_EQUAL
+        if case.quality_near is not None and case.quality_near[0] in swept:
+            other, margin = case.quality_near
+            for servers, diff in quality_minus(result["runs"], swept[other]["runs"], most).items():
+                # How much worse it may be, in the quality's direction (an AUC: lower; a loss: higher).
+                key = f"{name}_quality_minus_{other}_at_{most}_{servers}_servers"
+                targets[key] = -margin if case.higher_is_better else margin
+                met[key] = diff >= -margin if case.higher_is_better else diff <= margin
     known = cases()
     for variant, by_rate in links.items():
         target = known[variant][0].link_target
