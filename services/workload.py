@@ -242,7 +242,10 @@ SHARED_BENCHES = (BenchSpec("cli", "seconds the quick commands take to answer (-
                   # Every workload's ``scale`` cases, each member on an emulated host (needs root).
                   BenchSpec("scale", "samples/s as trainer hosts are added, every member on an emulated host of its "
                                      "own: weak-scaling efficiency, CPU and bytes per host, slower links, serving "
-                                     "beside training, and a step-time model", "trainer.core.scale.bench"))
+                                     "beside training, and a step-time model", "trainer.core.scale.bench"),
+                  BenchSpec("ring", "the trainers' all-reduce alone on emulated hosts: milliseconds and CPU an "
+                                    "all-reduce, without a quota, under one, and after a step's work",
+                            "trainer.core.scale.bench_ring"))
 
 
 def data_writers() -> dict[str, BenchSpec]:

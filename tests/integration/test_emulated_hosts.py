@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -103,3 +104,22 @@ def test_two_trainer_hosts_train_across_their_links_within_their_quotas(tmp_path
     # The launcher removed its hosts on its way out.
     assert _namespaces(tag) == []
     assert not list((CGROUP / "cpu").glob(f"rpcps{tag}-*")), "a CPU quota group was left behind"
+
+
+def test_the_ring_bench_times_an_all_reduce_across_hosts_with_and_without_their_quota(tmp_path):
+    _hosts_possible()
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split())
+    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", "ring", "--hosts", "2", "--count", "3",
+                           "--floats", "20000", "--cpus", "0.5", "--work-ms", "20"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    summary = lines[-1]
+    assert [s["setting"] for s in lines[:-1]] == ["unlimited", "quota", "quota_with_work"], lines
+    assert summary["bytes"] == 80000 and summary["met"] == {}, summary
+    for name, figures in summary["settings"].items():
+        # Each setting's all-reduces ran between the two hosts' processes: time on the clock, CPU, 2 hops.
+        assert figures["wall_ms"] > 0 and figures["cpu_ms"] > 0 and figures["hops"] == 2, (name, figures)
+    assert summary["settings"]["quota"]["cpus"] == 0.5 and summary["settings"]["quota_with_work"]["work_ms"] == 20
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split())
+    assert after <= before, f"namespaces left behind: {after - before}"

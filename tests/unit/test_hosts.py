@@ -1,7 +1,8 @@
 """Emulated hosts without making any: how ``rpcps up`` takes its hosts' settings, the step-time
-model of ``rpcps bench scale``, and its figure."""
+model of ``rpcps bench scale``, its figure, and what ``rpcps bench ring`` sums up."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -255,3 +256,16 @@ def test_the_scale_bench_chooses_the_servers_its_model_says_more_trainers_need(t
     assert list(chosen) == [(4, 2), (8, 4)]
     assert list(bench.counts(case, runs)) == [(1, 1), (4, 2), (8, 4)], "the next round runs the same counts"
     assert bench.servers_at("ctr-async-prefetch", 8) == 4, "a link variant runs on its plain case's hosts"
+
+
+def test_the_ring_bench_sums_up_every_hosts_all_reduces_and_refuses_what_cannot_run(capsys):
+    import argparse
+
+    from trainer.core.scale.bench_ring import add_arguments, run, summary
+    found = summary([{"wall": [0.010, 0.012, 0.050], "cpu": [0.002, 0.002, 0.003]},
+                     {"wall": [0.011, 0.013, 0.090], "cpu": [0.002, 0.004, 0.002]}], hosts=4)
+    assert found == {"wall_ms": 12.5, "wall_ms_p90": 90.0, "cpu_ms": 2.0, "hops": 6, "wall_ms_per_hop": 2.083}
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert run(p.parse_args(["--hosts", "1"])) == 2
+    assert "--hosts ≥ 2" in json.loads(capsys.readouterr().out)["error"]
