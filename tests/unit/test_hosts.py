@@ -211,7 +211,8 @@ def test_the_scale_bench_sets_a_trainers_cpu_by_phase_beside_one_processs():
                                             (1, 4, 17000.0, 0.026, 0.12))]
     found = cpu_by_phase(cpu(0.025, 0.085), runs, most=4)
     # At 4 trainer hosts, the median of two rounds: the slower one's.
-    assert found == {"one_process": {"forward": 25.0, "total": 85.0}, "trainer": {"1": {"forward": 26.0, "total": 120.0}}}
+    assert found == {"one_process": {"forward": 25.0, "total": 85.0},
+                     "trainer": {"1": {"forward": 26.0, "total": 120.0}}}
     assert cpu_by_phase({}, [], most=4) == {"one_process": {}, "trainer": {}}
 
 

@@ -49,8 +49,8 @@ def loop_failing(*failures):
         failure = left.pop(0) if left else None
         if failure is not None:
             raise failure
-        return SimpleNamespace(grad_norm=0.0, backward=0.0, backward_cpu=0.0, clip=0.0, optimize=0.0, barrier=0.0, arrived_at=0.0,
-                               weights=None)
+        return SimpleNamespace(grad_norm=0.0, backward=0.0, backward_cpu=0.0, clip=0.0, optimize=0.0, barrier=0.0,
+                               arrived_at=0.0, weights=None)
     client = SimpleNamespace(clock=SimpleNamespace(begin=lambda: 0.0, ahead=0), cache=None,
                              consistency=SimpleNamespace(averaged=False),
                              read_ahead=lambda early, cache: None, traffic=SimpleNamespace(total=0, calls=0),

@@ -30,7 +30,7 @@ class StepResult:
     allreduce_bytes: int = 0    # bytes handed to the trainers' all-reduce (--dense allreduce)
     rpcs: int = 0               # messages to the servers: calls and distributed backward's gradients
     cache: Optional[CacheCounts] = None   # what the rows cache gave this step (its ``rows`` and ``max_age``: so far)
-    cpu: dict[str, float] = field(default_factory=dict)   # the training thread's CPU seconds by phase (metrics.CPU_PHASES)
+    cpu: dict[str, float] = field(default_factory=dict)   # the training thread's CPU seconds by metrics.CPU_PHASES
 
 
 class _Moments:
@@ -45,15 +45,16 @@ class _Moments:
         self.wall[name], self.cpu[name] = time.perf_counter(), time.thread_time()
 
     def phases(self, done: Any, waited: float) -> tuple[dict[str, float], dict[str, float]]:
-        """Seconds of each phase on the clock (``metrics.STEP_PHASES``), and of CPU (``metrics.CPU_PHASES``), of
-        a step that waited ``waited`` at its clock and ended as ``done`` (a ``Finished``)."""
+        """Seconds of each phase on the clock (``metrics.STEP_PHASES``), and of CPU
+        (``metrics.CPU_PHASES``), of a step that waited ``waited`` at its clock and ended as
+        ``done`` (a ``Finished``)."""
         w, c = self.wall, self.cpu
         phases = {"fetch": w["fetched"] - w["start"], "forward": w["forward"] - w["fetched"], "backward": done.backward,
                   "clip": done.clip, "optimize": done.optimize, "barrier": waited + done.barrier,
                   "total": w["end"] - w["start"] + waited}
-        cpu = {"batch": c["start"] - c["begin"], "fetch": c["fetched"] - c["start"], "forward": c["forward"] - c["fetched"],
-               "backward": done.backward_cpu, "update": c["end"] - c["forward"] - done.backward_cpu,
-               "total": c["end"] - c["begin"]}
+        cpu = {"batch": c["start"] - c["begin"], "fetch": c["fetched"] - c["start"],
+               "forward": c["forward"] - c["fetched"], "backward": done.backward_cpu,
+               "update": c["end"] - c["forward"] - done.backward_cpu, "total": c["end"] - c["begin"]}
         return phases, cpu
 
 
