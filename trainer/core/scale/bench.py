@@ -170,9 +170,8 @@ class Bench:
         if reference is not None:
             ref = reference["done"].get(case.quality)
             out["one_process_quality"] = ref
-            out["quality_minus_one_process"] = {
-                str(r["servers"]): r["quality"] - ref for r in medians(out["runs"]) if r["trainers"] == most
-                and r["quality"] is not None and ref is not None}
+            out["quality_minus_one_process"] = {s: r["quality"] - ref for s, r in medians_at(out["runs"], most).items()
+                                                if r["quality"] is not None and ref is not None}
         return out
 
     def counts(self, case: ScaleCase, runs: list[dict[str, Any]]) -> Iterator[tuple[int, int]]:
@@ -287,24 +286,26 @@ def trainer_cpu_ratio(result: dict[str, Any], unit: str, trainers: int) -> Optio
     return sum(spent) / len(spent) / baseline if spent else None
 
 
+def medians_at(runs: list[dict[str, Any]], most: int) -> dict[str, dict[str, Any]]:
+    """By server hosts: the median run at ``most`` trainer hosts on unlimited links."""
+    return {str(r["servers"]): r for r in medians(runs) if r["trainers"] == most and r["link_rate"] is None}
+
+
 def cpu_by_phase(baseline: dict[str, Any], runs: list[dict[str, Any]], most: int) -> dict[str, Any]:
     """The training thread's CPU milliseconds a step, by phase: one process's (``baseline``, its
     ``done`` event) beside a trainer's in the median run at ``most`` trainer hosts, by server hosts.
     Each step is one trainer's batch in both, so the phases compare as they stand."""
     def ms(done: dict[str, Any]) -> dict[str, float]:
         return {k: round(v * 1e3, 3) for k, v in ((done.get("per_step") or {}).get("cpu_seconds") or {}).items()}
-    return {"one_process": ms(baseline), "trainer": {str(r["servers"]): ms(r["done"]) for r in medians(runs)
-                                                     if r["trainers"] == most and r["link_rate"] is None}}
+    return {"one_process": ms(baseline), "trainer": {s: ms(r["done"]) for s, r in medians_at(runs, most).items()}}
 
 
 def quality_minus(runs: list[dict[str, Any]], others: list[dict[str, Any]], most: int) -> dict[str, float]:
     """By server hosts: the quality of the median run at ``most`` trainer hosts of ``runs``
     minus that of ``others``, where both have one."""
-    def at_most(rs: list[dict[str, Any]]) -> dict[str, float]:
-        return {str(r["servers"]): r["quality"] for r in medians(rs)
-                if r["trainers"] == most and r["link_rate"] is None and r["quality"] is not None}
-    mine, theirs = at_most(runs), at_most(others)
-    return {servers: mine[servers] - theirs[servers] for servers in mine if servers in theirs}
+    mine, theirs = medians_at(runs, most), medians_at(others, most)
+    return {s: r["quality"] - theirs[s]["quality"] for s, r in mine.items()
+            if s in theirs and r["quality"] is not None and theirs[s]["quality"] is not None}
 
 
 def _met(chosen: dict[str, ScaleCase], swept: dict[str, dict], links: dict[str, Any],

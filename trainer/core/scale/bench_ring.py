@@ -83,7 +83,7 @@ def summary(results: list[dict[str, Any]], hosts: int) -> dict[str, Any]:
     median = statistics.median(wall)
     return {"wall_ms": round(median * 1e3, 3), "wall_ms_p90": round(p90 * 1e3, 3),
             "cpu_ms": round(statistics.median(cpu) * 1e3, 3), "hops": 2 * (hosts - 1),
-            "wall_ms_per_hop": round(median * 1e3 / (2 * (hosts - 1)), 3) if hosts > 1 else None}
+            "wall_ms_per_hop": round(median * 1e3 / (2 * (hosts - 1)), 3)}
 
 
 def setting(hosts: int, cpus: Optional[float], ns: argparse.Namespace, work_s: float, folder: Path) -> dict[str, Any]:
