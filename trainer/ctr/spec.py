@@ -74,6 +74,9 @@ SPEC = WorkloadSpec(
                      "auc", against="ctr-async"),
            ScaleCase("ctr-async-prefetch-cache", "ctr-async with both", (*_DLRM, "--prefetch", "1", *_CACHE),
                      "samples", "auc", against="ctr-async", link_target=1.2),
+           ScaleCase("ctr-sync-prefetch", "ctr-sync reading each step's rows the moment the step before is applied, "
+                                          "while the step clock lets the step begin (exact)",
+                     (*_DLRM, *_SYNC, "--prefetch", "1"), "samples", "auc", against="ctr-sync"),
            ScaleCase("ctr-sync-hot", "ctr-sync with the hot rows replicated among the trainers (exact)",
                      (*_DLRM, *_SYNC, *_HOT), "samples", "auc", against="ctr-sync", link_target=1.2)),
     examples=(("--workload ctr --steps 200 --scale 0.01", "a DLRM on generated data at 1 % of Criteo's rows: "
