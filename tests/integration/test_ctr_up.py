@@ -82,10 +82,12 @@ def test_ctr_on_criteo_files_trains_reports_quality_and_resumes_resharded(tmp_pa
 
 def test_a_short_sync_run_is_in_step_from_its_first_step_and_repeats_itself(tmp_path, cleanup):
     """Two trainers in sync for 8 steps: neither trains a step before the other is in, so both
-    evaluate the same model, and a second run from the same seed ends where the first did."""
+    evaluate the same model, and a second run from the same seed ends where the first did, though
+    it reads each step's rows ahead (``--prefetch 1``, exact in sync) where the first reads them
+    in the step."""
     done = []
-    for run in ("first", "second"):
-        up = UpProcess(tmp_path / run, *SMALL, "--consistency", "sync", "--steps", "8", "--num-ps", "2")
+    for run, flags in (("first", ()), ("second", ("--prefetch", "1"))):
+        up = UpProcess(tmp_path / run, *SMALL, "--consistency", "sync", "--steps", "8", "--num-ps", "2", *flags)
         cleanup(up)
         done.append(up.wait_event("done", 300))
         assert up.proc.wait(30) == 0, up.logs()
@@ -93,6 +95,7 @@ def test_a_short_sync_run_is_in_step_from_its_first_step_and_repeats_itself(tmp_
         assert sorted(left) == [("ctr0", "8"), ("ctr1", "8")], left
     assert [d["auc_spread"] for d in done] == [0.0, 0.0], done
     assert done[0]["auc"] == done[1]["auc"] and done[0]["logloss"] == done[1]["logloss"], done
+    assert ["fetch_hidden" in d["per_step"]["seconds"] for d in done] == [False, True], "only the second read ahead"
 
 
 def test_ctr_status_and_metrics_carry_quality(tmp_path, cleanup):
