@@ -19,7 +19,6 @@ from services.client import SidecarClient, SidecarError
 from services.hosts.emulated import EmulatedHosts, usage_of
 from services.hosts.network import host_child
 from services.hosts.quota import CpuQuota
-from services.workload import ScaleCase
 
 POLL = 0.5              # seconds between looks at the trainers' steps and the hosts' counters
 RUN_TIMEOUT = 1800.0
