@@ -244,7 +244,8 @@ SHARED_BENCHES = (BenchSpec("cli", "seconds the quick commands take to answer (-
                                      "own: weak-scaling efficiency, CPU and bytes per host, slower links, serving "
                                      "beside training, and a step-time model", "trainer.core.scale.bench"),
                   BenchSpec("ring", "the trainers' all-reduce alone on emulated hosts: milliseconds and CPU an "
-                                    "all-reduce, without a quota, under one, and after a step's work",
+                                    "all-reduce, without a quota, under one, and after a step's work; gloo's ring "
+                                    "beside halving and doubling",
                             "trainer.core.scale.bench_ring"))
 
 

@@ -45,13 +45,16 @@ def digest_of(lstm: dict[str, torch.Tensor]) -> str:
 
 
 def test_a_killed_trainer_leaves_the_others_training_with_equal_replicas_and_its_replacement_joins(tmp_path, cleanup):
-    up = UpProcess(tmp_path, "--dense", "allreduce", "--consistency", "sync", "--trainers", "3",
+    # Six: the replicas sum by halving and doubling (trainer/core/allreduce.py); the five
+    # survivors by gloo's ring, until the replacement makes six again.
+    trainers = [f"trainer{i}" for i in range(6)]
+    up = UpProcess(tmp_path, "--dense", "allreduce", "--consistency", "sync", "--trainers", "6",
                    *RESTART_LATER, *TINY, env=GROUP_TIMEOUT)
     cleanup(up)
     urls = up.wait_event("started", 120)["sidecars"]
-    kill_one_and_see_it_rejoin(up, urls, ["trainer0", "trainer1", "trainer2"], "trainer1")
+    kill_one_and_see_it_rejoin(up, urls, trainers, "trainer1")
     logs = up.full_logs()
-    assert re.search(r"forming the trainers' process group \S+: rank 1 of 3 \(trainer0, trainer1, trainer2\)", logs)
+    assert re.search(rf"forming the trainers' process group \S+: rank 1 of 6 \({', '.join(trainers)}\)", logs)
 
     # A checkpoint holds the replica once, in the server shards, bit for bit as the trainers hold it.
     with SidecarClient(urls["trainer0"], timeout=120.0) as c:

@@ -36,17 +36,17 @@ def agree(urls: dict[str, str], names: list[str], group: list[str], after: int =
 
 def kill_one_and_see_it_rejoin(up: UpProcess, urls: dict[str, str], everyone: list[str], victim: str,
                                ready: Callable[[list[str]], bool] = lambda names: True) -> None:
-    """Three trainers (``everyone``) in one group with equal replicas (once ``ready``); ``victim``
+    """Trainers (``everyone``) in one group with equal replicas (once ``ready``); ``victim``
     SIGKILLed; the others step on with equal replicas; its replacement, restarted by ``up``,
     joins them with the same replica, taken from them."""
     before = wait_until(lambda: ready(everyone) and agree(urls, everyone, everyone), 120,
-                        "three equal replicas at one step")
+                        f"{len(everyone)} equal replicas at one step")
     killed = up.cluster()["pids"][victim]
     os.kill(killed, signal.SIGKILL)
     survivors = [n for n in everyone if n != victim]
     try:
         after = wait_until(lambda: agree(urls, survivors, survivors, before), 60,
-                           "the two survivors all-reducing on, with equal replicas at one step")
+                           "the survivors all-reducing on, with equal replicas at one step")
         up.wait_event("restart", 30, name=victim)
         wait_until(lambda: ready(everyone) and agree(urls, everyone, everyone, after), 120,
                    "the replacement in the group, its replica equal to the others'")

@@ -77,20 +77,26 @@ def test_the_step_time_model_finds_the_latency_that_explains_the_runs():
     assert projected[(64, None)]["servers"] > projected[(8, None)]["servers"] >= 1
 
 
-def test_an_all_reducing_case_is_explained_by_its_rings_hops_as_well():
+def test_an_all_reducing_case_is_explained_by_its_all_reduces_exchanges_as_well():
     q, latency, hop = 0.25, 0.002, 0.010
     runs = []
-    for n in (1, 2, 3, 4):
-        step = 0.3 + 8 * latency + 2 * (n - 1) * hop
+    # The ring's 2(N - 1) exchanges up to 3 trainers, then halving and doubling's: 4 at 4 and 6 at 5.
+    for n, hops in ((1, 0), (2, 2), (3, 4), (4, 4), (5, 6)):
+        step = 0.3 + 8 * latency + hops * hop
         run = _run(n, 1, step, cores=0.3 * q / step, link=0.0, rpcs=8, servers_cores=0.01 * n)
         run["done"]["bytes_per_step"] = {"allreduce": 1.9e6}
+        run["allreduce_hops"] = hops
         runs.append(run)
-    model = fit.fit(runs, q)
+    old = _run(4, 1, 0.3 + 8 * latency + 6 * hop, cores=0.3 * q / (0.3 + 8 * latency + 6 * hop), link=0.0, rpcs=8,
+               servers_cores=0.04)
+    old["done"]["bytes_per_step"] = {"allreduce": 1.9e6}     # recorded before runs said: the ring's 6
+    model = fit.fit([*runs, old], q)
     assert (model["latency_ms"], model["ring_hop_ms"]) == pytest.approx((2.0, 10.0))
     assert model["max_abs_error"] < 1e-9
-    # Projected, every trainer added is two more hops a step.
-    steps = {p["trainers"]: p["step_s"] for p in fit.project(model, 2048, q, [8, 16], [None])}
-    assert steps[16] - steps[8] == pytest.approx(16 * hop)
+    # Projected, each doubling of the trainers is two more exchanges a step.
+    steps = {p["trainers"]: p["step_s"] for p in fit.project(model, 2048, q, [8, 16, 64], [None])}
+    assert steps[16] - steps[8] == pytest.approx(2 * hop)
+    assert steps[64] - steps[16] == pytest.approx(4 * hop)
 
 
 def test_a_server_bound_run_is_explained_by_its_servers_not_a_latency():
@@ -264,7 +270,7 @@ def test_the_ring_bench_sums_up_every_hosts_all_reduces_and_refuses_what_cannot_
 
     from trainer.core.scale.bench_ring import add_arguments, run, summary
     found = summary([{"wall": [0.010, 0.012, 0.050], "cpu": [0.002, 0.002, 0.003]},
-                     {"wall": [0.011, 0.013, 0.090], "cpu": [0.002, 0.004, 0.002]}], hosts=4)
+                     {"wall": [0.011, 0.013, 0.090], "cpu": [0.002, 0.004, 0.002]}], hops=6)
     assert found == {"wall_ms": 12.5, "wall_ms_p90": 90.0, "cpu_ms": 2.0, "hops": 6, "wall_ms_per_hop": 2.083}
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -5,7 +5,8 @@ pattern of pytorch/examples' ``distributed/rpc/ddp_rpc``: the dense weights neve
 
 Within a step: the forward runs through DDP inside the step's distributed autograd context, so
 ``dist_autograd.backward`` both sends the rows' gradients to the servers and has DDP all-reduce
-the replica's into the context (``_finite_mean`` below); the step clock then closes the step with
+the replica's into the context (``_finite_mean`` below, by ``trainer/core/allreduce.py``: gloo's
+ring, or halving and doubling from 6 trainers); the step clock then closes the step with
 the global norm of the whole averaged gradient, and each trainer applies the same clipped average
 to its replica with the servers' optimizer rule, so the replicas stay bit-identical.
 
@@ -39,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ps.spec.messages import Granted
 from ps.spec.rules import UpdateRule, grad_sq_norm, make_optimizer
+from trainer.core.allreduce import GroupSum
 from trainer.core.hot_rows import ReplicatedRows
 from trainer.core.position import Hold
 
@@ -55,6 +57,7 @@ class _Reduced:
     world_size: int
     counts: list[int] = field(default_factory=list)
     sent: int = 0             # bytes this trainer handed to all-reduces, ever
+    summing: GroupSum = field(default_factory=GroupSum)
 
     @property
     def whole(self) -> bool:
@@ -68,10 +71,10 @@ def _finite_mean(state: _Reduced, bucket: dist.GradBucket) -> torch.futures.Futu
     finite = bool(torch.isfinite(grads).all())
     sent = torch.cat([grads if finite else torch.zeros_like(grads), torch.tensor([float(finite)], dtype=grads.dtype)])
     state.sent += sent.numel() * sent.element_size()
-    pending = dist.all_reduce(sent, async_op=True).get_future()
+    pending = state.summing.start(sent)
 
     def averaged(f: torch.futures.Future) -> torch.Tensor:
-        total = f.value()[0]
+        total = f.value()
         count = int(round(float(total[-1])))
         state.counts.append(count)
         return total[:-1] / max(count, 1)

@@ -116,7 +116,9 @@ class Bench:
             own = per_s / trainers if h["role"] == plan.client_role else per_s
             h[f"bytes_per_{unit[:-1]}"] = h["link_bytes_per_s"] / own if own else None
             h[f"cpu_us_per_{unit[:-1]}"] = h["cores"] / own * 1e6 if own else None
+        from trainer.core.allreduce import rounds     # (torch: only once a run is recorded)
         run = {"kind": kind, "case": case.name, "round": round_, "trainers": trainers, "servers": servers,
+               "allreduce_hops": rounds(trainers),       # were its trainers to all-reduce
                "link_rate": link_rate, "per_s": per_s, "per_s_whole_run": done[f"{unit}_per_s"], "unit": unit,
                "quality": done.get(case.quality),
                "efficiency": per_s / (trainers * baseline) if baseline else None, **per_core(per_s, hosts, plan.cpus),

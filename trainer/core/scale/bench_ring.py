@@ -11,9 +11,13 @@ them over) ``--count`` times, in three settings, one after another:
   (a trainer's step before it hands its gradients over): peers arrive as their quotas let them,
   and the ring waits for the last.
 
-Each all-reduce's seconds on the clock and CPU seconds (every thread of the process) are
-reported per setting (median and 90th percentile over every host's), beside the ring's hops
-(``2 (hosts - 1)``). There is no target: the figures explain the step-time model's ring hop.
+Each setting times two algorithms, all-reduce by all-reduce in turn: gloo's ring
+(``dist.all_reduce``, 2 (hosts - 1) exchanges) and halving and doubling (``GroupSum`` of
+``trainer/core/allreduce.py``, 2·log2(hosts) exchanges, two more where the count is not a power
+of two), the trainers' sum where it saves 4 exchanges or more (from 6). Each all-reduce's seconds
+on the clock and CPU seconds (every thread of the process) are reported per setting and
+algorithm (median and 90th percentile over every host's), beside its exchanges. There is no
+target: the figures explain the step-time model's hop and what fewer hops give.
 """
 from __future__ import annotations
 
@@ -51,44 +55,52 @@ def _spend(seconds: float) -> None:
 
 
 def worker(rank: int, world: int, master: str, floats: int, count: int, work_s: float) -> dict[str, Any]:
-    """One host's process: its all-reduces' seconds on the clock and of CPU."""
+    """One host's process: its all-reduces' seconds on the clock and of CPU, by algorithm."""
     import torch
     import torch.distributed as dist
+
+    from trainer.core.allreduce import GroupSum
     torch.set_num_threads(1)
     store = dist.TCPStore(master, PORT, world, rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
+    summing = GroupSum()
+    algorithms = {"ring": dist.all_reduce, "halving_doubling": summing.halving_doubling}
     try:
         values = torch.ones(floats)
         for _ in range(3):             # the group's connections made before any is timed
-            dist.all_reduce(values)
+            for sum_ in algorithms.values():
+                sum_(values)
         dist.barrier()
-        wall, cpu = [], []
-        for _ in range(count):
-            _spend(work_s)
-            w0, c0 = time.perf_counter(), time.process_time()
-            dist.all_reduce(values)
-            wall.append(time.perf_counter() - w0)
-            cpu.append(time.process_time() - c0)
-        return {"rank": rank, "wall": wall, "cpu": cpu}
+        found: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in algorithms}
+        for i in range(count):
+            # In turn, each first as often: neither always comes after the other's wait.
+            for name in (list(algorithms) if i % 2 == 0 else list(reversed(algorithms))):
+                _spend(work_s)
+                w0, c0 = time.perf_counter(), time.process_time()
+                algorithms[name](values)
+                found[name]["wall"].append(time.perf_counter() - w0)
+                found[name]["cpu"].append(time.process_time() - c0)
+        return {"rank": rank, **found}
     finally:
         dist.destroy_process_group()
 
 
-def summary(results: list[dict[str, Any]], hosts: int) -> dict[str, Any]:
-    """Every host's all-reduces of one setting in a few figures (milliseconds)."""
+def summary(results: list[dict[str, Any]], hops: int) -> dict[str, Any]:
+    """Every host's all-reduces of one setting and algorithm in a few figures (milliseconds)."""
     wall = sorted(w for r in results for w in r["wall"])
     cpu = sorted(c for r in results for c in r["cpu"])
     p90 = wall[min(len(wall) - 1, int(0.9 * len(wall)))]
     median = statistics.median(wall)
     return {"wall_ms": round(median * 1e3, 3), "wall_ms_p90": round(p90 * 1e3, 3),
-            "cpu_ms": round(statistics.median(cpu) * 1e3, 3), "hops": 2 * (hosts - 1),
-            "wall_ms_per_hop": round(median * 1e3 / (2 * (hosts - 1)), 3)}
+            "cpu_ms": round(statistics.median(cpu) * 1e3, 3), "hops": hops,
+            "wall_ms_per_hop": round(median * 1e3 / hops, 3)}
 
 
 def setting(hosts: int, cpus: Optional[float], ns: argparse.Namespace, work_s: float, folder: Path) -> dict[str, Any]:
     """One setting's processes, one per host, run to their end; each one's result."""
     from services.hosts.emulated import EmulatedHosts
+    from trainer.core.allreduce import halving_doubling_rounds, ring_rounds
     names = [f"ring{i}" for i in range(hosts)]
     made = EmulatedHosts(names, cpus).create()
     try:
@@ -106,7 +118,9 @@ def setting(hosts: int, cpus: Optional[float], ns: argparse.Namespace, work_s: f
                 raise RuntimeError(f"{name} failed ({proc.returncode}): "
                                    f"{(folder / f'{name}.log').read_text()[-2000:]}")
             results.append(json.loads(lines[-1]))
-        return {**summary(results, hosts), "cpus": cpus, "work_ms": work_s * 1e3}
+        return {"ring": summary([r["ring"] for r in results], ring_rounds(hosts)),
+                "halving_doubling": summary([r["halving_doubling"] for r in results], halving_doubling_rounds(hosts)),
+                "cpus": cpus, "work_ms": work_s * 1e3}
     finally:
         made.close()
 
@@ -124,11 +138,14 @@ def run(ns: argparse.Namespace) -> int:
             folder.mkdir()
             runs[name] = setting(ns.hosts, cpus, ns, work_s, folder)
             print(json.dumps({"bench": "ring", "kind": "setting", "setting": name, **runs[name]}), flush=True)
-    base = runs["unlimited"]["wall_ms"]
+    base = runs["unlimited"]["ring"]["wall_ms"]
+    ratios = {f"{k}_vs_unlimited": round(v["ring"]["wall_ms"] / base, 3) if base else None
+              for k, v in runs.items() if k != "unlimited"}
+    for k, v in runs.items():      # side by side, the same setting: below 1, halving and doubling waited less
+        ring = v["ring"]["wall_ms"]
+        ratios[f"{k}_halving_doubling_vs_ring"] = round(v["halving_doubling"]["wall_ms"] / ring, 3) if ring else None
     print(json.dumps({"bench": "ring", "hosts": ns.hosts, "bytes": ns.floats * 4, "count": ns.count, "settings": runs,
-                      "ratios": {f"{k}_vs_unlimited": round(v["wall_ms"] / base, 3) if base else None
-                                 for k, v in runs.items() if k != "unlimited"},
-                      "targets": {}, "met": {}}))
+                      "ratios": ratios, "targets": {}, "met": {}}))
     return 0
 
 

@@ -3,7 +3,11 @@ round trips times a latency, plus (where the trainers all-reduce) the hops of th
 hop's wait, plus its bytes over its link's bandwidth, unless the servers are the slower side (each
 has ``cpus`` cores for every trainer's requests):
 
-    t = max(C + r·L + 2(N-1)·H + b/B,  N·σ / (S·q))
+    t = max(C + r·L + h(N)·H + b/B,  N·σ / (S·q))
+
+``h(N)`` is the exchanges of the trainers' all-reduce (``trainer/core/allreduce.py``): gloo's ring,
+2(N - 1), up to 5 trainers; halving and doubling, 2·log2(N) (two more off a power of two), from 6.
+A run records the count it ran with (a run recorded before, without it, ran the ring).
 
 ``C`` (CPU seconds a step over the host's ``q`` cores), ``r`` (RPCs a step), ``b`` (bytes a step
 on its link, the busier way: a link carries each way at its rate) and ``σ`` (the servers' CPU
@@ -46,10 +50,10 @@ def terms(run: dict[str, Any], cpus: float) -> Optional[dict[str, float]]:
     # A link carries each way at its rate: the busier direction is what a step waits for.
     link = sum(max(h["link_rx_bytes_per_s"], h["link_tx_bytes_per_s"]) for h in trainers) / len(trainers) \
         if apart else 0.0
-    # A ring all-reduce among N trainers waits on 2(N - 1) hops, each on a peer that may be busy.
-    ring = 2 * (n - 1) if (done.get("bytes_per_step") or {}).get("allreduce") else 0
+    # An all-reduce among N trainers waits on each of its exchanges, each on a peer that may be busy.
+    hops = run.get("allreduce_hops", 2 * (n - 1)) if (done.get("bytes_per_step") or {}).get("allreduce") else 0
     return {"t": step, "C": cores * step / cpus, "r": (done.get("per_step") or {}).get("rpcs", 0.0),
-            "h": ring, "b": link * step, "B": bandwidth,
+            "h": hops, "b": link * step, "B": bandwidth,
             "sigma": sum(h["cores"] for h in servers) / (n / step), "N": n, "S": s}
 
 
@@ -107,13 +111,14 @@ def project(model: dict[str, Any], units_per_step: float, cpus: float, counts: l
             rates: list[Optional[str]]) -> list[dict[str, Any]]:
     """Throughput at ``counts`` trainer hosts on each link rate, with the servers they need (the
     fewest whose share keeps the servers from being the slower side)."""
+    from trainer.core.allreduce import rounds     # (torch: only once a projection is made)
     terms_, latency, hop = model["terms"], model["latency_ms"] / 1e3, model["ring_hop_ms"] / 1e3
     out = []
     for rate in rates:
         bandwidth = bytes_per_s(rate)
         for n in counts:
-            ring = 2 * (n - 1) if terms_["h"] else 0
-            step = terms_["C"] + terms_["r"] * latency + ring * hop + \
+            hops = rounds(n) if terms_["h"] else 0
+            step = terms_["C"] + terms_["r"] * latency + hops * hop + \
                 (terms_["b"] / bandwidth if math.isfinite(bandwidth) else 0.0)
             # The fewest servers that stay short of busy (as those of the held run were, or not).
             servers = max(1, math.ceil(n * terms_["sigma"] / (SERVERS_BUSY * cpus * step)))
