@@ -51,7 +51,7 @@ def test_a_member_that_leaves_after_a_failure_ends_its_peers_wait_at_once(member
     assert leaver.wait(timeout=30) == 0 and waiter.wait(timeout=30) == 0
 
 
-def _group(members, roles: list[str], floats: int) -> tuple[dist.TCPStore, list[dict]]:
+def _group(members, roles: list[str], floats: int) -> list[dict]:
     """``roles[rank]`` for each member of one group; every member's printed line."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=SUM_TIMEOUT))
@@ -62,7 +62,7 @@ def _group(members, roles: list[str], floats: int) -> tuple[dist.TCPStore, list[
     seen = [json.loads(p.stdout.readline() or "null") for p in started]
     store.set("done", "1")
     assert all(p.wait(timeout=30) in (0, -signal.SIGKILL) for p in started)
-    return store, seen
+    return seen
 
 
 def test_the_trainers_sum_by_halving_and_doubling_where_it_saves_four_exchanges():
@@ -74,7 +74,7 @@ def test_the_trainers_sum_by_halving_and_doubling_where_it_saves_four_exchanges(
 @pytest.mark.parametrize("world", [4, 5])
 def test_halving_and_doubling_sums_to_the_same_bits_on_every_member(members, world):
     # 5: one member folded into a partner first; an odd length: halves of unequal sizes.
-    _, seen = _group(members, ["summer"] * world, 10_001)
+    seen = _group(members, ["summer"] * world, 10_001)
     assert len({s["digest"] for s in seen}) == 1, seen
     assert max(s["error_max"] for s in seen) < 1e-5, seen
 
@@ -82,7 +82,7 @@ def test_halving_and_doubling_sums_to_the_same_bits_on_every_member(members, wor
 @pytest.mark.parametrize("gone", ["leaver", "dies"])
 def test_a_member_gone_fails_every_sum_at_once_not_at_the_timeout(members, gone):
     # Of 4, member 0 waits on member 1 alone, whose partner (3) is the one gone: 0 is told by 1.
-    _, seen = _group(members, ["summer", "summer", "summer", gone], 10_001)
+    seen = _group(members, ["summer", "summer", "summer", gone], 10_001)
     assert seen[3] == ({"left": True} if gone == "leaver" else None)
     for s in seen[:3]:
         assert "error" in s, seen

@@ -117,9 +117,13 @@ def test_the_ring_bench_times_an_all_reduce_across_hosts_with_and_without_their_
     summary = lines[-1]
     assert [s["setting"] for s in lines[:-1]] == ["unlimited", "quota", "quota_with_work"], lines
     assert summary["bytes"] == 80000 and summary["met"] == {}, summary
-    for name, figures in summary["settings"].items():
-        # Each setting's all-reduces ran between the two hosts' processes: time on the clock, CPU, 2 hops.
-        assert figures["wall_ms"] > 0 and figures["cpu_ms"] > 0 and figures["hops"] == 2, (name, figures)
+    for name, setting in summary["settings"].items():
+        # Each setting's all-reduces of each algorithm ran between the two hosts' processes: time on
+        # the clock, CPU, 2 exchanges (a pair: the ring's two hops, halving and doubling's two rounds).
+        for algorithm in ("ring", "halving_doubling"):
+            figures = setting[algorithm]
+            assert figures["wall_ms"] > 0 and figures["cpu_ms"] > 0 and figures["hops"] == 2, (name, algorithm, figures)
+        assert summary["ratios"][f"{name}_halving_doubling_vs_ring"] > 0, summary["ratios"]
     assert summary["settings"]["quota"]["cpus"] == 0.5 and summary["settings"]["quota_with_work"]["work_ms"] == 20
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split())
     assert after <= before, f"namespaces left behind: {after - before}"

@@ -27,6 +27,7 @@ in a collective, or is done) is given up: gloo closes a connection whose wait ti
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import queue
 import threading
@@ -35,6 +36,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 _SENT = 1.0         # the mark a whole message ends with
 TELL_WITHIN = 0.5   # seconds a failed member waits for the others to take the news
@@ -116,7 +119,10 @@ class GroupSum:
             try:
                 self.halving_doubling(flat)
             except Exception as exc:  # noqa: BLE001 - the caller's wait raises it
-                self._tell_others()
+                try:
+                    self._tell_others()
+                except Exception as telling:  # noqa: BLE001 - the others fail on their own, later
+                    log.warning("could not tell the trainers' group of a failed all-reduce: %s", telling)
                 done.set_exception(exc)
             else:
                 done.set_result(flat)
