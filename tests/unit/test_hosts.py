@@ -80,17 +80,16 @@ def test_the_step_time_model_finds_the_latency_that_explains_the_runs():
 def test_an_all_reducing_case_is_explained_by_its_all_reduces_exchanges_as_well():
     q, latency, hop = 0.25, 0.002, 0.010
     runs = []
-    # The ring's 2(N - 1) exchanges up to 3 trainers, then halving and doubling's: 4 at 4 and 6 at 5.
-    for n, hops in ((1, 0), (2, 2), (3, 4), (4, 4), (5, 6)):
+    # Runs that say how many exchanges they made (4 at 4 trainers, 6 at 5), and one recorded
+    # before runs said (None): the ring's 6 at 4 trainers.
+    for n, hops, said in ((1, 0, 0), (2, 2, 2), (3, 4, 4), (4, 4, 4), (5, 6, 6), (4, 6, None)):
         step = 0.3 + 8 * latency + hops * hop
         run = _run(n, 1, step, cores=0.3 * q / step, link=0.0, rpcs=8, servers_cores=0.01 * n)
         run["done"]["bytes_per_step"] = {"allreduce": 1.9e6}
-        run["allreduce_hops"] = hops
+        if said is not None:
+            run["allreduce_hops"] = said
         runs.append(run)
-    old = _run(4, 1, 0.3 + 8 * latency + 6 * hop, cores=0.3 * q / (0.3 + 8 * latency + 6 * hop), link=0.0, rpcs=8,
-               servers_cores=0.04)
-    old["done"]["bytes_per_step"] = {"allreduce": 1.9e6}     # recorded before runs said: the ring's 6
-    model = fit.fit([*runs, old], q)
+    model = fit.fit(runs, q)
     assert (model["latency_ms"], model["ring_hop_ms"]) == pytest.approx((2.0, 10.0))
     assert model["max_abs_error"] < 1e-9
     # Projected, each doubling of the trainers is two more exchanges a step.
