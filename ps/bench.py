@@ -155,7 +155,7 @@ def _restore_rounds(server, store, rounds: int, cold: bool) -> tuple[list[tuple[
             _drop_caches()
         t0 = time.perf_counter()
         info, restored = restore_newest(store, True, None,   # as a server starts
-                                        lambda info: shard_files(info, server.spec, 0, 1),
+                                        lambda info: shard_files(info, server.spec, server.layout.slots, "ps0"),
                                         lambda states: _server(server.spec.meta["rows"], server.spec.meta["dim"], states))
         seconds = time.perf_counter() - t0
         assert info is not None and info.step == 1

@@ -130,6 +130,11 @@ def _control_commands(command: Callable[..., argparse.ArgumentParser], chosen: O
     ck.add_argument("--checkpoint-dir", metavar="DIR", help="with --list: the folder (default: the running "
                                                             "cluster's, from its cluster.json; else ./checkpoints)")
     ck.add_argument("--verify", action="store_true", help="with --list: check every file against its sha256 too")
+    sc = command("scale", "move a running job onto N parameter servers while it trains (each new one serving "
+                          "already), or drain one server (its slots handed to the others, then it stops)")
+    sc.add_argument("--servers", type=int, metavar="N", help="the servers the job runs on: ps0 ... ps<N-1>")
+    sc.add_argument("--drain", metavar="NAME", help="the server to drain instead (not the leader)")
+    _sidecar_flags(sc)
     ep = command("episode", "start or stop episodes on the roles that run them (trainers, the RL agent)")
     ep.add_argument("action", choices=("start", "stop"))
     ep.add_argument("--steps", type=int, default=None, help="LM: steps of the episode (default: unbounded)")
@@ -290,6 +295,31 @@ def _each(args: argparse.Namespace, call, pick: Callable[[str], bool] = lambda n
     return code
 
 
+def _control(cmd: str, args: argparse.Namespace) -> int:
+    """A command that asks the sidecars of a running cluster."""
+    if cmd == "status":
+        return _status(args)
+    if cmd == "episode":
+        if args.action == "start":
+            return _each(args, lambda c: c.start_episode(steps=args.steps, episodes=args.episodes), _runs_episodes)
+        return _each(args, lambda c: c.stop_episode(), _runs_episodes)
+    if cmd == "scale":
+        return _scale(args)
+    if args.list:
+        return _list_checkpoints(args)
+    # One sidecar is enough: whichever is asked, the leader (ps0 or the agent) takes one
+    # checkpoint of the whole cluster; asked first, it needs no second hop.
+    return _each(args, lambda c: c.checkpoint(), first_only=True)
+
+
+def _scale(args: argparse.Namespace) -> int:
+    if (args.servers is None) == (args.drain is None):
+        raise CliError("say --servers N (the leader moves the job onto N servers) or --drain NAME")
+    if args.drain is not None:
+        return _each(args, lambda c: c.drain(), lambda name: name == args.drain)
+    return _each(args, lambda c: c.scale(args.servers), lambda name: name == "ps0")
+
+
 # --- checkpoints on disk ---------------------------------------------------------------------------
 def _checkpoint_dir(args: argparse.Namespace) -> Path:
     if args.checkpoint_dir:
@@ -387,19 +417,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             from services.chaos import ChaosConfig, run_chaos
             from services.config import load
             sys.exit(run_chaos(load(ChaosConfig, vars(args), os.environ)))
-        if cmd == "status":
-            sys.exit(_status(args))
-        if cmd == "episode":
-            if args.action == "start":
-                sys.exit(_each(args, lambda c: c.start_episode(steps=args.steps, episodes=args.episodes),
-                               _runs_episodes))
-            sys.exit(_each(args, lambda c: c.stop_episode(), _runs_episodes))
-        if cmd == "checkpoint":
-            if args.list:
-                sys.exit(_list_checkpoints(args))
-            # One sidecar is enough: whichever is asked, the leader (ps0 or the agent) takes one
-            # checkpoint of the whole cluster; asked first, it needs no second hop.
-            sys.exit(_each(args, lambda c: c.checkpoint(), first_only=True))
+        if cmd in ("status", "episode", "scale", "checkpoint"):
+            sys.exit(_control(cmd, args))
         if cmd == "bench":
             sys.exit(benches()[args.bench].load().run(args))
         if cmd == "data":

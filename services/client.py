@@ -59,6 +59,12 @@ class SidecarClient:
     def checkpoint(self) -> dict:
         return self._json("POST", "/checkpoint")
 
+    def scale(self, servers: int) -> dict:
+        return self._json("POST", "/scale", json={"servers": servers}, timeout=900.0)
+
+    def drain(self) -> dict:
+        return self._json("POST", "/drain", timeout=900.0)
+
     def checkpoints(self) -> dict:
         return self._json("GET", "/checkpoints")
 

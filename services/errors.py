@@ -52,6 +52,16 @@ class Superseded(StepLost):
     replacement. The old incarnation learns it was evicted and leaves."""
 
 
+class StaleLayout(StepLost):
+    """A request planned with a layout older than the server's names a part it does not hold at
+    its epoch (a slot or a dense group that moved): refused whole, nothing of it read or applied.
+    The caller takes the leader's layout again and sends again. ``epoch``: the server's."""
+
+    def __init__(self, message: str, epoch: int = 0) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+
+
 class InternalError(RpcpsError):
     """A method failed on a well-formed request: a bug on the serving side, logged there."""
 

@@ -79,8 +79,10 @@ def remote_methods(cls: type) -> list[str]:
 class Service:
     """Base of a class with remote methods: hooks that ``_invoke`` runs around each call."""
 
-    def before_call(self, caller: str, method: str) -> None:
-        """On the RPC thread, before the arguments are checked."""
+    def before_call(self, caller: str, method: str, version: int = 0) -> None:
+        """On the RPC thread, before the arguments are checked. ``version``: what the caller's
+        view of the service's state is as of, as the caller sent it (0: it sent none); the
+        parameter servers take their layout's epoch this way."""
 
     def after_call(self, method: str, seconds: float, ok: bool) -> None:
         """After the method returned (``ok``) or raised, bad requests included."""
@@ -182,10 +184,11 @@ def _checked(method: Callable[..., Any], args: tuple) -> list[Any]:
     return values
 
 
-def _invoke(method: Callable[..., Any], caller: str, rank: int, *args: Any) -> Any:
+def _invoke(method: Callable[..., Any], caller: str, rank: int, *args: Any, version: int = 0) -> Any:
     """The one RPC entry point: ``method`` of this process's service, checked, timed and guarded.
     ``rank``: the caller's in the group, its incarnation (ranks are never reused: a member started
-    again under its name joins with a newer one)."""
+    again under its name joins with a newer one); ``version``: handed to the service's
+    ``before_call``."""
     if not is_remote(method):
         raise BadRequest(f"{getattr(method, '__qualname__', method)!r} is not a remote method")
     service = local(_signature(method).owner)
@@ -199,7 +202,7 @@ def _invoke(method: Callable[..., Any], caller: str, rank: int, *args: Any) -> A
         raise Superseded(f"{name} from {caller} of rank {rank} refused: no longer a member of that name in this "
                          f"group (evicted, or replaced by a newer start)")
     if hooks is not None:
-        hooks.before_call(caller, name)
+        hooks.before_call(caller, name, version)
     started, ok = time.perf_counter(), False
     try:
         result = getattr(service, name)(*_checked(method, args))
@@ -227,10 +230,11 @@ def _current(caller: str, rank: int) -> bool:
 
 
 @rpc.functions.async_execution
-def _invoke_async(method: Callable[..., Any], caller: str, rank: int, *args: Any) -> torch.futures.Future:
+def _invoke_async(method: Callable[..., Any], caller: str, rank: int, *args: Any,
+                  version: int = 0) -> torch.futures.Future:
     """``_invoke`` for methods that answer with a future."""
     try:
-        return _invoke(method, caller, rank, *args)
+        return _invoke(method, caller, rank, *args, version=version)
     except Exception as exc:  # noqa: BLE001 - returned as the future's error, like any other answer
         failed: torch.futures.Future = torch.futures.Future()
         failed.set_exception(exc)
@@ -238,12 +242,15 @@ def _invoke_async(method: Callable[..., Any], caller: str, rank: int, *args: Any
 
 
 # --- the caller ------------------------------------------------------------------------------------
-def call_async(to: str, method: Callable[..., Any], *args: Any, timeout: Optional[float] = None) -> torch.futures.Future:
-    """Start ``method(*args)`` on member ``to``'s service; ``wait`` on the future for its answer."""
+def call_async(to: str, method: Callable[..., Any], *args: Any, timeout: Optional[float] = None,
+               version: int = 0) -> torch.futures.Future:
+    """Start ``method(*args)`` on member ``to``'s service; ``wait`` on the future for its answer.
+    ``version``: the service's ``before_call`` is told it (0: none)."""
     entry = _invoke_async if getattr(method, "__rpcps_remote__", False) else _invoke
     kwargs = {} if timeout is None else {"timeout": timeout}
     me = rpc.get_worker_info()
-    return rpc.rpc_async(to, entry, args=(method, me.name, me.id, *args), **kwargs)
+    return rpc.rpc_async(to, entry, args=(method, me.name, me.id, *args),
+                         kwargs={"version": version} if version else None, **kwargs)
 
 
 def call(to: str, method: Callable[..., Any], *args: Any, timeout: Optional[float] = None) -> Any:

@@ -83,10 +83,17 @@ def create_app(control: Controllable, registry: CollectorRegistry, token: Option
     app = FastAPI(title="rpcps sidecar", docs_url=None, redoc_url=None, default_response_class=FiniteJSON)
     _error_answers(app)
     _probes(app, control, registry, lease)
+    app.state.guarded = [Depends(_bearer(token))]      # for a role's own POST routes (``guarded``)
     _control_routes(app, control, _bearer(token))
     if routes is not None:
         routes(app, control)
     return app
+
+
+def guarded(app: FastAPI) -> list[Any]:
+    """The dependencies a role's own POST route takes to be guarded by the control token, as the
+    sidecar's own are."""
+    return list(app.state.guarded)
 
 
 def _bearer(token: Optional[str]) -> Callable[[Request], None]:

@@ -15,6 +15,7 @@ shard in parallel. Its parts, each in a file of its own:
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,9 +29,12 @@ from ps.client.session import StepSession
 from ps.client.traffic import Traffic
 from ps.spec.consistency import Consistency
 from ps.spec.messages import ShardInfo
-from ps.spec.sharding import HashedPlan, from_placement
+from ps.spec.sharding import HashedPlan, Slots, client_plans
 from ps.spec.surface import PsSurface
+from services.errors import PeerUnavailable
 from services.remote import call_async, in_autograd_context, wait
+
+log = logging.getLogger(__name__)
 
 
 WAIT_TIMEOUT = 60.0     # seconds a trainer waits at the step clock for the others, at least
@@ -38,34 +42,64 @@ WAIT_TIMEOUT = 60.0     # seconds a trainer waits at the step clock for the othe
 
 class PsClient:
     def __init__(self, me: str, ps_names: list[str], timeout: float = 60.0) -> None:
-        self.me, self.ps_names, self.timeout = me, ps_names, timeout
+        """``ps_names``: the servers, the leader first; those of the leader's layout are the ones
+        it talks to."""
+        self.me, self.timeout = me, timeout
         self.traffic = Traffic()
+        self.leader = ps_names[0]                             # keeps the step clock and the layout
+        self.epoch = 0                                        # the layout's its requests are planned with
+        self.slots = self._leaders_layout()
+        if list(self.slots.servers) != list(ps_names):
+            log.info("the leader's layout %d is over %s (this trainer was started for %s)", self.slots.epoch,
+                     ", ".join(self.slots.servers), ", ".join(ps_names))
+        self.ps_names = ps_names = list(self.slots.servers)
         infos: list[ShardInfo] = [wait(f) for f in [self.ask(n, PsSurface.info) for n in ps_names]]
         for k, info in enumerate(infos):
-            check_server(ps_names, k, info, infos[0])
+            check_server(ps_names, k, info, infos[0], self.slots.epoch)
         self.consistency = Consistency.parse(infos[0].consistency)
-        self.leader = ps_names[0]                             # keeps the step clock
         self.clock = StepClock(self)
         self.cache: Optional[HotRows] = None      # copies of the rows read most (``read_ahead``)
         self.steps = 0                             # steps begun: the cache counts its copies' ages in them
         self.session: Optional[StepSession] = None   # the step under way
         self.local_backward = False     # steps run backward here, not by distributed autograd (``backward_here``)
         self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
-        placed = infos[0].placement
-        self.plans = {table: from_placement(placed.get(table, ("row_wise", 0)), len(ps_names),
-                                            sum(i.tables[table] for i in infos))
-                      for table in infos[0].tables}
+        self._placed, self._ids = infos[0].placement, infos[0].ids
+        self.plans = client_plans(self.slots, self._placed, self._ids)
+        self.epoch = self.slots.epoch
         self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
-        self.dense_shards = [k for k, info in enumerate(infos) if info.dense]
+        self.dense_shards = self.slots.dense_homes()
         self.max_ids = min(info.max_ids for info in infos)     # the most ids one request may name
         self.row_shapes = infos[0].row_shapes
         self.losses = ServerLosses(self, infos[0])
 
+    def _leaders_layout(self) -> Slots:
+        slots = wait(call_async(self.leader, PsSurface.layout_now, timeout=self.timeout))
+        if slots.servers[0] != self.leader:
+            raise PeerUnavailable(f"{self.leader}'s layout {slots.epoch} is led by {slots.servers[0]}")
+        return slots
+
+    def follow_layout(self) -> bool:
+        """Take the leader's layout again (a server refused a request planned with this one,
+        ``StaleLayout``): the plans of every request from now on follow it. Whether it changed."""
+        slots = self._leaders_layout()
+        if slots.epoch == self.epoch:
+            return False
+        log.info("layout %d -> %d: %d moves, servers %s", self.epoch, slots.epoch, len(self.slots.moves(slots)),
+                 ", ".join(slots.servers))
+        self.losses.track(list(slots.servers))
+        self.slots, self.plans, self.ps_names = slots, client_plans(slots, self._placed, self._ids), list(slots.servers)
+        self.dense_shards, self.epoch = slots.dense_homes(), slots.epoch
+        if self.cache is not None:
+            self.cache.forget()      # copies of rows whose server changed
+        return True
+
     def ask(self, ps: str, method: Callable[..., Any], *args: Any, waits: bool = False) -> torch.futures.Future:
-        """One method of one server, its answer to wait for (``services.remote.wait``). ``waits``:
-        the server holds the answer until other trainers arrive (the step clock's barrier), which
-        can take longer than one peer may stay silent (the RPC timeout); at least ``WAIT_TIMEOUT``."""
-        future = call_async(ps, method, *args, timeout=max(self.timeout, WAIT_TIMEOUT) if waits else self.timeout)
+        """One method of one server, its answer to wait for (``services.remote.wait``), planned
+        with this client's layout (its epoch goes with the request). ``waits``: the server holds
+        the answer until other trainers arrive (the step clock's barrier), which can take longer
+        than one peer may stay silent (the RPC timeout); at least ``WAIT_TIMEOUT``."""
+        future = call_async(ps, method, *args, timeout=max(self.timeout, WAIT_TIMEOUT) if waits else self.timeout,
+                            version=self.epoch)
         self.traffic.call(args, future, in_autograd_context())
         return future
 

@@ -24,13 +24,16 @@ PROBE_SECONDS = 2.0    # a server that does not answer a no-op within this is co
 FORGET_SECONDS = 15.0  # the leader evicts a dead member within about 3 s (two missed probes)
 
 
-def check_server(ps_names: list[str], k: int, info: ShardInfo, first: ShardInfo) -> None:
-    """``info``, the answer of server ``k`` of ``ps_names``, against the first server's:
-    ``PeerUnavailable`` saying what differs."""
+def check_server(ps_names: list[str], k: int, info: ShardInfo, first: ShardInfo, epoch: int) -> None:
+    """``info``, the answer of server ``k`` of ``ps_names``, against the first server's and the
+    layout ``epoch`` the client plans by: ``PeerUnavailable`` saying what differs."""
     name = ps_names[k]
     if info.shard != k or info.num_shards != len(ps_names):
         raise PeerUnavailable(f"{name} serves shard {info.shard} of {info.num_shards}, "
                               f"expected shard {k} of {len(ps_names)}: check --num-ps everywhere")
+    if info.epoch != epoch:
+        raise PeerUnavailable(f"{name} serves by layout {info.epoch}, the leader's is {epoch}: it started "
+                              f"before the leader's layout changed; start it again")
     shapes = getattr(info, "row_shapes", None)      # an older server's answer has none
     if shapes is None or set(shapes) != {p for params in info.table_params.values() for p in params}:
         raise PeerUnavailable(f"{name} does not say the shapes of its rows: it runs an older rpcps than "
@@ -51,6 +54,11 @@ class ServerLosses:
         self.client, self._first = client, first
         ranks = member_ranks()
         self._ranks = {n: ranks.get(n) for n in client.ps_names}
+
+    def track(self, names: list[str]) -> None:
+        """The servers of a new layout: one that joined is counted on under its rank now."""
+        ranks = member_ranks()
+        self._ranks = {n: self._ranks[n] if n in self._ranks else ranks.get(n) for n in names}
 
     def failed(self, why: BaseException, replica: Optional["Replica"] = None) -> Optional[ServerLost]:
         """What a step's failure ``why`` means. ``ServerLost``, the step ended as ``lose_step``
@@ -104,7 +112,7 @@ class ServerLosses:
                 info: ShardInfo = wait(call_async(name, PsSurface.info, timeout=PROBE_SECONDS))
             except Exception:  # noqa: BLE001 - joining, restoring its shard, or gone again: not yet
                 continue
-            check_server(ps_names, ps_names.index(name), info, self._first)
+            check_server(ps_names, ps_names.index(name), info, self._first, self.client.epoch)
             self._ranks[name] = ranks[name]
             back.append(name)
         return back

@@ -1,17 +1,22 @@
-"""What the leader (ps0) does beyond serving its shard: it keeps the trainers' step clock (sync,
-ssp), counts every server's steps on from the furthest one's, coordinates checkpoints and takes
+"""What the leader (ps0) does beyond serving its shard: it owns the job's layout
+(``ps/leader/layout.py``), keeps the trainers' step clock (sync, ssp), counts every server's steps
+on from the furthest one's, coordinates checkpoints and takes
 them periodically, and announces the checkpoint the cluster stands on, under its own life (so a
 successor knows whether it left cleanly)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable, Optional
 
+from ps.leader import layout
 from ps.leader.clock import StepClock, StepClockService, applier
-from ps.spec.config import PsConfig, ps_names
+from ps.leader.moves import Mover
+from ps.spec.config import PsConfig
 from ps.server.service import ParameterServer
 from ps.spec.model import ModelSpec
+from ps.spec.sharding import Slots
 from ps.leader.sync_step import apply_sync_step
 from services.checkpoint.coordinator import CheckpointPlan, Coordinator, announce
 from services.checkpoint.handover import LEADER_LIFE, LeaderLife, Standing
@@ -27,10 +32,12 @@ class Leading:
     def __init__(self, cfg: PsConfig, ctx: RoleContext, server: ParameterServer, spec: ModelSpec,
                  client_role: str) -> None:
         self.cfg, self.ctx, self.server, self.spec, self.client_role = cfg, ctx, server, spec, client_role
+        self.slots = server.layout.slots     # the job's layout: chosen with the shard the leader built
         self.clock: Optional[StepClock] = None
         self.coordinator: Optional[Coordinator] = None
         self._periodic: Optional[Periodic] = None
         self._life: Optional[LeaderLife] = None
+        self.mover: Optional[Mover] = None               # changes of layout, once it leads
 
     def start_clock(self, resumed: Optional[CheckpointInfo]) -> None:
         """Keep the trainers' step clock (sync, ssp), continuing the checkpoint's."""
@@ -41,9 +48,9 @@ class Leading:
                         resumed.id, saved, consistency)
         if not consistency.clocked:
             return
-        servers = ps_names(self.cfg.num_ps)
         clocks = resumed.meta.get("clocks", {}) if resumed is not None and saved == str(consistency) else {}
-        self.clock = StepClock(consistency, apply=functools.partial(apply_sync_step, servers, self.cfg.rpc_timeout),
+        self.clock = StepClock(consistency, apply=functools.partial(apply_sync_step, lambda: self.slots.servers,
+                                                                      self.cfg.rpc_timeout),
                                run=applier(), metrics=self.ctx.metrics, step=self.server.optimizer.steps,
                                saved=dict(clocks))
         serve(StepClockService(self.clock))
@@ -73,15 +80,29 @@ class Leading:
 
         def publish(info: Optional[CheckpointInfo]) -> None:
             announce(self.ctx.endpoint.store, Standing(info.id if info is not None else None, self._life.life, succeeds))
+        layout.publish(self.ctx.endpoint.store, self.slots)      # before the standing the other servers wait for
         publish(resumed)
-        plan = CheckpointPlan(holders=tuple(ps_names(self.cfg.num_ps)), paused_role=self.client_role,
-                              meta={"model": self.spec.meta, "num_ps": self.cfg.num_ps, LEADER_LIFE: self._life.life})
+        plan = CheckpointPlan(holders=self.slots.servers, paused_role=self.client_role,
+                              meta={"model": self.spec.meta, "num_ps": self.slots.num_shards,
+                                    "layout": self.slots.to_dict(), LEADER_LIFE: self._life.life})
         self.coordinator = Coordinator(self.ctx.store, plan, self.cfg.keep_checkpoints, local=self.ctx.checkpoints,
                                        metrics=self.ctx.metrics, resumed=resumed, on_commit=publish,
                                        full_every=self.cfg.full_checkpoint_every)
         serve(self.coordinator)
+        self.mover = Mover(lambda: self.slots, self.adopt, self.coordinator.paused)
+        serve(self.mover)
         self._periodic = Periodic(take, lambda: self.server.optimizer.steps,
                                   self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_seconds).start()
+
+    def adopt(self, slots: Slots) -> None:
+        """The job's layout from now on (a change of layout's last act, the trainers held):
+        published for servers that start later, and recorded in every checkpoint after."""
+        self.slots = slots
+        layout.publish(self.ctx.endpoint.store, slots)
+        plan = self.coordinator.plan
+        self.coordinator.plan = dataclasses.replace(plan, holders=slots.servers, meta={
+            **plan.meta, "num_ps": slots.num_shards, "layout": slots.to_dict()})
+        self.ctx.board.update(layout=slots.describe())
 
     def tick(self) -> None:
         if self.clock is not None:
@@ -98,5 +119,7 @@ class Leading:
             self._life.release()
         if self.coordinator is not None:
             withdraw(self.coordinator)
+        if self.mover is not None:
+            withdraw(self.mover)
         if self.clock is not None:
             withdraw(local(StepClockService))

@@ -2,16 +2,20 @@
 server: the global norm, then every server's apply."""
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 from ps.spec.rules import clip_coef
 from ps.spec.surface import PsSurface
 from services.remote import call_async, wait
 
 
-def apply_sync_step(servers: list[str], timeout: float, step: int, trainers: list[str], clip: float,
-                    replica_sq: float = 0.0) -> float:
+def apply_sync_step(servers: Callable[[], Sequence[str]], timeout: float, step: int, trainers: list[str],
+                    clip: float, replica_sq: float = 0.0) -> float:
     """The leader's side of a sync step: the averaged gradient's global norm over every server
-    (and the trainers' replicated weights, ``replica_sq``), then every server applies the average,
-    clipped to ``clip`` (0: off). The norm before clipping."""
+    (``servers()``: those of the leader's layout now; it changes only between steps) and the
+    trainers' replicated weights, ``replica_sq``, then every server applies the average, clipped
+    to ``clip`` (0: off). The norm before clipping."""
+    servers = list(servers())
     if clip > 0:
         sq = replica_sq + sum(wait(f) for f in [call_async(n, PsSurface.sync_sq_norm, step, trainers,
                                                            timeout=timeout) for n in servers])

@@ -1,5 +1,7 @@
 """What a request may name on one shard: table parameters of the model, and ids in range, owned
-here, at most ``--max-ids-per-request`` of them. A bad one is a ``BadRequest`` to its caller."""
+here, at most ``--max-ids-per-request`` of them. A bad one is a ``BadRequest`` to its caller; one
+planned with another layout's epoch that names what this shard does not hold now is ``StaleLayout``
+(the caller's copy of the layout is old, not its request wrong)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -7,15 +9,41 @@ from typing import Any, Callable
 import torch
 
 from ps.spec.sharding import Layout
-from services.errors import BadRequest
+from services.errors import BadRequest, StaleLayout
 from services.remote import describe
 
 ID_DTYPES = (torch.int64, torch.int32)   # int32: what the client sends for a table under 2**31 rows
 
 
 class RequestChecks:
-    def __init__(self, layout: Layout, shard: int, max_ids: int) -> None:
+    def __init__(self, layout: Layout, shard: int, max_ids: int, epoch_of_call: Callable[[], int] = lambda: 0,
+                 on_stale: Callable[[], None] = lambda: None) -> None:
+        """``epoch_of_call``: the layout epoch the request being served was planned with (0: none
+        said); ``on_stale``: told of each one refused as planned with another (to count it)."""
         self.layout, self.shard, self.max_ids = layout, shard, max_ids
+        self._epoch_of_call, self._on_stale = epoch_of_call, on_stale
+
+    def _stale(self, what: str) -> StaleLayout:
+        self._on_stale()
+        return StaleLayout(f"{what}: planned with layout {self._epoch_of_call()}, this server serves by layout "
+                           f"{self.layout.epoch}; take the leader's", self.layout.epoch)
+
+    def _planned_elsewhere(self) -> bool:
+        epoch = self._epoch_of_call()
+        return epoch != 0 and epoch != self.layout.epoch
+
+    def same_layout(self, what: str) -> None:
+        """A request that depends on this shard's whole part (its dense tensors, an operation
+        over its rows) must be planned with this server's layout."""
+        if self._planned_elsewhere():
+            raise self._stale(what)
+
+    def not_here(self, what: str) -> Exception:
+        """What to raise for a request naming what this shard does not hold."""
+        if self._planned_elsewhere():
+            return self._stale(what)
+        return BadRequest(f"{what}: not held by shard {self.shard} of {self.layout.num_shards} "
+                          f"(layout {self.layout.epoch})")
 
     def table_of(self, param: str) -> str:
         try:
@@ -37,7 +65,7 @@ class RequestChecks:
             if lo < 0 or hi > plan.id_max:
                 raise BadRequest(f"{what} out of range: [{lo}, {hi}] not within [0, {plan.num_ids})")
         if not any_shard and bool((plan.owner(ids) != self.shard).any()):
-            raise BadRequest(f"{what} holds ids that shard {self.shard} of {plan.num_shards} does not own")
+            raise self.not_here(f"{what} holds ids that shard {self.shard} of {plan.num_shards} does not own")
 
     def lookups(self, lookups: dict[str, Any]) -> int:
         """A read of rows (table parameter -> ids): the ids it names in all."""
@@ -55,7 +83,7 @@ class RequestChecks:
         mine = self.layout.dense_of(self.shard)
         for name, grad in dense.items():
             if name not in mine:
-                raise BadRequest(f"{name} is no dense tensor of this server (it holds {', '.join(mine) or 'none'})")
+                raise self.not_here(f"{name} is no dense tensor of this server (it holds {', '.join(mine) or 'none'})")
             if not isinstance(grad, torch.Tensor) or grad.shape != shape_of(name):
                 raise BadRequest(f"the gradient of {name} must be a tensor {list(shape_of(name))}, got {describe(grad)}")
         for param, (ids, grad) in grads.items():

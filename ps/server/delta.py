@@ -126,7 +126,7 @@ def export_delta(server: Any, base: int, changed: tuple[dict[str, torch.Tensor],
         if state:
             out_optim[name] = {k: v.clone() for k, v in state.items()}
     return {"format": FORMAT, "delta": {"base": base}, "shard": shard, "num_shards": layout.num_shards,
-            "model": dict(server.spec.meta), "steps": server.optimizer.steps, "tables": tables,
+            "layout": layout.slots.to_dict(), "model": dict(server.spec.meta), "steps": server.optimizer.steps, "tables": tables,
             "params": out_params, "optim": out_optim, "row_state": row_state, "hashed": kept,
             "marks": server.optimizer.marks.snapshot(),
             "dense": list(layout.dense_of(shard)),
@@ -143,7 +143,12 @@ def apply_delta(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
     if (base["shard"], base["num_shards"]) != (delta["shard"], delta["num_shards"]):
         raise ValueError(f"a delta of shard {delta['shard']} of {delta['num_shards']} cannot apply to shard "
                          f"{base['shard']} of {base['num_shards']}")
+    laid = [{k: v for k, v in s["layout"].items() if k != "epoch"} for s in (base, delta) if "layout" in s]
+    if len(laid) == 2 and laid[0] != laid[1]:
+        raise ValueError(f"a delta under layout {delta['layout']['epoch']} cannot apply to shard {base['shard']} "
+                         f"saved under layout {base['layout']['epoch']}, which places other rows there")
     out = {**base, "steps": delta["steps"], "model": delta["model"], "params": dict(base["params"]),
+           **({"layout": delta["layout"]} if "layout" in delta else {}),
            "marks": dict(delta.get("marks", base.get("marks", {}))),
            "optim": {n: dict(s) for n, s in base["optim"].items()}, "tables": dict(base["tables"]),
            "hashed": {t: dict(h) for t, h in base.get("hashed", {}).items()}}

@@ -7,7 +7,7 @@ from ps.server.delta import apply_delta
 from ps.server.participant import shard_files
 from ps.server.state import Gathered, gather_shard
 from ps.spec.model import ModelSpec
-from ps.spec.sharding import Layout
+from ps.spec.sharding import Layout, resumed_slots
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.store import CheckpointInfo, CheckpointStore
 
@@ -15,6 +15,7 @@ from services.checkpoint.store import CheckpointInfo, CheckpointStore
 def whole_model(store: CheckpointStore, info: CheckpointInfo, spec: ModelSpec) -> Gathered:
     """``info``'s shards as one (``CheckpointError`` if a file is missing, corrupt, or of another
     model than ``spec``)."""
-    _, gathered = restore_newest(store, True, info.id, lambda i: shard_files(i, spec, 0, 1),
-                                 lambda states: gather_shard(states, Layout.of(spec, 1), 0), merge=apply_delta)
+    one = resumed_slots(spec, ["ps0"], info.meta.get("layout"))
+    _, gathered = restore_newest(store, True, info.id, lambda i: shard_files(i, spec, one, "ps0"),
+                                 lambda states: gather_shard(states, Layout.of(spec, one), 0), merge=apply_delta)
     return gathered

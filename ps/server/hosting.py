@@ -15,7 +15,7 @@ if TYPE_CHECKING:       # the role is imported when it runs: the registry stays 
 
 ROLE = RoleSpec("ps", "ps.spec.config:PsConfig", "ps.server.status:PsStatus", "ps.server.hosting:host",
                 "run one parameter server, hosting the model of --workload", metric_families="ps.server.metrics:PsMetrics",
-                hosting=True, leader="ps0")
+                hosting=True, leader="ps0", routes="ps.server.routes:add_routes")
 
 
 def host(cfg: Any, ctx: Any) -> "PsRole":

@@ -30,6 +30,12 @@ class PsMetrics(Metrics):
             "rpcps_ps_requests_superseded_total", "requests of a member's old incarnation (evicted, or replaced by "
             "a newer start) refused whole"
         ).labels(**self.labels)
+        self.requests_stale = self.counter(
+            "rpcps_ps_requests_stale_layout_total", "requests planned with another layout epoch that named a part "
+            "this server does not hold at its own, refused whole"
+        ).labels(**self.labels)
+        self.layout_epoch = self.gauge("rpcps_ps_layout_epoch", "the layout epoch this server serves by")
+        self.slots_owned = self.gauge("rpcps_ps_slots", "the layout's slots this server owns")
         # The step clock's, on the leader (sync and ssp modes); staleness is every server's.
         self.barrier_wait = self.histogram(
             "rpcps_ps_barrier_wait_seconds", "time a trainer waited at the step clock (sync: for the step to be "

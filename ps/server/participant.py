@@ -10,6 +10,9 @@ import torch
 from ps.server.delta import is_delta
 from ps.server.service import ParameterServer
 from ps.spec.model import ModelSpec
+from ps.server.state import same_layout
+from ps.spec.sharding import Layout, Slots
+from services.checkpoint.handover import Handover, Standing
 from services.checkpoint.parts import SnapshotPart
 from services.checkpoint.store import CheckpointInfo
 from services.errors import CheckpointError
@@ -79,24 +82,61 @@ def _short(value: Any, width: int = 80) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-def shard_files(info: CheckpointInfo, spec: ModelSpec, shard: int, num_ps: int) -> list[str]:
-    """The files of ``info`` that server ``shard`` of ``num_ps`` rebuilds itself from: its own, or,
-    when the number of servers changed, every old shard's (rows are resharded on load). A
-    checkpoint of another model (in the keys ``spec.compatible`` names) is refused."""
+def hand_over(part: ServerPart, handover: Handover, standing: Standing) -> None:
+    """The leader is gone: keep this server's shard (``part``) for its next life
+    (``services/checkpoint/handover.py``), unless it holds values that are not finite."""
+    state = part.state_dict()
+    try:
+        part.check(state)
+    except CheckpointError as exc:
+        log.error("no handover: %s", exc)
+        return
+    handover.write(state, standing, int(state["steps"]))
+    log.info("handed over this shard at step %d (the cluster stood on %s)", state["steps"],
+             standing.checkpoint or "no checkpoint")
+
+
+def handover_fits(state: dict[str, Any], spec: ModelSpec, slots: Slots, server: str) -> bool:
+    """Whether a shard ``state`` a server handed over is ``server``'s under the layout ``slots``,
+    of the model ``spec``."""
+    return state.get("shard") == slots.position(server) and same_layout(state, Layout.of(spec, slots)) and all(
+        state.get("model", {}).get(k) == spec.meta.get(k) for k in spec.compatible)
+
+
+def own_file(info: CheckpointInfo, slots: Slots) -> bool:
+    """Whether ``info`` was taken under the layout ``slots`` (one taken before slots: under the
+    first layout over as many servers, which places ids where ``id % num_ps`` did), so that each
+    server's own file holds its shard."""
+    laid = info.meta.get("layout")
+    if laid is None:
+        return int(info.meta.get("num_ps", 0)) == slots.num_shards
+    before = Slots.from_dict(laid)
+    if before.count != slots.count:
+        raise CheckpointError(f"{info.id} was taken with {before.count} slots, this job has {slots.count}: the "
+                              f"slot count is fixed for a checkpoint chain's life")
+    return before.servers == slots.servers and not before.moves(slots)
+
+
+def shard_files(info: CheckpointInfo, spec: ModelSpec, slots: Slots, server: str) -> list[str]:
+    """The files of ``info`` that ``server`` rebuilds its shard from under the layout ``slots``:
+    its own, when the checkpoint's layout is the same, or else every old shard's (rows move on
+    load, as the difference of the two layouts says). A checkpoint of another model (in the keys
+    ``spec.compatible`` names) is refused."""
     saved = info.meta.get("model", {})
     for key in spec.compatible:
         if saved.get(key) != spec.meta.get(key):
             raise CheckpointError(f"{info.id} was taken with {differences(key, saved.get(key), spec.meta.get(key))}; "
                                   f"start with matching flags, --resume-from another, or --no-resume")
     old = int(info.meta.get("num_ps", 0))
-    if old == num_ps:
-        return [f"ps{shard}.pt"]  # same shape: this shard's own file is all it needs
-    names = [f"ps{k}.pt" for k in range(old)]
+    if own_file(info, slots):
+        return [f"{server}.pt"]    # the same layout: this shard's own file is all it needs
+    laid = info.meta.get("layout")
+    names = [f"{n}.pt" for n in laid["servers"]] if laid is not None else [f"ps{k}.pt" for k in range(old)]
     missing = [n for n in names if n not in info.files]
     if missing:
         raise CheckpointError(
             f"{info.id} was taken with {old} servers, each keeping its shard on its own volume "
-            f"({', '.join(missing)} are not in {info.path}); changing to {num_ps} servers needs every shard: "
-            f"restart with {old} servers, or use one checkpoint folder shared by all servers")
-    log.info("resharding %s from %d to %d servers", info.id, old, num_ps)
+            f"({', '.join(missing)} are not in {info.path}); changing to {slots.num_shards} servers needs every "
+            f"shard: restart with {old} servers, or use one checkpoint folder shared by all servers")
+    log.info("resharding %s from %d to %d servers", info.id, old, slots.num_shards)
     return names

@@ -1,6 +1,7 @@
 """Updates a server refuses whole: one trainer's gradients that are not finite must not poison the
 shared model, so they are found before any server applies any of them, and counted; and the
-requests of a member's old incarnation (``services.remote``'s fencing token), counted too."""
+requests of a member's old incarnation (``services.remote``'s fencing token), and those planned
+with an older layout than the server's, counted too."""
 from __future__ import annotations
 
 import math
@@ -19,11 +20,17 @@ class Refusals:
         self._lock = threading.Lock()     # RPC threads refuse at once
         self.count = 0
         self.superseded = 0             # requests of old incarnations refused
+        self.stale = 0                  # requests planned with another layout, refused
 
     def old_incarnation(self, caller: str, method: str) -> None:
         with self._lock:
             self.superseded += 1
         self.metrics.requests_superseded.inc()
+
+    def stale_layout(self) -> None:
+        with self._lock:
+            self.stale += 1
+        self.metrics.requests_stale.inc()
 
     def finite_sq_norm(self, grads: dict[torch.Tensor, torch.Tensor], caller: str, what: str) -> float:
         """The gradients' squared norm, or ``UpdateRefused`` naming the ``caller`` and ``what`` they

@@ -25,9 +25,10 @@ from ps.server.gradients import StepGradients
 from ps.server.hashed.serving import HashedTables
 from ps.spec.messages import Mark, ShardInfo
 from ps.server.metrics import PsMetrics
+from ps.server.moves import Gate, Staged
 from ps.server.refusals import Refusals
 from ps.server.replica_writes import ReplicaWrites
-from ps.spec.sharding import Layout, placement_of
+from ps.spec.sharding import Layout, Slots, placement_of
 from ps.spec.model import ModelSpec
 from ps.server.state import gather_shard, initial_shard
 from ps.spec.surface import PsSurface
@@ -39,36 +40,30 @@ from services.remote import remote
 
 log = logging.getLogger(__name__)
 
+UNGATED = ("info", "layout_now")   # what may be asked while a change of layout rebuilds the shard
+
 
 class ParameterServer(PsSurface):
-    def __init__(self, name: str, shard: int, num_shards: int, spec: ModelSpec, metrics: PsMetrics,
+    def __init__(self, name: str, shard: int, slots: "Slots | int", spec: ModelSpec, metrics: PsMetrics,
                  restore: Optional[list[dict[str, Any]]] = None, consistency: Consistency = Async(),
                  max_ids: int = 65_536) -> None:
-        """``restore``: the shard states of a checkpoint (any number of shards) to start from;
-        ``max_ids``: the most ids one request may name."""
-        self.name, self.shard, self.spec, self.metrics = name, shard, spec, metrics
+        """``shard``: its index among the servers of ``slots`` (the leader's layout; a number of
+        servers: their first); ``restore``: a checkpoint's shard states (any layout) to start
+        from; ``max_ids``: the most ids one request may name."""
+        self.name, self.spec, self.metrics, self.max_ids = name, spec, metrics, max_ids
         self.consistency = consistency
         self.work = Work()
-        self.layout = Layout.of(spec, num_shards)
-        self.checks = RequestChecks(self.layout, shard, max_ids)
-        if restore is None:
-            values, optim_state, steps, kept, marks = initial_shard(spec, self.layout, shard), {}, 0, {}, {}
-        else:
-            values, optim_state, steps, kept, marks = gather_shard(restore, self.layout, shard)
-        self.params = ShardParams(spec, self.layout, shard, values)
-        self.optimizer = SharedOptimizer([self.param(n) for n in self.params.names], self.params.rules, spec.lr,
-                                         on_step=self._stepped, touched=self.params.touched.updated)
-        self.optimizer.load_state(steps, [optim_state.get(n, {}) for n in self.params.names], marks)
-        self.sync = SyncSteps(self.optimizer)
-        self.hashed = HashedTables(spec, self.layout, shard, self.params.of_tables(self.layout.hashed_tables()),
-                                   self.optimizer.clear_rows, self.params.touched)
-        self.hashed.restore(kept)
-        self.contexts = Contexts()
-        self.gradients = StepGradients(self.params, self.checks, self.contexts, lambda: self.optimizer.steps)
-        self.replica = ReplicaWrites(self.params, self.optimizer, self.checks)
-        self._call = threading.local()      # who calls, and the operation it runs (its metrics label)
+        self._call = threading.local()      # who calls, the epoch it planned with, the operation it runs
         self.refusals = Refusals(metrics)
         self.superseded = self.refusals.old_incarnation          # Service's hook: counted there
+        self.contexts = Contexts()
+        self.gate, self.staged = Gate(), Staged()       # a change of layout (``ps/server/moves.py``)
+        build_shard(self, slots, shard, restore)
+
+    @property
+    def empty(self) -> bool:
+        """Whether its layout gives it nothing: it joined beside a job, or was drained."""
+        return self.shard >= self.layout.num_shards
 
     def param(self, name: str) -> torch.nn.Parameter:     # ``ShardParams``'s, for operations
         return self.params[name]
@@ -85,11 +80,11 @@ class ParameterServer(PsSurface):
     # --- the RPC surface (what each does: ps/spec/surface.py) ----------------------------------------------
     @remote
     def info(self) -> ShardInfo:
-        return ShardInfo(self.name, self.shard, self.layout.num_shards, self.spec.meta,
-                         {t: p.rows(self.shard) for t, p in self.layout.plans.items()}, dict(self.layout.table_params),
-                         tuple(self.layout.dense_of(self.shard)), self.optimizer.steps, str(self.consistency),
-                         {t: placement_of(p) for t, p in self.layout.plans.items()}, self.checks.max_ids,
-                         {n: tuple(self.params[n].shape[1:]) for n in self.layout.row_params()})
+        return shard_info(self)
+
+    @remote
+    def layout_now(self) -> Slots:
+        return self.layout.slots
 
     @remote
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -134,6 +129,7 @@ class ParameterServer(PsSurface):
 
     @remote
     def dense_params(self) -> dict[str, torch.Tensor]:
+        self.checks.same_layout("dense_params")
         with self.optimizer.lock:
             return self.params.dense_copy()
 
@@ -158,6 +154,7 @@ class ParameterServer(PsSurface):
     @remote
     def op(self, name: str, *args: Any) -> Any:
         operation = self.spec.ops.get(name)
+        self.checks.same_layout(f"operation {name}")   # an operation works on this shard's whole partition
         if operation is None:
             raise BadRequest(f"no operation {name!r}; this model has {', '.join(self.spec.ops) or 'none'}")
         self._call.op = name
@@ -229,10 +226,51 @@ class ParameterServer(PsSurface):
         return self.optimizer.snapshot([self.param(n) for n in names])
 
     # --- bookkeeping ---------------------------------------------------------------------------------
-    def before_call(self, caller: str, method: str) -> None:
-        self._call.caller, self._call.op = caller, None
+    def before_call(self, caller: str, method: str, version: int = 0) -> None:
+        if method not in UNGATED:
+            self.gate.enter()       # no request is inside while the tables are rebuilt
+        self._call.caller, self._call.op, self._call.epoch = caller, None, version
         self.contexts.remember(caller, self.optimizer.steps)
 
     def after_call(self, method: str, seconds: float, ok: bool) -> None:
+        if method not in UNGATED:
+            self.gate.leave()
         # An operation is timed under its own name, as each was a method of its own.
         self.metrics.observe_request(getattr(self._call, "op", None) or method, seconds, ok)
+
+
+def shard_info(server: ParameterServer) -> ShardInfo:
+    """What ``server`` says of its shard to its clients (``PsSurface.info``)."""
+    layout, shard = server.layout, server.shard
+    return ShardInfo(server.name, shard, layout.num_shards, server.spec.meta,
+                     {t: p.rows(shard) for t, p in layout.plans.items()}, dict(layout.table_params),
+                     tuple(layout.dense_of(shard)), server.optimizer.steps, str(server.consistency),
+                     {t: placement_of(p) for t, p in layout.plans.items()}, server.checks.max_ids,
+                     {n: tuple(server.params[n].shape[1:]) for n in layout.row_params()},
+                     layout.epoch, {t: p.num_ids for t, p in layout.plans.items()})
+
+
+def build_shard(server: ParameterServer, slots: "Slots | int", shard: int,
+                restore: Optional[list[dict[str, Any]]], complete: bool = True) -> None:
+    """What ``server`` holds under the layout ``slots`` as shard ``shard``, and all that depends on
+    it: fresh, or from shard states (``gather_shard``; not ``complete``: its own and what it took
+    for a change of layout). Rebuilt behind the server's gate when its layout changes."""
+    spec = server.spec
+    layout = Layout.of(spec, slots)
+    if restore is None:         # all that can fail comes first: a rebuild that fails changes nothing
+        values, optim_state, steps, kept, marks = initial_shard(spec, layout, shard), {}, 0, {}, {}
+    else:
+        values, optim_state, steps, kept, marks = gather_shard(restore, layout, shard, complete)
+    server.layout, server.shard = layout, shard
+    server.checks = RequestChecks(layout, shard, server.max_ids, lambda: getattr(server._call, "epoch", 0),
+                                  server.refusals.stale_layout)
+    server.params = params = ShardParams(spec, layout, shard, values)
+    server.optimizer = SharedOptimizer([params[n] for n in params.names], params.rules, spec.lr,
+                                       on_step=server._stepped, touched=params.touched.updated)
+    server.optimizer.load_state(steps, [optim_state.get(n, {}) for n in params.names], marks)
+    server.sync = SyncSteps(server.optimizer)
+    server.hashed = HashedTables(spec, layout, shard, params.of_tables(layout.hashed_tables()),
+                                 server.optimizer.clear_rows, params.touched)
+    server.hashed.restore(kept)
+    server.gradients = StepGradients(params, server.checks, server.contexts, lambda: server.optimizer.steps)
+    server.replica = ReplicaWrites(params, server.optimizer, server.checks)

@@ -1,7 +1,9 @@
 """A server shard's state as a plain dict for checkpoints, and resharding on restore; pure.
 
-Each table's rows are stored with their global ids, so a checkpoint taken with K servers restores
-into any number of servers: each new shard gathers the ids it owns from every old shard. Optimizer
+Each table's rows are stored with their global ids, and each state names the layout it was saved
+under (``ps/spec/sharding.py``'s ``Slots``), so a checkpoint taken under one layout restores under
+any other, over any number of servers: each new shard gathers the ids it owns from every old shard.
+A shard whose layout did not change takes its own state as it is. Optimizer
 state with a value per row (Adagrad's per value, row-wise Adagrad's per row) is resharded the same
 way; dense groups move whole. A hashed table saves only its live rows, by raw id, with when each
 was last seen and how often (``ps/server/hashed/``); a shard restores the ids it owns into its first rows.
@@ -14,7 +16,7 @@ import torch
 
 from ps.server.marks import gather_marks
 from ps.spec.rules import by_row
-from ps.spec.sharding import HashedPlan, Layout
+from ps.spec.sharding import HashedPlan, Layout, Slots
 
 if TYPE_CHECKING:
     from ps.spec.model import ModelSpec
@@ -40,9 +42,21 @@ def export_shard(shard: int, layout: Layout, model: dict, steps: int, params: di
             state = optim_state.get(name, {})
             for key in by_row(layout.row_state.get(name), state, rows_of):
                 optim_state[name][key] = state[key][kept["rows"]]
-    return {"format": FORMAT, "shard": shard, "num_shards": layout.num_shards, "model": dict(model), "steps": steps,
+    return {"format": FORMAT, "shard": shard, "num_shards": layout.num_shards, "layout": layout.slots.to_dict(),
+            "model": dict(model), "steps": steps,
             "tables": tables, "params": params, "optim": optim_state, "marks": dict(marks or {}),
             "hashed": {t: {k: v for k, v in kept.items() if k not in ("rows", "ids")} for t, kept in hashed.items()}}
+
+
+def same_layout(state: dict[str, Any], layout: Layout) -> bool:
+    """Whether ``state`` was saved under ``layout``'s servers and slots (a state from before slots
+    names only its server count: its slots were the first layout's)."""
+    saved = state.get("layout")
+    if saved is None:
+        first = Slots.even(layout.num_shards, layout.slots.count)
+        return state["num_shards"] == layout.num_shards and layout.slots.owners == first.owners
+    return (saved["servers"] == list(layout.slots.servers) and saved["owners"] == list(layout.slots.owners)
+            and saved.get("homes", {}) == dict(layout.slots.homes))
 
 
 def _ids(state: dict[str, Any], table: str, layout: Layout) -> torch.Tensor:
@@ -62,13 +76,15 @@ class Gathered(NamedTuple):
     marks: dict[str, dict[str, Any]]       # per trainer, its newest batch the shard holds (``ps/server/marks.py``)
 
 
-def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int) -> Gathered:
+def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int, complete: bool = True) -> Gathered:
     """Params, optimizer state, steps applied and hashed tables' rows of ``shard`` under
-    ``layout``, from every old shard (or from its own, when the cluster kept its shape)."""
+    ``layout``, from every old shard (or from its own, when the cluster kept its shape). Not
+    ``complete``: ``states`` are a live server's own and the parts it took for a change of layout
+    (``ps/server/moves.py``), which must hold every row ``shard`` owns."""
     if not states:
         raise ValueError("no shard states to restore from")
-    own = len(states) == 1 and states[0]["num_shards"] == layout.num_shards and states[0]["shard"] == shard
-    if not own and sorted(s["shard"] for s in states) != list(range(states[0]["num_shards"])):
+    own = len(states) == 1 and states[0]["shard"] == shard and same_layout(states[0], layout)
+    if complete and not own and sorted(s["shard"] for s in states) != list(range(states[0]["num_shards"])):
         raise ValueError(f"need every old shard 0..{states[0]['num_shards'] - 1}, got {sorted(s['shard'] for s in states)}")
     params: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
@@ -78,7 +94,7 @@ def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int) -> Ga
             hashed[table] = _gather_hashed(states, table, layout, plan.rows(shard),
                                            (plan.owner(_ids(states[0], table, layout)) == shard) if own else None,
                                            shard, params, optim)
-        elif own:  # same cluster shape: this shard's own rows, as saved (the caller's to keep)
+        elif own:  # the same layout: this shard's own rows, as saved (the caller's to keep)
             if not torch.equal(_ids(states[0], table, layout), plan.global_ids(shard)):
                 raise ValueError(f"shard {shard}'s saved rows do not match {plan.num_ids} {table} rows")
             for name in layout.table_params[table]:
@@ -86,7 +102,7 @@ def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int) -> Ga
                 if name in states[0]["optim"]:
                     optim[name] = dict(states[0]["optim"][name])
         else:
-            pick = _rows_here(states, table, layout, plan.global_ids(shard), plan.num_ids)
+            pick = _rows_here(states, table, layout, plan.global_ids(shard), plan.num_ids, complete)
             for name in layout.table_params[table]:
                 params[name] = torch.cat([s["params"][name] for s in states])[pick].clone()
                 _gather_rows_state(states, name, pick, optim, layout.row_state.get(name))
@@ -133,14 +149,21 @@ def _gather_hashed(states: list[dict[str, Any]], table: str, layout: Layout, cap
 
 
 def _rows_here(states: list[dict[str, Any]], table: str, layout: Layout, wanted: torch.Tensor,
-               rows: int) -> torch.Tensor:
-    """Positions, in the old shards' rows laid end to end, of the global ids ``wanted``."""
+               rows: int, complete: bool = True) -> torch.Tensor:
+    """Positions, in the old shards' rows laid end to end, of the global ids ``wanted`` (not
+    ``complete``: the states hold some of the table's rows, ``wanted`` among them)."""
     ids = torch.cat([_ids(s, table, layout) for s in states])
-    if ids.numel() != rows or not torch.equal(torch.sort(ids).values, torch.arange(rows)):
+    if complete and (ids.numel() != rows or not torch.equal(torch.sort(ids).values, torch.arange(rows))):
         raise ValueError(f"the old shards hold {ids.numel()} {table} rows, this model has {rows}")
-    where = torch.empty(rows, dtype=torch.long)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise ValueError(f"the shards given hold {table} ids outside [0, {rows})")
+    where = torch.full((rows,), -1, dtype=torch.long)
     where[ids] = torch.arange(ids.numel())
-    return where[wanted]
+    found = where[wanted]
+    if not complete and bool((found < 0).any()):
+        raise ValueError(f"the shards given lack {int((found < 0).sum())} of the {wanted.numel()} {table} rows "
+                         f"this shard owns")
+    return found
 
 
 def _gather_rows_state(states: list[dict[str, Any]], name: str, pick: torch.Tensor,

@@ -16,6 +16,9 @@ class PsStatus(RoleStatus):
     steps: int = 0                                 # updates applied
     refused: int = 0                               # updates refused whole (gradients not finite)
     superseded: int = 0                            # requests of old incarnations refused (fenced members)
+    stale: int = 0                                 # requests planned with another layout, refused
+    # the layout this server serves by: its epoch, its slot count, slots and units per server
+    layout: Optional[dict[str, Any]] = None
     applied: Optional[dict[str, Any]] = None       # per trainer: steps and records applied here; repeats not applied
     consistency: Optional[str] = None              # async, sync, hybrid or ssp:K
     clock: Optional[dict[str, Any]] = None         # ps0 in sync/ssp: trainers' step clocks, whom a barrier waits for
@@ -25,6 +28,11 @@ class PsStatus(RoleStatus):
     def line(self) -> list[str]:
         out = [f"shard {self.shard}/{self.num_shards}", f"{self.rows} rows", f"members {len(self.members or [])}",
                f"consistency {self.consistency}"]
+        if self.layout:
+            mine = self.layout["servers"].get(self.name, {}).get("slots", 0)
+            out.append(f"layout {self.layout['epoch']}, {mine}/{self.layout['slots']} slots")
+        if self.stale:
+            out.append(f"{self.stale} requests of another layout refused")
         if self.refused:
             out.append(f"{self.refused} updates refused")
         if self.superseded:
@@ -39,3 +47,14 @@ class PsStatus(RoleStatus):
         if waiting:
             out.append(f"step {waiting['step']} waiting {waiting['seconds']:.1f}s for {', '.join(waiting['on'])}")
         return out
+
+
+def shard_status(layout: Any, shard: int, metrics: Any) -> dict[str, Any]:
+    """What a server's /status says of its shard under ``layout`` (a ``Layout``), its metrics set
+    to match: the layout, and the rows and dense tensors it holds."""
+    slots = layout.slots
+    rows = {t: p.rows(shard) for t, p in layout.plans.items()}
+    metrics.layout_epoch.set(slots.epoch)
+    metrics.slots_owned.set(int(slots.owned[shard]) if shard < slots.num_shards else 0)     # past the end: none
+    return {"layout": slots.describe(), "shard": shard, "num_shards": slots.num_shards, "rows": sum(rows.values()),
+            "tables": rows, "dense": layout.dense_of(shard)}

@@ -20,6 +20,8 @@ class ShardInfo:
     placement: dict[str, tuple[str, int]] = field(default_factory=dict)   # table -> (kind, home): ps/spec/sharding.py
     max_ids: int = 65_536       # the most ids one request may name (--max-ids-per-request)
     row_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)   # a row's shape, per table parameter
+    epoch: int = 1              # the layout it serves by (``ps/spec/sharding.py``'s ``Slots``)
+    ids: dict[str, int] = field(default_factory=dict)    # each table's ids in all (a hashed table's capacity)
 
 
 @dataclass(frozen=True)

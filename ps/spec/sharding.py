@@ -1,39 +1,236 @@
 """Where everything lives: pure values computed before any RPC.
 
+**Slots and an epoch.** The leader owns one ``Slots``: every row-wise or hashed table's ids fall
+into a fixed number of slots (id ``x`` in slot ``x % count``, the same slot in every table), and
+each slot has one owning server; each table kept whole, and each dense group, has a home server.
+The epoch rises with every change. Adding one server to N moves about 1/(N+1) of the slots (the
+difference of two layouts, ``Slots.moves``), where ``id % N`` would move N/(N+1) of the rows. The
+count is fixed for the life of a checkpoint chain, which records it.
+
 Each table is placed as its ``Table.placement`` says (as TorchRec's ``ParameterSharding``):
 
-* **row-wise** (``ShardPlan``), for big tables: row ``id`` (every parameter of the table alike) on
-  shard ``id % num_shards`` at local row ``id // num_shards``;
-* **table-wise** (``WholePlan``), for tables smaller than the server count: the whole table on one
-  shard, the ``t``-th table's on shard ``t % num_shards``, so small tables spread over the servers.
+* **row-wise** (``ShardPlan``), for big tables: row ``id`` on the owner of its slot. A server
+  keeps its ids in rising order, so local row ``(id // count) * m + b``, where ``m`` is how many
+  slots it owns and ``b`` how many of them come before ``id``'s (the id's rank among its own);
+* **table-wise** (``WholePlan``), for tables smaller than the server count: the whole table on its
+  home server;
+* **hashed** (``HashedPlan``), for a table keyed by raw 64-bit ids: id ``id`` on the owner of slot
+  ``id % count``, at whichever row that server's index gives it (``ps/server/hashed/``).
 
-* **hashed** (``HashedPlan``), for a table keyed by raw 64-bit ids: id ``id`` on shard
-  ``id % num_shards``, at whichever row that shard's index gives it (``ps/server/hashed/``).
-
-Unsaid, a table is row-wise when it has at least a row per shard. The ``g``-th dense group lives on
-shard ``g % num_shards``.
+Unsaid, a table is row-wise when the first layout gives it a row per server. The first layout deals
+the slots out in turn (slot ``s`` to server ``s % N``) over a count that N divides, so it places
+every id where ``id % N`` did: a checkpoint from before slots restores as it was saved.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
 
 import torch
 
 from ps.spec.model import ModelSpec
 
+MIN_SLOTS = 4096    # slots at least: a server added then moves within a slot of its share
+
+
+def slot_count(num_servers: int, at_least: int = MIN_SLOTS) -> int:
+    """The slots of a new layout: ``at_least``, rounded up to a multiple of the first server count."""
+    return -(-at_least // num_servers) * num_servers
+
+
+def table_unit(table: str) -> str:
+    return f"table:{table}"
+
+
+def dense_unit(group: int) -> str:
+    return f"dense:{group}"
+
+
+@dataclass(frozen=True)
+class Move:
+    """One part of a change of layout: a slot, or a unit kept whole, that changes owner."""
+
+    what: str               # "slot:<s>" or a unit's name
+    source: str
+    destination: str
+
+
+@dataclass(frozen=True)
+class Slots:
+    """Who owns what, as of ``epoch``: the leader's; every other member holds a copy."""
+
+    epoch: int
+    servers: tuple[str, ...]
+    owners: tuple[int, ...]                  # slot -> its server's index in ``servers``
+    homes: tuple[tuple[str, int], ...] = ()  # (unit, server index): tables kept whole and dense groups
+
+    def __post_init__(self) -> None:
+        if self.epoch < 1:
+            raise ValueError(f"a layout's epoch starts at 1, got {self.epoch}")
+        if not self.servers or len(set(self.servers)) != len(self.servers):
+            raise ValueError(f"a layout names each of its servers once, got {list(self.servers)}")
+        if not self.owners:
+            raise ValueError("a layout has one slot at least")
+        n = len(self.servers)
+        if min(self.owners) < 0 or max(self.owners) >= n or any(not 0 <= k < n for _, k in self.homes):
+            raise ValueError(f"a layout's owners must be among its {n} servers")
+
+    @classmethod
+    def even(cls, servers: "int | Iterable[str]", count: Optional[int] = None,
+             units: Iterable[str] = ()) -> "Slots":
+        """The first layout: slots dealt out in turn, the ``i``-th unit on server ``i % N``
+        (``units``: the names of the tables kept whole and the dense groups, in the model's order
+        of each); ``servers``: their names, or how many (``ps0`` …)."""
+        names = tuple(f"ps{k}" for k in range(servers)) if isinstance(servers, int) else tuple(servers)
+        count = count or slot_count(len(names))
+        return cls(1, names, tuple(s % len(names) for s in range(count)),
+                   tuple((u, i % len(names)) for i, u in enumerate(units)))
+
+    @property
+    def count(self) -> int:
+        return len(self.owners)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.servers)
+
+    def index(self, server: str) -> int:
+        try:
+            return self.servers.index(server)
+        except ValueError:
+            raise KeyError(f"{server} holds no part of layout {self.epoch} (its servers: "
+                           f"{', '.join(self.servers)})") from None
+
+    def position(self, server: str) -> int:
+        """``server``'s index, or, for a server the layout does not name (one that joined and
+        holds nothing yet), one past the last: a shard that owns nothing."""
+        return self.servers.index(server) if server in self.servers else self.num_shards
+
+    def home(self, unit: str) -> int:
+        return dict(self.homes)[unit]
+
+    def has_home(self, unit: str) -> bool:
+        return any(u == unit for u, _ in self.homes)
+
+    @functools.cached_property
+    def owner_of(self) -> torch.Tensor:
+        """[count] int64: each slot's owner."""
+        return torch.tensor(self.owners, dtype=torch.int64)
+
+    @functools.cached_property
+    def owned(self) -> torch.Tensor:
+        """[servers] int64: how many slots each owns."""
+        return torch.bincount(self.owner_of, minlength=self.num_shards)
+
+    @functools.cached_property
+    def before(self) -> torch.Tensor:
+        """[count] int64: how many slots of the same owner come before each slot."""
+        out = torch.empty(self.count, dtype=torch.int64)
+        for k in range(self.num_shards):
+            mine = (self.owner_of == k).nonzero().squeeze(1)
+            out[mine] = torch.arange(mine.numel())
+        return out
+
+    def dense_homes(self) -> list[int]:
+        """The servers that hold a dense group, rising."""
+        return sorted({k for u, k in self.homes if u.startswith("dense:")})
+
+    def slots_of(self, shard: int) -> torch.Tensor:
+        return (self.owner_of == shard).nonzero().squeeze(1)
+
+    def moves(self, new: "Slots") -> list[Move]:
+        """The difference of two layouts of the same slots: what changes owner, by server name."""
+        if new.count != self.count:
+            raise ValueError(f"layouts of {self.count} and {new.count} slots: the slot count is fixed for a "
+                             f"checkpoint chain's life")
+        out = [Move(f"slot:{s}", self.servers[a], new.servers[b]) for s, (a, b) in enumerate(zip(self.owners, new.owners))
+               if self.servers[a] != new.servers[b]]
+        before, after = dict(self.homes), dict(new.homes)
+        out += [Move(u, self.servers[before[u]], new.servers[after[u]]) for u in before
+                if u in after and self.servers[before[u]] != new.servers[after[u]]]
+        return out
+
+    def rebalanced(self, servers: Iterable[str]) -> "Slots":
+        """The next layout (epoch + 1) over ``servers``, moving as little as it can: the slots of a
+        server that leaves, and what each remaining server holds past its even share, go to the
+        servers under theirs; a unit kept whole moves only when its server leaves."""
+        names = tuple(servers)
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a layout names each of its servers once, got {list(names)}")
+        base, extra = divmod(self.count, len(names))
+        held: dict[str, list[int]] = {n: [] for n in names}
+        loose: list[int] = []
+        for s, k in enumerate(self.owners):
+            (held[self.servers[k]] if self.servers[k] in held else loose).append(s)
+        # The servers holding most keep the ``extra`` one-more shares: fewer slots move.
+        order = sorted(names, key=lambda n: (-len(held[n]), names.index(n)))
+        share = {n: base + (1 if i < extra else 0) for i, n in enumerate(order)}
+        # A server gives slots spread evenly over those it holds, and each loose slot goes to the
+        # server with the most still to take: a table smaller than the slot count lives in the
+        # low slots only, and so still spreads over every server.
+        for n in names:
+            give = len(held[n]) - share[n]
+            if give > 0:
+                picked = {int((i + 0.5) * len(held[n]) / give) for i in range(give)}
+                loose += [s for i, s in enumerate(held[n]) if i in picked]
+                held[n] = [s for i, s in enumerate(held[n]) if i not in picked]
+        need = {n: share[n] - len(held[n]) for n in names}
+        for s in sorted(loose):
+            taker = max(names, key=lambda n: (need[n], -names.index(n)))
+            held[taker].append(s)
+            need[taker] -= 1
+        owners = [0] * self.count
+        for n, slots in held.items():
+            for s in slots:
+                owners[s] = names.index(n)
+        homes = []
+        load = {n: sum(1 for _, k in self.homes if self.servers[k] == n) for n in names}
+        for unit, k in self.homes:
+            now = self.servers[k]
+            if now not in load:
+                now = min(names, key=lambda n: (load[n], names.index(n)))
+                load[now] += 1
+            homes.append((unit, names.index(now)))
+        return Slots(self.epoch + 1, names, tuple(owners), tuple(homes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON holds it (a checkpoint's manifest, the rendezvous store)."""
+        return {"epoch": self.epoch, "servers": list(self.servers), "owners": list(self.owners),
+                "homes": {u: k for u, k in self.homes}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Slots":
+        return cls(int(data["epoch"]), tuple(data["servers"]), tuple(int(k) for k in data["owners"]),
+                   tuple((str(u), int(k)) for u, k in data.get("homes", {}).items()))
+
+    def describe(self) -> dict[str, Any]:
+        """For ``/status``: the epoch, and slots and units per server."""
+        owned = self.owned.tolist()
+        return {"epoch": self.epoch, "slots": self.count,
+                "servers": {n: {"slots": owned[k], "units": [u for u, h in self.homes if h == k]}
+                            for k, n in enumerate(self.servers)}}
+
+
+def _slot_sizes(num_ids: int, count: int) -> torch.Tensor:
+    """[count]: how many of the ids 0 .. num_ids - 1 fall into each slot."""
+    return ((num_ids - torch.arange(count) + count - 1) // count).clamp(min=0)
+
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """One id space (a table's rows) over ``num_shards`` shards."""
+    """One id space (a table's rows, ids 0 .. num_ids - 1) over the slots of a layout."""
 
-    num_shards: int
-    num_ids: int         # the ids: 0 .. num_ids - 1
+    slots: Slots
+    num_ids: int
 
     def __post_init__(self) -> None:
-        if self.num_shards < 1:
-            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
-        if self.num_ids < self.num_shards:
-            raise ValueError(f"num_ids ({self.num_ids}) must be >= num_shards ({self.num_shards})")
+        if self.num_ids < 1:
+            raise ValueError(f"a table has one row at least, got {self.num_ids}")
+
+    @property
+    def num_shards(self) -> int:
+        return self.slots.num_shards
 
     @property
     def id_max(self) -> int:
@@ -42,16 +239,20 @@ class ShardPlan:
 
     def rows(self, shard: int) -> int:
         """How many ids shard ``shard`` owns."""
-        return (self.num_ids - shard + self.num_shards - 1) // self.num_shards
+        return int(_slot_sizes(self.num_ids, self.slots.count)[self.slots.owner_of == shard].sum())
 
     def global_ids(self, shard: int) -> torch.Tensor:
-        return torch.arange(shard, self.num_ids, self.num_shards)
+        """The ids shard ``shard`` owns, rising (its rows' order)."""
+        mine, count = self.slots.slots_of(shard), self.slots.count
+        ids = (torch.arange(-(-self.num_ids // count))[:, None] * count + mine[None, :]).reshape(-1)
+        return ids[ids < self.num_ids]
 
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids % self.num_shards
+        return self.slots.owner_of[ids % self.slots.count]
 
     def to_local(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids // self.num_shards
+        slot = ids % self.slots.count
+        return (ids // self.slots.count) * self.slots.owned[self.slots.owner_of[slot]] + self.slots.before[slot]
 
     def partition(self, unique_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per shard: (positions in ``unique_ids``, the global ids there), positions rising."""
@@ -67,9 +268,9 @@ class ShardPlan:
 
 @dataclass(frozen=True)
 class HashedPlan(ShardPlan):
-    """A hashed table (``ps/server/hashed/``): raw 64-bit id ``id`` on shard ``id % num_shards`` (any
-    int64, negative too), in whichever of the shard's rows its index gives it; ``num_ids`` is the
-    table's capacity in rows, shared out as ``ShardPlan`` shares ids."""
+    """A hashed table (``ps/server/hashed/``): raw 64-bit id ``id`` (any int64, negative too) on
+    the owner of slot ``id % count``, in whichever of its rows its index gives it; ``num_ids`` is
+    the table's capacity in rows, each server's share as many as it would own of ids 0 .. num_ids - 1."""
 
     @property
     def id_max(self) -> int:
@@ -84,15 +285,19 @@ class HashedPlan(ShardPlan):
 
 @dataclass(frozen=True)
 class WholePlan:
-    """One id space kept whole on shard ``home`` of ``num_shards``: ``ShardPlan``'s interface."""
+    """One id space kept whole on its home, shard ``home``: ``ShardPlan``'s interface."""
 
-    num_shards: int
+    slots: Slots
     num_ids: int
     home: int
 
     def __post_init__(self) -> None:
         if not 0 <= self.home < self.num_shards:
             raise ValueError(f"home {self.home} is not a shard of {self.num_shards}")
+
+    @property
+    def num_shards(self) -> int:
+        return self.slots.num_shards
 
     @property
     def id_max(self) -> int:
@@ -118,18 +323,51 @@ class WholePlan:
 
 Plan = ShardPlan | HashedPlan | WholePlan
 
+PLACEMENTS = ("row_wise", "table_wise", "hashed")
 
-def plan_of(placement: str, num_shards: int, num_ids: int, index: int) -> Plan:
-    """The plan of the ``index``-th table (``placement``: row_wise, table_wise, hashed, or "" for
-    the default: row-wise when every shard gets a row)."""
-    placement = placement or ("row_wise" if num_ids >= num_shards else "table_wise")
-    if placement == "hashed":       # raw ids spread over every shard: each needs a row at least
-        return HashedPlan(num_shards, max(num_ids, num_shards))
-    if placement == "row_wise":
-        return ShardPlan(num_shards, num_ids)
-    if placement == "table_wise":
-        return WholePlan(num_shards, num_ids, index % num_shards)
-    raise ValueError(f"unknown placement {placement!r}: row_wise or table_wise")
+
+def kept_whole(spec: ModelSpec, num_servers: int) -> list[str]:
+    """The tables a first layout over ``num_servers`` keeps whole: table-wise ones, and those left
+    unsaid with fewer rows than servers."""
+    out = []
+    for name, table in spec.tables.items():
+        if table.placement not in ("", *PLACEMENTS):
+            raise ValueError(f"unknown placement {table.placement!r}: row_wise, table_wise or hashed")
+        if not table.hashed and (table.placement == "table_wise" or (not table.placement and table.rows < num_servers)):
+            out.append(name)
+    return out
+
+
+def first_slots(spec: ModelSpec, servers: "int | Iterable[str]", count: Optional[int] = None) -> Slots:
+    """The first layout of ``spec``'s model: each table kept whole at home on server ``t % N`` for
+    the ``t``-th table of the model, dense group ``g`` on ``g % N`` (as before slots)."""
+    names = tuple(f"ps{k}" for k in range(servers)) if isinstance(servers, int) else tuple(servers)
+    whole = set(kept_whole(spec, len(names)))
+    base = Slots.even(names, count)
+    homes = [(table_unit(t), i % len(names)) for i, t in enumerate(spec.tables) if t in whole]
+    homes += [(dense_unit(g), g % len(names)) for g in range(len(spec.dense))]
+    return Slots(1, base.servers, base.owners, tuple(homes))
+
+
+def resumed_slots(spec: ModelSpec, servers: Iterable[str], saved: Optional[dict[str, Any]]) -> Slots:
+    """The layout a job over ``servers`` starts with, given the one its checkpoint ``saved``
+    (``Slots.to_dict``): that one, on the same servers; moved onto others by the fewest slots, as
+    the difference of two layouts (its epoch one more); the first layout when the checkpoint
+    names none (one taken before slots) or there is no checkpoint."""
+    names = tuple(servers)
+    if saved is None:
+        return first_slots(spec, names)
+    slots = Slots.from_dict(saved)
+    return slots if slots.servers == names else slots.rebalanced(names)
+
+
+def plan_of(slots: Slots, table: str, num_ids: int, hashed: bool = False) -> Plan:
+    """Table ``table``'s plan under ``slots``: kept whole if it has a home there."""
+    if slots.has_home(table_unit(table)):
+        return WholePlan(slots, num_ids, slots.home(table_unit(table)))
+    if hashed:       # raw ids spread over every shard: each needs a row at least
+        return HashedPlan(slots, max(num_ids, slots.num_shards))
+    return ShardPlan(slots, num_ids)
 
 
 def placement_of(plan: Plan) -> tuple[str, int]:
@@ -139,17 +377,11 @@ def placement_of(plan: Plan) -> tuple[str, int]:
     return ("hashed" if isinstance(plan, HashedPlan) else "row_wise"), 0
 
 
-def from_placement(placed: tuple[str, int], num_shards: int, num_ids: int) -> Plan:
-    """The plan a server told of with ``placement_of``."""
-    kind, home = placed
-    return WholePlan(num_shards, num_ids, home) if kind == "table_wise" else plan_of(kind, num_shards, num_ids, 0)
-
-
 @dataclass(frozen=True)
 class Layout:
-    """A model's tables and dense groups over ``num_shards`` shards."""
+    """A model's tables and dense groups over the servers of a ``Slots``."""
 
-    num_shards: int
+    slots: Slots
     plans: dict[str, Plan]                         # per table
     table_params: dict[str, tuple[str, ...]]       # per table, its parameters
     dense_groups: tuple[tuple[str, ...], ...]      # the g-th group's parameters
@@ -158,15 +390,28 @@ class Layout:
     row_state: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, spec: ModelSpec, num_shards: int) -> "Layout":
-        return cls(num_shards, {t: plan_of("hashed" if table.hashed else table.placement, num_shards,
-                                           table.rows, i) for i, (t, table) in enumerate(spec.tables.items())},
+    def of(cls, spec: ModelSpec, slots: "Slots | int") -> "Layout":
+        """``spec``'s model under ``slots`` (a number of servers: their first layout)."""
+        slots = first_slots(spec, slots) if isinstance(slots, int) else slots
+        missing = [g for g in range(len(spec.dense)) if not slots.has_home(dense_unit(g))]
+        if missing:
+            raise ValueError(f"layout {slots.epoch} gives no home to dense group {missing[0]} of the model's "
+                             f"{len(spec.dense)}")
+        return cls(slots, {t: plan_of(slots, t, table.rows, table.hashed) for t, table in spec.tables.items()},
                    {t: tuple(table.params) for t, table in spec.tables.items()},
                    tuple(tuple(group.params) for group in spec.dense),
                    {p: spec.rule_of(t).row_state for t, table in spec.tables.items() for p in table.params})
 
+    @property
+    def num_shards(self) -> int:
+        return self.slots.num_shards
+
+    @property
+    def epoch(self) -> int:
+        return self.slots.epoch
+
     def group_owner(self, group: int) -> int:
-        return group % self.num_shards
+        return self.slots.home(dense_unit(group))
 
     def groups_of(self, shard: int) -> list[int]:
         return [g for g in range(len(self.dense_groups)) if self.group_owner(g) == shard]
@@ -185,3 +430,9 @@ class Layout:
 
     def row_params(self) -> list[str]:
         return [name for params in self.table_params.values() for name in params]
+
+
+def client_plans(slots: Slots, placed: dict[str, tuple[str, int]], num_ids: dict[str, int]) -> dict[str, Plan]:
+    """The plans a client makes of the leader's ``slots`` and what the servers say of each table:
+    its kind (``placement_of``) and its ids in all."""
+    return {t: plan_of(slots, t, num_ids[t], placed.get(t, ("row_wise", 0))[0] == "hashed") for t in num_ids}

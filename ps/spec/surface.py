@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ps.spec.messages import Mark, ShardInfo
+from ps.spec.sharding import Slots
 from services.remote import Service, remote
 
 
@@ -19,6 +20,13 @@ class PsSurface(Service):
     @remote
     def info(self) -> ShardInfo:
         """This shard: its tables' rows, its dense tensors, the model, the mode, its bounds."""
+        raise NotImplementedError
+
+    @remote
+    def layout_now(self) -> Slots:
+        """The layout this server serves by. The leader's is the job's (``ps/leader/layout.py``),
+        and clients plan with it; a request planned with another epoch is served only for what this
+        server holds now, and refused as ``StaleLayout`` past that."""
         raise NotImplementedError
 
     @remote
@@ -140,6 +148,49 @@ class PsSurface(Service):
     @remote
     def sync_apply(self, step: int, trainers: list[str], coef: float) -> None:
         """Apply step ``step``: the average of ``trainers``' gradients, scaled by ``coef``."""
+        raise NotImplementedError
+
+
+class MoveSurface(Service):
+    """A server's side of a change of layout (``ps/server/relayout.py``): the leader runs the
+    change (``ps/leader/moves.py``), a destination takes its parts from their sources."""
+
+    @remote
+    def part(self, slots: list[int], units: list[str]) -> dict[str, Any]:
+        """A copy of what this server holds of ``slots`` (every table's rows there, their
+        optimizer state, a hashed table's live ids and bookkeeping, the batches' marks) and of
+        ``units`` (``table:<name>``, ``dense:<g>``), as a shard state: what a change of layout
+        moves to another server. Another server asks it (``take_part``)."""
+        raise NotImplementedError
+
+    @remote
+    def take_part(self, source: str, slots: list[int], units: list[str], epoch: int) -> int:
+        """Take ``source``'s ``part`` of ``slots`` and ``units`` and keep it for the change of
+        layout to ``epoch``; its bytes. The leader asks it of each destination of a change."""
+        raise NotImplementedError
+
+    @remote
+    def retire(self) -> None:
+        """This server holds nothing in the leader's layout: it stops (exit 0), taking no final
+        checkpoint. Refused while it holds rows."""
+        raise NotImplementedError
+
+    @remote
+    def relayout(self, layout: dict[str, Any]) -> dict[str, Any]:
+        """Serve by ``layout`` (``Slots.to_dict``) from now on: this server's shard rebuilt from what it holds
+        and what it took for that epoch, behind a gate no request passes meanwhile. The leader asks
+        it of every server of the old layout and the new, with the trainers held at a step boundary."""
+        raise NotImplementedError
+
+
+class ChangeSurface(Service):
+    """The leader's changes of layout (``ps/leader/moves.py``)."""
+
+    @remote
+    def change(self, servers: list[str], retire: bool = True) -> dict[str, Any]:
+        """Move the job onto ``servers`` (the leader first; each a member already) while training
+        goes on: what the change did (epoch, slots and units moved, bytes, the trainers' hold).
+        ``retire``: tell the servers that left to stop (a server draining itself stops on its own)."""
         raise NotImplementedError
 
 

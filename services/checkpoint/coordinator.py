@@ -40,7 +40,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from services.checkpoint.handover import Standing
 from services.checkpoint.member import OWN_MANIFEST_KEY, CheckpointMember, marker
@@ -51,6 +51,7 @@ from services.names import parse_name
 from services.remote import Service, call, remote
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PAUSE_TIMEOUT = 60.0       # a trainer reaches a step boundary well within this
 TAKE_TIMEOUT = 600.0       # a whole checkpoint, as seen by a member that asked the leader for one
@@ -132,8 +133,8 @@ class Coordinator(Service):
         ``full_every``: every so many checkpoints one is whole; the others are deltas, each part
         saving only what changed since the checkpoint before (where it can)."""
         self.store, self.plan, self.keep, self.full_every = store, plan, keep, full_every
-        self._local, self._metrics, self._on_commit = local, metrics, on_commit
-        self._members, self._transport = members, transport
+        self._metrics, self._on_commit = metrics, on_commit
+        self._members, self._fan = members, Fanout(local, transport)
         self._lock = threading.Lock()       # one checkpoint at a time
         self.latest = resumed
         self._told = ToldPositions()
@@ -195,18 +196,17 @@ class Coordinator(Service):
         except ValueError:
             return False
 
+    def paused(self, action: Callable[[], T]) -> tuple[T, float]:
+        """``action`` while the paused role's members are held at a step boundary, as a
+        checkpoint holds them, one at a time with checkpoints (a change of layout runs so): its
+        result, and the seconds they were held."""
+        with self._lock:
+            started = time.monotonic()
+            with self._holding(self._paused_members(self._members()), uuid.uuid4().hex):
+                result = action()
+            return result, time.monotonic() - started
+
     # --- the protocol ----------------------------------------------------------------------------------
-    def _call(self, member: str, method: Callable[..., Any], *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
-        if member == self._local.name:
-            return getattr(self._local, method.__name__)(*args)
-        return self._transport(member, method, *args, timeout=timeout)
-
-    def _on_all(self, members: list[str], method: Callable[..., Any], *args: Any,
-                timeout: float = TAKE_TIMEOUT) -> dict[str, Any]:
-        with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
-            futures = {m: pool.submit(self._call, m, method, *args, timeout=timeout) for m in members}
-            return {m: f.result() for m, f in futures.items()}
-
     def _take(self) -> dict[str, Any]:
         with counted(self._metrics):
             members = self._members()
@@ -214,7 +214,7 @@ class Coordinator(Service):
             missing = sorted(set(holders) - set(members))
             if missing:
                 raise NotReady(f"cannot checkpoint without {', '.join(missing)}")
-            paused = [m for m in members if self.plan.paused_role and parse_name(m).role == self.plan.paused_role]
+            paused = self._paused_members(members)
             checkpoint_id = uuid.uuid4().hex
             committed = False
             try:
@@ -222,25 +222,14 @@ class Coordinator(Service):
                 committed = result["new"]      # not new: the newest already held this step, and stays it
                 return result
             finally:
-                self._on_all(holders, CheckpointMember.discard, checkpoint_id, committed, self.keep)
+                self._fan.on_all(holders, CheckpointMember.discard, checkpoint_id, committed, self.keep)
 
     def _take_with(self, checkpoint_id: str, holders: list[str], paused: list[str]) -> dict[str, Any]:
-        self._on_all(holders, CheckpointMember.prepare, checkpoint_id)
+        self._fan.on_all(holders, CheckpointMember.prepare, checkpoint_id)
         started = time.monotonic()
-        positions: dict[str, dict] = {}
-        held: list[str] = []
-        try:
-            for name, result in self._pause(paused, checkpoint_id).items():
-                if isinstance(result, Exception):
-                    log.warning("checkpoint without %s: %s", name, result)
-                else:
-                    held.append(name)
-                    positions.update(result)
-            snapshots = self._on_all(holders, CheckpointMember.snapshot, checkpoint_id, self._base())
-        finally:
-            if held:
-                self._resume(held, checkpoint_id)
-            pause_seconds = time.monotonic() - started
+        with self._holding(paused, checkpoint_id) as positions:
+            snapshots = self._fan.on_all(holders, CheckpointMember.snapshot, checkpoint_id, self._base())
+        pause_seconds = time.monotonic() - started
         steps = {m: s["step"] for m, s in snapshots.items()}
         # Equal, unless a holder was restarted alone from an older checkpoint: the cluster's step is
         # the furthest any holder has come.
@@ -288,7 +277,7 @@ class Coordinator(Service):
         (folder / marker(checkpoint_id)).touch()
         entries: list[FileEntry] = []
         elsewhere: dict[str, dict] = {}
-        for holder, written in self._on_all(holders, CheckpointMember.write, checkpoint_id, step, meta).items():
+        for holder, written in self._fan.on_all(holders, CheckpointMember.write, checkpoint_id, step, meta).items():
             for entry, shared in written:
                 if shared:
                     entries.append(entry)
@@ -297,24 +286,63 @@ class Coordinator(Service):
         (folder / marker(checkpoint_id)).unlink()
         return entries, elsewhere
 
+    def _paused_members(self, members: list[str]) -> list[str]:
+        return [m for m in members if self.plan.paused_role and parse_name(m).role == self.plan.paused_role]
+
+    @contextlib.contextmanager
+    def _holding(self, members: list[str], hold_id: str) -> Iterator[dict[str, dict]]:
+        """``members`` held at a step boundary for the block (one that cannot be held, gone, is
+        left out, with a log line); their positions."""
+        positions: dict[str, dict] = {}
+        held: list[str] = []
+        try:
+            for name, result in self._pause(members, hold_id).items():
+                if isinstance(result, Exception):
+                    log.warning("%s not held: %s", name, result)
+                else:
+                    held.append(name)
+                    positions.update(result)
+            yield positions
+        finally:
+            if held:
+                self._resume(held, hold_id)
+
     def _resume(self, members: list[str], checkpoint_id: str) -> None:
         """Let the held members go on; one that left meanwhile has nothing to resume, and its
         position was taken when it was held."""
-        for m, result in self._on_each(members, CheckpointMember.resume, checkpoint_id).items():
+        for m, result in self._fan.on_each(members, CheckpointMember.resume, checkpoint_id).items():
             if isinstance(result, Exception):
                 log.warning("could not resume %s (gone?): %s", m, str(result).splitlines()[0])
 
     def _pause(self, members: list[str], checkpoint_id: str) -> dict[str, Any]:
         """Hold every paused member; one that cannot be held (gone) is reported, not fatal."""
-        return self._on_each(members, CheckpointMember.pause, checkpoint_id, PAUSE_TIMEOUT, timeout=PAUSE_TIMEOUT + 10)
+        return self._fan.on_each(members, CheckpointMember.pause, checkpoint_id, PAUSE_TIMEOUT, timeout=PAUSE_TIMEOUT + 10)
 
-    def _on_each(self, members: list[str], method: Callable[..., Any], *args: Any,
-                 timeout: float = TAKE_TIMEOUT) -> dict[str, Any]:
+class Fanout:
+    """One call of a member method on many members at once: the leader's own member directly,
+    the others by ``transport``."""
+
+    def __init__(self, local: CheckpointMember, transport: Callable[..., Any]) -> None:
+        self._local, self._transport = local, transport
+
+    def call(self, member: str, method: Callable[..., Any], *args: Any, timeout: float = TAKE_TIMEOUT) -> Any:
+        if member == self._local.name:
+            return getattr(self._local, method.__name__)(*args)
+        return self._transport(member, method, *args, timeout=timeout)
+
+    def on_all(self, members: list[str], method: Callable[..., Any], *args: Any,
+               timeout: float = TAKE_TIMEOUT) -> dict[str, Any]:
+        with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+            futures = {m: pool.submit(self.call, m, method, *args, timeout=timeout) for m in members}
+            return {m: f.result() for m, f in futures.items()}
+
+    def on_each(self, members: list[str], method: Callable[..., Any], *args: Any,
+                timeout: float = TAKE_TIMEOUT) -> dict[str, Any]:
         """``method`` on every member at once; each one's result, or the exception it raised: a
         paused member (a trainer) that dies must not fail the checkpoint."""
         out: dict[str, Any] = {}
         with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
-            futures = {m: pool.submit(self._call, m, method, *args, timeout=timeout) for m in members}
+            futures = {m: pool.submit(self.call, m, method, *args, timeout=timeout) for m in members}
             for m, f in futures.items():
                 try:
                     out[m] = f.result()

@@ -9,7 +9,7 @@ import torch
 
 from ps.client.fetching import Fetching, GradOf, earliest, merged
 from ps.client.lookups import plan_lookups
-from ps.spec.sharding import ShardPlan
+from ps.spec.sharding import Slots, ShardPlan
 from ps.client.step_end import StepEnd
 from services.errors import UpdateRefused
 from trainer.ctr.config import CtrUpSettings
@@ -94,7 +94,7 @@ def _answered(value) -> torch.futures.Future:
 
 def test_a_local_step_hands_each_server_its_earliest_read():
     # Two tables over two servers, the first cut into two requests per server (a cap of 2 ids).
-    plans = {"a": ShardPlan(2, 10), "b": ShardPlan(2, 10)}
+    plans = {"a": ShardPlan(Slots.even(2), 10), "b": ShardPlan(Slots.even(2), 10)}
     plan = plan_lookups({"a": torch.tensor([0, 1, 2, 3]), "b": torch.tensor([5])}, plans, {"a": "a", "b": "b"}, 2)
     assert [k for k, _ in plan.requests] == [0, 1, 1]
     stamps = [11, 9, 12]     # each server's updates so far when it answered that request

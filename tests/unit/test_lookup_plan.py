@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from ps.client.lookups import plan_lookups
-from ps.spec.sharding import HashedPlan, ShardPlan, WholePlan
+from ps.spec.sharding import Slots, HashedPlan, ShardPlan, WholePlan
 
-PLANS = {"a": ShardPlan(3, 50), "b": WholePlan(3, 7, 2), "h": HashedPlan(3, 90)}
+PLANS = {"a": ShardPlan(Slots.even(3), 50), "b": WholePlan(Slots.even(3), 7, 2), "h": HashedPlan(Slots.even(3), 90)}
 TABLE_OF = {"a.weight": "a", "a.bias": "a", "b.weight": "b", "h.weight": "h"}
 
 

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from ps.server.metrics import PsMetrics
 from ps.server.participant import shard_files
 from ps.server.service import ParameterServer
+from ps.spec.sharding import resumed_slots
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.store import CheckpointStore
 from trainer.lm.config import LmModelConfig
@@ -55,11 +56,12 @@ def test_language_model_shards_restore_identical(lm_store, num_ps):
     info = lm_store.latest_valid()
     spec = model_spec(LmModelConfig.model_validate(info.meta["model"]))
     servers = []
+    slots = resumed_slots(spec, [f"ps{k}" for k in range(num_ps)], info.meta.get("layout"))
     for shard in range(num_ps):
         resumed, server = restore_newest(lm_store, True, None,
-                                         lambda info, k=shard: shard_files(info, spec, k, num_ps),
+                                         lambda info, k=shard: shard_files(info, spec, slots, f"ps{k}"),
                                          lambda states, k=shard: ParameterServer(
-                                             f"ps{k}", k, num_ps, spec, PsMetrics(CollectorRegistry(), "ps", f"ps{k}"),
+                                             f"ps{k}", k, slots, spec, PsMetrics(CollectorRegistry(), "ps", f"ps{k}"),
                                              restore=states))
         assert resumed is not None and resumed.id == "step-12"
         assert server.optimizer.steps == 12

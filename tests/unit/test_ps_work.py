@@ -75,7 +75,7 @@ def test_a_trainer_refuses_servers_that_disagree_on_the_job_or_run_an_older_vers
                       row_shapes={"tables.C1": (16,)})
     names = ["ps0", "ps1"]
     second = dataclasses.replace(first, name="ps1", shard=1)
-    check_server(names, 1, second, first)                      # the same job: accepted
+    check_server(names, 1, second, first, 1)                    # the same job: accepted
     older = SimpleNamespace(**{f.name: getattr(second, f.name) for f in dataclasses.fields(second)
                                if f.name != "row_shapes"})     # what an older server's answer unpickles to
     for info, why in [(dataclasses.replace(second, shard=0), "serves shard 0 of 2, expected shard 1"),
@@ -84,4 +84,4 @@ def test_a_trainer_refuses_servers_that_disagree_on_the_job_or_run_an_older_vers
                       (dataclasses.replace(second, row_shapes={}), "an older rpcps"),
                       (older, "an older rpcps than this trainer")]:
         with pytest.raises(PeerUnavailable, match=why):
-            check_server(names, 1, info, first)
+            check_server(names, 1, info, first, 1)

@@ -48,7 +48,7 @@ class CounterImpl(Counter):
         self.total += amount
         return self.total
 
-    def before_call(self, caller: str, method: str) -> None:
+    def before_call(self, caller: str, method: str, version: int = 0) -> None:
         self.calls.append(("before", caller, method))
 
     def after_call(self, method: str, seconds: float, ok: bool) -> None:

@@ -103,3 +103,42 @@ def test_each_table_steps_by_its_own_rule_and_its_state_reshards():
         for s in again:
             sums[s.layout.plans["ta"].global_ids(s.shard)] = s.optimizer.state_of(s.param("a"))["sum"]
         assert torch.equal(sums, state["sum"])
+
+
+def servers_under(slots, restore=None):
+    return [ParameterServer(name, k, slots, model_spec(MODEL), PsMetrics(CollectorRegistry(), "ps", name),
+                            restore=restore) for k, name in enumerate(slots.servers)]
+
+
+def test_a_change_of_layout_moves_rows_with_their_state_and_back():
+    """2 -> 3 -> 2 servers as the difference of layouts: every row, its optimizer state and each
+    dense tensor where the new layout puts it, bit for bit; a shard whose layout did not change
+    restores from its own state alone."""
+    from ps.server.state import gather_shard, same_layout
+    from ps.spec.sharding import first_slots
+    first = first_slots(model_spec(MODEL), 2)
+    old = servers_under(first)
+    for s in old:
+        train_a_little(s)
+    before = full_view(old)
+    states = [s.export_state() for s in old]
+    assert all(same_layout(st, s.layout) for st, s in zip(states, old))
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    three = servers_under(grown, restore=states)
+    assert not same_layout(states[0], three[0].layout) and three[2].layout.epoch == 2
+    back = grown.rebalanced(["ps0", "ps1"])
+    two = servers_under(back, restore=[s.export_state() for s in three])
+    for group in (three, two):
+        after = full_view(group)
+        for name in ("embedding.weight", "decoder.weight", "decoder.bias"):
+            pa, sa = gather_rows(before, name, MODEL.ntoken)
+            pb, sb = gather_rows(after, name, MODEL.ntoken)
+            assert torch.equal(pa, pb) and torch.equal(sa, sb), name
+        for name in before:
+            if name.startswith(("weight_", "bias_")):
+                assert torch.equal(before[name][0], after[name][0]) and torch.equal(before[name][1], after[name][1])
+    own = two[1].export_state()
+    params, *_ = gather_shard([own], two[1].layout, 1)
+    assert all(params[n] is own["params"][n] for n in ("embedding.weight", "decoder.bias"))   # taken as saved
+    with pytest.raises(ValueError, match="need every old shard"):
+        gather_shard([own], three[1].layout, 1)

@@ -2,39 +2,126 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-from ps.spec.sharding import ShardPlan, WholePlan, from_placement, placement_of, plan_of
+
+from ps.spec.model import DenseGroup, Lifecycle, ModelSpec, Table
+from ps.spec.sharding import (MIN_SLOTS, HashedPlan, Layout, ShardPlan, Slots, WholePlan, client_plans,
+                              placement_of, resumed_slots)
 from trainer.lm.softmax import DecoderShard, combine_partials
+
+
+def _spec(placement="", rows=23, hashed=False):
+    return ModelSpec({"t": Table(rows, {"t.weight": (2,)}, dict, placement=placement,
+                                 hashed=Lifecycle() if hashed else None)},
+                     (DenseGroup({"w": (3,)}, dict), DenseGroup({"v": (1,)}, dict)))
+
+
+def _partitions_every_id_once(plan, shards, ids):
+    parts = plan.partition(ids)
+    assert sorted(torch.cat([p for p, _ in parts]).tolist()) == list(range(ids.numel()))
+    for k, (pos, g) in enumerate(parts):
+        assert bool((plan.owner(g) == k).all()) and torch.equal(ids[pos], g)
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 5])
 @pytest.mark.parametrize("placement", ["row_wise", "table_wise"])
 def test_plan_partitions_every_id_exactly_once(shards, placement):
-    plan = plan_of(placement, shards, 23, 7)
-    assert from_placement(placement_of(plan), shards, 23) == plan
+    layout = Layout.of(_spec(placement), shards)
+    plan = layout.plans["t"]
+    assert client_plans(layout.slots, {"t": placement_of(plan)}, {"t": 23})["t"] == plan
     assert sum(plan.rows(k) for k in range(shards)) == 23
     owned = torch.cat([plan.global_ids(k) for k in range(shards)])
     assert sorted(owned.tolist()) == list(range(23))
-    ids = torch.tensor([0, 4, 7, 22, 13])
-    parts = plan.partition(ids)
-    assert sorted(torch.cat([p for p, _ in parts]).tolist()) == list(range(5))
-    for k, (pos, g) in enumerate(parts):
-        assert bool((plan.owner(g) == k).all()) and torch.equal(ids[pos], g)
+    _partitions_every_id_once(plan, shards, torch.tensor([0, 4, 7, 22, 13]))
 
 
-def test_a_row_wise_plan_refuses_more_shards_than_rows_and_a_small_table_goes_whole():
-    with pytest.raises(ValueError):
-        ShardPlan(4, 3)
-    assert isinstance(plan_of("", 4, 3, 5), WholePlan) and plan_of("", 4, 3, 5).home == 1
-    assert isinstance(plan_of("", 4, 4, 5), ShardPlan)
+@pytest.mark.parametrize("shards", [1, 2, 3, 7])
+def test_the_first_layout_places_every_id_where_id_mod_n_did(shards):
+    """So a checkpoint taken before slots restores as it was saved."""
+    plan = Layout.of(_spec(rows=10_007), shards).plans["t"]
+    assert plan.slots.count % shards == 0 and plan.slots.count >= MIN_SLOTS
+    for k in range(shards):
+        ids = plan.global_ids(k)
+        assert torch.equal(ids, torch.arange(k, 10_007, shards))
+        assert torch.equal(plan.to_local(ids), ids // shards)
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 2), (1, 4), (4, 3), (3, 5)])
+def test_a_change_of_servers_moves_a_share_of_the_slots_and_rows_stay_in_order(old, new):
+    first = Slots.even(old)
+    names = [f"ps{k}" for k in range(new)] if new > old else [f"ps{k}" for k in range(old) if k != 1][:new]
+    after = first.rebalanced(names)
+    assert after.epoch == first.epoch + 1 and after.servers == tuple(names)
+    moved = [m for m in first.moves(after) if m.what.startswith("slot:")]
+    # The fewest that can move: each server gives up only what it holds past its new share.
+    held = {n: int(first.owned[k]) for k, n in enumerate(first.servers)}
+    share = {n: int(after.owned[k]) for k, n in enumerate(after.servers)}
+    assert len(moved) == sum(max(0, held[n] - share.get(n, 0)) for n in held)
+    assert int(after.owned.max()) - int(after.owned.min()) <= 1
+    plan = ShardPlan(after, 9_999)
+    for k in range(new):
+        ids = plan.global_ids(k)
+        assert bool((ids[1:] > ids[:-1]).all()) and bool((plan.owner(ids) == k).all())
+        assert torch.equal(plan.to_local(ids), torch.arange(ids.numel()))
+    _partitions_every_id_once(plan, new, torch.randperm(9_999)[:500])
+
+
+def test_adding_one_server_moves_about_one_in_n_plus_one_of_the_rows():
+    first = Slots.even(2)
+    after = first.rebalanced(["ps0", "ps1", "ps2"])
+    before_plan, after_plan = ShardPlan(first, 100_000), ShardPlan(after, 100_000)
+    ids = torch.arange(100_000)
+    moved = int((before_plan.owner(ids) != after_plan.owner(ids)).sum())
+    assert abs(moved / 100_000 - 1 / 3) < 0.01         # id % 3 would move two thirds
+
+
+def test_a_unit_kept_whole_moves_only_when_its_server_leaves():
+    layout = Layout.of(_spec(), 3)
+    slots = layout.slots
+    assert [layout.group_owner(g) for g in range(2)] == [0, 1]
+    grown = slots.rebalanced(["ps0", "ps1", "ps2", "ps3"])
+    assert [m.what for m in slots.moves(grown) if not m.what.startswith("slot:")] == []
+    shrunk = slots.rebalanced(["ps0", "ps2"])
+    units = {m.what: (m.source, m.destination) for m in slots.moves(shrunk) if not m.what.startswith("slot:")}
+    assert units == {"dense:1": ("ps1", "ps2")}
+    assert Slots.from_dict(shrunk.to_dict()) == shrunk
+
+
+def test_a_layout_refuses_what_is_not_a_layout():
+    with pytest.raises(ValueError, match="epoch starts at 1"):
+        Slots(0, ("ps0",), (0,))
+    with pytest.raises(ValueError, match="each of its servers once"):
+        Slots(1, ("ps0", "ps0"), (0, 1))
+    with pytest.raises(ValueError, match="among its 1 servers"):
+        Slots(1, ("ps0",), (0, 1))
+    with pytest.raises(ValueError, match="slot count is fixed"):
+        Slots.even(2, 8).moves(Slots.even(2, 10))
+    with pytest.raises(KeyError, match="ps9 holds no part of layout 1"):
+        Slots.even(2).index("ps9")
+
+
+def test_a_small_table_goes_whole_and_an_unknown_placement_is_refused():
+    layout = Layout.of(_spec(rows=3), 4)
+    assert isinstance(layout.plans["t"], WholePlan) and layout.plans["t"].home == 0
+    assert isinstance(Layout.of(_spec(rows=4), 4).plans["t"], ShardPlan)
+    assert isinstance(Layout.of(_spec(rows=4, hashed=True), 8).plans["t"], HashedPlan)
     with pytest.raises(ValueError, match="unknown placement 'column_wise'"):
-        plan_of("column_wise", 2, 10, 0)
+        Layout.of(_spec("column_wise"), 2)
+
+
+def test_a_job_restarted_on_other_servers_moves_its_checkpoints_layout():
+    spec = _spec(rows=50)
+    saved = Layout.of(spec, 2).slots
+    assert resumed_slots(spec, ["ps0", "ps1"], None) == saved
+    assert resumed_slots(spec, ["ps0", "ps1"], saved.to_dict()) == saved
+    moved = resumed_slots(spec, ["ps0", "ps1", "ps2"], saved.to_dict())
+    assert moved.epoch == 2 and moved.count == saved.count and len(saved.moves(moved)) == saved.count // 3
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3])
 def test_softmax_partials_equal_cross_entropy_and_its_gradients(shards):
     torch.manual_seed(0)
     ntoken, nhid, n = 11, 6, 9
-    plan = ShardPlan(shards, ntoken)
+    plan = ShardPlan(Slots.even(shards), ntoken)
     w, b = torch.randn(ntoken, nhid), torch.randn(ntoken)
     h = torch.randn(n, nhid, requires_grad=True)
     targets = torch.randint(0, ntoken, (n,))
@@ -74,3 +161,12 @@ def test_buffer_pool_reuses_by_size_and_never_hands_out_one_buffer_twice():
     assert c.data_ptr() == a.data_ptr() and d.data_ptr() == b.data_ptr()
     e = pool.take(5, 10)                      # none free: a new one
     assert e.data_ptr() not in (c.data_ptr(), d.data_ptr())
+
+
+def test_a_table_smaller_than_the_slot_count_spreads_over_every_server_after_a_change():
+    first = Slots.even(2)
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    shrunk = grown.rebalanced(["ps0", "ps2"])
+    for slots, rows in ((grown, [11, 11, 11]), (shrunk, [16, 17])):
+        plan = ShardPlan(slots, 33)
+        assert sorted(plan.rows(k) for k in range(slots.num_shards)) == sorted(rows)

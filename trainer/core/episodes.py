@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, Optional
 
 from services.control import EpisodeGate, EpisodeStart, StepPause
-from services.errors import ServerLost, StepLost, UpdateRefused
+from services.errors import ServerLost, StaleLayout, StepLost, UpdateRefused
 from services.lifecycle import RoleState, StatusBoard
 from services.progress import Progress
 from trainer.core.data_wait import DataWait
@@ -39,7 +39,8 @@ class EpisodeRunner:
         self.progress = Progress(board, metrics)
         self.data = DataWait(loop, board, tell, self._leave_clock)
         self.failures = StepFailures(cfg, board, metrics, gate, pause, wake,
-                                     lambda names: loop.model.client.losses.returned(names))
+                                     lambda names: loop.model.client.losses.returned(names),
+                                     lambda: loop.model.client.follow_layout())
         self.report = StepReport(cfg.warmup_steps, self.unit, lambda: loop.model.replica)
 
     def run(self, request: EpisodeStart) -> None:
@@ -88,6 +89,9 @@ class EpisodeRunner:
                 if not self.failures.await_servers(exc):
                     return
                 self.board.set_state(RoleState.RUNNING, f"episode {self.episodes}")
+                continue
+            except StaleLayout as exc:
+                self.failures.relaid(exc)
                 continue
             except (UpdateRefused, StepLost) as exc:
                 self.failures.skip(exc)

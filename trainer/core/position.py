@@ -18,15 +18,21 @@ class Hold(Protocol):
 
 
 class PositionPart(PausedPart):
-    def __init__(self, name: str, pause: Hold, position: Callable[[], dict[str, Any]]) -> None:
-        self.name, self._pause, self._position = name, pause, position
+    def __init__(self, name: str, pause: Hold, position: Callable[[], dict[str, Any]],
+                 before_resuming: Callable[[], Any] = lambda: None) -> None:
+        """``before_resuming``: what the trainer does while still held, as it is let go (take
+        the leader's layout again: a change of layout happens while the trainers are held)."""
+        self.name, self._pause, self._position, self._before = name, pause, position, before_resuming
 
     def pause(self, timeout: float) -> None:
         if not self._pause.hold(timeout):
             raise CheckpointError(f"{self.name} did not reach a step boundary in {timeout:.0f}s")
 
     def resume(self) -> None:
-        self._pause.release()
+        try:
+            self._before()
+        finally:
+            self._pause.release()
 
     def state_dict(self) -> dict[str, Any]:
         return self._position()

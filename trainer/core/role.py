@@ -158,7 +158,7 @@ class ServedTrainer(RoleBase):
         hold = ClockPause(client) if client.consistency.clocked else self.pause
         if model.replica is not None:
             hold = ReplicaHold(hold, model.write_replica)
-        self.checkpoints.add(PositionPart(cfg.name, hold, self._position))
+        self.checkpoints.add(PositionPart(cfg.name, hold, self._position, before_resuming=client.follow_layout))
         self.metrics.up.set(1)
         self.board.update(step=steps, episode=None, episodes_completed=0, members=current_members(),
                           model=client.model, data=task.data, consistency=str(client.consistency))

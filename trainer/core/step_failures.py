@@ -1,6 +1,7 @@
 """What a trainer does with a step that did not apply (``StepFailures``): one the servers refused,
 or lost on its way, is skipped and counted, and many in a row stop the trainer; one lost to a
-server's going away waits for the server's return, counted toward no limit."""
+server's going away waits for the server's return, counted toward no limit; one planned with a
+layout the servers have left takes the leader's new one, counted toward no limit either."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,7 @@ import time
 from typing import Any, Callable
 
 from services.control import EpisodeGate, StepPause
-from services.errors import PeerUnavailable, ServerLost, StepLost, UpdateRefused
+from services.errors import PeerUnavailable, ServerLost, StaleLayout, StepLost, UpdateRefused
 from services.lifecycle import RoleState, StatusBoard
 from trainer.core.metrics import TrainerMetrics
 
@@ -18,12 +19,16 @@ log = logging.getLogger("trainer.core.episodes")
 
 class StepFailures:
     """``cfg``: the trainer's settings (``max_refused_steps``, ``server_wait``); ``returned``: of
-    some servers' names, those serving again (``ServerLosses.returned``)."""
+    some servers' names, those serving again (``ServerLosses.returned``); ``follow_layout``: take
+    the leader's layout again, whether it changed (``PsClient.follow_layout``)."""
 
     def __init__(self, cfg: Any, board: StatusBoard, metrics: TrainerMetrics, gate: EpisodeGate, pause: StepPause,
-                 wake: threading.Condition, returned: Callable[[list[str]], list[str]]) -> None:
+                 wake: threading.Condition, returned: Callable[[list[str]], list[str]],
+                 follow_layout: Callable[[], bool] = lambda: False) -> None:
         self.cfg, self.board, self.metrics = cfg, board, metrics
         self.gate, self.pause, self._wake, self._returned = gate, pause, wake, returned
+        self._follow_layout = follow_layout
+        self.relaid_steps = 0       # steps lost to a change of layout
         self.refused = 0            # steps skipped because their update was refused
         self.lost = 0               # steps skipped because they failed on their way (StepLost)
         self.server_losses = 0      # times a server went away under this trainer's step
@@ -51,6 +56,19 @@ class StepFailures:
             raise type(exc)(f"{self._in_a_row} steps in a row were refused or lost (the last: {exc}); "
                             f"stopping rather than spinning: check the data, --lr and --clip, and the trainers' "
                             f"connections to each other")
+
+    def relaid(self, exc: StaleLayout) -> None:
+        """A step a server refused as planned with an older layout: nothing of it applied there,
+        and its batch is skipped. The next step plans with the leader's layout; a layout that did
+        not change counts as any refused step does (so a server that keeps refusing cannot spin
+        this trainer forever)."""
+        if not self._follow_layout():
+            self.skip(exc)
+            return
+        self.lost += 1
+        self.relaid_steps += 1
+        log.info("step lost to a change of layout, planning with the leader's from now on: %s", exc)
+        self.board.update(lost_steps=self.lost, relaid_steps=self.relaid_steps)
 
     def await_servers(self, lost: ServerLost) -> bool:
         """A server went away under a step: that step is lost (its batch skipped), and this trainer

@@ -21,7 +21,7 @@ class StepClockService(ClockSurface):
         self.clock = clock
         self._caller = threading.local()
 
-    def before_call(self, caller: str, method: str) -> None:
+    def before_call(self, caller: str, method: str, version: int = 0) -> None:
         self._caller.name = caller
 
     @remote

@@ -17,7 +17,7 @@ from rpcps.data.criteo import table_sizes
 from rpcps.data.statistics import measured
 from rpcps.saved import load_model
 from rpcps.schema import Schema
-from services.errors import ConfigError, PeerUnavailable
+from services.errors import ConfigError, PeerUnavailable, StaleLayout
 from trainer.core.hosted import table_param
 from trainer.ctr.custom import SchemaModel, hosted_module
 from trainer.ctr.serving.rows import CriteoRows, RowFormat, SchemaRows
@@ -189,7 +189,11 @@ class Online:
               found: dict[str, dict[int, tuple[float, torch.Tensor]]]) -> None:
         at = time.time()            # the read reflects every update applied before it was sent
         try:
-            rows, weights = self.client.fetch(wanted, dense=dense)
+            try:
+                rows, weights = self.client.fetch(wanted, dense=dense)
+            except StaleLayout:        # rows moved to another server: read them where they are now
+                self.client.follow_layout()
+                rows, weights = self.client.fetch(wanted, dense=dense)
             step = self.client.call(self.client.leader, PsSurface.info).steps if dense else None
         except Exception as exc:  # noqa: BLE001 - whatever broke the read, the answer is the same refusal
             lost = getattr(exc, "servers", None) or self.client.losses.lost() or self.client.ps_names

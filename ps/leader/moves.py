@@ -1,0 +1,115 @@
+"""The leader's changes of layout while training goes on (``ps/server/moves.py`` is each
+server's side): servers join and leave a running job.
+
+``Mover.change(servers)`` makes the next layout over ``servers`` (``Slots.rebalanced``: the fewest
+slots move) and runs the difference of the two, with the trainers held at a step boundary as a
+checkpoint holds them (in sync and ssp by the step clock's freeze, so the change falls between two
+steps): each destination takes what comes to it from its source, then every server of either
+layout rebuilds its shard by the new one, and the leader adopts it (``Leading.adopt``: published,
+recorded in the next checkpoints). The trainers take the new layout as they go on. Nothing moves
+unless every server of the new layout is a member; a change that fails before the rebuilds leaves
+the old layout whole.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from ps.spec.sharding import Move, Slots
+from ps.spec.surface import ChangeSurface, MoveSurface
+from services.errors import BadRequest, NotReady
+from services.membership import current_members
+from services.remote import call, remote
+
+log = logging.getLogger("ps.server.role")
+
+STEP_TIMEOUT = 600.0        # seconds one server's part of a change may take
+
+
+def by_destination(moves: list[Move]) -> dict[str, dict[str, tuple[list[int], list[str]]]]:
+    """``moves`` as each destination takes them: per source, its slots and units."""
+    out: dict[str, dict[str, tuple[list[int], list[str]]]] = {}
+    for m in moves:
+        slots, units = out.setdefault(m.destination, {}).setdefault(m.source, ([], []))
+        if m.what.startswith("slot:"):
+            slots.append(int(m.what.split(":", 1)[1]))
+        else:
+            units.append(m.what)
+    return out
+
+
+class Mover(ChangeSurface):
+    def __init__(self, current: Callable[[], Slots], adopt: Callable[[Slots], None],
+                 paused: Callable[[Callable[[], Any]], tuple[Any, float]],
+                 members: Callable[[], list[str]] = current_members, transport: Callable[..., Any] = call) -> None:
+        """``current``/``adopt``: the leader's layout, and its taking a new one; ``paused``: run an
+        action with the trainers held (``Coordinator.paused``)."""
+        self._current, self._adopt, self._paused = current, adopt, paused
+        self._members, self._call = members, transport
+        self._lock = threading.Lock()       # one change at a time
+        self.last: dict[str, Any] = {}      # the last change, for /status
+
+    @remote
+    def change(self, servers: list[str], retire: bool = True) -> dict[str, Any]:
+        if not self._lock.acquire(blocking=False):
+            raise NotReady("a change of layout is under way; ask again when it has finished")
+        try:
+            old = self._current()
+            result = self._change(servers)
+        finally:
+            self._lock.release()
+        for name in [n for n in old.servers if n not in servers] if retire else []:
+            try:
+                self._call(name, MoveSurface.retire, timeout=STEP_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - it holds nothing now; stopping it is the engine's then
+                log.warning("could not retire %s: %s", name, str(exc).splitlines()[0])
+        return result
+
+    def _change(self, servers: list[str]) -> dict[str, Any]:
+        old = self._current()
+        if not servers or servers[0] != old.servers[0]:
+            raise BadRequest(f"the servers must begin with the leader, {old.servers[0]}; got {servers}")
+        if list(servers) == list(old.servers):
+            return {"epoch": old.epoch, "servers": list(servers), "moved_slots": 0, "pause_seconds": 0.0}
+        absent = [n for n in servers if n not in self._members()]
+        if absent:
+            raise NotReady(f"{', '.join(absent)} {'is' if len(absent) == 1 else 'are'} not serving yet: start "
+                           f"{'it' if len(absent) == 1 else 'them'} first (rpcps ps --name NAME ...)")
+        new = old.rebalanced(servers)
+        moves = old.moves(new)
+        started = time.monotonic()
+        self.last = {"epoch": new.epoch, "from": list(old.servers), "to": list(servers), "state": "moving",
+                     "moved_slots": sum(1 for m in moves if m.what.startswith("slot:")),
+                     "moved_units": [m.what for m in moves if not m.what.startswith("slot:")]}
+        log.info("layout %d -> %d: %s -> %s, %d slots and %d units move", old.epoch, new.epoch, list(old.servers),
+                 servers, self.last["moved_slots"], len(self.last["moved_units"]))
+        try:
+            sent, pause = self._paused(lambda: self._switch(old, new, moves))
+        except Exception as exc:
+            self.last.update(state="failed", error=str(exc).splitlines()[0])
+            raise
+        self.last.update(state="done", bytes=sent, pause_seconds=round(pause, 3),
+                         seconds=round(time.monotonic() - started, 3))
+        log.info("layout %d in force: %d bytes sent, trainers held %.3fs", new.epoch, sent, pause)
+        return dict(self.last)
+
+    def _switch(self, old: Slots, new: Slots, moves: list[Move]) -> int:
+        """Under the trainers' hold: the parts taken, every shard rebuilt, the layout adopted."""
+        takes = [(dest, source, slots, units) for dest, sources in by_destination(moves).items()
+                 for source, (slots, units) in sources.items()]
+        sent = sum(self._all([lambda t=t: self._call(t[0], MoveSurface.take_part, t[1], t[2], t[3], new.epoch,
+                                                      timeout=STEP_TIMEOUT) for t in takes]))
+        everyone = list(dict.fromkeys([*old.servers, *new.servers]))
+        self._all([lambda n=n: self._call(n, MoveSurface.relayout, new.to_dict(), timeout=STEP_TIMEOUT) for n in everyone])
+        self._adopt(new)
+        return sent
+
+    @staticmethod
+    def _all(calls: list[Callable[[], Any]]) -> list[Any]:
+        if not calls:
+            return []
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            return [f.result() for f in [pool.submit(c) for c in calls]]

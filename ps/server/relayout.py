@@ -1,0 +1,49 @@
+"""A server's side of a change of layout, served beside it (``MoveSurface``): its part of slots
+and units for a destination, taking its own parts from their sources, and the rebuild of its shard
+by the new layout behind the server's gate (``ps/server/moves.py`` says how)."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from ps.server.moves import part_of
+from ps.server.service import ParameterServer, build_shard
+from ps.spec.sharding import Slots
+from ps.spec.surface import MoveSurface
+from services.errors import NotSupported
+from services.remote import remote
+
+log = logging.getLogger("ps.server.role")
+
+
+class ShardMoves(MoveSurface):
+    def __init__(self, server: ParameterServer, stop: Callable[[], None] = lambda: None,
+                 relaid: Callable[[], None] = lambda: None) -> None:
+        """``stop``: the role's, when the leader retires this server; ``relaid``: told once its
+        shard was rebuilt (its status shows the new layout at once)."""
+        self.server, self._stop, self._relaid = server, stop, relaid
+
+    @remote
+    def retire(self) -> None:
+        server = self.server
+        if not server.empty:
+            raise NotSupported(f"{server.name} holds part of layout {server.layout.epoch}: move it away first")
+        log.info("retired by the leader: layout %d holds nothing here", server.layout.epoch)
+        self._stop()
+
+    @remote
+    def part(self, slots: list[int], units: list[str]) -> dict[str, Any]:
+        return part_of(self.server.export_state(), self.server.layout, slots, units)
+
+    @remote
+    def take_part(self, source: str, slots: list[int], units: list[str], epoch: int) -> int:
+        return self.server.staged.take_from(source, MoveSurface.part, slots, units, epoch)
+
+    @remote
+    def relayout(self, layout: dict[str, Any]) -> dict[str, Any]:
+        server, slots = self.server, Slots.from_dict(layout)
+        with server.gate.closed():       # its own state and what it took, rebuilt by the new layout
+            build_shard(server, slots, slots.position(server.name),
+                        [server.export_state(), *server.staged.take(slots.epoch)], complete=False)
+        self._relaid()
+        return {"epoch": slots.epoch, "rows": sum(p.rows(server.shard) for p in server.layout.plans.values())}

@@ -1,0 +1,100 @@
+"""A change of layout on live servers (no RPC): what leaves a source is taken by its destination
+and each rebuilds its shard by the new layout, every row, its optimizer state and the dense
+tensors bit for bit where the layout puts them; a server that joins holds nothing until then."""
+import threading
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from ps.server.metrics import PsMetrics
+from ps.server.moves import Gate
+from ps.server.relayout import ShardMoves
+from ps.server.service import ParameterServer
+from ps.spec.sharding import first_slots
+from trainer.lm.config import LmModelConfig
+from trainer.lm.model import model_spec
+
+MODEL = LmModelConfig(ntoken=60, emsize=4, nhid=4, nlayers=2, lr=0.1, optimizer="adagrad")
+ROWS = ("embedding.weight", "decoder.weight", "decoder.bias")
+
+
+def server(name, slots):
+    return ParameterServer(name, slots.position(name), slots, model_spec(MODEL),
+                           PsMetrics(CollectorRegistry(), "ps", name))
+
+
+def whole(servers):
+    """Every parameter and its Adagrad sum over the servers, rows by id."""
+    out = {}
+    for s in servers:
+        ids = s.layout.plans["vocabulary"].global_ids(s.shard)
+        for name, p in zip(s.params.names, s.optimizer.params):
+            acc = s.optimizer.optimizer.state.get(p, {}).get("sum", torch.zeros_like(p))
+            if name in ROWS:
+                value, total = out.setdefault(name, (torch.full((MODEL.ntoken, *p.shape[1:]), float("nan")),
+                                                     torch.full((MODEL.ntoken, *p.shape[1:]), float("nan"))))
+                value[ids], total[ids] = p.detach(), acc
+            else:
+                assert name not in out, f"{name} held twice"
+                out[name] = (p.detach().clone(), acc.clone())
+    return out
+
+
+def move(servers, old, new):
+    by_name = {s.name: s for s in servers}
+    for m in old.moves(new):
+        slots = [int(m.what.split(":")[1])] if m.what.startswith("slot:") else []
+        units = [] if slots else [m.what]
+        by_name[m.destination].staged.add(new.epoch, ShardMoves(by_name[m.source]).part(slots, units))
+    for s in servers:
+        ShardMoves(s).relayout(new.to_dict())
+
+
+def test_a_server_joins_empty_takes_its_share_and_hands_it_back():
+    first = first_slots(model_spec(MODEL), 2)
+    a, b = server("ps0", first), server("ps1", first)
+    for s in (a, b):
+        g = torch.Generator().manual_seed(s.shard)
+        s.optimizer.apply({p: torch.randn(p.shape, generator=g) for p in s.optimizer.params})
+    before = whole([a, b])
+    c = server("ps2", first)                     # beside the cluster: not in its layout yet
+    assert sum(c.info().tables.values()) == 0 and c.info().dense == ()
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    move([a, b, c], first, grown)
+    assert [s.layout.epoch for s in (a, b, c)] == [2, 2, 2]
+    assert sorted(sum(s.info().tables.values()) for s in (a, b, c)) == [20, 20, 20]
+    for group in ([a, b, c],):
+        after = whole(group)
+        for name, (value, acc) in before.items():
+            assert torch.equal(after[name][0], value) and torch.equal(after[name][1], acc), name
+    shrunk = grown.rebalanced(["ps0", "ps2"])
+    move([a, b, c], grown, shrunk)
+    assert sum(b.info().tables.values()) == 0 and b.info().dense == ()
+    after = whole([a, c])
+    for name, (value, acc) in before.items():
+        assert torch.equal(after[name][0], value) and torch.equal(after[name][1], acc), name
+    assert a.optimizer.steps == c.optimizer.steps == 1
+
+
+def test_a_rebuild_lacking_what_the_new_layout_gives_a_server_fails_and_keeps_its_shard():
+    first = first_slots(model_spec(MODEL), 2)
+    a = server("ps0", first)
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    shrunk = grown.rebalanced(["ps0"])            # ps0 would own everything, and took nothing
+    with pytest.raises(ValueError, match="lack"):
+        ShardMoves(a).relayout(shrunk.to_dict())
+    assert a.layout.slots == first and sum(a.info().tables.values()) == 30
+
+
+def test_the_gate_holds_requests_while_a_change_is_inside_and_waits_for_those_inside():
+    gate, order = Gate(), []
+    gate.enter()
+    closing = threading.Thread(target=lambda: [order.append("closing"), gate.closed().__enter__(),
+                                               order.append("closed")])
+    closing.start()
+    closing.join(0.2)
+    assert order == ["closing"]                   # waits for the request inside
+    gate.leave()
+    closing.join(5)
+    assert order == ["closing", "closed"]
