@@ -315,9 +315,13 @@ def _control(cmd: str, args: argparse.Namespace) -> int:
 def _scale(args: argparse.Namespace) -> int:
     if (args.servers is None) == (args.drain is None):
         raise CliError("say --servers N (the leader moves the job onto N servers) or --drain NAME")
+    name = args.drain if args.drain is not None else "ps0"
+    if not _sidecars(args, lambda n: n == name)[0]:
+        raise CliError(f"{name} is not a member of the running cluster's cluster.json: name its sidecar with "
+                       f"--sidecar URL")
     if args.drain is not None:
-        return _each(args, lambda c: c.drain(), lambda name: name == args.drain)
-    return _each(args, lambda c: c.scale(args.servers), lambda name: name == "ps0")
+        return _each(args, lambda c: c.drain(), lambda n: n == name)
+    return _each(args, lambda c: c.scale(args.servers), lambda n: n == name)
 
 
 # --- checkpoints on disk ---------------------------------------------------------------------------

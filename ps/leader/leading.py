@@ -89,7 +89,7 @@ class Leading:
                                        metrics=self.ctx.metrics, resumed=resumed, on_commit=publish,
                                        full_every=self.cfg.full_checkpoint_every)
         serve(self.coordinator)
-        self.mover = Mover(lambda: self.slots, self.adopt, self.coordinator.paused)
+        self.mover = Mover(lambda: self.slots, self.adopt, self.coordinator.paused, ended=self._changed)
         serve(self.mover)
         self._periodic = Periodic(take, lambda: self.server.optimizer.steps,
                                   self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_seconds).start()
@@ -103,6 +103,12 @@ class Leading:
         self.coordinator.plan = dataclasses.replace(plan, holders=slots.servers, meta={
             **plan.meta, "num_ps": slots.num_shards, "layout": slots.to_dict()})
         self.ctx.board.update(layout=slots.describe())
+
+    def _changed(self, last: dict[str, Any]) -> None:
+        self.ctx.metrics.layout_changes.labels(**self.ctx.metrics.labels, result=last["state"]).inc()
+        if last["state"] == "done":
+            self.ctx.metrics.layout_change_pause.set(last["pause_seconds"])
+        self.ctx.board.update(change=last)
 
     def tick(self) -> None:
         if self.clock is not None:

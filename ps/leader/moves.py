@@ -44,11 +44,13 @@ def by_destination(moves: list[Move]) -> dict[str, dict[str, tuple[list[int], li
 class Mover(ChangeSurface):
     def __init__(self, current: Callable[[], Slots], adopt: Callable[[Slots], None],
                  paused: Callable[[Callable[[], Any]], tuple[Any, float]],
-                 members: Callable[[], list[str]] = current_members, transport: Callable[..., Any] = call) -> None:
+                 members: Callable[[], list[str]] = current_members, transport: Callable[..., Any] = call,
+                 ended: Callable[[dict[str, Any]], None] = lambda last: None) -> None:
         """``current``/``adopt``: the leader's layout, and its taking a new one; ``paused``: run an
-        action with the trainers held (``Coordinator.paused``)."""
+        action with the trainers held (``Coordinator.paused``); ``ended``: told of each change that
+        ran, done or failed (``last``)."""
         self._current, self._adopt, self._paused = current, adopt, paused
-        self._members, self._call = members, transport
+        self._members, self._call, self._ended = members, transport, ended
         self._lock = threading.Lock()       # one change at a time
         self.last: dict[str, Any] = {}      # the last change, for /status
 
@@ -90,9 +92,11 @@ class Mover(ChangeSurface):
             sent, pause = self._paused(lambda: self._switch(old, new, moves))
         except Exception as exc:
             self.last.update(state="failed", error=str(exc).splitlines()[0])
+            self._ended(dict(self.last))
             raise
         self.last.update(state="done", bytes=sent, pause_seconds=round(pause, 3),
                          seconds=round(time.monotonic() - started, 3))
+        self._ended(dict(self.last))
         log.info("layout %d in force: %d bytes sent, trainers held %.3fs", new.epoch, sent, pause)
         return dict(self.last)
 

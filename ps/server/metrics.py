@@ -35,6 +35,11 @@ class PsMetrics(Metrics):
             "this server does not hold at its own, refused whole"
         ).labels(**self.labels)
         self.layout_epoch = self.gauge("rpcps_ps_layout_epoch", "the layout epoch this server serves by")
+        # The leader's: its changes of layout while training goes on.
+        self.layout_changes = self.counter("rpcps_ps_layout_changes_total", "changes of layout the leader made "
+                                           "while training went on, by how they ended", ("result",))
+        self.layout_change_pause = self.gauge("rpcps_ps_layout_change_pause_seconds",
+                                              "seconds the last change of layout held the trainers")
         self.slots_owned = self.gauge("rpcps_ps_slots", "the layout's slots this server owns")
         # The step clock's, on the leader (sync and ssp modes); staleness is every server's.
         self.barrier_wait = self.histogram(

@@ -45,6 +45,7 @@ def export_shard(shard: int, layout: Layout, model: dict, steps: int, params: di
     return {"format": FORMAT, "shard": shard, "num_shards": layout.num_shards, "layout": layout.slots.to_dict(),
             "model": dict(model), "steps": steps,
             "tables": tables, "params": params, "optim": optim_state, "marks": dict(marks or {}),
+            "table_params": {t: list(layout.table_params[t]) for t in layout.plans},
             "hashed": {t: {k: v for k, v in kept.items() if k not in ("rows", "ids")} for t, kept in hashed.items()}}
 
 

@@ -19,6 +19,8 @@ class PsStatus(RoleStatus):
     stale: int = 0                                 # requests planned with another layout, refused
     # the layout this server serves by: its epoch, its slot count, slots and units per server
     layout: Optional[dict[str, Any]] = None
+    # the leader: its last change of layout (epoch, from, to, state, slots moved, bytes, the trainers' hold)
+    change: Optional[dict[str, Any]] = None
     applied: Optional[dict[str, Any]] = None       # per trainer: steps and records applied here; repeats not applied
     consistency: Optional[str] = None              # async, sync, hybrid or ssp:K
     clock: Optional[dict[str, Any]] = None         # ps0 in sync/ssp: trainers' step clocks, whom a barrier waits for

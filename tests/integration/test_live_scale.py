@@ -37,6 +37,9 @@ def test_a_server_joins_takes_a_third_of_the_slots_and_drains_back(procs):
     assert grown["epoch"] == 2 and grown["state"] == "done", grown
     count = status(ps0)["layout"]["slots"]
     assert grown["moved_slots"] == count // 3 and grown["bytes"] > 0, grown
+    assert status(ps0)["change"] == grown
+    with ps0.client() as c:
+        assert 'rpcps_ps_layout_changes_total{name="ps0",result="done",role="ps"} 1.0' in c.metrics()
     before = steps(trainer)
     wait_until(lambda: steps(trainer) >= before + 3, 90, "training on three servers")
     rows = [status(s)["rows"] for s in (ps0, ps1, ps2)]
@@ -78,3 +81,58 @@ def test_a_change_that_cannot_be_made_is_refused_and_changes_nothing(procs):
     assert status(ps0)["layout"]["epoch"] == 1 and sum(status(s)["rows"] for s in (ps0, ps1)) == MODEL["ntoken"]
     with SidecarClient(ps0.url, timeout=10.0) as c:
         assert c._http.post("/scale", json={"servers": 0}).status_code == 422
+
+
+CTR = {"workload": "ctr", "scale": 0.0005, "dim": 4, "bottom": "8", "top": "8", "consistency": "sync"}
+STEPS = 14
+
+
+def _trained(procs, moves: bool) -> dict[str, torch.Tensor]:
+    """Two sync CTR trainers' 14 steps on two servers, with a third joining after step 3 and
+    drained after step 8 when ``moves``: the model at the end, every table's rows by id."""
+    ps0, ps1 = procs.start_servers(2, **CTR)
+    ps2 = procs.start("ps", "ps2", 3, **CTR) if moves else None
+    if ps2 is not None:
+        procs.wait_ready(ps2)
+    trainer = {"num_ps": 2, "num_trainers": 2, "start": True, "steps": STEPS, "batch_size": 64, "eval_samples": 256}
+    trainers = [procs.start_rl("ctr", f"ctr{k}", **trainer) for k in range(2)]
+    clock = lambda: status(ps0)["clock"]["step"]      # noqa: E731 - the steps every trainer took
+    if ps2 is not None:
+        wait_until(lambda: clock() >= 3, 120, "three sync steps")
+        with ps0.client(timeout=300.0) as c:
+            assert c.scale(3)["epoch"] == 2
+        wait_until(lambda: clock() >= 8, 120, "sync steps on three servers")
+        with ps2.client(timeout=300.0) as c:
+            assert c.drain()["epoch"] == 3
+        assert ps2.proc.wait(60) == 0
+    for t in trainers:
+        wait_until(lambda t=t: (status(t).get("episode") or {}).get("done"), 180, f"{t.name}'s {STEPS} steps")
+    with ps0.client(timeout=120.0) as c:
+        taken = c.checkpoint()
+    folder = procs.tmp / "ckpt" / f"step-{taken['step']}"
+    out: dict[str, torch.Tensor] = {}
+    for k in (0, 1):
+        shard = torch.load(folder / f"ps{k}.pt", weights_only=True)
+        table_of = {name: t for t, names in shard["table_params"].items() for name in names}
+        for name, value in shard["params"].items():
+            if name not in table_of:
+                out[name] = value           # a dense tensor, held whole
+                continue
+            for i, row in zip(shard["tables"][table_of[name]].tolist(), value):
+                out[f"{name}[{i}]"] = row
+    assert taken["step"] == STEPS
+    return out
+
+
+def test_a_sync_job_moved_two_three_two_ends_bit_for_bit_as_one_that_never_moved(procs, tmp_path):
+    from tests.support.cluster import Processes
+    moved = _trained(procs, moves=True)
+    still = Processes(tmp_path / "still")
+    (tmp_path / "still").mkdir()
+    try:
+        unmoved = _trained(still, moves=False)
+    finally:
+        still.stop_all()
+    assert moved.keys() == unmoved.keys() and sum("[" in k for k in moved) > 1000     # every row, by id
+    for name in moved:
+        assert torch.equal(moved[name], unmoved[name]), name
