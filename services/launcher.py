@@ -29,7 +29,7 @@ from services.lease import FENCED
 from services.lifecycle import RoleStatus
 from services.liveness import Liveness
 from services.names import parse_name
-from services.roster import Member, Roster, cause
+from services.roster import LeaderWants, Member, Roster, cause
 from services.upconfig import LauncherConfig
 from services.workload import Launch, roles, workloads
 
@@ -60,6 +60,10 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
                 f"({e['restarts']} in a row)")
     if kind == "waiting":
         return f"waiting for {', '.join(e['waiting'])} ({e['ready']}/{e['members']} ready)"
+    if kind == "scale" and e["action"] == "started":
+        return f"{e['name']} started for a change of layout ({e['sidecar']})"
+    if kind == "scale":
+        return f"{e['name']} stopped, not started again: {e['reason']}"
     if kind == "checkpoint":
         return f"checkpoint {e['id']} (step {e['step']}) in {e['path']}"
     if kind == "resuming":
@@ -91,6 +95,7 @@ class Launcher:
         self._started_at = time.monotonic()           # when every member was ready
         self._finished = False                        # the workload said its work is done
         self.liveness = Liveness(cfg.member_timeout, cfg.ready_timeout)
+        self.wants = LeaderWants(self.workload, self.leader, self.roster, self.liveness, self.emit)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -198,7 +203,7 @@ class Launcher:
         next_poll = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
-            for m in self.members:
+            for m in list(self.members):       # a member let go leaves the list
                 if m.restart_at is not None:
                     if now >= m.restart_at:
                         self.roster.respawn(m)
@@ -221,6 +226,8 @@ class Launcher:
                     self.roster.fence(m, cause(m.log_path, m.log_start))
                 if code == LEADER_LOST:
                     self.roster.rejoin(m)
+                elif code == 0 and self.wants.unwanted(m):
+                    continue                  # let go: the leader's layout holds nothing of it
                 elif not self.roster.schedule_restart(m, code):
                     return 1
             if time.monotonic() >= next_poll:  # statuses once a second; liveness every tick
@@ -251,6 +258,7 @@ class Launcher:
                     self._last_status[m.name] = c.status()
             except Exception:
                 pass  # restarting or gone: keep the last answer
+        self.wants.update()
 
     def _watched_status(self) -> dict[str, RoleStatus]:
         return {m.name: roles()[parse_name(m.name).role].status.model_validate(self._last_status.get(m.name, {}))

@@ -11,7 +11,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from services.checkpoint.store import CheckpointStore
 from services.client import SidecarClient
@@ -19,7 +19,7 @@ from services.leader import LEADER_LOST
 from services.placement import Placed, placement_for
 from services.processes import free_port, stop_in_waves
 from services.upconfig import LauncherConfig, flags
-from services.workload import Launch
+from services.workload import Launch, Planned
 
 log = logging.getLogger("services.launcher")
 
@@ -93,6 +93,29 @@ class Roster:
             m = Member(p.name, p.role, [], "", logs / f"{p.name}.log")
             self._place(m, anew=True)
             self.members.append(m)
+
+    def add(self, planned: Planned) -> Member:
+        """A member planned while the run goes on (a server a change of layout asks for): placed
+        where its placement puts a new one, and started."""
+        self.placement.add(planned.name)
+        self._own_argv[planned.name] = planned.argv
+        m = Member(planned.name, planned.role, [], "", self.cfg.state_dir / "logs" / f"{planned.name}.log")
+        self._place(m, anew=True)
+        self.members.append(m)
+        self.spawn(m)
+        self.write_state()
+        return m
+
+    def replan(self, planned: Planned) -> None:
+        """A member's own flags as the workload plans them now (its next start takes them)."""
+        m = next(m for m in self.members if m.name == planned.name)
+        self._own_argv[m.name] = planned.argv
+        self._place(m, anew=False)
+
+    def remove(self, m: Member) -> None:
+        """A member that stopped for good (exit 0, wanted no more): not started again."""
+        self.members.remove(m)
+        self.write_state()
 
     def _place(self, m: Member, anew: bool) -> None:
         """``m``'s command line and sidecar address, where its placement puts it now; a member
@@ -220,18 +243,9 @@ class Roster:
         self.write_state()
 
     def write_state(self) -> None:
-        state = {"sidecars": {m.name: m.url for m in self.members}, "roles": {m.name: m.role for m in self.members},
-                 "leader": self.leader, "launcher_pid": os.getpid(),
-                 "checkpoint_dir": str(self.checkpoint_dir.resolve()),
-                 "pids": {m.name: m.proc.pid for m in self.members if m.proc}, "master_port": self.master_port,
-                 "placed": {m.name: m.proc.describe() for m in self.members if m.proc},
-                 "failing": {m.name: f for m in self.members if (f := m.failing()) is not None},
-                 "answering": [m.name for m in self.members if m.answering]}
-        if (hosts := self.placement.describe()) is not None:
-            state["hosts"] = hosts
         path = self.cfg.state_dir / "cluster.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
+        tmp.write_text(json.dumps(cluster_record(self), indent=1))
         tmp.replace(path)
 
     def stop_waves(self, count: Optional[int] = None) -> None:
@@ -250,6 +264,67 @@ class Roster:
         finally:
             self.placement.close()
 
+
+
+def cluster_record(roster: Roster) -> dict[str, Any]:
+    """What ``cluster.json`` says of a run: each member's sidecar, role and handle (``Placed.describe``),
+    those failing, those answering, and the placement's hosts."""
+    members = roster.members
+    state = {"sidecars": {m.name: m.url for m in members}, "roles": {m.name: m.role for m in members},
+             "leader": roster.leader, "launcher_pid": os.getpid(),
+             "checkpoint_dir": str(roster.checkpoint_dir.resolve()),
+             "pids": {m.name: m.proc.pid for m in members if m.proc}, "master_port": roster.master_port,
+             "placed": {m.name: m.proc.describe() for m in members if m.proc},
+             "failing": {m.name: f for m in members if (f := m.failing()) is not None},
+             "answering": [m.name for m in members if m.answering]}
+    if (hosts := roster.placement.describe()) is not None:
+        state["hosts"] = hosts
+    return state
+
+
+class LeaderWants:
+    """The members the leader wants while the run goes on (a workload whose members change, its
+    ``Launch.members``): those missing started, each other one's flags as planned now, and one
+    that stops with exit 0 and is wanted no more let go instead of started again."""
+
+    def __init__(self, workload: Launch, leader: str, roster: Roster, liveness: Any,
+                 emit: Callable[[dict], None]) -> None:
+        self._wants = getattr(workload, "members", None)
+        self.leader, self.roster, self.liveness, self.emit = leader, roster, liveness, emit
+        self.wanted: Optional[set[str]] = None        # as the leader last said
+
+    def update(self) -> None:
+        leader = next((m for m in self.roster.members if m.name == self.leader), None)
+        if self._wants is None or leader is None or leader.restart_at is not None:
+            return
+        try:
+            with SidecarClient(leader.url, timeout=2.0) as c:
+                wanted = self._wants(c.status())
+        except Exception:  # noqa: BLE001 - restarting or busy: asked again at the next poll
+            return
+        if wanted is None:
+            return
+        self.wanted = {p.name for p in wanted}
+        have = {m.name for m in self.roster.members}
+        for planned in wanted:
+            if planned.name in have:
+                self.roster.replan(planned)
+                continue
+            m = self.roster.add(planned)
+            self.liveness.watch(m.name, m.url)
+            self.emit({"event": "scale", "name": m.name, "action": "started", "sidecar": m.url})
+
+    def unwanted(self, m: Member) -> bool:
+        """Whether ``m``, which stopped with exit 0, is one of the leader's role it wants no more
+        (asked again now: it may have stopped a moment after the leader's layout changed)."""
+        self.update()
+        if self.wanted is None or m.role != next(x.role for x in self.roster.members if x.name == self.leader) \
+                or m.name in self.wanted:
+            return False
+        self.roster.remove(m)
+        self.emit({"event": "scale", "name": m.name, "action": "stopped",
+                   "reason": "it holds nothing in the leader's layout"})
+        return True
 
 
 def resuming_newest(argv: list[str]) -> list[str]:

@@ -126,7 +126,10 @@ class Planned:
 class Launch(Protocol):
     """What ``rpcps up`` asks a workload: what to start, how to read its progress, when it is done.
     Optional: ``prepare()``, work before anything starts, returning warnings (or raising a
-    ``ConfigError``), and ``run_local(emit, should_stop)``, its one-process mode."""
+    ``ConfigError``); ``run_local(emit, should_stop)``, its one-process mode; and, for a workload
+    whose members change while it runs, ``members(leader_status)``: the members the leader's
+    status wants now, each as it would be planned (``rpcps up`` starts those it lacks and lets
+    go of those that stop with exit 0 and are wanted no more)."""
 
     def plan(self) -> list[Planned]: ...
     def watched(self, names: list[str]) -> list[str]: ...

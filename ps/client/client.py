@@ -88,9 +88,9 @@ class PsClient:
                  ", ".join(slots.servers))
         self.losses.track(list(slots.servers))
         self.slots, self.plans, self.ps_names = slots, client_plans(slots, self._placed, self._ids), list(slots.servers)
+        # The cache's copies stay good: a move changes where a row lives, not its value, and held
+        # rows go back to wherever the plans put them now.
         self.dense_shards, self.epoch = slots.dense_homes(), slots.epoch
-        if self.cache is not None:
-            self.cache.forget()      # copies of rows whose server changed
         return True
 
     def ask(self, ps: str, method: Callable[..., Any], *args: Any, waits: bool = False) -> torch.futures.Future:
@@ -142,7 +142,8 @@ class PsClient:
         answers = [self.ask(self.ps_names[k], read, ask) for k, ask in plan.requests]
         dense_shards = self.dense_shards if dense else []
         dense_futures = [self.ask(self.ps_names[k], PsSurface.dense_params) for k in dense_shards]
-        fetching = Fetching(plan, answers, dense_futures, dense_shards, copies, stamped=self.local_backward)
+        fetching = Fetching(plan, answers, dense_futures, dense_shards, copies, stamped=self.local_backward,
+                            servers=tuple(self.ps_names), epoch=self.epoch)
         if self.session is not None:
             self.session.track(fetching)
         return fetching

@@ -10,6 +10,7 @@ import torch
 
 from ps.client.cache import HotRows, Taken
 from ps.client.lookups import LookupPlan, plan_lookups
+from services.errors import StaleLayout
 from services.remote import wait
 
 if TYPE_CHECKING:
@@ -24,12 +25,14 @@ class Fetching:
 
     def __init__(self, plan: LookupPlan, answers: list[torch.futures.Future],
                  dense: list[torch.futures.Future], dense_servers: list[int], copies: Optional[Copies] = None,
-                 stamped: bool = False) -> None:
+                 stamped: bool = False, servers: tuple[str, ...] = (), epoch: int = 0) -> None:
+        """``servers``, ``epoch``: the layout the plan's server indices are of (``replanned``)."""
         # ``stamped``: each answer is (the server's updates when it read, the rows) (``read_rows``).
         self._stamps: list[Optional[int]] = [None] * len(answers)
         if stamped:
             answers = [f.then(self._unstamp(i)) for i, f in enumerate(answers)]
         self.plan, self._answers, self._dense = plan, answers, dense
+        self.servers, self.epoch = servers, epoch
         self._dense_servers = dense_servers      # the server of each dense answer
         self.copies = copies                     # rows taken from the cache
         self.issued_at = time.perf_counter()
@@ -181,6 +184,28 @@ class GradOf:
 
     def get(self, t: torch.Tensor, default: Any = None) -> Any:
         return default if t.grad is None else t.grad
+
+
+def replanned(fetched: "Fetching", pushes: list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]],
+                                                        dict[str, torch.Tensor]]],
+              client: "PsClient") -> list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
+    """``fetched``'s ``pushes``, planned by the client's layout now: a read planned before a change
+    of layout (read ahead across it) sends each row's gradient to the server that owns the row
+    now, and each dense tensor's to the server it was read from, by name."""
+    if fetched.epoch == client.epoch or not fetched.servers:
+        return pushes
+    out = []
+    for k, rows, dense in pushes:
+        if rows:
+            plan = plan_lookups({p: ids for p, (ids, _) in rows.items()}, client.plans, client.table_of, client.max_ids)
+            parts = plan.spread({p: g for p, (_, g) in rows.items()})
+            out += [(r, part, {}) for (r, _), part in zip(plan.requests, parts)]
+        if dense:
+            name = fetched.servers[k]
+            if name not in client.ps_names:
+                raise StaleLayout(f"dense tensors read from {name}, which the layout no longer names")
+            out.append((client.ps_names.index(name), {}, dense))
+    return out
 
 
 def merged(pushes: list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]) -> Pushes:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed.autograd as dist_autograd
 
-from ps.client.fetching import Fetching, GradOf, Pushes, earliest, merged
+from ps.client.fetching import Fetching, GradOf, Pushes, earliest, merged, replanned
 from ps.client.lookups import plan_lookups
 from ps.client.step_end import Finished, Replica, StepEnd
 from ps.spec.messages import Mark
@@ -133,4 +133,5 @@ class StepSession:
         if not any(f.has_leaves for f in self._fetched) and not self._pushed:
             return {}
         grads = self._grads()
-        return merged([push for f in self._fetched for push in f.pushes(grads)] + self._pushed)
+        return merged([push for f in self._fetched for push in replanned(f, f.pushes(grads), self.client)]
+                      + self._pushed)

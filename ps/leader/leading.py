@@ -111,6 +111,9 @@ class Leading:
         self.ctx.board.update(change=last)
 
     def tick(self) -> None:
+        if self.mover is not None:
+            self.mover.tick()
+            self.ctx.board.update(wanted=self.mover.wanted)
         if self.clock is not None:
             self.clock.tick()
             self.ctx.board.update(clock=self.clock.describe())

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ps.spec.sharding import Move, Slots
 from ps.spec.surface import ChangeSurface, MoveSurface
@@ -53,6 +53,32 @@ class Mover(ChangeSurface):
         self._members, self._call, self._ended = members, transport, ended
         self._lock = threading.Lock()       # one change at a time
         self.last: dict[str, Any] = {}      # the last change, for /status
+        self.wanted: Optional[list[str]] = None   # the servers a change asked for waits on to serve
+
+    def request(self, servers: list[str]) -> dict[str, Any]:
+        """Move the job onto ``servers``: now, when every one serves; else once they do (a
+        supervisor or an engine starting them meanwhile, ``tick``), and what it waits for."""
+        absent = [n for n in servers if n not in self._members()]
+        if not absent:
+            self.wanted = None
+            return self.change(servers)
+        self.wanted = list(servers)
+        log.info("a change onto %s waits for %s to serve", servers, ", ".join(absent))
+        return {"state": "waiting", "to": list(servers), "awaiting": absent, "epoch": self._current().epoch}
+
+    def tick(self) -> None:
+        """The change asked for, once every server it waits on serves (in a thread of its own)."""
+        wanted = self.wanted
+        if wanted is None or self._lock.locked() or any(n not in self._members() for n in wanted):
+            return
+        self.wanted = None
+
+        def run() -> None:
+            try:
+                self.change(wanted)
+            except Exception as exc:  # noqa: BLE001 - said in the status (``last``) and the log
+                log.error("the change onto %s failed: %s", wanted, str(exc).splitlines()[0])
+        threading.Thread(target=run, name="layout-change", daemon=True).start()
 
     @remote
     def change(self, servers: list[str], retire: bool = True) -> dict[str, Any]:
@@ -75,7 +101,8 @@ class Mover(ChangeSurface):
         if not servers or servers[0] != old.servers[0]:
             raise BadRequest(f"the servers must begin with the leader, {old.servers[0]}; got {servers}")
         if list(servers) == list(old.servers):
-            return {"epoch": old.epoch, "servers": list(servers), "moved_slots": 0, "pause_seconds": 0.0}
+            return {"epoch": old.epoch, "from": list(servers), "to": list(servers), "state": "unchanged",
+                    "moved_slots": 0, "moved_units": [], "bytes": 0, "pause_seconds": 0.0, "seconds": 0.0}
         absent = [n for n in servers if n not in self._members()]
         if absent:
             raise NotReady(f"{', '.join(absent)} {'is' if len(absent) == 1 else 'are'} not serving yet: start "
@@ -107,7 +134,8 @@ class Mover(ChangeSurface):
         sent = sum(self._all([lambda t=t: self._call(t[0], MoveSurface.take_part, t[1], t[2], t[3], new.epoch,
                                                       timeout=STEP_TIMEOUT) for t in takes]))
         everyone = list(dict.fromkeys([*old.servers, *new.servers]))
-        self._all([lambda n=n: self._call(n, MoveSurface.relayout, new.to_dict(), timeout=STEP_TIMEOUT) for n in everyone])
+        self._all([lambda n=n: self._call(n, MoveSurface.relayout, new.to_dict(), timeout=STEP_TIMEOUT)
+                   for n in everyone])
         self._adopt(new)
         return sent
 

@@ -126,7 +126,8 @@ def export_delta(server: Any, base: int, changed: tuple[dict[str, torch.Tensor],
         if state:
             out_optim[name] = {k: v.clone() for k, v in state.items()}
     return {"format": FORMAT, "delta": {"base": base}, "shard": shard, "num_shards": layout.num_shards,
-            "layout": layout.slots.to_dict(), "model": dict(server.spec.meta), "steps": server.optimizer.steps, "tables": tables,
+            "layout": layout.slots.to_dict(), "model": dict(server.spec.meta), "steps": server.optimizer.steps,
+            "tables": tables,
             "params": out_params, "optim": out_optim, "row_state": row_state, "hashed": kept,
             "marks": server.optimizer.marks.snapshot(),
             "dense": list(layout.dense_of(shard)),

@@ -20,11 +20,17 @@ RowsAndState = dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]     # par
 
 
 class ReplicaWrites:
-    def __init__(self, shard: ShardParams, optimizer: SharedOptimizer, checks: RequestChecks) -> None:
+    def __init__(self, shard: ShardParams, optimizer: SharedOptimizer, checks: RequestChecks,
+                 step: int = -1) -> None:
+        """``step``: of the replica written last (the shard was rebuilt by a change of layout)."""
         self.shard, self.optimizer, self.checks = shard, optimizer, checks
         self.params = {n: shard[n] for n in shard.dense_names}       # this shard's dense tensors by name
         self._rules = dict(zip(shard.names, shard.rules))
-        self._step = -1          # the step of the replica last written (under optimizer.lock)
+        self._step = step        # the step of the replica last written (under optimizer.lock)
+
+    @property
+    def step(self) -> int:
+        return self._step
 
     def write(self, weights: Any, step: Any, state: Any) -> bool:
         """Take the tensors from ``weights`` and their optimizer state from ``state`` (both may

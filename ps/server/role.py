@@ -120,7 +120,8 @@ class PsRole(RoleBase, WithoutEpisodes):
             self.board.update(**shard_status(server.layout, server.shard, self.metrics))
         hashed = server.hashed.describe() or None
         self.board.update(steps=server.optimizer.steps, refused=server.refusals.count,
-                          superseded=server.refusals.superseded, stale=server.refusals.stale, applied=server.optimizer.marks.status(),
+                          superseded=server.refusals.superseded, stale=server.refusals.stale,
+                          applied=server.optimizer.marks.status(),
                           work=server.work.describe(), hashed=hashed)
         if hashed:
             self.metrics.hashed(hashed, server.hashed.stale_rows)
@@ -146,7 +147,8 @@ class PsRole(RoleBase, WithoutEpisodes):
             resume, resume_from = False, None
         try:
             resumed, server = restore_newest(
-                self.store, resume, resume_from, lambda info: shard_files(info, self.spec, choice.of(info), self.cfg.name),
+                self.store, resume, resume_from,
+                lambda info: shard_files(info, self.spec, choice.of(info), self.cfg.name),
                 lambda states: self._server(choice.last, states), merge=apply_delta)
         except CheckpointError as exc:
             if self.endpoint.leader == self.cfg.name or resume_from is None:

@@ -14,7 +14,7 @@ CHANGE_TIMEOUT = 900.0      # seconds a change of layout may take, the copies of
 
 
 class Scaling:
-    def __init__(self, name: str, leader: str, mover: Callable[[], Optional[ChangeSurface]],
+    def __init__(self, name: str, leader: str, mover: Callable[[], Optional[Any]],
                  stop: Callable[[], None], joined: Callable[[], bool]) -> None:
         """``mover``: the leader's changes of layout (None on any other server, or before it
         leads); ``stop``: the role's; ``joined``: whether the server is in the group."""
@@ -26,7 +26,7 @@ class Scaling:
             raise NotSupported(f"{self.name} does not keep the layout: ask the leader, {self.leader}")
         if mover is None:
             raise NotReady(f"{self.name} does not lead yet")
-        return mover.change(ps_names(servers))
+        return mover.request(ps_names(servers))
 
     def drain(self) -> dict[str, Any]:
         if self.name == self.leader:

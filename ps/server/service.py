@@ -273,4 +273,5 @@ def build_shard(server: ParameterServer, slots: "Slots | int", shard: int,
                                  server.optimizer.clear_rows, params.touched)
     server.hashed.restore(kept)
     server.gradients = StepGradients(params, server.checks, server.contexts, lambda: server.optimizer.steps)
-    server.replica = ReplicaWrites(params, server.optimizer, server.checks)
+    before = getattr(server, "replica", None)       # a rebuild keeps its order of replica writes
+    server.replica = ReplicaWrites(params, server.optimizer, server.checks, before.step if before else -1)

@@ -21,6 +21,7 @@ class PsStatus(RoleStatus):
     layout: Optional[dict[str, Any]] = None
     # the leader: its last change of layout (epoch, from, to, state, slots moved, bytes, the trainers' hold)
     change: Optional[dict[str, Any]] = None
+    wanted: Optional[list[str]] = None             # the leader: the servers a change asked for waits on to serve
     applied: Optional[dict[str, Any]] = None       # per trainer: steps and records applied here; repeats not applied
     consistency: Optional[str] = None              # async, sync, hybrid or ssp:K
     clock: Optional[dict[str, Any]] = None         # ps0 in sync/ssp: trainers' step clocks, whom a barrier waits for
@@ -35,6 +36,11 @@ class PsStatus(RoleStatus):
             out.append(f"layout {self.layout['epoch']}, {mine}/{self.layout['slots']} slots")
         if self.stale:
             out.append(f"{self.stale} requests of another layout refused")
+        if self.wanted:
+            out.append(f"a change onto {', '.join(self.wanted)} waits for them to serve")
+        if self.change and self.change.get("state") in ("done", "failed"):
+            out.append(f"last change: layout {self.change['epoch']} {self.change['state']}"
+                       + (f", trainers held {self.change['pause_seconds']:g}s" if self.change["state"] == "done" else ""))
         if self.refused:
             out.append(f"{self.refused} updates refused")
         if self.superseded:

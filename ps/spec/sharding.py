@@ -276,6 +276,11 @@ class HashedPlan(ShardPlan):
     def id_max(self) -> int:
         return torch.iinfo(torch.int64).max
 
+    def rows(self, shard: int) -> int:
+        """Its share of the capacity; one row at least (an index holds one), also on a server
+        that owns no slot."""
+        return max(1, super().rows(shard))
+
     def global_ids(self, shard: int) -> torch.Tensor:
         raise TypeError("a hashed table's rows have no fixed ids: ask its index")
 

@@ -77,6 +77,11 @@ class OnHosts(_PortsInOrder):
         self.hosts = EmulatedHosts(names, self.cpus, self.rate).create()
         self.host_of = {n: n for n in names}
 
+    def add(self, name: str) -> None:
+        super().add(name)
+        self.hosts.add(name)
+        self.host_of[name] = name
+
     def master_addr(self, leader: str) -> str:
         return self.reach(leader)
 

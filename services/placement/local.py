@@ -43,6 +43,9 @@ class _PortsInOrder:
     def _number(self, names: list[str]) -> None:
         self._order = {name: i for i, name in enumerate(names)}
 
+    def add(self, name: str) -> None:
+        self._order.setdefault(name, len(self._order))
+
     def sidecar_port(self, name: str) -> int:
         return self._first_port + self._order[name] if self._first_port else free_port()
 

@@ -165,6 +165,12 @@ class OnSlurm:
             self.ports[name] = self._base + on_node.get(node, 0)
             on_node[node] = on_node.get(node, 0) + 1
 
+    def add(self, name: str) -> None:
+        """Placed by the same rule: the next node of the allocation in turn."""
+        node = self._allocated[len(self.nodes) % len(self._allocated)]
+        self.nodes[name] = node
+        self.ports[name] = self._base + sum(1 for n in self.nodes.values() if n == node) - 1
+
     def master_addr(self, leader: str) -> str:
         return self.nodes[leader]
 

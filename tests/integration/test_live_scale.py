@@ -4,11 +4,14 @@ moves a third of the slots to it while the trainer trains, and `POST /drain` on 
 after which it exits 0. No step is lost, every row is held by exactly one server at each layout,
 and a checkpoint records the layout in force."""
 import json
+import subprocess
+import sys
 
 import torch
 
 from services.client import SidecarClient
 from tests.support.cluster import SMALL_MODEL
+from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
 
 MODEL = {**SMALL_MODEL, "ntoken": 1000}  # the built-in corpus has 1000 word types
@@ -66,10 +69,9 @@ def test_a_server_joins_takes_a_third_of_the_slots_and_drains_back(procs):
     assert sorted(ids.tolist()) == list(range(MODEL["ntoken"]))
 
 
-def test_a_change_that_cannot_be_made_is_refused_and_changes_nothing(procs):
+def test_a_change_that_cannot_be_made_is_refused_and_one_that_waits_says_for_whom(procs):
     ps0, ps1 = procs.start_servers(2, **MODEL)
-    for role, ask, code, words in ((ps0, lambda c: c.scale(3), 503, "ps2 is not serving yet"),
-                                   (ps1, lambda c: c.scale(1), 501, "ask the leader, ps0"),
+    for role, ask, code, words in ((ps1, lambda c: c.scale(1), 501, "ask the leader, ps0"),
                                    (ps0, lambda c: c.drain(), 501, "cannot drain")):
         with role.client(timeout=60.0) as c:
             try:
@@ -78,9 +80,56 @@ def test_a_change_that_cannot_be_made_is_refused_and_changes_nothing(procs):
                 assert getattr(exc, "status", None) == code and words in str(exc), exc
             else:
                 raise AssertionError(f"{words}: accepted")
-    assert status(ps0)["layout"]["epoch"] == 1 and sum(status(s)["rows"] for s in (ps0, ps1)) == MODEL["ntoken"]
-    with SidecarClient(ps0.url, timeout=10.0) as c:
+    with ps0.client(timeout=60.0) as c:
+        waiting = c.scale(3)                 # ps2 is not serving: the leader waits for it
+        assert waiting["state"] == "waiting" and waiting["awaiting"] == ["ps2"], waiting
+        assert c.status()["wanted"] == ["ps0", "ps1", "ps2"]
+        assert c.scale(2)["state"] == "unchanged" and c.status()["wanted"] is None     # asked back: nothing waits
         assert c._http.post("/scale", json={"servers": 0}).status_code == 422
+    assert status(ps0)["layout"]["epoch"] == 1 and sum(status(s)["rows"] for s in (ps0, ps1)) == MODEL["ntoken"]
+
+
+TINY_CTR = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "32", "--top", "32", "--batch-size",
+            "256", "--eval-samples", "1000", "--progress-interval", "1"]
+
+
+def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(tmp_path, cleanup):
+    """As a user does it: `rpcps scale --servers 3` on a running `rpcps up` (async CTR) starts ps2
+    where the placement puts a new member, moves a third of the slots to it, and `--servers 2` moves
+    them back and lets it go: `rpcps up` does not start it again, and the trainers train on."""
+    up = UpProcess(tmp_path, *TINY_CTR, "--num-ps", "2", "--num-trainers", "2")
+    cleanup(up)
+    up.wait_event("started", 180)
+    ps0 = SidecarClient(up.cluster()["sidecars"]["ps0"], timeout=10.0)
+    trainer = SidecarClient(up.cluster()["sidecars"]["ctr0"], timeout=10.0)
+    wait_until(lambda: trainer.status().get("step", 0) >= 2, 120, "training")
+    grown = scale(tmp_path, up, "--servers", "3")
+    assert grown["epoch"] == 2 and grown["to"] == ["ps0", "ps1", "ps2"] and grown["state"] == "done", grown
+    assert up.wait_event("scale", 30, name="ps2", action="started")
+    sidecar = up.cluster()["sidecars"]["ps2"]
+    with SidecarClient(sidecar, timeout=10.0) as c:
+        assert c.status()["rows"] > 0 and c.status()["layout"]["epoch"] == 2
+    before = trainer.status()["step"]
+    wait_until(lambda: trainer.status()["step"] >= before + 3, 120, "training on three servers")
+
+    shrunk = scale(tmp_path, up, "--servers", "2")
+    assert shrunk["epoch"] == 3 and shrunk["to"] == ["ps0", "ps1"], shrunk
+    up.wait_event("scale", 60, name="ps2", action="stopped")
+    assert "ps2" not in up.cluster()["sidecars"]
+    before = trainer.status()["step"]
+    wait_until(lambda: trainer.status()["step"] >= before + 3, 120, "training on two servers again")
+    assert not any(e["event"] == "restart" for e in up.drain()), up.explain()
+    assert not trainer.status().get("lost_steps")
+    ps0.close()
+    trainer.close()
+    assert up.terminate() == 0, up.logs()
+
+
+def scale(tmp_path, up, *args) -> dict:
+    done = subprocess.run([sys.executable, "-m", "services.cli", "scale", *args, "--state-dir", str(up.state_dir)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + up.logs()
+    return json.loads(done.stdout.strip().splitlines()[-1])["ps0"]
 
 
 CTR = {"workload": "ctr", "scale": 0.0005, "dim": 4, "bottom": "8", "top": "8", "consistency": "sync"}

@@ -98,3 +98,21 @@ def test_the_gate_holds_requests_while_a_change_is_inside_and_waits_for_those_in
     gate.leave()
     closing.join(5)
     assert order == ["closing", "closed"]
+
+
+def test_a_hashed_tables_live_rows_move_with_their_counts_and_state():
+    from tests.unit.test_hashed_server import IDS, by_id, spec, step
+    model = spec(40)
+    first = first_slots(model, 2)
+    old = [ParameterServer(n, k, first, model, PsMetrics(CollectorRegistry(), "ps", n))
+           for k, n in enumerate(("ps0", "ps1"))]
+    for k in range(3):
+        step(old, IDS[k:k + 6], k + 1)
+    before = by_id(old)
+    third = ParameterServer("ps2", 2, first, model, PsMetrics(CollectorRegistry(), "ps", "ps2"))
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    move([*old, third], first, grown)
+    after = by_id([*old, third])
+    assert after.keys() == before.keys() and len(by_id([third])) > 0
+    for i, (value, acc, seen, hits) in before.items():
+        assert torch.equal(after[i][0], value) and after[i][1:] == (acc, seen, hits), i

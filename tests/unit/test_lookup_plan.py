@@ -119,3 +119,25 @@ def test_ids_already_distinct_plan_as_they_would_deduplicated(max_ids):
     grads = {p: torch.randn(*ids.shape, 2) for p, ids in asked.items()}
     for a, b in zip(plain.spread(grads), told.spread(grads)):
         assert a.keys() == b.keys() and all(torch.equal(a[p][1], b[p][1]) for p in a)
+
+
+def test_gradients_of_rows_read_before_a_change_of_layout_go_to_their_owners_now():
+    from types import SimpleNamespace
+
+    from ps.client.fetching import Fetching, replanned
+    from ps.client.lookups import LookupPlan
+    old = Slots.even(2, 12)
+    new = old.rebalanced(["ps0", "ps1", "ps2"])
+    client = SimpleNamespace(epoch=2, plans={"a": ShardPlan(new, 50)}, table_of={"a.w": "a"}, max_ids=100,
+                             ps_names=["ps0", "ps1", "ps2"])
+    read = Fetching(LookupPlan([], {}), [], [], [], servers=("ps0", "ps1"), epoch=1)
+    ids = torch.arange(0, 24)
+    pushes = [(0, {"a.w": (ids[ids % 2 == 0], torch.ones(12, 3))}, {}), (1, {}, {"w": torch.ones(2)})]
+    again = replanned(read, pushes, client)
+    for k, rows, _ in again:
+        for param, (sent, _) in rows.items():
+            assert bool((ShardPlan(new, 50).owner(sent) == k).all())
+    assert sorted(i for _, rows, _ in again for i in rows.get("a.w", (torch.tensor([]),))[0].tolist()) == \
+        ids[ids % 2 == 0].tolist()
+    assert [(k, list(d)) for k, r, d in again if d] == [(1, ["w"])]
+    assert replanned(Fetching(LookupPlan([], {}), [], [], [], servers=("ps0",), epoch=2), pushes, client) is pushes

@@ -31,11 +31,21 @@ class TrainersLaunch:
         """What every server is told besides the shared flags (the LM: its vocabulary's size)."""
         return []
 
+    def server(self, name: str, count: int) -> Planned:
+        """Server ``name`` of a job on ``count`` servers."""
+        return Planned(name, "ps", ["--workload", self.workload, "--num-ps", str(count), *self.server_argv(),
+                                    *self.common.restoring_flags(),
+                                    *flags(self.cfg, (*SERVER_FLAGS, *self.server_flags))])
+
+    def members(self, leader: dict[str, Any]) -> Optional[list[Planned]]:
+        """The servers the leader's status wants: those a change of layout it was asked for waits
+        on, else those of its layout (None before it says)."""
+        names = leader.get("wanted") or list((leader.get("layout") or {}).get("servers", {}))
+        return [self.server(n, len(names)) for n in names] if names else None
+
     def plan(self) -> list[Planned]:
         cfg = self.cfg
-        server = ["--workload", self.workload, "--num-ps", str(cfg.num_ps), *self.server_argv(),
-                  *self.common.restoring_flags(), *flags(cfg, (*SERVER_FLAGS, *self.server_flags))]
-        servers = [Planned(name, "ps", list(server)) for name in ps_names(cfg.num_ps)]
+        servers = [self.server(name, cfg.num_ps) for name in ps_names(cfg.num_ps)]
         trainers = []
         for i in range(cfg.num_trainers):
             argv = ["--num-ps", str(cfg.num_ps), "--num-trainers", str(cfg.num_trainers), "--start",

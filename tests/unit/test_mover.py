@@ -1,0 +1,89 @@
+"""The leader's changes of layout with fakes for the servers: what each is asked, in which order,
+the trainers held around it, and a change that waits for its servers to serve."""
+import threading
+
+import pytest
+
+from ps.leader.moves import Mover, by_destination
+from ps.spec.sharding import Slots
+from ps.spec.surface import MoveSurface
+from services.errors import BadRequest, NotReady
+from tests.support.wait import wait_until
+
+
+class Fakes:
+    def __init__(self, members):
+        self.slots = Slots.even(2, 12)
+        self.members = list(members)
+        self.calls: list[tuple] = []
+        self.held = False
+        self.done = threading.Event()
+
+    def paused(self, action):
+        self.held = True
+        try:
+            return action(), 0.01
+        finally:
+            self.held = False
+
+    def call(self, to, method, *args, timeout=None):
+        assert self.held or method is MoveSurface.retire, f"{method.__name__} outside the trainers' hold"
+        self.calls.append((to, method.__name__, *args))
+        return 100 if method is MoveSurface.take_part else {}
+
+    def adopt(self, slots):
+        self.slots = slots
+
+    def mover(self):
+        return Mover(lambda: self.slots, self.adopt, self.paused, lambda: self.members, self.call,
+                     ended=lambda last: self.done.set())
+
+
+def test_a_change_takes_the_parts_rebuilds_every_server_adopts_and_retires_who_left():
+    fakes = Fakes(["ps0", "ps1", "ps2"])
+    mover = fakes.mover()
+    grown = mover.change(["ps0", "ps1", "ps2"])
+    assert grown["epoch"] == 2 and grown["moved_slots"] == 4 and grown["bytes"] == 200 and grown["state"] == "done"
+    takes = [c for c in fakes.calls if c[1] == "take_part"]
+    assert sorted((c[0], c[2]) for c in takes) == [("ps2", "ps0"), ("ps2", "ps1")]
+    rebuilt = [c for c in fakes.calls if c[1] == "relayout"]
+    assert sorted(c[0] for c in rebuilt) == ["ps0", "ps1", "ps2"] and all(c[2]["epoch"] == 2 for c in rebuilt)
+    assert fakes.calls.index(takes[-1]) < fakes.calls.index(rebuilt[0]), "every part taken before any rebuild"
+    assert fakes.slots.epoch == 2 and fakes.slots.servers == ("ps0", "ps1", "ps2")
+    fakes.calls.clear()
+    mover.change(["ps0", "ps2"])
+    assert ("ps1", "retire") in [(c[0], c[1]) for c in fakes.calls]
+    assert mover.change(["ps0", "ps2"])["state"] == "unchanged"
+
+
+def test_a_change_refused_changes_nothing():
+    fakes = Fakes(["ps0", "ps1"])
+    mover = fakes.mover()
+    with pytest.raises(BadRequest, match="begin with the leader"):
+        mover.change(["ps1", "ps0"])
+    with pytest.raises(NotReady, match="ps2 is not serving yet"):
+        mover.change(["ps0", "ps1", "ps2"])
+    assert fakes.calls == [] and fakes.slots.epoch == 1
+
+
+def test_a_change_asked_before_its_server_serves_runs_once_it_does():
+    fakes = Fakes(["ps0", "ps1"])
+    mover = fakes.mover()
+    waiting = mover.request(["ps0", "ps1", "ps2"])
+    assert waiting == {"state": "waiting", "to": ["ps0", "ps1", "ps2"], "awaiting": ["ps2"], "epoch": 1}
+    mover.tick()
+    assert fakes.calls == [] and mover.wanted == ["ps0", "ps1", "ps2"]
+    fakes.members.append("ps2")
+    mover.tick()
+    assert fakes.done.wait(10)
+    wait_until(lambda: fakes.slots.epoch == 2, 10, "the change adopted")
+    assert mover.wanted is None and mover.last["state"] == "done"
+
+
+def test_moves_are_grouped_by_destination_and_source():
+    old = Slots.even(2, 12)
+    new = old.rebalanced(["ps0", "ps1", "ps2"])
+    grouped = by_destination(old.moves(new))
+    assert set(grouped) == {"ps2"} and set(grouped["ps2"]) == {"ps0", "ps1"}
+    assert sorted(s for slots, _ in grouped["ps2"].values() for s in slots) == \
+        [s for s, k in enumerate(new.owners) if k == 2]
