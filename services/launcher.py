@@ -29,7 +29,7 @@ from services.lease import FENCED
 from services.lifecycle import RoleStatus
 from services.liveness import Liveness
 from services.names import parse_name
-from services.roster import LeaderWants, Member, Roster, cause
+from services.roster import LeaderWants, Member, Roster, cause, final_checkpoint
 from services.upconfig import LauncherConfig
 from services.workload import Launch, roles, workloads
 
@@ -153,7 +153,7 @@ class Launcher:
             self._poll()
             if self.cfg.final_checkpoint and code == 0:
                 roster.stop_waves(1)          # the workers, which leave their positions with the leader
-                roster.final_checkpoint()
+                final_checkpoint(roster)
             self.emit({**self._summary(), "ended": "finished" if self._finished else "failed" if code else "stopped"})
             return code
         finally:

@@ -71,10 +71,10 @@ class Roster:
     def __init__(self, cfg: LauncherConfig, workload: Launch, leader: str, checkpoint_dir: Path,
                  emit: Callable[[dict], None], fail: Callable[[str], None]) -> None:
         self.cfg, self.workload, self.leader, self.checkpoint_dir = cfg, workload, leader, checkpoint_dir
-        self.emit, self._fail = emit, fail
+        self.emit, self.fail = emit, fail
         self.members: list[Member] = []
         self.master_port = 0
-        self._token = cfg.control_token.get_secret_value() if cfg.control_token else None
+        self.token = cfg.control_token.get_secret_value() if cfg.control_token else None
         self.newest_at_start: Optional[str] = None   # the newest checkpoint before this run
         self.on_restart: Callable[[Member], None] = lambda m: None   # its last status is stale
         self.on_respawn: Callable[[Member], None] = lambda m: None   # started again, maybe elsewhere
@@ -137,7 +137,7 @@ class Roster:
     def spawn(self, m: Member) -> None:
         # The token travels in the environment: argv is visible to every user of the machine.
         env = {"RPCPS_RESTARTS_IN_A_ROW": str(m.deaths), "RPCPS_LEASE_TIMEOUT": f"{self.cfg.member_timeout:g}",
-               **({"RPCPS_CONTROL_TOKEN": self._token} if self._token else {})}
+               **({"RPCPS_CONTROL_TOKEN": self.token} if self.token else {})}
         argv = m.argv
         if m.name == self.leader and m.restarts and self.newest_checkpoint() != self.newest_at_start:
             # This run has committed a checkpoint: a restarted leader resumes it, whatever the
@@ -154,14 +154,14 @@ class Roster:
         Kubernetes does), while the others go on. False: the user set --max-restarts and it is spent."""
         reason = m.died_of(code)
         if self.cfg.max_restarts is not None and m.deaths >= self.cfg.max_restarts:
-            self._fail(f"{m.name} exited with code {code} after {m.deaths} restarts in a row ({reason}); giving up "
+            self.fail(f"{m.name} exited with code {code} after {m.deaths} restarts in a row ({reason}); giving up "
                        f"(--max-restarts; see {m.log_path})")
             return False
         m.causes = (*m.causes, reason)
         if code > 0 and m.fenced is None and len(m.causes) >= SAME_FAILURES and len(set(m.causes[-SAME_FAILURES:])) == 1:
             # A restart cannot mend what fails the same way each time (the data, the settings, a bug):
             # say it and end the run rather than loop.
-            self._fail(f"{m.name} failed the same way at each of its last {SAME_FAILURES} starts: {reason} "
+            self.fail(f"{m.name} failed the same way at each of its last {SAME_FAILURES} starts: {reason} "
                        f"(log: {m.log_path})")
             return False
         m.deaths += 1
@@ -205,33 +205,6 @@ class Roster:
             self._place(member, anew=member is m)
         return True
 
-    def final_checkpoint(self) -> None:
-        """Once the workers have stopped (their final positions are with the leader), before the
-        servers stop: the last state of everything, in one checkpoint."""
-        leader = next(m for m in self.members if m.name == self.leader)
-        try:
-            with SidecarClient(leader.url, token=self._token, timeout=FINAL_CHECKPOINT_TIMEOUT) as c:
-                result = c.checkpoint()
-            self.emit({"event": "checkpoint", "id": result["id"], "step": result["step"], "path": result["path"]})
-        except Exception as exc:  # noqa: BLE001 - stopping must go on; the previous checkpoint stays valid
-            if self._stopping_itself(leader):
-                # Signalled with everyone else (`scancel` signals every member of a job): the
-                # servers take their own final checkpoint on the way out.
-                self.emit({"event": "warning", "message": f"{self.leader} was stopping already; the servers' own "
-                                                          "final checkpoint stands for this one"})
-            else:
-                self._fail(f"final checkpoint failed: {exc}")
-
-    @staticmethod
-    def _stopping_itself(m: Member, within: float = 10.0) -> bool:
-        if m.proc is None:
-            return False
-        try:
-            m.proc.wait(within)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-
     def respawn(self, m: Member) -> None:
         m.restart_at = None
         m.fenced = None
@@ -264,6 +237,34 @@ class Roster:
         finally:
             self.placement.close()
 
+
+
+def final_checkpoint(roster: Roster) -> None:
+    """Once the workers have stopped (their final positions are with the leader), before the
+    servers stop: the last state of everything, in one checkpoint, asked of ``roster``'s leader."""
+    leader = next(m for m in roster.members if m.name == roster.leader)
+    try:
+        with SidecarClient(leader.url, token=roster.token, timeout=FINAL_CHECKPOINT_TIMEOUT) as c:
+            result = c.checkpoint()
+        roster.emit({"event": "checkpoint", "id": result["id"], "step": result["step"], "path": result["path"]})
+    except Exception as exc:  # noqa: BLE001 - stopping must go on; the previous checkpoint stays valid
+        if _stopping_itself(leader):
+            # Signalled with everyone else (`scancel` signals every member of a job): the
+            # servers take their own final checkpoint on the way out.
+            roster.emit({"event": "warning", "message": f"{roster.leader} was stopping already; the servers' own "
+                                                        "final checkpoint stands for this one"})
+        else:
+            roster.fail(f"final checkpoint failed: {exc}")
+
+
+def _stopping_itself(m: Member, within: float = 10.0) -> bool:
+    if m.proc is None:
+        return False
+    try:
+        m.proc.wait(within)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def cluster_record(roster: Roster) -> dict[str, Any]:
