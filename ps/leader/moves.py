@@ -102,7 +102,8 @@ class Mover(ChangeSurface):
             raise BadRequest(f"the servers must begin with the leader, {old.servers[0]}; got {servers}")
         if list(servers) == list(old.servers):
             return {"epoch": old.epoch, "from": list(servers), "to": list(servers), "state": "unchanged",
-                    "moved_slots": 0, "moved_units": [], "bytes": 0, "pause_seconds": 0.0, "seconds": 0.0}
+                    "moved_slots": 0, "moved_units": [], "bytes": 0, "pause_seconds": 0.0, "take_seconds": 0.0,
+                    "rebuild_seconds": 0.0, "seconds": 0.0}
         absent = [n for n in servers if n not in self._members()]
         if absent:
             raise NotReady(f"{', '.join(absent)} {'is' if len(absent) == 1 else 'are'} not serving yet: start "
@@ -116,28 +117,31 @@ class Mover(ChangeSurface):
         log.info("layout %d -> %d: %s -> %s, %d slots and %d units move", old.epoch, new.epoch, list(old.servers),
                  servers, self.last["moved_slots"], len(self.last["moved_units"]))
         try:
-            sent, pause = self._paused(lambda: self._switch(old, new, moves))
+            (sent, phases), pause = self._paused(lambda: self._switch(old, new, moves))
         except Exception as exc:
             self.last.update(state="failed", error=str(exc).splitlines()[0])
             self._ended(dict(self.last))
             raise
-        self.last.update(state="done", bytes=sent, pause_seconds=round(pause, 3),
+        self.last.update(state="done", bytes=sent, pause_seconds=round(pause, 3), **phases,
                          seconds=round(time.monotonic() - started, 3))
         self._ended(dict(self.last))
         log.info("layout %d in force: %d bytes sent, trainers held %.3fs", new.epoch, sent, pause)
         return dict(self.last)
 
-    def _switch(self, old: Slots, new: Slots, moves: list[Move]) -> int:
-        """Under the trainers' hold: the parts taken, every shard rebuilt, the layout adopted."""
+    def _switch(self, old: Slots, new: Slots, moves: list[Move]) -> tuple[int, dict[str, float]]:
+        """Under the trainers' hold: the parts taken, every shard rebuilt, the layout adopted; the
+        bytes sent, and the seconds of the taking and of the rebuilds (where a hold goes)."""
         takes = [(dest, source, slots, units) for dest, sources in by_destination(moves).items()
                  for source, (slots, units) in sources.items()]
+        started = time.monotonic()
         sent = sum(self._all([lambda t=t: self._call(t[0], MoveSurface.take_part, t[1], t[2], t[3], new.epoch,
                                                       timeout=STEP_TIMEOUT) for t in takes]))
+        taken = time.monotonic()
         everyone = list(dict.fromkeys([*old.servers, *new.servers]))
         self._all([lambda n=n: self._call(n, MoveSurface.relayout, new.to_dict(), timeout=STEP_TIMEOUT)
                    for n in everyone])
         self._adopt(new)
-        return sent
+        return sent, {"take_seconds": round(taken - started, 3), "rebuild_seconds": round(time.monotonic() - taken, 3)}
 
     @staticmethod
     def _all(calls: list[Callable[[], Any]]) -> list[Any]:

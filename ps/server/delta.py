@@ -81,6 +81,23 @@ def export_state(server: Any, into: Optional[tuple] = None, since: Optional[int]
             return export_delta(server, since, server.params.touched.take(), kept)
         server.params.touched.take(listed=False)     # a whole snapshot: the marks' base once committed
     steps, params, state = server.optimizer.state_copy(into)
+    return _as_shard(server, steps, params, state, kept, marks)
+
+
+def held_state(server: Any) -> dict[str, Any]:
+    """``server``'s shard as ``export_state`` gives it, but its live tensors themselves, not copies,
+    and nothing evicted or taken for a delta: for a change of layout, which runs with the trainers
+    held and copies only what it picks (a rebuild behind the server's gate, a part for another
+    server), so a shard of gigabytes is not copied whole first."""
+    opt = server.optimizer
+    with opt.lock:
+        kept, marks = server.hashed.snapshot(), opt.marks.snapshot()
+        state = [{k: v for k, v in opt.live_state(p).items() if isinstance(v, torch.Tensor)} for p in opt.params]
+        return _as_shard(server, opt.steps, [p.detach() for p in opt.params], state, kept, marks)
+
+
+def _as_shard(server: Any, steps: int, params: list[torch.Tensor], state: list[dict[str, torch.Tensor]],
+              kept: dict[str, dict[str, Any]], marks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     names = server.params.names
     return export_shard(server.shard, server.layout, server.spec.meta, steps, dict(zip(names, params)),
                         {n: s for n, s in zip(names, state) if s}, kept, marks)

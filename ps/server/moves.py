@@ -62,9 +62,10 @@ class Gate:
 
 
 def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list[str]) -> dict[str, Any]:
-    """Of a shard state saved under ``layout`` (``export_state``), only the rows of ``slots`` and
-    the ``units`` (a table kept whole, ``table:<name>``; a dense group, ``dense:<g>``): a shard
-    state ``gather_shard`` reads beside others. Every parameter keeps its scalars (a step count)."""
+    """Of a shard state saved under ``layout`` (``export_state``, or ``held_state``'s live tensors),
+    only the rows of ``slots`` and the ``units`` (a table kept whole, ``table:<name>``; a dense
+    group, ``dense:<g>``), copied: a shard state ``gather_shard`` reads beside others. Every
+    parameter keeps its scalars (a step count)."""
     keep = torch.zeros(layout.slots.count, dtype=torch.bool)
     keep[torch.tensor(slots, dtype=torch.int64)] = True
     wanted = set(units)
@@ -82,7 +83,7 @@ def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list
             saved = state["optim"].get(name)
             if saved:
                 rows = by_row(layout.row_state.get(name), saved, values.shape[0])
-                out["optim"][name] = {k: v[pick] if k in rows else v for k, v in saved.items()}
+                out["optim"][name] = {k: v[pick] if k in rows else v.clone() for k, v in saved.items()}
         if table in state.get("hashed", {}):
             out["hashed"][table] = {k: v[pick] if isinstance(v, torch.Tensor) and v.numel() == ids.numel() else v
                                     for k, v in state["hashed"][table].items()}
@@ -90,9 +91,9 @@ def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list
         if dense_unit(g) in wanted:
             for name in names:
                 if name in state["params"]:
-                    out["params"][name] = state["params"][name]
+                    out["params"][name] = state["params"][name].clone()
                     if name in state["optim"]:
-                        out["optim"][name] = state["optim"][name]
+                        out["optim"][name] = {k: v.clone() for k, v in state["optim"][name].items()}
     return out
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from ps.server.delta import held_state
 from ps.server.moves import part_of
 from ps.server.service import ParameterServer, build_shard
+from ps.server.update import all_cores
 from ps.spec.sharding import Slots
 from ps.spec.surface import MoveSurface
 from services.errors import NotSupported
@@ -33,7 +35,8 @@ class ShardMoves(MoveSurface):
 
     @remote
     def part(self, slots: list[int], units: list[str]) -> dict[str, Any]:
-        return part_of(self.server.export_state(), self.server.layout, slots, units)
+        with all_cores():       # under the trainers' hold, as a checkpoint's copy
+            return part_of(held_state(self.server), self.server.layout, slots, units)
 
     @remote
     def take_part(self, source: str, slots: list[int], units: list[str], epoch: int) -> int:
@@ -42,8 +45,9 @@ class ShardMoves(MoveSurface):
     @remote
     def relayout(self, layout: dict[str, Any]) -> dict[str, Any]:
         server, slots = self.server, Slots.from_dict(layout)
-        with server.gate.closed():       # its own state and what it took, rebuilt by the new layout
+        # Its own state and what it took, rebuilt by the new layout, with every core (the trainers are held).
+        with server.gate.closed(), all_cores():
             build_shard(server, slots, slots.position(server.name),
-                        [server.export_state(), *server.staged.take(slots.epoch)], complete=False)
+                        [held_state(server), *server.staged.take(slots.epoch)], complete=False)
         self._relaid()
         return {"epoch": slots.epoch, "rows": sum(p.rows(server.shard) for p in server.layout.plans.values())}

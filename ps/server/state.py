@@ -105,7 +105,7 @@ def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int, compl
         else:
             pick = _rows_here(states, table, layout, plan.global_ids(shard), plan.num_ids, complete)
             for name in layout.table_params[table]:
-                params[name] = torch.cat([s["params"][name] for s in states])[pick].clone()
+                params[name] = _take([s["params"][name] for s in states], pick)
                 _gather_rows_state(states, name, pick, optim, layout.row_state.get(name))
     for name in layout.dense_of(shard):
         holder = [s for s in states if name in s["params"]]
@@ -167,6 +167,21 @@ def _rows_here(states: list[dict[str, Any]], table: str, layout: Layout, wanted:
     return found
 
 
+def _take(pieces: list[torch.Tensor], pick: torch.Tensor) -> torch.Tensor:
+    """The rows ``pick`` of ``pieces`` laid end to end, as a new tensor, without laying them end to
+    end first: a change of layout gathers a whole shard this way, and one copy less of it is most
+    of what the rebuild costs."""
+    if len(pieces) == 1:
+        return pieces[0][pick]                    # indexing by positions copies
+    out = pieces[0].new_empty((pick.numel(), *pieces[0].shape[1:]))
+    start = 0
+    for piece in pieces:
+        inside = ((pick >= start) & (pick < start + piece.size(0))).nonzero().squeeze(1)
+        out[inside] = piece[pick[inside] - start]
+        start += piece.size(0)
+    return out
+
+
 def _gather_rows_state(states: list[dict[str, Any]], name: str, pick: torch.Tensor,
                        optim: dict[str, dict[str, torch.Tensor]], row_state: Optional[tuple[str, ...]]) -> list[str]:
     """``name``'s optimizer state for the saved rows ``pick`` of every old shard, into ``optim``;
@@ -185,7 +200,7 @@ def _gather_rows_state(states: list[dict[str, Any]], name: str, pick: torch.Tens
         if by_row(row_state, {key: like}, states[k]["params"][name].size(0)):
             parts = [p if p is not None else like.new_zeros((s["params"][name].size(0), *like.shape[1:]))
                      for p, s in zip(given, states)]
-            optim[name][key] = torch.cat(parts)[pick].clone()
+            optim[name][key] = _take(parts, pick)
             by_rows.append(key)
         elif like.numel() == 1:  # scalars such as Adagrad's step count: the largest is the truest
             optim[name][key] = torch.stack([p.reshape(()) for p in given if p is not None]).max().clone()

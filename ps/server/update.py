@@ -181,7 +181,7 @@ class SharedOptimizer:
         A fresh gigabyte costs its page faults on first write; taking them here, before the trainers
         are held, leaves only a memory copy for ``state_copy``.
         """
-        with _all_cores():
+        with all_cores():
             params = [torch.empty_like(p).zero_() for p in self.params]
             state = [{k: torch.empty_like(v).zero_() for k, v in self.optimizer.state.get(p, {}).items()
                       if isinstance(v, torch.Tensor)} for p in self.params]
@@ -192,7 +192,7 @@ class SharedOptimizer:
         """(steps, parameters, per-parameter optimizer state), all private copies, taken at once
         (into ``into`` from ``copy_buffers`` when given)."""
         buffers = into if into is not None else self.copy_buffers()
-        with self.lock, _all_cores():
+        with self.lock, all_cores():
             for dst, p in zip(buffers[0], self.params):
                 dst.copy_(p.detach())
             for dst, p in zip(buffers[1], self.params):
@@ -215,9 +215,10 @@ class SharedOptimizer:
 
 
 @contextlib.contextmanager
-def _all_cores() -> Iterator[None]:
-    """Copy with every core: a checkpoint's snapshot runs while the trainers are held, so the
-    cores are otherwise idle, and a fresh copy's cost is page faults, which cores take in parallel."""
+def all_cores() -> Iterator[None]:
+    """Copy with every core: a checkpoint's snapshot (and a change of layout's rebuild) runs while
+    the trainers are held, so the cores are otherwise idle, and a fresh copy's cost is page faults,
+    which cores take in parallel."""
     before = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or before)
     try:

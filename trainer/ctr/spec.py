@@ -52,6 +52,9 @@ SPEC = WorkloadSpec(
                                "the same records", "trainer.ctr.bench_read"),
              BenchSpec("stream", "event to prediction: files landing in a followed folder, seconds until /predict "
                                  "answers with a model trained on each", "trainer.ctr.bench_stream"),
+             BenchSpec("reshard", "servers added to and removed from a training job live, against a stop and "
+                                  "a start on the new count: the trainers' longest step, samples/s, bytes moved",
+                       "trainer.ctr.bench_reshard"),
              BenchSpec("embeddings", "a hashed table against a plain one in one server: rows/s, bytes a row, "
                                      "eviction", "ps.server.hashed.bench")),
     scale=(ScaleCase("ctr-sync", "the built-in DLRM in sync, its MLPs replicated and all-reduced", (*_DLRM, *_SYNC),

@@ -1,0 +1,299 @@
+"""``rpcps bench reshard``: servers added to and removed from a training job, live, against the way
+without live moves (stop with a final checkpoint, start again with the new count), in one run.
+
+The built-in DLRM trains under ``rpcps up`` (generated Criteo data at ``--scale``, ``--trainers``
+trainers, ``--servers`` servers, ``--consistency``). While every trainer's step counter is read
+each ``--sample`` seconds, ``rpcps scale --servers N+1`` moves the job onto one more server (which
+``rpcps up`` starts), and ``--servers N`` moves it back. Then the job is stopped (SIGTERM: the final
+checkpoint) and started again on N+1 servers from that checkpoint, timed from the signal to each
+trainer's first step.
+
+For each move it prints: the leader's figures (slots, bytes, the trainers' hold, seconds); the
+longest time a trainer's counter stood still from the request to the end of the move, against the
+median step before; samples/s in the ``--window`` before the request and in the same length from
+it. ``met`` holds the targets: a move's longest step within 0.5 s of the median step, samples/s
+in the window from the move's start (once its servers serve) at least 0.7 of before (the window
+from the request, with a new server's start, is beside it), and the time without training at least 20 times shorter than the
+restart's. ``limits`` says what bounded it: the bytes moved, the load, the cores.
+
+A counter read every ``--sample`` seconds sees a step's length to within that: the longest still
+time is an upper bound on the longest step by one sample.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+PAUSE_OVER_MEDIAN_S = 0.5      # a move's longest step at most this much over the median step before
+DURING_OVER_BEFORE = 0.7       # samples/s while a move runs, against before it
+RESTART_OVER_LIVE = 20.0       # the restart's time without training, against the live move's
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scale", type=float, default=1.0, help="Criteo Kaggle's cardinalities times this "
+                                                            "(1: 33.8 M rows)")
+    p.add_argument("--servers", type=int, default=2, help="servers before the first move (one is added, then "
+                                                          "taken away)")
+    p.add_argument("--trainers", type=int, default=2, help="trainers")
+    p.add_argument("--consistency", default="async", help="async, sync, hybrid or ssp:K")
+    p.add_argument("--batch-size", type=int, default=2048, help="samples per trainer step")
+    p.add_argument("--window", type=float, default=15.0, help="seconds of training measured before each move "
+                                                              "and from its start")
+    p.add_argument("--sample", type=float, default=0.05, help="seconds between reads of the trainers' counters")
+    p.add_argument("--no-restart", action="store_true", help="leave out the stop-and-start side")
+    p.add_argument("--keep", type=Path, help="keep the jobs' logs and the counters read in this folder")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds the start, a move or the restart may take")
+    p.add_argument("--json", action="store_true", help="JSON only (the output is JSON anyway)")
+
+
+class Counters:
+    """Every trainer's step counter (``/status`` ``step``) read every ``period`` seconds in a
+    thread: (monotonic time, steps) per trainer."""
+
+    def __init__(self, urls: dict[str, str], period: float) -> None:
+        import httpx
+        self.period = period
+        self.seen: dict[str, list[tuple[float, int]]] = {n: [] for n in urls}
+        self.marks: list[tuple[str, float]] = []        # what happened when, for ``--keep``
+        self._clients = {n: httpx.Client(base_url=u, timeout=5.0) for n, u in urls.items()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="counters", daemon=True)
+
+    def __enter__(self) -> "Counters":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for c in self._clients.values():
+            c.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for name, c in self._clients.items():
+                try:
+                    step = int(c.get("/status").json().get("step") or 0)
+                except Exception:  # noqa: BLE001 - busy for a moment: the next read counts
+                    continue
+                self.seen[name].append((time.monotonic(), step))
+            self._stop.wait(self.period)
+
+    def steps_between(self, start: float, end: float) -> int:
+        """Steps every trainer took from ``start`` to ``end`` (monotonic), as far as read."""
+        total = 0
+        for seen in self.seen.values():
+            inside = [s for t, s in seen if start <= t <= end]
+            total += inside[-1] - inside[0] if len(inside) >= 2 else 0
+        return total
+
+    def median_step(self, start: float, end: float) -> Optional[float]:
+        """The median of the trainers' mean step seconds over ``start``..``end``."""
+        means = []
+        for seen in self.seen.values():
+            inside = [(t, s) for t, s in seen if start <= t <= end]
+            if len(inside) >= 2 and inside[-1][1] > inside[0][1]:
+                means.append((inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1]))
+        return statistics.median(means) if means else None
+
+    def stepped_after(self, when: float, timeout: float) -> None:
+        """Wait until every trainer's counter moved after ``when`` (the end of a hold: its length
+        is known only then)."""
+        deadline = time.monotonic() + timeout
+        while not all(any(t > when and s != prev for (t, s), (_, prev) in zip(seen[1:], seen[:-1]))
+                      for seen in list(self.seen.values())):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a trainer did not step within {timeout:.0f}s after the move")
+            time.sleep(self.period)  # noqa: sleep-ok (polling the reads with a deadline)
+
+    def longest_still(self, start: float, end: float) -> float:
+        """The longest time any trainer's counter stood still from ``start`` to ``end``: from the
+        read that first showed a step to the read that showed the next, the last step before
+        ``start`` and the first after ``end`` included."""
+        longest = 0.0
+        for seen in self.seen.values():
+            changed = [t for (t, s), (_, prev) in zip(seen[1:], seen[:-1]) if s != prev]
+            marks = [t for t in changed if t < start][-1:] + [t for t in changed if start <= t <= end] \
+                + [t for t in changed if t > end][:1]
+            longest = max([longest, *(b - a for a, b in zip(marks, marks[1:]))])
+        return longest
+
+
+def _up_argv(ns: argparse.Namespace, tmp: Path, servers: int, resume: bool) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "up", "--workload", "ctr", "--scale", str(ns.scale),
+            "--num-ps", str(servers), "--num-trainers", str(ns.trainers), "--consistency", ns.consistency,
+            "--batch-size", str(ns.batch_size), "--eval-samples", "0", "--checkpoint-dir", str(tmp / "ck"),
+            "--state-dir", str(tmp / "state"), "--progress-interval", "60", "--json",
+            *(["--resume"] if resume else [])]
+
+
+class Up:
+    """``rpcps up`` in a session of its own, its log in ``tmp``."""
+
+    def __init__(self, argv: list[str], tmp: Path, name: str) -> None:
+        self.tmp, self.log = tmp, tmp / f"{name}.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def sidecars(self) -> dict[str, str]:
+        path = self.tmp / "state" / "cluster.json"
+        try:
+            return json.loads(path.read_text()).get("sidecars", {}) if path.exists() else {}
+        except ValueError:
+            return {}                                  # written as it is read: the next read
+        # (cluster.json is replaced whole by rename, but a reader may still see an older one)
+
+    def trainers(self) -> dict[str, str]:
+        return {n: u for n, u in self.sidecars().items() if n.startswith("ctr")}
+
+    def stop(self, timeout: float) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait(30)
+
+
+def _wait(done: Any, timeout: float, up: Up, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if up.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout:.0f}s: {up.log.read_text()[-2000:]}")
+        time.sleep(0.1)  # noqa: sleep-ok (polling a condition with a deadline)
+
+
+def _get(url: str, path: str) -> Any:
+    import httpx
+    try:
+        r = httpx.get(f"{url}{path}", timeout=5.0)
+        return r.json() if path != "/metrics" else r.text
+    except Exception:  # noqa: BLE001 - starting or busy: not yet
+        return None
+
+
+def _steps_done(url: str) -> int:
+    """This trainer process's steps (its counter starts at 0 with the process, unlike ``step``)."""
+    text = _get(url, "/metrics") or ""
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("rpcps_trainer_steps_total{")))
+
+
+def _move(ns: argparse.Namespace, up: Up, counters: Counters, servers: int) -> dict[str, Any]:
+    """``rpcps scale --servers servers`` as a user runs it, measured."""
+    time.sleep(ns.window)  # noqa: sleep-ok (the window measured before the move)
+    asked = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "services.cli", "scale", "--servers", str(servers),
+                           "--state-dir", str(up.tmp / "state")], capture_output=True, text=True, timeout=ns.timeout)
+    ended = time.monotonic()
+    counters.marks += [(f"asked {servers}", asked), (f"done {servers}", ended)]
+    if done.returncode != 0:
+        raise RuntimeError(f"rpcps scale --servers {servers} failed: {done.stderr[-2000:]}")
+    change = json.loads(done.stdout.strip().splitlines()[-1])["ps0"]
+    if change.get("state") != "done":
+        raise RuntimeError(f"the change onto {servers} servers did not end done: {change}")
+    # The move proper starts when every server it needs serves: the leader's ``seconds`` end at
+    # ``ended`` (``rpcps scale`` returns as it ends); before that a new server was starting.
+    moving = ended - float(change["seconds"])
+    time.sleep(max(0.0, moving + ns.window - time.monotonic()) + ns.sample * 2)  # noqa: sleep-ok (the window from it)
+    counters.stepped_after(ended, ns.timeout)
+    median = counters.median_step(asked - ns.window, asked)
+    longest = counters.longest_still(moving, ended)
+    before = counters.steps_between(asked - ns.window, asked)
+    asking = counters.steps_between(asked, asked + ns.window)        # with the new server's start
+    during = counters.steps_between(moving, moving + ns.window)
+    return {"servers": servers, "epoch": change["epoch"], "moved_slots": change["moved_slots"],
+            "moved_units": len(change["moved_units"]), "bytes": change["bytes"],
+            "trainers_held_s": change["pause_seconds"], "taking_s": change["take_seconds"],
+            "rebuilding_s": change["rebuild_seconds"], "move_s": change["seconds"],
+            "asked_to_done_s": round(ended - asked, 3), "median_step_s": round(median, 4) if median else None,
+            "longest_step_s": round(longest, 3), "samples_per_s": {
+                "before": round(before * ns.batch_size / ns.window, 1),
+                "during": round(during * ns.batch_size / ns.window, 1),
+                "from_asked": round(asking * ns.batch_size / ns.window, 1)}}
+
+
+def _restart(ns: argparse.Namespace, up: Up, tmp: Path, servers: int) -> dict[str, Any]:
+    """The way without live moves: SIGTERM (the final checkpoint), then ``rpcps up --num-ps
+    servers --resume``, timed to each trainer's first step."""
+    stopped = time.monotonic()
+    code = up.stop(ns.timeout)
+    exited = time.monotonic()
+    if code != 0:
+        raise RuntimeError(f"rpcps up exited {code} on SIGTERM: {up.log.read_text()[-2000:]}")
+    again = Up(_up_argv(ns, tmp, servers, resume=True), tmp, "restart")
+    try:
+        first: dict[str, float] = {}
+
+        def stepped() -> bool:
+            for name, url in again.trainers().items():
+                if name not in first and _steps_done(url) >= 1:
+                    first[name] = time.monotonic()
+            return len(first) == ns.trainers
+        _wait(stepped, ns.timeout, again, "the restarted job's first steps")
+    finally:
+        again.stop(120)
+    return {"servers": servers, "stop_s": round(exited - stopped, 3),
+            "start_to_first_step_s": round(min(first.values()) - exited, 3),
+            "without_training_s": round(min(first.values()) - stopped, 3),
+            "until_every_trainer_s": round(max(first.values()) - stopped, 3)}
+
+
+def _keep(folder: Path, tmp: Path, counters: Counters, moves: list[dict[str, Any]]) -> None:
+    """The jobs' logs and every counter read (seconds since the first read), for a look after."""
+    import shutil
+    folder.mkdir(parents=True, exist_ok=True)
+    for log in [*tmp.glob("*.log"), *(tmp / "state").rglob("*.log")]:
+        shutil.copy(log, folder / log.name)
+    first = min((seen[0][0] for seen in counters.seen.values() if seen), default=0.0)
+    (folder / "counters.json").write_text(json.dumps(
+        {"moves": moves, "marks": [(what, round(t - first, 3)) for what, t in counters.marks], "seen": {n: [(round(t - first, 3), s) for t, s in seen] for n, seen in counters.seen.items()}}))
+
+
+def run(ns: argparse.Namespace) -> int:
+    n = ns.servers
+    with tempfile.TemporaryDirectory(prefix="rpcps-bench-reshard-") as tmp_name:
+        tmp = Path(tmp_name)
+        up = Up(_up_argv(ns, tmp, n, resume=False), tmp, "up")
+        try:
+            _wait(lambda: len(up.trainers()) == ns.trainers
+                  and all((_get(u, "/status") or {}).get("step", 0) >= 3 for u in up.trainers().values()),
+                  ns.timeout, up, "the job's start")
+            with Counters(up.trainers(), ns.sample) as counters:
+                moves = [_move(ns, up, counters, n + 1), _move(ns, up, counters, n)]
+            restart = None if ns.no_restart else _restart(ns, up, tmp, n + 1)
+        finally:
+            up.stop(120)
+        checkpoint_bytes = sum(f.stat().st_size for f in (tmp / "ck").rglob("*.pt")) if (tmp / "ck").exists() else 0
+        if ns.keep is not None:
+            _keep(ns.keep, tmp, counters, moves)
+    # Without training: what the longest step took past the median step (the hold is inside it).
+    live = max(max(0.0, m["longest_step_s"] - (m["median_step_s"] or 0.0)) for m in moves)
+    met = {"step_within_0.5s_of_median": all(m["median_step_s"] is not None and m["longest_step_s"]
+                                             <= m["median_step_s"] + PAUSE_OVER_MEDIAN_S for m in moves),
+           "samples_during_at_least_0.7x": all(m["samples_per_s"]["during"]
+                                               >= DURING_OVER_BEFORE * m["samples_per_s"]["before"] for m in moves)}
+    if restart is not None:
+        met["without_training_20x_shorter"] = restart["without_training_s"] >= RESTART_OVER_LIVE * max(live, 1e-3)
+    print(json.dumps({
+        "bench": "reshard", "moves": moves, "restart": restart,
+        "without_training_s": {"live": round(live, 3),
+                               "restart": restart["without_training_s"] if restart else None},
+        "met": met,
+        "limits": {"load_avg": os.getloadavg(), "cpus": os.cpu_count(), "sample_s": ns.sample,
+                   "checkpoint_bytes": checkpoint_bytes,
+                   "bytes_per_held_s": [round(m["bytes"] / max(m["trainers_held_s"], 1e-3)) for m in moves]},
+        "config": {"scale": ns.scale, "servers": n, "trainers": ns.trainers, "consistency": ns.consistency,
+                   "batch_size": ns.batch_size, "window_s": ns.window}}), flush=True)
+    return 0
