@@ -138,14 +138,47 @@ class Mover(ChangeSurface):
                                                       timeout=STEP_TIMEOUT) for t in takes]))
         taken = time.monotonic()
         everyone = list(dict.fromkeys([*old.servers, *new.servers]))
-        self._all([lambda n=n: self._call(n, MoveSurface.relayout, new.to_dict(), timeout=STEP_TIMEOUT)
-                   for n in everyone])
+        failed = self._rebuild(everyone, new)
+        if len(failed) == len(everyone):
+            raise next(iter(failed.values()))       # none rebuilt: the old layout is whole still
+        # Once one server has rebuilt, the new layout is the only one whose slots each have one
+        # owner: it is adopted. A server that did not rebuild (it died) starts again from the
+        # last checkpoint by it, losing what it learned since, as any lost server does.
         self._adopt(new)
+        if failed:
+            self.last["not_rebuilt"] = sorted(failed)
+            for name, exc in failed.items():
+                log.error("%s did not rebuild its shard by layout %d: %s; it holds it from its last checkpoint "
+                          "when it starts again", name, new.epoch, str(exc).splitlines()[0])
         return sent, {"take_seconds": round(taken - started, 3), "rebuild_seconds": round(time.monotonic() - taken, 3)}
 
+    def _rebuild(self, servers: list[str], new: Slots) -> dict[str, Exception]:
+        """Every one of ``servers`` rebuilt by ``new``; those that failed, tried once again if they
+        are still members (a call that failed on its way, not in the server), with what failed."""
+        failed: dict[str, Exception] = {}
+        for attempt in range(2):
+            names = servers if attempt == 0 else [n for n in failed if n in self._members()]
+            results = self._all([lambda n=n: self._call(n, MoveSurface.relayout, new.to_dict(), timeout=STEP_TIMEOUT)
+                                 for n in names], errors=True)
+            for name, result in zip(names, results):
+                if isinstance(result, Exception):
+                    failed[name] = result
+                else:
+                    failed.pop(name, None)
+            if not failed:
+                break
+        return failed
+
     @staticmethod
-    def _all(calls: list[Callable[[], Any]]) -> list[Any]:
+    def _all(calls: list[Callable[[], Any]], errors: bool = False) -> list[Any]:
+        """``calls`` at once; their results (``errors``: an exception in the place of a call that
+        raised it, else the first raised once every call has ended)."""
         if not calls:
             return []
         with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-            return [f.result() for f in [pool.submit(c) for c in calls]]
+            futures = [pool.submit(c) for c in calls]
+        out = [f.exception() or f.result() for f in futures]
+        first = next((r for r in out if isinstance(r, Exception)), None)
+        if first is not None and not errors:
+            raise first
+        return out

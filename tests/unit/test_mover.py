@@ -87,3 +87,45 @@ def test_moves_are_grouped_by_destination_and_source():
     assert set(grouped) == {"ps2"} and set(grouped["ps2"]) == {"ps0", "ps1"}
     assert sorted(s for slots, _ in grouped["ps2"].values() for s in slots) == \
         [s for s, k in enumerate(new.owners) if k == 2]
+
+
+class Failing(Fakes):
+    """Servers whose rebuild fails: ``dies`` (it left the members as it failed) or ``once`` (a
+    call that failed on its way, answered when asked again)."""
+
+    def __init__(self, members, dies=(), once=()):
+        super().__init__(members)
+        self.dies, self.once = set(dies), set(once)
+
+    def call(self, to, method, *args, timeout=None):
+        if method is MoveSurface.relayout and (to in self.dies or to in self.once):
+            self.calls.append((to, "relayout failed"))
+            self.once.discard(to)
+            if to in self.dies and to in self.members:
+                self.members.remove(to)
+            raise ConnectionError(f"{to} went away")
+        return super().call(to, method, *args, timeout=timeout)
+
+
+def test_a_server_lost_in_the_rebuilds_leaves_the_new_layout_in_force_and_named():
+    fakes = Failing(["ps0", "ps1", "ps2"], dies=["ps1"])
+    grown = fakes.mover().change(["ps0", "ps1", "ps2"])
+    # ps0 and ps2 rebuilt by layout 2: going back would give ps2's slots two owners
+    assert grown["state"] == "done" and grown["not_rebuilt"] == ["ps1"], grown
+    assert fakes.slots.epoch == 2
+    assert [c for c in fakes.calls if c[0] == "ps1" and c[1].startswith("relayout")] == [("ps1", "relayout failed")]
+
+
+def test_a_rebuild_that_failed_on_its_way_is_asked_again():
+    fakes = Failing(["ps0", "ps1", "ps2"], once=["ps2"])
+    grown = fakes.mover().change(["ps0", "ps1", "ps2"])
+    assert grown["state"] == "done" and "not_rebuilt" not in grown and fakes.slots.epoch == 2
+    assert [c[1] for c in fakes.calls if c[0] == "ps2" and c[1].startswith("relayout")] == ["relayout failed", "relayout"]
+
+
+def test_a_change_no_server_rebuilt_for_fails_and_leaves_the_old_layout():
+    fakes = Failing(["ps0", "ps1", "ps2"], dies=["ps0", "ps1", "ps2"])
+    mover = fakes.mover()
+    with pytest.raises(ConnectionError):
+        mover.change(["ps0", "ps1", "ps2"])
+    assert fakes.slots.epoch == 1 and mover.last["state"] == "failed"
