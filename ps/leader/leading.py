@@ -113,7 +113,7 @@ class Leading:
     def tick(self) -> None:
         if self.mover is not None:
             self.mover.tick()
-            self.ctx.board.update(wanted=self.mover.wanted)
+            self.ctx.board.update(wanted=self.mover.wanted, change=self.mover.progress())
         if self.clock is not None:
             self.clock.tick()
             self.ctx.board.update(clock=self.clock.describe())

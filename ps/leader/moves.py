@@ -53,6 +53,7 @@ class Mover(ChangeSurface):
         self._members, self._call, self._ended = members, transport, ended
         self._lock = threading.Lock()       # one change at a time
         self.last: dict[str, Any] = {}      # the last change, for /status
+        self._started = 0.0                 # when it began (monotonic)
         self.wanted: Optional[list[str]] = None   # the servers a change asked for waits on to serve
 
     def request(self, servers: list[str]) -> dict[str, Any]:
@@ -65,6 +66,14 @@ class Mover(ChangeSurface):
         self.wanted = list(servers)
         log.info("a change onto %s waits for %s to serve", servers, ", ".join(absent))
         return {"state": "waiting", "to": list(servers), "awaiting": absent, "epoch": self._current().epoch}
+
+    def progress(self) -> Optional[dict[str, Any]]:
+        """The last change as ``/status`` shows it (None: none yet); one under way with its
+        seconds so far."""
+        last = dict(self.last)
+        if last.get("state") == "moving":
+            last["elapsed_seconds"] = round(time.monotonic() - self._started, 3)
+        return last or None
 
     def tick(self) -> None:
         """The change asked for, once every server it waits on serves (in a thread of its own)."""
@@ -110,7 +119,7 @@ class Mover(ChangeSurface):
                            f"{'it' if len(absent) == 1 else 'them'} first (rpcps ps --name NAME ...)")
         new = old.rebalanced(servers)
         moves = old.moves(new)
-        started = time.monotonic()
+        self._started = started = time.monotonic()
         self.last = {"epoch": new.epoch, "from": list(old.servers), "to": list(servers), "state": "moving",
                      "moved_slots": sum(1 for m in moves if m.what.startswith("slot:")),
                      "moved_units": [m.what for m in moves if not m.what.startswith("slot:")]}

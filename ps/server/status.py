@@ -19,7 +19,8 @@ class PsStatus(RoleStatus):
     stale: int = 0                                 # requests planned with another layout, refused
     # the layout this server serves by: its epoch, its slot count, slots and units per server
     layout: Optional[dict[str, Any]] = None
-    # the leader: its last change of layout (epoch, from, to, state, slots moved, bytes, the trainers' hold)
+    # the leader: its last change of layout (epoch, from, to, state, slots moved, bytes, the trainers'
+    # hold, where it went) or the one under way (state moving, elapsed_seconds)
     change: Optional[dict[str, Any]] = None
     wanted: Optional[list[str]] = None             # the leader: the servers a change asked for waits on to serve
     applied: Optional[dict[str, Any]] = None       # per trainer: steps and records applied here; repeats not applied
@@ -38,7 +39,10 @@ class PsStatus(RoleStatus):
             out.append(f"{self.stale} requests of another layout refused")
         if self.wanted:
             out.append(f"a change onto {', '.join(self.wanted)} waits for them to serve")
-        if self.change and self.change.get("state") in ("done", "failed"):
+        if self.change and self.change.get("state") == "moving":
+            out.append(f"layout {self.change['epoch']} moving: {self.change['moved_slots']} slots, "
+                       f"{self.change.get('elapsed_seconds', 0):g}s so far")
+        elif self.change and self.change.get("state") in ("done", "failed"):
             out.append(f"last change: layout {self.change['epoch']} {self.change['state']}"
                        + (f", trainers held {self.change['pause_seconds']:g}s" if self.change["state"] == "done" else ""))
         if self.refused:

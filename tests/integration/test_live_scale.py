@@ -4,8 +4,11 @@ moves a third of the slots to it while the trainer trains, and `POST /drain` on 
 after which it exits 0. No step is lost, every row is held by exactly one server at each layout,
 and a checkpoint records the layout in force."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -67,6 +70,31 @@ def test_a_server_joins_takes_a_third_of_the_slots_and_drains_back(procs):
     shards = [torch.load(procs.tmp / "ckpt" / f"step-{taken['step']}" / f"ps{k}.pt", weights_only=True) for k in (0, 1)]
     ids = torch.cat([s["tables"]["vocabulary"] for s in shards])
     assert sorted(ids.tolist()) == list(range(MODEL["ntoken"]))
+
+    # The destination lost in the middle of a change: frozen as it is asked to take its part, then
+    # killed. The change fails, the old layout stays whole, and the trainer trains on.
+    ps2 = procs.start("ps", "ps2", 3, **MODEL)
+    procs.wait_ready(ps2)
+    os.kill(ps2.proc.pid, signal.SIGSTOP)
+    failed: list[BaseException] = []
+    asking = threading.Thread(target=lambda: _failing(lambda: ps0.client(timeout=300.0).scale(3), failed))
+    asking.start()
+    wait_until(lambda: (status(ps0).get("change") or {}).get("state") == "moving", 30, "the change under way")
+    os.kill(ps2.proc.pid, signal.SIGKILL)
+    asking.join(120)
+    assert failed and not asking.is_alive(), "the change onto a killed server did not fail"
+    wait_until(lambda: status(ps0)["change"]["state"] == "failed", 10, "the change said failed")
+    assert all(status(s)["layout"]["epoch"] == 3 for s in (ps0, ps1))
+    assert sum(status(s)["rows"] for s in (ps0, ps1)) == MODEL["ntoken"]
+    before = steps(trainer)
+    wait_until(lambda: steps(trainer) >= before + 3, 90, "training on after the change failed")
+
+
+def _failing(ask, failed: list) -> None:
+    try:
+        ask()
+    except Exception as exc:     # noqa: BLE001 - the failure is what the test waits for
+        failed.append(exc)
 
 
 def test_a_change_that_cannot_be_made_is_refused_and_one_that_waits_says_for_whom(procs):

@@ -129,3 +129,14 @@ def test_a_change_no_server_rebuilt_for_fails_and_leaves_the_old_layout():
     with pytest.raises(ConnectionError):
         mover.change(["ps0", "ps1", "ps2"])
     assert fakes.slots.epoch == 1 and mover.last["state"] == "failed"
+
+
+def test_a_change_under_way_shows_its_seconds_so_far():
+    fakes = Fakes(["ps0", "ps1", "ps2"])
+    seen = []
+    fakes.adopt = lambda slots: seen.append(mover.progress())        # in the middle of the change
+    mover = fakes.mover()
+    assert mover.progress() is None
+    mover.change(["ps0", "ps1", "ps2"])
+    assert seen[0]["state"] == "moving" and seen[0]["elapsed_seconds"] >= 0 and seen[0]["moved_slots"] == 4
+    assert mover.progress()["state"] == "done" and "elapsed_seconds" not in mover.progress()
