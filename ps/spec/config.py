@@ -47,7 +47,8 @@ class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
         "cluster": ("workload",),
         "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds", "full_checkpoint_every"),
         "failures": ("max_ids_per_request",), "consistency": ("consistency",)}
-    name: str = Field("ps0", description="RPC name: ps<index>, index < num_ps")
+    name: str = Field("ps0", description="RPC name: ps<index>; one past --num-ps joins a running job holding "
+                                         "nothing until the leader moves slots to it (rpcps scale)")
     workload: Optional[str] = Field(None, description="the workload whose model this server hosts (default: the first "
                                                       "registered one the servers host); every server the same")
     checkpoint_every_steps: Optional[int] = Field(None, ge=1, description="take a checkpoint every N cluster steps (ps0)")
@@ -70,6 +71,7 @@ class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
             hosted(self.workload)
         except KeyError as exc:
             raise ValueError(f"--workload: {exc.args[0]}") from None
-        if parse_name(self.name).index >= self.num_ps:
-            raise ValueError(f"name {self.name!r} needs num_ps > {parse_name(self.name).index}, got {self.num_ps}")
+        # The servers a job starts on are the leader's --num-ps; a server past them is one that joins
+        # a running job (the layout is the leader's), so that an engine scaling a service or a
+        # StatefulSet up can start it with the same settings as the others.
         return self

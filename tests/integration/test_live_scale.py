@@ -1,5 +1,5 @@
 """Servers join and leave a running job, as a user does it with roles run alone: a server started
-beside two (`rpcps ps --name ps2 --num-ps 3`) joins holding nothing; `POST /scale` on the leader
+beside two with their settings (`rpcps ps --name ps2 --num-ps 2`) joins holding nothing; `POST /scale` on the leader
 moves a third of the slots to it while the trainer trains, and `POST /drain` on it hands them back,
 after which it exits 0. No step is lost, every row is held by exactly one server at each layout,
 and a checkpoint records the layout in force."""
@@ -34,7 +34,7 @@ def test_a_server_joins_takes_a_third_of_the_slots_and_drains_back(procs):
     ps0, ps1 = procs.start_servers(2, **MODEL)
     trainer = procs.start("trainer", "trainer0", 2, start=True, **TRAINER)
     wait_until(lambda: steps(trainer) >= 3, 90, "training")
-    ps2 = procs.start("ps", "ps2", 3, **MODEL)
+    ps2 = procs.start("ps", "ps2", 2, **MODEL)      # the others' settings, as a StatefulSet scaled up has
     procs.wait_ready(ps2)
     assert status(ps2)["rows"] == 0 and status(ps2)["layout"]["epoch"] == 1       # beside the job, empty
 
