@@ -80,6 +80,8 @@ class Leading:
 
         def publish(info: Optional[CheckpointInfo]) -> None:
             announce(self.ctx.endpoint.store, Standing(info.id if info is not None else None, self._life.life, succeeds))
+        if resumed is None:
+            layout.forget(self.cfg.checkpoint_dir)
         layout.publish(self.ctx.endpoint.store, self.slots)      # before the standing the other servers wait for
         publish(resumed)
         plan = CheckpointPlan(holders=self.slots.servers, paused_role=self.client_role,
@@ -96,9 +98,11 @@ class Leading:
 
     def adopt(self, slots: Slots) -> None:
         """The job's layout from now on (a change of layout's last act, the trainers held):
-        published for servers that start later, and recorded in every checkpoint after."""
+        published for servers that start later, kept beside the checkpoints for a leader started
+        again, and recorded in every checkpoint after."""
         self.slots = slots
         layout.publish(self.ctx.endpoint.store, slots)
+        layout.record(self.cfg.checkpoint_dir, slots)
         plan = self.coordinator.plan
         self.coordinator.plan = dataclasses.replace(plan, holders=slots.servers, meta={
             **plan.meta, "num_ps": slots.num_shards, "layout": slots.to_dict()})

@@ -66,6 +66,11 @@ class LeaderLife:
         self.path = Path(folder) / LIFE_FILE
         self.life = uuid.uuid4().hex[:12]
 
+    @staticmethod
+    def left_behind(folder: Path) -> bool:
+        """Whether a leader's life is in ``folder``: the last one did not stop cleanly."""
+        return (Path(folder) / LIFE_FILE).exists()
+
     def begin(self) -> Optional[str]:
         """Record this life; the one a predecessor left behind when it died (None: it stopped cleanly, or none ran)."""
         previous = None

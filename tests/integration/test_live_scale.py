@@ -2,6 +2,7 @@
 beside two with their settings (`rpcps ps --name ps2 --num-ps 2`) joins holding nothing; `POST /scale` on the leader
 moves a third of the slots to it while the trainer trains, and `POST /drain` on it hands them back,
 after which it exits 0. No step is lost, every row is held by exactly one server at each layout,
+the leader lost after a change gives the job back on the servers it had,
 and a checkpoint records the layout in force."""
 import json
 import os
@@ -39,6 +40,7 @@ def test_a_server_joins_takes_a_third_of_the_slots_and_drains_back(procs):
     assert status(ps2)["rows"] == 0 and status(ps2)["layout"]["epoch"] == 1       # beside the job, empty
 
     with ps0.client(timeout=300.0) as c:
+        assert c.checkpoint()["step"] > 0         # on layout 1: the one a lost leader would restore
         grown = c.scale(3)
     assert grown["epoch"] == 2 and grown["state"] == "done", grown
     count = status(ps0)["layout"]["slots"]
@@ -53,6 +55,23 @@ def test_a_server_joins_takes_a_third_of_the_slots_and_drains_back(procs):
     assert all(status(s)["layout"]["epoch"] == 2 for s in (ps0, ps1, ps2))
     seen = status(trainer)
     assert not seen.get("lost_steps") and not seen.get("relaid_steps"), seen
+
+    # The leader lost before a checkpoint records layout 2: every member leaves (exit 75), and
+    # started again as an engine restarts them (the same settings, --num-ps 2), the leader gives the
+    # job back on its three servers, and ps1 and ps2 keep the shards they handed over.
+    os.kill(ps0.proc.pid, signal.SIGKILL)
+    for role in (ps1, ps2, trainer):
+        assert role.proc.wait(60) == 75, role.log_text()[-3000:]
+    ps0 = procs.start("ps", "ps0", 2, **MODEL)
+    ps1, ps2 = (procs.start("ps", name, 2, **MODEL) for name in ("ps1", "ps2"))
+    for role in (ps0, ps1, ps2):
+        procs.wait_ready(role)
+    trainer = procs.start("trainer", "trainer0", 2, start=True, **TRAINER)
+    assert status(ps0)["layout"]["epoch"] == 2 and list(status(ps0)["layout"]["servers"]) == ["ps0", "ps1", "ps2"]
+    for kept in (ps1, ps2):
+        assert (status(kept).get("resumed_from") or {}).get("handover") is True, status(kept)
+    assert sum(status(s)["rows"] for s in (ps0, ps1, ps2)) == MODEL["ntoken"]
+    wait_until(lambda: steps(trainer) >= 3, 90, "training again on three servers")
 
     with ps2.client(timeout=300.0) as c:
         drained = c.drain()

@@ -170,3 +170,50 @@ def test_a_table_smaller_than_the_slot_count_spreads_over_every_server_after_a_c
     for slots, rows in ((grown, [11, 11, 11]), (shrunk, [16, 17])):
         plan = ShardPlan(slots, 33)
         assert sorted(plan.rows(k) for k in range(slots.num_shards)) == sorted(rows)
+
+
+def test_a_leader_started_again_after_a_change_starts_from_the_layout_it_kept(tmp_path):
+    from pathlib import Path
+
+    from ps.leader import layout
+    from services.checkpoint.store import CheckpointInfo
+    spec = _spec(rows=50)
+    saved = Layout.of(spec, 2).slots                                   # what the newest checkpoint holds
+    grown = saved.rebalanced(["ps0", "ps1", "ps2"])                    # a change adopted after it
+    layout.record(tmp_path, grown)
+    assert layout.recorded(tmp_path) == grown.to_dict()
+    three = ["ps0", "ps1", "ps2"]
+
+    def info(files):
+        return CheckpointInfo(7, Path("step-7"), 0.0, {f: None for f in files}, {"layout": saved.to_dict()})
+    shared = info(["ps0.pt", "ps1.pt"])
+    assert layout.Choice(spec, three, kept=layout.recorded(tmp_path)).of(shared) == grown
+    # a volume per server: the checkpoint's own layout, which each server's own file matches
+    alone = info(["ps0.pt"])
+    assert layout.Choice(spec, three, kept=grown.to_dict()).of(alone) == resumed_slots(spec, three, saved.to_dict())
+    # a kept layout no newer than the checkpoint's, or of another slot count, is not this chain's
+    assert layout.Choice(spec, ["ps0", "ps1"], kept=saved.to_dict()).of(shared) == saved
+    other = Slots.even(2, saved.count * 2).rebalanced(three)
+    assert layout.Choice(spec, three, kept=other.to_dict()).of(shared) == resumed_slots(spec, three, saved.to_dict())
+    assert layout.Choice(spec, three, kept=grown.to_dict()).of(None) == resumed_slots(spec, three, None)
+    layout.forget(tmp_path)
+    assert layout.recorded(tmp_path) is None
+    (tmp_path / layout.LAYOUT_FILE).write_text("{not json")
+    assert layout.recorded(tmp_path) is None
+
+
+def test_a_lost_leader_started_again_gives_the_job_back_on_the_servers_it_had(tmp_path):
+    from pathlib import Path
+
+    from ps.leader import layout
+    from services.checkpoint.handover import LIFE_FILE
+    from services.checkpoint.store import CheckpointInfo
+    spec = _spec(rows=50)
+    saved = Layout.of(spec, 2).slots
+    grown = saved.rebalanced(["ps0", "ps1", "ps2"])
+    layout.record(tmp_path, grown)
+    newest = CheckpointInfo(7, Path("step-7"), 0.0, {"ps0.pt": None, "ps1.pt": None}, {"layout": saved.to_dict()})
+    (tmp_path / LIFE_FILE).write_text("{}")              # the last leader did not stop cleanly
+    assert layout.leaders_choice(spec, ["ps0", "ps1"], tmp_path).of(newest) == grown
+    (tmp_path / LIFE_FILE).unlink()                      # a stop and a start: the count asked for
+    assert layout.leaders_choice(spec, ["ps0", "ps1"], tmp_path).of(newest) == grown.rebalanced(["ps0", "ps1"])
