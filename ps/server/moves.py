@@ -12,7 +12,9 @@ replaced; the leader holds the trainers at a step boundary meanwhile, as a check
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -20,6 +22,8 @@ import torch
 from ps.spec.rules import by_row
 from ps.spec.sharding import Layout, WholePlan, dense_unit, table_unit
 from services.remote import call
+
+log = logging.getLogger("ps.server.role")
 
 MOVE_TIMEOUT = 600.0        # seconds a destination waits for the state of what comes to it
 
@@ -108,9 +112,13 @@ class Staged:
                   epoch: int) -> int:
         """``source``'s part of ``slots`` and ``units`` (``method``: ``PsSurface.part``), kept for
         ``epoch``; its bytes."""
+        started = time.monotonic()
         part = call(source, method, slots, units, timeout=MOVE_TIMEOUT)
         self.add(epoch, part)
-        return sum(v.numel() * v.element_size() for v in part["params"].values())
+        sent = sum(v.numel() * v.element_size() for v in part["params"].values())
+        log.info("took %d slots and %d units from %s for layout %d: %d bytes in %.3fs", len(slots), len(units),
+                 source, epoch, sent, time.monotonic() - started)
+        return sent
 
     def add(self, epoch: int, part: dict[str, Any]) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ by the new layout behind the server's gate (``ps/server/moves.py`` says how)."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 from ps.server.delta import held_state
@@ -36,7 +37,10 @@ class ShardMoves(MoveSurface):
     @remote
     def part(self, slots: list[int], units: list[str]) -> dict[str, Any]:
         with all_cores():       # under the trainers' hold, as a checkpoint's copy
-            return part_of(held_state(self.server), self.server.layout, slots, units)
+            started = time.monotonic()
+            part = part_of(held_state(self.server), self.server.layout, slots, units)
+        log.info("copied out %d slots and %d units in %.3fs", len(slots), len(units), time.monotonic() - started)
+        return part
 
     @remote
     def take_part(self, source: str, slots: list[int], units: list[str], epoch: int) -> int:
@@ -47,7 +51,9 @@ class ShardMoves(MoveSurface):
         server, slots = self.server, Slots.from_dict(layout)
         # Its own state and what it took, rebuilt by the new layout, with every core (the trainers are held).
         with server.gate.closed(), all_cores():
+            started = time.monotonic()
             build_shard(server, slots, slots.position(server.name),
                         [held_state(server), *server.staged.take(slots.epoch)], complete=False)
+        log.info("rebuilt by layout %d in %.3fs", slots.epoch, time.monotonic() - started)
         self._relaid()
         return {"epoch": slots.epoch, "rows": sum(p.rows(server.shard) for p in server.layout.plans.values())}
