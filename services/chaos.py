@@ -6,7 +6,8 @@ each to one member, through the handle its placement recorded in ``cluster.json`
 (``services/placement``), wherever it runs: ``--fault kill`` (SIGKILL); ``--fault stop`` (SIGSTOP,
 then SIGCONT after ``--for`` seconds, unless ``rpcps up`` has declared the member lost and
 replaced it by then: ``--member-timeout``); ``--fault partition`` (its host's link down for
-``--for`` seconds, its process running on; emulated hosts only). After each, it waits until the
+``--for`` seconds, its process running on; emulated hosts only); ``--fault scale`` (the job moved
+onto one parameter server more or one fewer: ``services/chaos_scale.py``). After each, it waits until the
 member runs again and every member is ready, then records what the fault cost, when the member
 was replaced (a frozen or cut-off one: when ``rpcps up`` detected it), when it counted its next
 step (an update applied, for a server; a step taken, for a trainer), and for a partition whether
@@ -31,6 +32,9 @@ from typing import Any, Callable, Literal, Optional
 
 from pydantic import Field
 
+from services.chaos_scale import Rescales
+from services.chaos_scale import human as scale_human
+from services.chaos_scale import summarize as scale_summary
 from services.checkpoint.store import CheckpointStore
 from services.client import SidecarClient
 from services.config import ConfigBase
@@ -44,9 +48,10 @@ class ChaosConfig(ConfigBase):
 
     state_dir: Path = Field(Path(".rpcps"), description="where `rpcps up` wrote cluster.json")
     kills: int = Field(10, ge=1, le=10_000, description="faults in all", json_schema_extra={"env": "RPCPS_CHAOS_KILLS"})
-    fault: Literal["kill", "stop", "partition"] = Field(
+    fault: Literal["kill", "stop", "partition", "scale"] = Field(
         "kill", description="kill: SIGKILL a member; stop: freeze it (SIGSTOP) for --for seconds, or until rpcps up "
-                            "replaces it; partition: cut its host's link for --for seconds (--emulate-hosts)")
+                            "replaces it; partition: cut its host's link for --for seconds (--emulate-hosts); "
+                            "scale: move the job onto one parameter server more or one fewer")
     for_seconds: float = Field(30.0, gt=0, le=3600, json_schema_extra={"flag": "--for"},
                                description="--fault stop: seconds a member stays frozen unless replaced first; "
                                            "--fault partition: seconds its link stays down")
@@ -153,6 +158,13 @@ class Chaos:
         return [n for n in names if n != state.get("leader")]
 
     def run(self) -> dict[str, Any]:
+        if self.cfg.fault == "scale":
+            records = Rescales(self.cluster, self._rng, self._pause, self.cfg.interval).run(self.cfg.kills)
+            for r in records:
+                self.emit({"event": "kill", **r})
+            summary = scale_summary(records)
+            self.emit({"event": "summary", **summary})
+            return summary
         choices = self.candidates()
         if self.cfg.fault == "partition":
             state = self.cluster.state()
@@ -262,6 +274,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def human(e: dict[str, Any]) -> str:
+    if e.get("fault") == "scale" or "median_pause_seconds" in e:
+        return scale_human(e)
     if e["event"] == "kill":
         did = {"stop": "froze", "partition": "cut off"}.get(e.get("fault"), "killed")
         if e.get("back_at") is None:

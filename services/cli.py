@@ -295,9 +295,6 @@ def _each(args: argparse.Namespace, call, pick: Callable[[str], bool] = lambda n
     return code
 
 
-SCALE_WAIT = 900.0      # seconds `rpcps scale` follows a change that waits for its servers
-
-
 def _control(cmd: str, args: argparse.Namespace) -> int:
     """A command that asks the sidecars of a running cluster."""
     if cmd == "status":
@@ -324,26 +321,8 @@ def _scale(args: argparse.Namespace) -> int:
                        f"--sidecar URL")
     if args.drain is not None:
         return _each(args, lambda c: c.drain(), lambda n: n == name)
-    return _each(args, lambda c: _scaled(c, c.scale(args.servers)), lambda n: n == name)
-
-
-def _scaled(c: Any, asked: dict) -> dict:
-    """The change ``asked`` once it ran: one that waits for its new servers to serve (``rpcps up``
-    starting them meanwhile) is followed in the leader's status until it is done or failed."""
-    if asked.get("state") != "waiting":
-        return asked
-    print(json.dumps({"awaiting": asked["awaiting"]}), file=sys.stderr)
-    deadline = time.monotonic() + SCALE_WAIT
-    while time.monotonic() < deadline:
-        change = c.status().get("change") or {}
-        if change.get("to") == asked["to"] and change.get("epoch", 0) > asked["epoch"] \
-                and change.get("state") in ("done", "failed"):
-            if change["state"] == "failed":
-                raise CliError(f"the change onto {', '.join(asked['to'])} failed: {change.get('error')}")
-            return change
-        time.sleep(0.5)  # noqa: sleep-ok (polling the leader's status, bounded by the deadline)
-    raise CliError(f"the change onto {', '.join(asked['to'])} did not run within {SCALE_WAIT:.0f}s: is "
-                   f"{', '.join(asked['awaiting'])} starting? (the leader's /status says what it waits for)")
+    said = lambda asked: print(json.dumps({"awaiting": asked["awaiting"]}), file=sys.stderr)  # noqa: E731
+    return _each(args, lambda c: c.scaled(args.servers, waiting=said), lambda n: n == name)
 
 
 # --- checkpoints on disk ---------------------------------------------------------------------------

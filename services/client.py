@@ -1,9 +1,17 @@
 """HTTP client of a sidecar, used by the CLI, the launcher and tests."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import httpx
+
+
+SCALE_WAIT = 900.0      # seconds a change that waits for its servers is followed
+
+
+class ChangeFailed(RuntimeError):
+    """A change of layout that failed, or did not run in time."""
 
 
 class SidecarError(RuntimeError):
@@ -64,6 +72,27 @@ class SidecarClient:
 
     def drain(self) -> dict:
         return self._json("POST", "/drain", timeout=900.0)
+
+    def scaled(self, servers: int, timeout: float = SCALE_WAIT,
+               waiting: Callable[[dict], None] = lambda asked: None) -> dict:
+        """``scale`` once the change ran: one that waits for its new servers to serve (``rpcps up``
+        starting them meanwhile; ``waiting`` is told) is followed in the leader's status until it
+        is done; a change that failed, or did not run within ``timeout``, raises ``ChangeFailed``."""
+        asked = self.scale(servers)
+        if asked.get("state") != "waiting":
+            return asked
+        waiting(asked)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            change = self.status().get("change") or {}
+            if change.get("to") == asked["to"] and change.get("epoch", 0) > asked["epoch"] \
+                    and change.get("state") in ("done", "failed"):
+                if change["state"] == "failed":
+                    raise ChangeFailed(f"the change onto {', '.join(asked['to'])} failed: {change.get('error')}")
+                return change
+            time.sleep(0.5)  # noqa: sleep-ok (polling the leader's status, bounded by the deadline)
+        raise ChangeFailed(f"the change onto {', '.join(asked['to'])} did not run within {timeout:.0f}s: is "
+                           f"{', '.join(asked['awaiting'])} starting? (the leader's /status says what it waits for)")
 
     def checkpoints(self) -> dict:
         return self._json("GET", "/checkpoints")

@@ -144,7 +144,8 @@ TINY_CTR = ["--workload", "ctr", "--scale", "0.001", "--dim", "8", "--bottom", "
 def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(tmp_path, cleanup):
     """As a user does it: `rpcps scale --servers 3` on a running `rpcps up` (async CTR) starts ps2
     where the placement puts a new member, moves a third of the slots to it, and `--servers 2` moves
-    them back and lets it go: `rpcps up` does not start it again, and the trainers train on."""
+    them back and lets it go: `rpcps up` does not start it again, and the trainers train on; then
+    `rpcps chaos --fault scale` changes the servers twice at random."""
     up = UpProcess(tmp_path, *TINY_CTR, "--num-ps", "2", "--num-trainers", "2")
     cleanup(up)
     up.wait_event("started", 180)
@@ -168,6 +169,16 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     wait_until(lambda: trainer.status()["step"] >= before + 3, 120, "training on two servers again")
     assert not any(e["event"] == "restart" for e in up.drain()), up.explain()
     assert not trainer.status().get("lost_steps")
+
+    # `rpcps chaos --fault scale`: two changes at random, each done with every row held once.
+    done = subprocess.run([sys.executable, "-m", "services.cli", "chaos", "--fault", "scale", "--kills", "2",
+                           "--interval", "0.5", "--seed", "1", "--json", "--state-dir", str(up.state_dir)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr + up.logs()
+    changes = [e for e in map(json.loads, done.stdout.splitlines()) if e["event"] == "kill"]
+    assert len(changes) == 2 and all(c["done"] and c["rows_held_once"] for c in changes), changes
+    before = trainer.status()["step"]
+    wait_until(lambda: trainer.status()["step"] >= before + 3, 120, "training after the changes")
     ps0.close()
     trainer.close()
     assert up.terminate() == 0, up.logs()

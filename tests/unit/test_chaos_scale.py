@@ -1,0 +1,68 @@
+"""``rpcps chaos --fault scale`` with a fake cluster: it moves the job one server up or down at
+random (never below one), says what each change did, and tells a change that lost rows from one
+that held them once."""
+import random
+
+from services.chaos_scale import Rescales, summarize
+from services.client import ChangeFailed
+
+
+class FakeJob:
+    """A leader and its servers as their sidecars answer; ``lose`` rows on the next change."""
+
+    def __init__(self, servers=2, rows=90):
+        self.names, self.rows, self.lose, self.token = [f"ps{k}" for k in range(servers)], rows, 0, None
+
+    def state(self):
+        return {"leader": "ps0", "sidecars": {n: f"http://{n}" for n in [*self.names, "ps9"]}}
+
+    def status(self, name):
+        if name not in self.names:
+            return None
+        share = self.rows // len(self.names) + (1 if self.names.index(name) < self.rows % len(self.names) else 0)
+        return {"rows": share, "layout": {"servers": {n: {} for n in self.names}} if name == "ps0" else None}
+
+    def client(self, url, token=None, timeout=None):
+        job = self
+
+        class Client:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def scaled(self, servers, timeout=None):
+                if servers > 5:
+                    raise ChangeFailed("the change onto ... failed: no room")
+                job.names = [f"ps{k}" for k in range(servers)]
+                job.rows -= job.lose
+                return {"state": "done", "epoch": 2, "pause_seconds": 0.1, "seconds": 0.2, "bytes": 10}
+        return Client()
+
+
+def rescales(job, seed=1):
+    return Rescales(job, random.Random(seed), lambda s: None, 1.0, client=job.client)
+
+
+def test_each_change_moves_one_server_and_checks_every_row_is_held_once():
+    job = FakeJob(servers=1)
+    records = rescales(job).run(6)
+    assert records[0]["from"] == 1 and records[0]["to"] == 2           # never below one server
+    assert all(abs(r["to"] - r["from"]) == 1 and r["to"] >= 1 for r in records)
+    assert all(r["done"] and r["rows_held_once"] and r["rows"] == 90 for r in records)
+    assert summarize(records) == {"kills": 6, "recovered": 6, "median_pause_seconds": 0.1, "max_pause_seconds": 0.1}
+
+
+def test_a_change_that_loses_rows_or_fails_is_not_counted_recovered():
+    job = FakeJob(servers=2)
+    job.lose = 3
+    lost = rescales(job).run(1)
+    assert lost[0]["done"] and not lost[0]["rows_held_once"] and lost[0]["rows"] == 87
+    job = FakeJob(servers=5)
+    job.names = [f"ps{k}" for k in range(5)]
+    failed = Rescales(job, random.Random(0), lambda s: None, 1.0, client=job.client)
+    records = [failed.one(90) for _ in range(8)]
+    refused = [r for r in records if r["to"] == 6]
+    assert refused and all(not r["done"] and "no room" in r["error"] for r in refused)
+    assert summarize(records)["recovered"] == sum(1 for r in records if r["done"] and r["rows_held_once"])
