@@ -274,7 +274,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def human(e: dict[str, Any]) -> str:
-    if e.get("fault") == "scale" or "median_pause_seconds" in e:
+    if e.get("fault") == "scale":
         return scale_human(e)
     if e["event"] == "kill":
         did = {"stop": "froze", "partition": "cut off"}.get(e.get("fault"), "killed")

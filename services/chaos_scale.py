@@ -65,7 +65,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """``rpcps chaos``'s summary of changes: ``kills`` made, ``recovered`` those done with every
     row held once (the exit code is 0 when they are equal), the hold's median and maximum."""
     held = [r["pause_seconds"] for r in records if r.get("done")]
-    return {"kills": len(records), "recovered": sum(1 for r in records if r.get("done") and r.get("rows_held_once")),
+    return {"fault": "scale", "kills": len(records), "recovered": sum(1 for r in records if r.get("done") and r.get("rows_held_once")),
             "median_pause_seconds": statistics.median(held) if held else None,
             "max_pause_seconds": max(held) if held else None}
 

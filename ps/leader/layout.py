@@ -12,13 +12,13 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Optional
 
 from ps.spec.model import ModelSpec
 from ps.spec.sharding import Slots, resumed_slots
 from services.checkpoint.handover import LeaderLife
+from services.checkpoint.store import atomic_write
 
 log = logging.getLogger("ps.server.role")
 
@@ -36,11 +36,8 @@ def record(folder: Path, slots: Slots) -> None:
     store dies with the leader, and the next checkpoint is yet to record it), so that a leader
     started again before that checkpoint builds by it, and the other servers keep the shards they
     handed over when it was lost, which are laid out by it."""
-    path = Path(folder) / LAYOUT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(slots.to_dict()))
-    os.replace(tmp, path)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(folder) / LAYOUT_FILE, lambda f: f.write(json.dumps(slots.to_dict()).encode()))
 
 
 def recorded(folder: Path) -> Optional[dict[str, Any]]:
@@ -58,11 +55,14 @@ def forget(folder: Path) -> None:
     (Path(folder) / LAYOUT_FILE).unlink(missing_ok=True)
 
 
-def leaders_choice(spec: ModelSpec, servers: list[str], folder: Path) -> "Choice":
-    """The leader's choice: over ``servers`` (its ``--num-ps``); or, started again after it was lost
-    (its predecessor's life left in ``folder``) with a layout kept from a change since the newest
+def choice(spec: ModelSpec, servers: list[str], given: Optional[Slots], folder: Path) -> "Choice":
+    """A server's choice of layout: the leader's published one (``given``), for any other server;
+    the leader's own over ``servers`` (its ``--num-ps``), or, started again after it was lost (its
+    predecessor's life left in ``folder``) with a layout kept from a change since the newest
     checkpoint, over that layout's servers: a lost leader's restart gives the job back as it was,
     where a stop and a start take the count asked for."""
+    if given is not None:
+        return Choice(spec, servers, given)
     kept = recorded(folder)
     if kept is not None and LeaderLife.left_behind(folder):
         servers = list(kept["servers"])

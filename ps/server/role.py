@@ -142,9 +142,7 @@ class PsRole(RoleBase, WithoutEpisodes):
             kept = self._from_handover()
             if kept is not None:
                 return kept
-        leads = self.endpoint.leader == self.cfg.name
-        choice = layout.leaders_choice(self.spec, ps_names(self.cfg.num_ps), self.cfg.checkpoint_dir) if leads \
-            else layout.Choice(self.spec, ps_names(self.cfg.num_ps), self._slots)
+        choice = layout.choice(self.spec, ps_names(self.cfg.num_ps), self._slots, self.cfg.checkpoint_dir)
         if not choice.holds(self.cfg.name):     # joins a running job: holds nothing until slots move to it
             resume, resume_from = False, None
         try:
@@ -153,7 +151,7 @@ class PsRole(RoleBase, WithoutEpisodes):
                 lambda info: shard_files(info, self.spec, choice.of(info), self.cfg.name),
                 lambda states: self._server(choice.last, states), merge=apply_delta)
         except CheckpointError as exc:
-            if leads or resume_from is None:
+            if self.endpoint.leader == self.cfg.name or resume_from is None:
                 raise
             raise CheckpointError(f"{self.endpoint.leader} resumed the cluster from {resume_from}, which this server "
                                   f"cannot restore from {self.store.root}: {exc}") from None

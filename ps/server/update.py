@@ -214,14 +214,27 @@ class SharedOptimizer:
                     self.optimizer.state[p] = dict(s)
 
 
+# torch's thread count is the process's: copies on several RPC threads at once (a source handing
+# parts to two destinations) raise it once and put it back when the last is done, so none restores a
+# count another raised. Guarded by its lock.
+_CORES_LOCK = threading.Lock()
+_cores = {"inside": 0, "before": 1}
+
+
 @contextlib.contextmanager
 def all_cores() -> Iterator[None]:
-    """Copy with every core: a checkpoint's snapshot (and a change of layout's rebuild) runs while
-    the trainers are held, so the cores are otherwise idle, and a fresh copy's cost is page faults,
-    which cores take in parallel."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or before)
+    """Copy with every core: a checkpoint's snapshot (and a change of layout's copies and rebuild)
+    runs while the trainers are held, so the cores are otherwise idle, and a fresh copy's cost is
+    page faults, which cores take in parallel."""
+    with _CORES_LOCK:
+        if _cores["inside"] == 0:
+            _cores["before"] = torch.get_num_threads()
+            torch.set_num_threads(os.cpu_count() or _cores["before"])
+        _cores["inside"] += 1
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        with _CORES_LOCK:
+            _cores["inside"] -= 1
+            if _cores["inside"] == 0:
+                torch.set_num_threads(_cores["before"])

@@ -51,7 +51,7 @@ def test_each_change_moves_one_server_and_checks_every_row_is_held_once():
     assert records[0]["from"] == 1 and records[0]["to"] == 2           # never below one server
     assert all(abs(r["to"] - r["from"]) == 1 and r["to"] >= 1 for r in records)
     assert all(r["done"] and r["rows_held_once"] and r["rows"] == 90 for r in records)
-    assert summarize(records) == {"kills": 6, "recovered": 6, "median_pause_seconds": 0.1, "max_pause_seconds": 0.1}
+    assert summarize(records) == {"fault": "scale", "kills": 6, "recovered": 6, "median_pause_seconds": 0.1, "max_pause_seconds": 0.1}
 
 
 def test_a_change_that_loses_rows_or_fails_is_not_counted_recovered():

@@ -116,3 +116,31 @@ def test_a_hashed_tables_live_rows_move_with_their_counts_and_state():
     assert after.keys() == before.keys() and len(by_id([third])) > 0
     for i, (value, acc, seen, hits) in before.items():
         assert torch.equal(after[i][0], value) and after[i][1:] == (acc, seen, hits), i
+
+
+def test_copies_with_every_core_on_two_threads_at_once_leave_the_thread_count_as_it_was():
+    from ps.server.update import all_cores
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+        def first():
+            with all_cores():
+                first_in.set()
+                second_in.wait(10)
+            first_out.set()
+
+        def second():
+            first_in.wait(10)
+            with all_cores():           # entered while the first holds it, left after the first left
+                second_in.set()
+                first_out.wait(10)
+        threads = [threading.Thread(target=f) for f in (first, second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -214,6 +214,6 @@ def test_a_lost_leader_started_again_gives_the_job_back_on_the_servers_it_had(tm
     layout.record(tmp_path, grown)
     newest = CheckpointInfo(7, Path("step-7"), 0.0, {"ps0.pt": None, "ps1.pt": None}, {"layout": saved.to_dict()})
     (tmp_path / LIFE_FILE).write_text("{}")              # the last leader did not stop cleanly
-    assert layout.leaders_choice(spec, ["ps0", "ps1"], tmp_path).of(newest) == grown
+    assert layout.choice(spec, ["ps0", "ps1"], None, tmp_path).of(newest) == grown
     (tmp_path / LIFE_FILE).unlink()                      # a stop and a start: the count asked for
-    assert layout.leaders_choice(spec, ["ps0", "ps1"], tmp_path).of(newest) == grown.rebalanced(["ps0", "ps1"])
+    assert layout.choice(spec, ["ps0", "ps1"], None, tmp_path).of(newest) == grown.rebalanced(["ps0", "ps1"])

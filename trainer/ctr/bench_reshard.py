@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from trainer.ctr.serving.bench import _wait
+
 PAUSE_OVER_MEDIAN_S = 0.5      # a move's longest step at most this much over the median step before
 DURING_OVER_BEFORE = 0.7       # samples/s while a move runs, against before it
 RESTART_OVER_LIVE = 20.0       # the restart's time without training, against the live move's
@@ -166,14 +168,6 @@ class Up:
             return self.proc.wait(30)
 
 
-def _wait(done: Any, timeout: float, up: Up, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if up.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not within {timeout:.0f}s: {up.log.read_text()[-2000:]}")
-        time.sleep(0.1)  # noqa: sleep-ok (polling a condition with a deadline)
-
-
 def _get(url: str, path: str) -> Any:
     import httpx
     try:
@@ -241,7 +235,7 @@ def _restart(ns: argparse.Namespace, up: Up, tmp: Path, servers: int) -> dict[st
                 if name not in first and _steps_done(url) >= 1:
                     first[name] = time.monotonic()
             return len(first) == ns.trainers
-        _wait(stepped, ns.timeout, again, "the restarted job's first steps")
+        _wait(stepped, ns.timeout, lambda: again.proc.poll() is None, again.log)
     finally:
         again.stop(120)
     return {"servers": servers, "stop_s": round(exited - stopped, 3),
@@ -269,7 +263,7 @@ def run(ns: argparse.Namespace) -> int:
         try:
             _wait(lambda: len(up.trainers()) == ns.trainers
                   and all((_get(u, "/status") or {}).get("step", 0) >= 3 for u in up.trainers().values()),
-                  ns.timeout, up, "the job's start")
+                  ns.timeout, lambda: up.proc.poll() is None, up.log)
             with Counters(up.trainers(), ns.sample) as counters:
                 moves = [_move(ns, up, counters, n + 1), _move(ns, up, counters, n)]
             restart = None if ns.no_restart else _restart(ns, up, tmp, n + 1)
