@@ -69,7 +69,7 @@ def test_a_member_cut_off_is_waited_for_or_fenced_and_replaced_on_a_fresh_host(t
         cut = chaos(up, "ps1", TIMEOUT + 20)
         # Its lease counts from the last ask it heard, up to a probe (1 s) before the cut.
         assert cut["replaced"] and TIMEOUT - 1 <= cut["detected_seconds"] < TIMEOUT + 4, cut
-        assert cut["stepped_during"] and cut["next_step_seconds"] < TIMEOUT + 26, cut
+        assert cut["stepped_during"] and cut["next_step_seconds"] < TIMEOUT + 20, cut
         assert not cut["old_running"] and processes_on(old["namespace"]) == [], "the old ps1 still runs"
         placed = up.cluster()["placed"]["ps1"]
         assert placed["host"] == "ps1-2" and placed["namespace"] != old["namespace"], placed
@@ -78,7 +78,8 @@ def test_a_member_cut_off_is_waited_for_or_fenced_and_replaced_on_a_fresh_host(t
 
         # The leader: fenced and replaced on a fresh host; every member leaves its group and
         # joins the new leader's; the job goes on while the old leader's host is still cut off. Every
-        # member starts again on 0.4-core hosts: 17-25 s seen from the cut to the next step.
+        # member starts again on 0.4-core hosts: 17-25 s seen from its detection to the next step,
+        # 25-31 s from the cut.
         leader = chaos(up, "ps0", TIMEOUT + 34)
         assert leader["replaced"] and leader["stepped_during"], leader
         assert leader["next_step_seconds"] < TIMEOUT + 34, leader
