@@ -2,13 +2,14 @@
 server's side): servers join and leave a running job.
 
 ``Mover.change(servers)`` makes the next layout over ``servers`` (``Slots.rebalanced``: the fewest
-slots move) and runs the difference of the two, with the trainers held at a step boundary as a
-checkpoint holds them (in sync and ssp by the step clock's freeze, so the change falls between two
-steps): each destination takes what comes to it from its source, then every server of either
-layout rebuilds its shard by the new one, and the leader adopts it (``Leading.adopt``: published,
-recorded in the next checkpoints). The trainers take the new layout as they go on. Nothing moves
-unless every server of the new layout is a member; a change that fails before the rebuilds leaves
-the old layout whole.
+slots move) and runs the difference of the two. First, while training goes on, each destination
+copies what comes to it from its source and every server builds its shard by the new layout aside
+(``ps/server/precopy.py``). Then, with the trainers held at a step boundary as a checkpoint holds
+them (in sync and ssp by the step clock's freeze, so the change falls between two steps), each
+destination takes what changed since, every server of either layout puts it in and serves by the
+new layout, and the leader adopts it (``Leading.adopt``: published, recorded in the next
+checkpoints). The trainers take the new layout as they go on. Nothing moves unless every server of
+the new layout is a member; a change that fails before the rebuilds leaves the old layout whole.
 """
 from __future__ import annotations
 
@@ -125,8 +126,9 @@ class Mover(ChangeSurface):
                      "moved_units": [m.what for m in moves if not m.what.startswith("slot:")]}
         log.info("layout %d -> %d: %s -> %s, %d slots and %d units move", old.epoch, new.epoch, list(old.servers),
                  servers, self.last["moved_slots"], len(self.last["moved_units"]))
+        ahead = self._ahead(old, new, moves)
         try:
-            (sent, phases), pause = self._paused(lambda: self._switch(old, new, moves))
+            (sent, phases), pause = self._paused(lambda: self._switch(old, new, moves, ahead))
         except Exception as exc:
             self.last.update(state="failed", error=str(exc).splitlines()[0])
             self._ended(dict(self.last))
@@ -137,14 +139,35 @@ class Mover(ChangeSurface):
         log.info("layout %d in force: %d bytes sent, trainers held %.3fs", new.epoch, sent, pause)
         return dict(self.last)
 
-    def _switch(self, old: Slots, new: Slots, moves: list[Move]) -> tuple[int, dict[str, float]]:
-        """Under the trainers' hold: the parts taken, every shard rebuilt, the layout adopted; the
-        bytes sent, and the seconds of the taking and of the rebuilds (where a hold goes)."""
+    def _ahead(self, old: Slots, new: Slots, moves: list[Move]) -> bool:
+        """While training goes on: the moving slots' plain rows copied to their destinations, and
+        every server's shard by ``new`` built aside (``ps/server/precopy.py``), so that the hold
+        copies only what training wrote meanwhile. Whether it did; if not, the hold copies all."""
+        started = time.monotonic()
+        try:
+            sent = self._take(moves, new, "early")
+            self._all([lambda n=n: self._call(n, MoveSurface.prepare, new.to_dict(), timeout=STEP_TIMEOUT)
+                       for n in dict.fromkeys([*old.servers, *new.servers])])
+        except Exception as exc:  # noqa: BLE001 - the hold then copies everything, as it can
+            log.warning("copying ahead for layout %d failed (%s): the trainers are held while all of it is copied",
+                        new.epoch, str(exc).splitlines()[0])
+            return False
+        self.last.update(ahead_bytes=sent, ahead_seconds=round(time.monotonic() - started, 3))
+        return True
+
+    def _take(self, moves: list[Move], new: Slots, stage: str) -> int:
+        """Each destination's parts taken from their sources at ``stage``; the bytes sent."""
         takes = [(dest, source, slots, units) for dest, sources in by_destination(moves).items()
                  for source, (slots, units) in sources.items()]
+        return sum(self._all([lambda t=t: self._call(t[0], MoveSurface.take_part, t[1], t[2], t[3], new.epoch,
+                                                      stage, timeout=STEP_TIMEOUT) for t in takes]))
+
+    def _switch(self, old: Slots, new: Slots, moves: list[Move], ahead: bool) -> tuple[int, dict[str, float]]:
+        """Under the trainers' hold: the parts taken (``ahead``: only what changed since they were
+        copied), every shard rebuilt, the layout adopted; the bytes sent, and the seconds of the
+        taking and of the rebuilds (where a hold goes)."""
         started = time.monotonic()
-        sent = sum(self._all([lambda t=t: self._call(t[0], MoveSurface.take_part, t[1], t[2], t[3], new.epoch,
-                                                      timeout=STEP_TIMEOUT) for t in takes]))
+        sent = self._take(moves, new, "changes" if ahead else "all")
         taken = time.monotonic()
         everyone = list(dict.fromkeys([*old.servers, *new.servers]))
         failed = self._rebuild(everyone, new)

@@ -32,15 +32,26 @@ class Touched:
         self._gone: dict[str, list[torch.Tensor]] = {t: [] for t in tables}    # evicted ids since the last take
         self._gone_taken = {t: torch.empty(0, dtype=torch.int64) for t in tables}
         self.since: Optional[int] = None   # the step of the checkpoint the marks count from (None: unknown)
+        # Rows written since a change of layout began copying them while training goes on
+        # (``track``): what it copies again with the trainers held. None: no copy under way.
+        self.moving: Optional[dict[str, torch.Tensor]] = None
 
     # Under the server's optimizer lock, as every change of the rows is.
     def updated(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         table = self._table_of.get(param)
         if table is not None:
-            self.marks[table][grad._indices()[0] if grad.is_sparse else slice(None)] = MARKED
+            self.read(table, grad._indices()[0] if grad.is_sparse else slice(None))
 
-    def read(self, table: str, rows: torch.Tensor) -> None:
+    def read(self, table: str, rows: "torch.Tensor | slice") -> None:
         self.marks[table][rows] = MARKED
+        if self.moving is not None:
+            self.moving[table][rows] = True
+
+    def track(self) -> None:
+        """Count the rows written from now on (``moving``), unless it counts already: a change
+        that failed leaves them counted, and a count from earlier only sends a row more."""
+        if self.moving is None:
+            self.moving = {t: torch.zeros(m.numel(), dtype=torch.bool) for t, m in self.marks.items()}
 
     def evicted(self, table: str, ids: torch.Tensor) -> None:
         if ids.numel():
@@ -93,14 +104,14 @@ def held_state(server: Any) -> dict[str, Any]:
     with opt.lock:
         kept, marks = server.hashed.snapshot(), opt.marks.snapshot()
         state = [{k: v for k, v in opt.live_state(p).items() if isinstance(v, torch.Tensor)} for p in opt.params]
-        return _as_shard(server, opt.steps, [p.detach() for p in opt.params], state, kept, marks)
+        return _as_shard(server, opt.steps, [p.detach() for p in opt.params], state, kept, marks, lazy=True)
 
 
 def _as_shard(server: Any, steps: int, params: list[torch.Tensor], state: list[dict[str, torch.Tensor]],
-              kept: dict[str, dict[str, Any]], marks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+              kept: dict[str, dict[str, Any]], marks: dict[str, dict[str, Any]], lazy: bool = False) -> dict[str, Any]:
     names = server.params.names
     return export_shard(server.shard, server.layout, server.spec.meta, steps, dict(zip(names, params)),
-                        {n: s for n, s in zip(names, state) if s}, kept, marks)
+                        {n: s for n, s in zip(names, state) if s}, kept, marks, lazy)
 
 
 def export_delta(server: Any, base: int, changed: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],

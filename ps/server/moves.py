@@ -7,7 +7,8 @@ the batches' marks) and keeps it aside (``Staged``); then every server of either
 its shard under the new one from its own state and what it took, by the restore's code path
 (``ps/server/state.py``'s ``gather_shard``): what left is dropped, what came is in its place. The
 rebuild happens behind the ``Gate``, so that no request is inside the server while its tables are
-replaced; the leader holds the trainers at a step boundary meanwhile, as a checkpoint does.
+replaced; the leader holds the trainers at a step boundary meanwhile, as a checkpoint does. Most
+of the copying is done before that hold, while training goes on (``ps/server/precopy.py``).
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
+from ps.server.state import Gathered
 from ps.spec.rules import by_row
-from ps.spec.sharding import Layout, WholePlan, dense_unit, table_unit
+from ps.spec.sharding import Layout, Slots, WholePlan, dense_unit, table_unit
+from services.errors import BadRequest
 from services.remote import call
 
 log = logging.getLogger("ps.server.role")
@@ -65,31 +68,46 @@ class Gate:
                 self._cond.notify_all()
 
 
-def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list[str]) -> dict[str, Any]:
+def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list[str],
+            only: Optional[dict[str, torch.Tensor]] = None, hashed: bool = True) -> dict[str, Any]:
     """Of a shard state saved under ``layout`` (``export_state``, or ``held_state``'s live tensors),
     only the rows of ``slots`` and the ``units`` (a table kept whole, ``table:<name>``; a dense
     group, ``dense:<g>``), copied: a shard state ``gather_shard`` reads beside others. Every
-    parameter keeps its scalars (a step count)."""
+    parameter keeps its scalars (a step count). ``only``: of a plain table, only the rows marked
+    there (those written since an early copy, ``Touched.moving``); not ``hashed``: without the
+    hashed tables (an early copy leaves them to the hold)."""
     keep = torch.zeros(layout.slots.count, dtype=torch.bool)
     keep[torch.tensor(slots, dtype=torch.int64)] = True
     wanted = set(units)
-    out = {**state, "tables": {}, "params": {}, "optim": {}, "hashed": {}}
+    out = {**state, "tables": {}, "params": {}, "optim": {}, "hashed": {}, "row_state": {}}
     for table, plan in layout.plans.items():
-        ids = state["tables"][table]
-        if isinstance(plan, WholePlan):
-            pick = torch.full((ids.numel(),), table_unit(table) in wanted, dtype=torch.bool)
+        is_hashed = table in state.get("hashed", {})
+        if is_hashed and not hashed:
+            continue
+        if only is not None and not is_hashed:
+            # The few rows written since: picked by position, not by a pass over every row.
+            pick = only[table].nonzero().squeeze(1)
+            ids = plan.ids_at(state["shard"], pick)
+            inside = keep[ids % layout.slots.count] if not isinstance(plan, WholePlan) else \
+                torch.full((ids.numel(),), table_unit(table) in wanted, dtype=torch.bool)
+            pick, ids = pick[inside], ids[inside]
         else:
-            pick = keep[ids % layout.slots.count]
-        out["tables"][table] = ids[pick]
+            ids = state["tables"][table]
+            pick = torch.full((ids.numel(),), table_unit(table) in wanted, dtype=torch.bool) \
+                if isinstance(plan, WholePlan) else keep[ids % layout.slots.count]
+            ids = ids[pick]
+        out["tables"][table] = ids
         for name in layout.table_params[table]:
             values = state["params"][name]
             out["params"][name] = values[pick]
             saved = state["optim"].get(name)
             if saved:
                 rows = by_row(layout.row_state.get(name), saved, values.shape[0])
+                out["row_state"][name] = rows
                 out["optim"][name] = {k: v[pick] if k in rows else v.clone() for k, v in saved.items()}
-        if table in state.get("hashed", {}):
-            out["hashed"][table] = {k: v[pick] if isinstance(v, torch.Tensor) and v.numel() == ids.numel() else v
+        if is_hashed:
+            live = state["tables"][table].numel()
+            out["hashed"][table] = {k: v[pick] if isinstance(v, torch.Tensor) and v.numel() == live else v
                                     for k, v in state["hashed"][table].items()}
     for g, names in enumerate(layout.dense_groups):
         if dense_unit(g) in wanted:
@@ -101,31 +119,66 @@ def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list
     return out
 
 
+class Taken(NamedTuple):
+    """What a server took for a change of layout, by source: whole parts, or early parts and the
+    changes since (``ps/server/precopy.py``); and its shard built aside from them (None: not built)."""
+    whole: dict[str, dict[str, Any]]
+    early: dict[str, dict[str, Any]]
+    changes: dict[str, dict[str, Any]]
+    built: Optional[tuple[Slots, Gathered]]        # and the layout it was built by
+
+
+STAGES = ("all", "early", "changes")
+
+
 class Staged:
-    """What a destination took for a change of layout, by the epoch it is for, until it rebuilds."""
+    """What a server took and built for a change of layout, by the epoch it is for, until it
+    rebuilds (anything kept for another epoch is of a change that failed, and is dropped)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._parts: dict[int, list[dict[str, Any]]] = {}
+        self._epoch = -1
+        self._taken = Taken({}, {}, {}, None)
 
     def take_from(self, source: str, method: Callable[..., Any], slots: list[int], units: list[str],
-                  epoch: int) -> int:
-        """``source``'s part of ``slots`` and ``units`` (``method``: ``PsSurface.part``), kept for
-        ``epoch``; its bytes."""
+                  epoch: int, stage: str = "all") -> int:
+        """``source``'s part of ``slots`` and ``units`` (``method``: ``MoveSurface.part``) at
+        ``stage``, kept for ``epoch``; the bytes sent."""
+        if stage not in STAGES:
+            raise BadRequest(f"a part's stage is one of {', '.join(STAGES)}, not {stage!r}")
+        if stage == "changes" and source not in self.taken(epoch).early:
+            raise BadRequest(f"no early part of {source} for layout {epoch} to bring up to date")
         started = time.monotonic()
-        part = call(source, method, slots, units, timeout=MOVE_TIMEOUT)
-        self.add(epoch, part)
-        sent = sum(v.numel() * v.element_size() for v in part["params"].values())
-        log.info("took %d slots and %d units from %s for layout %d: %d bytes in %.3fs", len(slots), len(units),
-                 source, epoch, sent, time.monotonic() - started)
+        sent = self.keep(epoch, source, stage, call(source, method, slots, units, stage, timeout=MOVE_TIMEOUT))
+        log.info("took %s of %d slots and %d units from %s for layout %d: %d bytes in %.3fs", stage, len(slots),
+                 len(units), source, epoch, sent, time.monotonic() - started)
         return sent
 
-    def add(self, epoch: int, part: dict[str, Any]) -> None:
+    def keep(self, epoch: int, source: str, stage: str, part: dict[str, Any]) -> int:
+        """``source``'s ``part`` at ``stage`` kept for ``epoch``; its bytes."""
         with self._lock:
-            self._parts.setdefault(epoch, []).append(part)
+            taken = self._for(epoch)
+            {"all": taken.whole, "early": taken.early, "changes": taken.changes}[stage][source] = part
+            if stage == "all":      # everything again: what it took ahead is of no use
+                taken.early.pop(source, None)
+                taken.changes.pop(source, None)
+        return sum(v.numel() * v.element_size() for v in part["params"].values())
 
-    def take(self, epoch: int) -> list[dict[str, Any]]:
-        """The parts for ``epoch``; any for another epoch (a change that failed) are dropped."""
+    def keep_built(self, slots: Slots, built: Gathered) -> None:
         with self._lock:
-            parts, self._parts = self._parts.get(epoch, []), {}
-        return parts
+            self._taken = self._for(slots.epoch)._replace(built=(slots, built))
+
+    def taken(self, epoch: int) -> Taken:
+        with self._lock:
+            return self._for(epoch)
+
+    def take(self, epoch: int) -> Taken:
+        """What it took for ``epoch``, given up (a rebuild uses it once)."""
+        with self._lock:
+            taken, self._taken, self._epoch = self._for(epoch), Taken({}, {}, {}, None), -1
+        return taken
+
+    def _for(self, epoch: int) -> Taken:
+        if epoch != self._epoch:
+            self._epoch, self._taken = epoch, Taken({}, {}, {}, None)
+        return self._taken

@@ -3,17 +3,20 @@ and units for a destination, taking its own parts from their sources, and the re
 by the new layout behind the server's gate (``ps/server/moves.py`` says how)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable
 
 from ps.server.delta import held_state
 from ps.server.moves import part_of
+from ps.server.precopy import built_by, gathered_now, plain_tables
 from ps.server.service import ParameterServer, build_shard
-from ps.server.update import all_cores
-from ps.spec.sharding import Slots
+from ps.server.update import all_cores, in_background, release_later
+from ps.server.state import gather_shard
+from ps.spec.sharding import Layout, Slots
 from ps.spec.surface import MoveSurface
-from services.errors import NotSupported
+from services.errors import BadRequest, NotSupported
 from services.remote import remote
 
 log = logging.getLogger("ps.server.role")
@@ -35,25 +38,65 @@ class ShardMoves(MoveSurface):
         self._stop()
 
     @remote
-    def part(self, slots: list[int], units: list[str]) -> dict[str, Any]:
-        with all_cores():       # under the trainers' hold, as a checkpoint's copy
-            started = time.monotonic()
-            part = part_of(held_state(self.server), self.server.layout, slots, units)
-        log.info("copied out %d slots and %d units in %.3fs", len(slots), len(units), time.monotonic() - started)
+    def part(self, slots: list[int], units: list[str], stage: str = "all") -> dict[str, Any]:
+        server = self.server
+        if stage == "early":        # training goes on: the rows written from now on are sent again
+            with server.optimizer.lock:
+                server.params.touched.track()
+            return in_background(lambda: self._copied(slots, units, stage, hashed=False))
+        if stage == "changes":
+            moving = server.params.touched.moving
+            if moving is None:
+                raise BadRequest(f"{server.name} took no early copy under layout {server.layout.epoch}: ask for all")
+            # Few rows: on one thread, as its requests are (a second core's thread only spins between
+            # small copies, taking that core from another server copying its part at the same time).
+            return self._copied(slots, units, stage, only=moving)
+        with all_cores():
+            return self._copied(slots, units, stage)
+
+    def _copied(self, slots: list[int], units: list[str], stage: str, **which: Any) -> dict[str, Any]:
+        started = time.monotonic()
+        state = held_state(self.server)
+        held = time.monotonic()
+        part = part_of(state, self.server.layout, slots, units, **which)
+        log.info("copied out %s of %d slots and %d units in %.3fs (%.3fs to read its state)", stage, len(slots),
+                 len(units), time.monotonic() - started, held - started)
         return part
 
     @remote
-    def take_part(self, source: str, slots: list[int], units: list[str], epoch: int) -> int:
-        return self.server.staged.take_from(source, MoveSurface.part, slots, units, epoch)
+    def take_part(self, source: str, slots: list[int], units: list[str], epoch: int, stage: str = "all") -> int:
+        return self.server.staged.take_from(source, MoveSurface.part, slots, units, epoch, stage)
+
+    @remote
+    def prepare(self, layout: dict[str, Any]) -> None:
+        server, slots = self.server, Slots.from_dict(layout)
+        with server.optimizer.lock:
+            server.params.touched.track()     # before its own rows are read, as a source's before its part
+        started = time.monotonic()
+        new = Layout.of(server.spec, slots)
+        built = in_background(lambda: gather_shard(
+            [held_state(server), *server.staged.taken(slots.epoch).early.values()], new, slots.position(server.name),
+            complete=False, tables=plain_tables(new)))
+        server.staged.keep_built(slots, built)
+        log.info("built its shard by layout %d aside in %.3fs", slots.epoch, time.monotonic() - started)
 
     @remote
     def relayout(self, layout: dict[str, Any]) -> dict[str, Any]:
         server, slots = self.server, Slots.from_dict(layout)
-        # Its own state and what it took, rebuilt by the new layout, with every core (the trainers are held).
-        with server.gate.closed(), all_cores():
+        # Its own state and what it took, rebuilt by the new layout: with every core when it copies
+        # the whole shard (the trainers are held), on one thread when it puts the rows written since
+        # into the shard built aside (few rows).
+        with server.gate.closed():
             started = time.monotonic()
-            build_shard(server, slots, slots.position(server.name),
-                        [held_state(server), *server.staged.take(slots.epoch)], complete=False)
-        log.info("rebuilt by layout %d in %.3fs", slots.epoch, time.monotonic() - started)
+            shard, taken, moving = slots.position(server.name), server.staged.take(slots.epoch), \
+                server.params.touched.moving
+            aside = built_by(taken, slots, moving)
+            own = held_state(server)
+            with contextlib.nullcontext() if aside else all_cores():
+                build_shard(server, slots, shard, None, gathered=gathered_now(
+                    own, server.layout, moving, Layout.of(server.spec, slots), shard, taken))
+        release_later(own["params"], own["optim"], taken)     # the old shard and what it took, after the hold
+        log.info("rebuilt by layout %d in %.3fs%s", slots.epoch, time.monotonic() - started,
+                 " (built aside, the rows written since put in)" if aside else "")
         self._relaid()
         return {"epoch": slots.epoch, "rows": sum(p.rows(server.shard) for p in server.layout.plans.values())}

@@ -30,7 +30,7 @@ from ps.server.refusals import Refusals
 from ps.server.replica_writes import ReplicaWrites
 from ps.spec.sharding import Layout, Slots, placement_of
 from ps.spec.model import ModelSpec
-from ps.server.state import gather_shard, initial_shard
+from ps.server.state import Gathered, gather_shard, initial_shard
 from ps.spec.surface import PsSurface
 from ps.server.tables import ShardParams
 from ps.server.update import SharedOptimizer, SyncSteps
@@ -251,16 +251,19 @@ def shard_info(server: ParameterServer) -> ShardInfo:
 
 
 def build_shard(server: ParameterServer, slots: "Slots | int", shard: int,
-                restore: Optional[list[dict[str, Any]]], complete: bool = True) -> None:
+                restore: Optional[list[dict[str, Any]]], gathered: Optional[Gathered] = None) -> None:
     """What ``server`` holds under the layout ``slots`` as shard ``shard``, and all that depends on
-    it: fresh, or from shard states (``gather_shard``; not ``complete``: its own and what it took
-    for a change of layout). Rebuilt behind the server's gate when its layout changes."""
+    it: fresh, from shard states (``gather_shard``), or as ``gathered`` already (a change of
+    layout's). Rebuilt behind the server's gate when its layout changes."""
     spec = server.spec
     layout = Layout.of(spec, slots)
-    if restore is None:         # all that can fail comes first: a rebuild that fails changes nothing
+    # All that can fail comes first: a rebuild that fails changes nothing.
+    if gathered is not None:
+        values, optim_state, steps, kept, marks = gathered
+    elif restore is None:
         values, optim_state, steps, kept, marks = initial_shard(spec, layout, shard), {}, 0, {}, {}
     else:
-        values, optim_state, steps, kept, marks = gather_shard(restore, layout, shard, complete)
+        values, optim_state, steps, kept, marks = gather_shard(restore, layout, shard)
     server.layout, server.shard = layout, shard
     server.checks = RequestChecks(layout, shard, server.max_ids, lambda: getattr(server._call, "epoch", 0),
                                   server.refusals.stale_layout)

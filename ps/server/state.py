@@ -10,7 +10,7 @@ was last seen and how often (``ps/server/hashed/``); a shard restores the ids it
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -24,16 +24,39 @@ if TYPE_CHECKING:
 FORMAT = 1
 
 
+class ShardIds(Mapping):
+    """Each table's ids on a shard, as ``export_shard`` lists them, a plain table's made when first
+    asked for: a change of layout's hold reads few of them, and each is a pass over its rows."""
+
+    def __init__(self, layout: Layout, shard: int, hashed: dict[str, dict[str, Any]]) -> None:
+        self._layout, self._shard = layout, shard
+        self._made = {t: kept["ids"] for t, kept in hashed.items()}
+
+    def __getitem__(self, table: str) -> torch.Tensor:
+        if table not in self._made:
+            self._made[table] = self._layout.plans[table].global_ids(self._shard)
+        return self._made[table]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layout.plans)
+
+    def __len__(self) -> int:
+        return len(self._layout.plans)
+
+
 def export_shard(shard: int, layout: Layout, model: dict, steps: int, params: dict[str, torch.Tensor],
                  optim_state: dict[str, dict[str, torch.Tensor]],
                  hashed: Optional[dict[str, dict[str, Any]]] = None,
-                 marks: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+                 marks: Optional[dict[str, dict[str, Any]]] = None, lazy: bool = False) -> dict[str, Any]:
     """``params``/``optim_state`` must already be private copies (taken under the server's lock).
     ``hashed``: each hashed table's live ``rows``, their ``ids`` and bookkeeping (``last_seen``,
     ``hits``, ``counts``), taken under the same lock; only those rows are saved, by id. ``marks``:
-    the trainers' batches the parameters hold (``ps/server/marks.py``)."""
+    the trainers' batches the parameters hold (``ps/server/marks.py``). ``lazy``: the tables'
+    ids made as they are read (``ShardIds``; not for a file)."""
     hashed = hashed or {}
-    tables = {t: hashed[t]["ids"] if t in hashed else plan.global_ids(shard) for t, plan in layout.plans.items()}
+    tables: Mapping[str, torch.Tensor] = ShardIds(layout, shard, hashed)
+    if not lazy:
+        tables = {t: tables[t] for t in layout.plans}
     params, optim_state = dict(params), {n: dict(st) for n, st in optim_state.items()}
     for t, kept in hashed.items():
         for name in layout.table_params[t]:
@@ -77,11 +100,13 @@ class Gathered(NamedTuple):
     marks: dict[str, dict[str, Any]]       # per trainer, its newest batch the shard holds (``ps/server/marks.py``)
 
 
-def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int, complete: bool = True) -> Gathered:
+def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int, complete: bool = True,
+                 tables: Optional[Collection[str]] = None) -> Gathered:
     """Params, optimizer state, steps applied and hashed tables' rows of ``shard`` under
     ``layout``, from every old shard (or from its own, when the cluster kept its shape). Not
     ``complete``: ``states`` are a live server's own and the parts it took for a change of layout
-    (``ps/server/moves.py``), which must hold every row ``shard`` owns."""
+    (``ps/server/moves.py``), which must hold every row ``shard`` owns. ``tables``: only these
+    tables' rows (and the dense groups); None: all."""
     if not states:
         raise ValueError("no shard states to restore from")
     own = len(states) == 1 and states[0]["shard"] == shard and same_layout(states[0], layout)
@@ -91,6 +116,8 @@ def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int, compl
     optim: dict[str, dict[str, torch.Tensor]] = {}
     hashed: dict[str, dict[str, Any]] = {}
     for table, plan in layout.plans.items():
+        if tables is not None and table not in tables:
+            continue
         if isinstance(plan, HashedPlan):
             hashed[table] = _gather_hashed(states, table, layout, plan.rows(shard),
                                            (plan.owner(_ids(states[0], table, layout)) == shard) if own else None,

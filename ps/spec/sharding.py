@@ -247,6 +247,11 @@ class ShardPlan:
         ids = (torch.arange(-(-self.num_ids // count))[:, None] * count + mine[None, :]).reshape(-1)
         return ids[ids < self.num_ids]
 
+    def ids_at(self, shard: int, rows: torch.Tensor) -> torch.Tensor:
+        """The ids of shard ``shard``'s ``rows``: ``global_ids(shard)[rows]``, without them all."""
+        mine = self.slots.slots_of(shard)
+        return (rows // mine.numel()) * self.slots.count + mine[rows % mine.numel()]
+
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
         return self.slots.owner_of[ids % self.slots.count]
 
@@ -284,6 +289,9 @@ class HashedPlan(ShardPlan):
     def global_ids(self, shard: int) -> torch.Tensor:
         raise TypeError("a hashed table's rows have no fixed ids: ask its index")
 
+    def ids_at(self, shard: int, rows: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a hashed table's rows have no fixed ids: ask its index")
+
     def to_local(self, ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("a hashed table's ids find their rows in its index")
 
@@ -313,6 +321,9 @@ class WholePlan:
 
     def global_ids(self, shard: int) -> torch.Tensor:
         return torch.arange(self.num_ids if shard == self.home else 0)
+
+    def ids_at(self, shard: int, rows: torch.Tensor) -> torch.Tensor:
+        return rows
 
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.full_like(ids, self.home)

@@ -156,17 +156,27 @@ class MoveSurface(Service):
     change (``ps/leader/moves.py``), a destination takes its parts from their sources."""
 
     @remote
-    def part(self, slots: list[int], units: list[str]) -> dict[str, Any]:
+    def part(self, slots: list[int], units: list[str], stage: str = "all") -> dict[str, Any]:
         """A copy of what this server holds of ``slots`` (every table's rows there, their
         optimizer state, a hashed table's live ids and bookkeeping, the batches' marks) and of
         ``units`` (``table:<name>``, ``dense:<g>``), as a shard state: what a change of layout
-        moves to another server. Another server asks it (``take_part``)."""
+        moves to another server. Another server asks it (``take_part``). ``stage``: ``all``;
+        ``early``, while training goes on, without the hashed tables, counting the rows written
+        from then on; ``changes``, with the trainers held, only those rows of the plain tables
+        (``ps/server/precopy.py``)."""
         raise NotImplementedError
 
     @remote
-    def take_part(self, source: str, slots: list[int], units: list[str], epoch: int) -> int:
-        """Take ``source``'s ``part`` of ``slots`` and ``units`` and keep it for the change of
-        layout to ``epoch``; its bytes. The leader asks it of each destination of a change."""
+    def take_part(self, source: str, slots: list[int], units: list[str], epoch: int, stage: str = "all") -> int:
+        """Take ``source``'s ``part`` of ``slots`` and ``units`` at ``stage`` and keep it for the
+        change of layout to ``epoch``; its bytes. The leader asks it of each destination of a change."""
+        raise NotImplementedError
+
+    @remote
+    def prepare(self, layout: dict[str, Any]) -> None:
+        """While training goes on: build this server's shard by ``layout`` aside from its own rows
+        and the early parts it took, counting the rows written from then on; ``relayout`` then
+        puts in only what changed since. The leader asks it of every server of either layout."""
         raise NotImplementedError
 
     @remote

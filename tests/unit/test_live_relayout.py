@@ -7,6 +7,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from ps.leader.moves import by_destination
 from ps.server.metrics import PsMetrics
 from ps.server.moves import Gate
 from ps.server.relayout import ShardMoves
@@ -41,12 +42,26 @@ def whole(servers):
     return out
 
 
-def move(servers, old, new):
+def take(servers, old, new, stage):
+    """Each destination's parts of ``old.moves(new)`` at ``stage``, as the leader asks them."""
     by_name = {s.name: s for s in servers}
-    for m in old.moves(new):
-        slots = [int(m.what.split(":")[1])] if m.what.startswith("slot:") else []
-        units = [] if slots else [m.what]
-        by_name[m.destination].staged.add(new.epoch, ShardMoves(by_name[m.source]).part(slots, units))
+    for dest, sources in by_destination(old.moves(new)).items():
+        for source, (slots, units) in sources.items():
+            by_name[dest].staged.keep(new.epoch, source, stage, ShardMoves(by_name[source]).part(slots, units, stage))
+
+
+def move(servers, old, new, meanwhile=None, aside=True):
+    """The change of ``old`` to ``new`` on ``servers``: all of it at once; or (``meanwhile``: what
+    training does while the change copies ahead) the early parts, ``meanwhile()``, every shard
+    built aside (unless not ``aside``), ``meanwhile()`` again, then the changes since."""
+    if meanwhile is not None:
+        take(servers, old, new, "early")
+        meanwhile()
+        if aside:
+            for s in servers:
+                ShardMoves(s).prepare(new.to_dict())
+        meanwhile()
+    take(servers, old, new, "all" if meanwhile is None else "changes")
     for s in servers:
         ShardMoves(s).relayout(new.to_dict())
 
@@ -100,7 +115,8 @@ def test_the_gate_holds_requests_while_a_change_is_inside_and_waits_for_those_in
     assert order == ["closing", "closed"]
 
 
-def test_a_hashed_tables_live_rows_move_with_their_counts_and_state():
+@pytest.mark.parametrize("ahead", [False, True], ids=["all-held", "copied-ahead"])
+def test_a_hashed_tables_live_rows_move_with_their_counts_and_state(ahead):
     from tests.unit.test_hashed_server import IDS, by_id, spec, step
     model = spec(40)
     first = first_slots(model, 2)
@@ -109,9 +125,19 @@ def test_a_hashed_tables_live_rows_move_with_their_counts_and_state():
     for k in range(3):
         step(old, IDS[k:k + 6], k + 1)
     before = by_id(old)
+    more = iter(range(3, 9))
     third = ParameterServer("ps2", 2, first, model, PsMetrics(CollectorRegistry(), "ps", "ps2"))
     grown = first.rebalanced(["ps0", "ps1", "ps2"])
-    move([*old, third], first, grown)
+    # Ids admitted and rows written while it copies ahead: a hashed table is copied whole, held.
+    move([*old, third], first, grown, meanwhile=(lambda: step(old, IDS[next(more):][:6], 7)) if ahead else None)
+    if ahead:
+        replay = [ParameterServer(n, k, first, model, PsMetrics(CollectorRegistry(), "ps", n))
+                  for k, n in enumerate(("ps0", "ps1"))]
+        for k in range(3):
+            step(replay, IDS[k:k + 6], k + 1)
+        for k in (3, 4):
+            step(replay, IDS[k:][:6], 7)
+        before = by_id(replay)
     after = by_id([*old, third])
     assert after.keys() == before.keys() and len(by_id([third])) > 0
     for i, (value, acc, seen, hits) in before.items():
@@ -144,3 +170,69 @@ def test_copies_with_every_core_on_two_threads_at_once_leave_the_thread_count_as
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def train(servers, seed):
+    """A step on each server holding rows: a few rows of each table written (a sparse gradient),
+    the dense tensors whole, as training does while a change copies ahead."""
+    for s in servers:
+        if s.empty:
+            continue
+        g = torch.Generator().manual_seed(seed * 10 + s.shard)
+        grads = {}
+        for name, p in zip(s.params.names, s.optimizer.params):
+            if name in ROWS:
+                rows = torch.randperm(p.shape[0], generator=g)[:3]
+                grads[p] = torch.sparse_coo_tensor(rows[None], torch.randn(3, *p.shape[1:], generator=g), p.shape)
+            else:
+                grads[p] = torch.randn(p.shape, generator=g)
+        s.optimizer.apply(grads)
+
+
+@pytest.mark.parametrize("aside", [True, False], ids=["built-aside", "early-parts-brought-up-to-date"])
+def test_a_change_copied_ahead_while_rows_are_written_ends_with_every_write(aside):
+    first = first_slots(model_spec(MODEL), 2)
+    a, b, c = server("ps0", first), server("ps1", first), server("ps2", first)
+    train([a, b], 1)
+    seeds = iter(range(2, 100))
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    move([a, b, c], first, grown, meanwhile=lambda: train([a, b], next(seeds)), aside=aside)
+    # The same writes on servers that never moved: what they hold, the moved hold, by id.
+    x, y = server("ps0", first), server("ps1", first)
+    for seed in range(1, next(seeds)):
+        train([x, y], seed)
+    expected = whole([x, y])
+    after = whole([a, b, c])
+    for name, (value, acc) in expected.items():
+        assert torch.equal(after[name][0], value) and torch.equal(after[name][1], acc), name
+    assert sorted(sum(s.info().tables.values()) for s in (a, b, c)) == [20, 20, 20]
+    shrunk = grown.rebalanced(["ps0", "ps2"])          # and back, with writes meanwhile on all three
+    before_back = {}
+
+    def meanwhile():
+        train([a, b, c], 50 + len(before_back))
+        before_back.update(whole([a, b, c]))
+    move([a, b, c], grown, shrunk, meanwhile=meanwhile, aside=aside)
+    after = whole([a, c])
+    for name, (value, acc) in before_back.items():
+        assert torch.equal(after[name][0], value) and torch.equal(after[name][1], acc), name
+    assert sum(b.info().tables.values()) == 0
+
+
+def test_what_a_lost_leaders_change_left_aside_is_not_used_by_the_next():
+    first = first_slots(model_spec(MODEL), 2)
+    a, b, c = server("ps0", first), server("ps1", first), server("ps2", first)
+    train([a, b], 1)
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    take([a, b, c], first, grown, "early")            # the leader was lost here, after the shards were built
+    for s in (a, b, c):
+        ShardMoves(s).prepare(grown.to_dict())
+    train([a, b], 2)
+    before = whole([a, b])
+    other = first.rebalanced(["ps0", "ps2"])          # its successor's change: the same epoch, other owners
+    assert other.epoch == grown.epoch and other != grown
+    move([a, b, c], first, other)
+    after = whole([a, c])
+    for name, (value, acc) in before.items():
+        assert torch.equal(after[name][0], value) and torch.equal(after[name][1], acc), name
+    assert sum(b.info().tables.values()) == 0

@@ -17,6 +17,7 @@ class Fakes:
         self.members = list(members)
         self.calls: list[tuple] = []
         self.held = False
+        self.fail_ahead = False
         self.done = threading.Event()
 
     def paused(self, action):
@@ -27,8 +28,12 @@ class Fakes:
             self.held = False
 
     def call(self, to, method, *args, timeout=None):
-        assert self.held or method is MoveSurface.retire, f"{method.__name__} outside the trainers' hold"
-        self.calls.append((to, method.__name__, *args))
+        ahead = method is MoveSurface.prepare or (method is MoveSurface.take_part and args[-1] == "early")
+        if ahead and self.fail_ahead:
+            raise ConnectionError(f"{to} is unreachable")
+        assert self.held != (ahead or method is MoveSurface.retire), \
+            f"{method.__name__} {'outside' if not self.held else 'inside'} the trainers' hold"
+        self.calls.append((to, method.__name__, *args, self.held))
         return 100 if method is MoveSurface.take_part else {}
 
     def adopt(self, slots):
@@ -43,17 +48,30 @@ def test_a_change_takes_the_parts_rebuilds_every_server_adopts_and_retires_who_l
     fakes = Fakes(["ps0", "ps1", "ps2"])
     mover = fakes.mover()
     grown = mover.change(["ps0", "ps1", "ps2"])
-    assert grown["epoch"] == 2 and grown["moved_slots"] == 4 and grown["bytes"] == 200 and grown["state"] == "done"
+    assert grown["epoch"] == 2 and grown["moved_slots"] == 4 and grown["state"] == "done"
+    assert grown["ahead_bytes"] == 200 and grown["bytes"] == 200      # the fakes' parts are 100 bytes each
+    names = [(c[1], c[-2] if c[1] == "take_part" else None, c[-1]) for c in fakes.calls]
+    # Copied ahead and built aside while training goes on, then only the changes and the rebuilds held.
+    assert names == [("take_part", "early", False)] * 2 + [("prepare", None, False)] * 3 + \
+        [("take_part", "changes", True)] * 2 + [("relayout", None, True)] * 3, names
     takes = [c for c in fakes.calls if c[1] == "take_part"]
-    assert sorted((c[0], c[2]) for c in takes) == [("ps2", "ps0"), ("ps2", "ps1")]
-    rebuilt = [c for c in fakes.calls if c[1] == "relayout"]
-    assert sorted(c[0] for c in rebuilt) == ["ps0", "ps1", "ps2"] and all(c[2]["epoch"] == 2 for c in rebuilt)
-    assert fakes.calls.index(takes[-1]) < fakes.calls.index(rebuilt[0]), "every part taken before any rebuild"
+    assert sorted((c[0], c[2]) for c in takes) == [("ps2", "ps0")] * 2 + [("ps2", "ps1")] * 2
+    rebuilt = [c for c in fakes.calls if c[1] in ("prepare", "relayout")]
+    assert sorted(c[0] for c in rebuilt) == ["ps0", "ps0", "ps1", "ps1", "ps2", "ps2"]
+    assert all(c[2]["epoch"] == 2 for c in rebuilt)
     assert fakes.slots.epoch == 2 and fakes.slots.servers == ("ps0", "ps1", "ps2")
     fakes.calls.clear()
     mover.change(["ps0", "ps2"])
     assert ("ps1", "retire") in [(c[0], c[1]) for c in fakes.calls]
     assert mover.change(["ps0", "ps2"])["state"] == "unchanged"
+
+
+def test_a_change_that_cannot_copy_ahead_copies_all_of_it_held():
+    fakes = Fakes(["ps0", "ps1", "ps2"])
+    fakes.fail_ahead = True
+    grown = fakes.mover().change(["ps0", "ps1", "ps2"])
+    assert grown["state"] == "done" and "ahead_bytes" not in grown
+    assert [(c[1], c[-2], c[-1]) for c in fakes.calls if c[1] == "take_part"] == [("take_part", "all", True)] * 2
 
 
 def test_a_change_refused_changes_nothing():

@@ -209,6 +209,7 @@ def _move(ns: argparse.Namespace, up: Up, counters: Counters, servers: int) -> d
     during = counters.steps_between(moving, moving + ns.window)
     return {"servers": servers, "epoch": change["epoch"], "moved_slots": change["moved_slots"],
             "moved_units": len(change["moved_units"]), "bytes": change["bytes"],
+            "bytes_ahead": change.get("ahead_bytes", 0), "copying_ahead_s": change.get("ahead_seconds", 0.0),
             "trainers_held_s": change["pause_seconds"], "taking_s": change["take_seconds"],
             "rebuilding_s": change["rebuild_seconds"], "move_s": change["seconds"],
             "asked_to_done_s": round(ended - asked, 3), "median_step_s": round(median, 4) if median else None,

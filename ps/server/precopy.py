@@ -1,0 +1,131 @@
+"""A change of layout copied ahead: most of its copying done while training goes on, so that the
+trainers are held only for what changed meanwhile (``ps/server/moves.py`` has the rest).
+
+With the trainers running, each source copies the plain tables' rows of its moving slots (an
+*early* part), and each server builds its shard by the new layout aside from its own live rows and
+those parts. Neither copy is consistent: rows are written while they are read. So each server
+counts, from before its first copy (``Touched.moving``), every row written since; with the
+trainers held, a source sends only those rows of the moving slots (its *changes*, with the hashed
+tables and dense groups whole, which are not copied ahead), and each server writes its own such
+rows and the changes it took over the shard built aside (``patched``). A row read torn was written
+after its count began, so it is always sent again. What the hold copies is what training wrote
+during the copies, not what the servers hold.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ps.server.moves import part_of
+from ps.server.state import Gathered, gather_shard
+from ps.spec.sharding import HashedPlan, Layout, Slots, dense_unit, table_unit
+
+
+def plain_tables(layout: Layout) -> list[str]:
+    """The tables copied ahead: all but the hashed (whose rows an id's admission moves)."""
+    return [t for t, plan in layout.plans.items() if not isinstance(plan, HashedPlan)]
+
+
+def every_unit(layout: Layout) -> list[str]:
+    """Every table kept whole and every dense group: with every slot, all a server can hold."""
+    return [*(table_unit(t) for t in layout.plans), *(dense_unit(g) for g in range(len(layout.dense_groups)))]
+
+
+def overlaid(early: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """An early part brought up to date by the part of what changed since (``part_of``'s
+    ``only``): the changed rows written over theirs, in place, and everything else the later part
+    holds (hashed tables, dense groups, scalars, steps, marks) taken from it."""
+    out = {**changes, "tables": dict(early["tables"]), "params": dict(early["params"]),
+           "optim": {n: dict(v) for n, v in early["optim"].items()}}
+    for table, ids in changes["tables"].items():
+        names = changes["table_params"][table]
+        if table in changes["hashed"] or table not in early["tables"]:
+            out["tables"][table] = ids      # copied whole under the hold
+            out["params"].update({n: changes["params"][n] for n in names})
+            out["optim"].update({n: changes["optim"][n] for n in names if n in changes["optim"]})
+            continue
+        at = _positions(early["tables"][table], ids, table)
+        for name in names:
+            out["params"][name][at] = changes["params"][name]
+            _write_state(out["optim"].setdefault(name, {}), changes, name, at, None,
+                         early["params"][name].shape[0])
+    tabled = {n for t in changes["tables"] for n in changes["table_params"][t]}
+    for name in set(changes["params"]) - tabled:        # a dense group, whole
+        out["params"][name] = changes["params"][name]
+        if name in changes["optim"]:
+            out["optim"][name] = changes["optim"][name]
+    return out
+
+
+def patched(built: Gathered, held: Gathered, layout: Layout, shard: int, changes: list[dict[str, Any]]) -> Gathered:
+    """The plain tables of ``shard`` built aside (``built``, from copies taken while training went
+    on), with the rows written since written over theirs (``changes``: parts of only those rows,
+    the server's own and each source's), beside what was gathered with the trainers held
+    (``held``: hashed tables, dense groups, steps, marks)."""
+    params = {**built.params, **held.params}
+    optim = {**{n: dict(v) for n, v in built.optim.items()}, **held.optim}
+    for table in plain_tables(layout):
+        plan = layout.plans[table]
+        for change in changes:
+            ids = change["tables"].get(table)
+            if ids is None or not ids.numel():
+                continue
+            mine = (plan.owner(ids) == shard).nonzero().squeeze(1)      # the rest live elsewhere now
+            at = plan.to_local(ids[mine])
+            for name in layout.table_params[table]:
+                params[name][at] = change["params"][name][mine]
+                _write_state(optim.setdefault(name, {}), change, name, at, mine, plan.rows(shard))
+    return Gathered(params, optim, held.steps, held.hashed, held.marks)
+
+
+def _positions(had: torch.Tensor, ids: torch.Tensor, table: str) -> torch.Tensor:
+    """Where ``ids`` are among ``had`` (a plain shard's ids are sorted, and so is any pick of them)."""
+    at = torch.searchsorted(had, ids)
+    if ids.numel() and (int(at.max()) >= had.numel() or not torch.equal(had[at], ids)):
+        raise ValueError(f"rows of {table} changed since the early copy are not in it")
+    return at
+
+
+def _write_state(state: dict[str, torch.Tensor], change: dict[str, Any], name: str, at: torch.Tensor,
+                 pick: "torch.Tensor | None", rows: int) -> None:
+    """``name``'s optimizer state in ``change`` written into ``state`` (of ``rows`` rows): the
+    values by row at ``at`` (``pick``: those of the change's rows; None: all), a scalar (a step
+    count) the larger of the two, as a restore takes it."""
+    by_rows = change.get("row_state", {}).get(name, ())
+    for key, value in change["optim"].get(name, {}).items():
+        if key in by_rows:
+            if key not in state:        # state that appeared since: zeros where no step was, as it makes
+                state[key] = value.new_zeros(rows, *value.shape[1:])
+            state[key][at] = value if pick is None else value[pick]
+        elif value.numel() == 1 and key in state and state[key].numel() == 1:
+            state[key] = torch.maximum(state[key], value.reshape(state[key].shape))
+        else:
+            state[key] = value
+
+
+def built_by(taken: Any, slots: Slots, moving: "dict[str, torch.Tensor] | None") -> bool:
+    """Whether a change's rebuild by ``slots`` puts the rows written since into the shard built
+    aside (``taken``: ``Staged.take``'s): one was built by these slots, every part was copied
+    ahead, and the server counted its rows written (``moving``)."""
+    return taken.built is not None and taken.built[0] == slots and not taken.whole and moving is not None
+
+
+def gathered_now(own: dict[str, Any], was: Layout, moving: "dict[str, torch.Tensor] | None", layout: Layout,
+                 shard: int, taken: Any) -> Gathered:
+    """What ``shard`` holds by ``layout`` (the new), from its own live state ``own`` (``held_state``,
+    under the old layout ``was``; ``moving``: its rows written since its copying began) and what it
+    took (``Staged.take``): the shard built aside and the changes since, when everything was copied
+    ahead; else from the whole parts, the early ones brought up to date.
+
+    An early part not brought up to date, or a shard built aside by another layout, is of a change
+    whose leader was lost before its hold (the leader asks every source's changes before any
+    rebuild): unused. Rows counted since then were counted all along, since only a rebuild ends a
+    count, so a shard built then by this same layout is still brought up to date by them."""
+    if built_by(taken, layout.slots, moving):
+        mine = part_of(own, was, list(range(was.slots.count)), every_unit(was), only=moving, hashed=False)
+        hashed = [t for t in layout.plans if t not in plain_tables(layout)]
+        held = gather_shard([own, *taken.changes.values()], layout, shard, complete=False, tables=hashed)
+        return patched(taken.built[1], held, layout, shard, [mine, *taken.changes.values()])
+    parts = [*taken.whole.values(), *(overlaid(taken.early[s], c) for s, c in taken.changes.items())]
+    return gather_shard([own, *parts], layout, shard, complete=False)
