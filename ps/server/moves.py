@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -69,20 +69,22 @@ class Gate:
 
 
 def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list[str],
-            only: Optional[dict[str, torch.Tensor]] = None, hashed: bool = True) -> dict[str, Any]:
+            only: Optional[dict[str, torch.Tensor]] = None, tables: Optional[Collection[str]] = None,
+            dense: bool = True) -> dict[str, Any]:
     """Of a shard state saved under ``layout`` (``export_state``, or ``held_state``'s live tensors),
     only the rows of ``slots`` and the ``units`` (a table kept whole, ``table:<name>``; a dense
     group, ``dense:<g>``), copied: a shard state ``gather_shard`` reads beside others. Every
     parameter keeps its scalars (a step count). ``only``: of a plain table, only the rows marked
-    there (those written since an early copy, ``Touched.moving``); not ``hashed``: without the
-    hashed tables (an early copy leaves them to the hold)."""
+    there (those written since an early copy, ``Touched.moving``); ``tables``: only these tables
+    (None: all); not ``dense``: without the dense groups (an early copy leaves them, and the
+    hashed tables, to the hold)."""
     keep = torch.zeros(layout.slots.count, dtype=torch.bool)
     keep[torch.tensor(slots, dtype=torch.int64)] = True
-    wanted = set(units)
+    wanted = set(units) if dense else {u for u in units if not u.startswith("dense:")}
     out = {**state, "tables": {}, "params": {}, "optim": {}, "hashed": {}, "row_state": {}}
     for table, plan in layout.plans.items():
         is_hashed = table in state.get("hashed", {})
-        if is_hashed and not hashed:
+        if tables is not None and table not in tables:
             continue
         if only is not None and not is_hashed:
             # The few rows written since: picked by position, not by a pass over every row.
@@ -119,6 +121,15 @@ def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list
     return out
 
 
+def merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Parts of one source, of other tables each (``part_of``'s ``tables``), as one."""
+    out = {**parts[0], **{k: dict(parts[0][k]) for k in ("tables", "params", "optim", "hashed", "row_state")}}
+    for part in parts[1:]:
+        for key in ("tables", "params", "optim", "hashed", "row_state"):
+            out[key].update(part[key])
+    return out
+
+
 class Taken(NamedTuple):
     """What a server took for a change of layout, by source: whole parts, or early parts and the
     changes since (``ps/server/precopy.py``); and its shard built aside from them (None: not built)."""
@@ -141,15 +152,19 @@ class Staged:
         self._taken = Taken({}, {}, {}, None)
 
     def take_from(self, source: str, method: Callable[..., Any], slots: list[int], units: list[str],
-                  epoch: int, stage: str = "all") -> int:
+                  epoch: int, stage: str = "all", pieces: Optional[list[list[str]]] = None) -> int:
         """``source``'s part of ``slots`` and ``units`` (``method``: ``MoveSurface.part``) at
-        ``stage``, kept for ``epoch``; the bytes sent."""
+        ``stage``, kept for ``epoch``; the bytes sent. ``pieces``: taken a few tables at a time,
+        these, so that no one transfer holds the receiving process's copying thread for long (a
+        trainer's request waits behind it)."""
         if stage not in STAGES:
             raise BadRequest(f"a part's stage is one of {', '.join(STAGES)}, not {stage!r}")
         if stage == "changes" and source not in self.taken(epoch).early:
             raise BadRequest(f"no early part of {source} for layout {epoch} to bring up to date")
         started = time.monotonic()
-        sent = self.keep(epoch, source, stage, call(source, method, slots, units, stage, timeout=MOVE_TIMEOUT))
+        part = merged([call(source, method, slots, units, stage, piece, timeout=MOVE_TIMEOUT)
+                       for piece in pieces or [None]])
+        sent = self.keep(epoch, source, stage, part)
         log.info("took %s of %d slots and %d units from %s for layout %d: %d bytes in %.3fs", stage, len(slots),
                  len(units), source, epoch, sent, time.monotonic() - started)
         return sent

@@ -27,6 +27,24 @@ def plain_tables(layout: Layout) -> list[str]:
     return [t for t, plan in layout.plans.items() if not isinstance(plan, HashedPlan)]
 
 
+PIECE_ROWS = 1 << 20     # about how many of a source's rows an early part's one transfer covers
+
+
+def by_rows(layout: Layout, source: int) -> list[list[str]]:
+    """The plain tables in pieces of about ``PIECE_ROWS`` rows of ``source``'s (a larger table a
+    piece of its own), for an early part taken a piece at a time."""
+    pieces: list[list[str]] = [[]]
+    rows = 0
+    for table in plain_tables(layout):
+        here = layout.plans[table].rows(source) if source < layout.num_shards else 0
+        if pieces[-1] and rows + here > PIECE_ROWS:
+            pieces.append([])
+            rows = 0
+        pieces[-1].append(table)
+        rows += here
+    return pieces
+
+
 def every_unit(layout: Layout) -> list[str]:
     """Every table kept whole and every dense group: with every slot, all a server can hold."""
     return [*(table_unit(t) for t in layout.plans), *(dense_unit(g) for g in range(len(layout.dense_groups)))]
@@ -123,7 +141,8 @@ def gathered_now(own: dict[str, Any], was: Layout, moving: "dict[str, torch.Tens
     rebuild): unused. Rows counted since then were counted all along, since only a rebuild ends a
     count, so a shard built then by this same layout is still brought up to date by them."""
     if built_by(taken, layout.slots, moving):
-        mine = part_of(own, was, list(range(was.slots.count)), every_unit(was), only=moving, hashed=False)
+        mine = part_of(own, was, list(range(was.slots.count)), every_unit(was), only=moving,
+                       tables=plain_tables(was), dense=False)
         hashed = [t for t in layout.plans if t not in plain_tables(layout)]
         held = gather_shard([own, *taken.changes.values()], layout, shard, complete=False, tables=hashed)
         return patched(taken.built[1], held, layout, shard, [mine, *taken.changes.values()])

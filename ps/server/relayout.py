@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ps.server.delta import held_state
 from ps.server.moves import part_of
-from ps.server.precopy import built_by, gathered_now, plain_tables
+from ps.server.precopy import built_by, by_rows, gathered_now, plain_tables
 from ps.server.service import ParameterServer, build_shard
 from ps.server.update import all_cores, in_background, release_later
 from ps.server.state import gather_shard
@@ -38,12 +38,14 @@ class ShardMoves(MoveSurface):
         self._stop()
 
     @remote
-    def part(self, slots: list[int], units: list[str], stage: str = "all") -> dict[str, Any]:
+    def part(self, slots: list[int], units: list[str], stage: str = "all",
+             tables: Optional[list[str]] = None) -> dict[str, Any]:
         server = self.server
         if stage == "early":        # training goes on: the rows written from now on are sent again
             with server.optimizer.lock:
                 server.params.touched.track()
-            return in_background(lambda: self._copied(slots, units, stage, hashed=False))
+            plain = [t for t in plain_tables(server.layout) if tables is None or t in tables]
+            return in_background(lambda: self._copied(slots, units, stage, tables=plain, dense=False))
         if stage == "changes":
             moving = server.params.touched.moving
             if moving is None:
@@ -65,7 +67,9 @@ class ShardMoves(MoveSurface):
 
     @remote
     def take_part(self, source: str, slots: list[int], units: list[str], epoch: int, stage: str = "all") -> int:
-        return self.server.staged.take_from(source, MoveSurface.part, slots, units, epoch, stage)
+        layout = self.server.layout
+        pieces = by_rows(layout, layout.slots.position(source)) if stage == "early" else None
+        return self.server.staged.take_from(source, MoveSurface.part, slots, units, epoch, stage, pieces)
 
     @remote
     def prepare(self, layout: dict[str, Any]) -> None:
@@ -76,7 +80,7 @@ class ShardMoves(MoveSurface):
         new = Layout.of(server.spec, slots)
         built = in_background(lambda: gather_shard(
             [held_state(server), *server.staged.taken(slots.epoch).early.values()], new, slots.position(server.name),
-            complete=False, tables=plain_tables(new)))
+            complete=False, tables=plain_tables(new), dense=False))
         server.staged.keep_built(slots, built)
         log.info("built its shard by layout %d aside in %.3fs", slots.epoch, time.monotonic() - started)
 

@@ -101,12 +101,12 @@ class Gathered(NamedTuple):
 
 
 def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int, complete: bool = True,
-                 tables: Optional[Collection[str]] = None) -> Gathered:
+                 tables: Optional[Collection[str]] = None, dense: bool = True) -> Gathered:
     """Params, optimizer state, steps applied and hashed tables' rows of ``shard`` under
     ``layout``, from every old shard (or from its own, when the cluster kept its shape). Not
     ``complete``: ``states`` are a live server's own and the parts it took for a change of layout
     (``ps/server/moves.py``), which must hold every row ``shard`` owns. ``tables``: only these
-    tables' rows (and the dense groups); None: all."""
+    tables' rows (None: all); not ``dense``: without the dense groups."""
     if not states:
         raise ValueError("no shard states to restore from")
     own = len(states) == 1 and states[0]["shard"] == shard and same_layout(states[0], layout)
@@ -134,7 +134,7 @@ def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int, compl
             for name in layout.table_params[table]:
                 params[name] = _take([s["params"][name] for s in states], pick)
                 _gather_rows_state(states, name, pick, optim, layout.row_state.get(name))
-    for name in layout.dense_of(shard):
+    for name in layout.dense_of(shard) if dense else ():
         holder = [s for s in states if name in s["params"]]
         if len(holder) != 1:
             raise ValueError(f"dense parameter {name} found in {len(holder)} old shards, expected 1")

@@ -156,13 +156,15 @@ class MoveSurface(Service):
     change (``ps/leader/moves.py``), a destination takes its parts from their sources."""
 
     @remote
-    def part(self, slots: list[int], units: list[str], stage: str = "all") -> dict[str, Any]:
+    def part(self, slots: list[int], units: list[str], stage: str = "all",
+             tables: Optional[list[str]] = None) -> dict[str, Any]:
         """A copy of what this server holds of ``slots`` (every table's rows there, their
         optimizer state, a hashed table's live ids and bookkeeping, the batches' marks) and of
         ``units`` (``table:<name>``, ``dense:<g>``), as a shard state: what a change of layout
         moves to another server. Another server asks it (``take_part``). ``stage``: ``all``;
-        ``early``, while training goes on, without the hashed tables, counting the rows written
-        from then on; ``changes``, with the trainers held, only those rows of the plain tables
+        ``early``, while training goes on, only the plain tables (of them ``tables``, if given),
+        counting the rows written from then on; ``changes``, with the trainers held, only those
+        rows of the plain tables, with the hashed tables and the dense groups whole
         (``ps/server/precopy.py``)."""
         raise NotImplementedError
 

@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from ps.leader.moves import by_destination
 from ps.server.metrics import PsMetrics
-from ps.server.moves import Gate
+from ps.server.moves import Gate, merged
+from ps.server.precopy import by_rows
 from ps.server.relayout import ShardMoves
 from ps.server.service import ParameterServer
 from ps.spec.sharding import first_slots
@@ -43,11 +44,15 @@ def whole(servers):
 
 
 def take(servers, old, new, stage):
-    """Each destination's parts of ``old.moves(new)`` at ``stage``, as the leader asks them."""
+    """Each destination's parts of ``old.moves(new)`` at ``stage``, as the leader asks them (an
+    early part a piece of tables at a time, as ``take_part`` takes it)."""
     by_name = {s.name: s for s in servers}
     for dest, sources in by_destination(old.moves(new)).items():
         for source, (slots, units) in sources.items():
-            by_name[dest].staged.keep(new.epoch, source, stage, ShardMoves(by_name[source]).part(slots, units, stage))
+            moves = ShardMoves(by_name[source])
+            pieces = by_rows(by_name[dest].layout, old.position(source)) if stage == "early" else [None]
+            part = merged([moves.part(slots, units, stage, piece) for piece in pieces])
+            by_name[dest].staged.keep(new.epoch, source, stage, part)
 
 
 def move(servers, old, new, meanwhile=None, aside=True):
@@ -236,3 +241,34 @@ def test_what_a_lost_leaders_change_left_aside_is_not_used_by_the_next():
     for name, (value, acc) in before.items():
         assert torch.equal(after[name][0], value) and torch.equal(after[name][1], acc), name
     assert sum(b.info().tables.values()) == 0
+
+
+def test_an_early_part_taken_a_few_tables_at_a_time_moves_every_row_of_every_table(monkeypatch):
+    from ps.server import precopy
+    from trainer.ctr.config import CtrServerConfig
+    from trainer.ctr.server import ctr_model
+    spec = ctr_model(CtrServerConfig(scale=0.0005, dim=4, bottom="8", top="8", name="ps0", num_ps=2))
+    monkeypatch.setattr(precopy, "PIECE_ROWS", 40)
+    first = first_slots(spec, 2)
+    layout = precopy.Layout.of(spec, first)
+    pieces = by_rows(layout, 0)                     # several, each table in one of them
+    assert len(pieces) > 3 and sorted(t for p in pieces for t in p) == sorted(precopy.plain_tables(layout))
+    group = [ParameterServer(n, k, first, spec, PsMetrics(CollectorRegistry(), "ps", n))
+             for k, n in enumerate(("ps0", "ps1", "ps2"))]
+
+    def rows(servers):
+        out = {}
+        for s in servers:
+            for table, plan in s.layout.plans.items():
+                ids = plan.global_ids(s.shard)
+                for name in s.layout.table_params[table]:
+                    for i, row in zip(ids.tolist(), s.params[name].detach()):
+                        assert (name, i) not in out, f"{name}[{i}] held twice"
+                        out[name, i] = row.clone()
+        return out
+    before = rows(group[:2])
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    move(group, first, grown, meanwhile=lambda: None)
+    after = rows(group)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert all(s.layout.epoch == 2 and not s.empty for s in group)
