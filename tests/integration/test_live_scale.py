@@ -192,12 +192,12 @@ def scale(tmp_path, up, *args) -> dict:
 
 
 CTR = {"workload": "ctr", "scale": 0.0005, "dim": 4, "bottom": "8", "top": "8", "consistency": "sync"}
-STEPS = 14
+STEPS = 60     # enough that both changes fall while training goes on (each takes about 10 steps here)
 
 
 def _trained(procs, moves: bool, consistency: str = "sync", trainers: int = 2) -> dict[str, torch.Tensor]:
-    """CTR trainers' 14 steps on two servers, with a third joining after step 3 and drained after
-    step 8 when ``moves``: the model at the end, every table's rows by id."""
+    """CTR trainers' 60 steps on two servers, with a third joining after step 3 and drained after
+    step 20 when ``moves``: the model at the end, every table's rows by id."""
     settings = {**CTR, "consistency": consistency}
     ps0, ps1 = procs.start_servers(2, **settings)
     ps2 = procs.start("ps", "ps2", 3, **settings) if moves else None
@@ -211,12 +211,14 @@ def _trained(procs, moves: bool, consistency: str = "sync", trainers: int = 2) -
     else:
         clock = lambda: min(status(t).get("step", 0) for t in trainers)     # noqa: E731
     if ps2 is not None:
-        wait_until(lambda: clock() >= 3, 120, "three sync steps")
+        wait_until(lambda: clock() >= 3, 120, "three steps")
         with ps0.client(timeout=300.0) as c:
             assert c.scale(3)["epoch"] == 2
-        wait_until(lambda: clock() >= 8, 120, "sync steps on three servers")
+        assert clock() < STEPS, "the change onto three servers fell after the last step"
+        wait_until(lambda: clock() >= 20, 120, "steps on three servers")
         with ps2.client(timeout=300.0) as c:
             assert c.drain()["epoch"] == 3
+        assert clock() < STEPS, "the change back onto two servers fell after the last step"
         assert ps2.proc.wait(60) == 0
     for t in trainers:
         wait_until(lambda t=t: (status(t).get("episode") or {}).get("done"), 180, f"{t.name}'s {STEPS} steps")

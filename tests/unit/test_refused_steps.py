@@ -1,14 +1,15 @@
 """A trainer whose updates the servers refuse, or whose steps are lost on their way (a peer in
 the trainers' all-reduce died), skips those batches, and stops with a clear error after too many
 in a row rather than spinning; one that loses a step to a server's loss waits for the server, as
-long as it may, and counts it toward no limit (the episode runner, over a scripted loop)."""
+long as it may, and counts it toward no limit; an evaluation a change of layout falls in is read
+again by the new layout (the episode runner, over a scripted loop)."""
 import threading
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from services.control import EpisodeGate, EpisodeStart, StepPause
-from services.errors import PeerUnavailable, ServerLost, StepLost, UpdateRefused
+from services.errors import PeerUnavailable, ServerLost, StaleLayout, StepLost, UpdateRefused
 from services.lifecycle import StatusBoard
 from trainer.lm.config import TrainerConfig
 from trainer.core.episodes import EpisodeRunner
@@ -29,6 +30,7 @@ class ScriptedLoop:
         self.replica = None
         self.task = self
         self.unit = "tokens"
+        self.evaluations, self.layouts, self.followed = [], [], 0
 
     def ready(self, wait):
         return True
@@ -46,6 +48,18 @@ class ScriptedLoop:
     def end(self):
         pass
 
+    def evaluate(self, closing, advance):
+        """A scripted evaluation: ``evaluations`` say what each gives, "stale" a read refused as
+        planned with an older layout."""
+        outcome = self.evaluations.pop(0)
+        if outcome == "stale":
+            raise StaleLayout("ps1: dense_params: planned with layout 1, this server serves by layout 2")
+        return {"eval": {"loss_sum": outcome, "tokens": 1, "loss": outcome, "ppl": 1.0}}
+
+    def follow_layout(self):
+        self.followed += 1
+        return self.layouts.pop(0)
+
     def idle(self):
         pass
 
@@ -55,7 +69,7 @@ class ScriptedLoop:
         return names if self.asked > self.away else []
 
 
-def runner(script, max_refused=3, away=0, server_wait=600.0):
+def runner(script, max_refused=3, away=0, server_wait=600.0, evaluate=False):
     wake = threading.Condition()
     gate = EpisodeGate(wake, "trainer")
     metrics = TrainerMetrics(CollectorRegistry(), "trainer", "trainer0")
@@ -64,7 +78,7 @@ def runner(script, max_refused=3, away=0, server_wait=600.0):
     loop = ScriptedLoop(script, away)
     loop.board = board
     return EpisodeRunner(loop, cfg, board, metrics, gate, StepPause(wake, gate), wake,
-                         False, heartbeat=lambda: None), metrics, board
+                         evaluate, heartbeat=lambda: None), metrics, board
 
 
 def test_refused_steps_are_skipped_and_counted():
@@ -103,3 +117,18 @@ def test_a_server_that_does_not_come_back_within_the_wait_stops_the_trainer():
     with pytest.raises(PeerUnavailable, match=r"ps1 did not come back within 0.3s \(--server-wait\)"):
         run.run(EpisodeStart(steps=3))
     assert board.snapshot()["waiting_for"] == [] and metrics.waiting_for_servers._value.get() == 0
+
+
+def test_an_evaluation_a_change_of_layout_falls_in_is_read_again_by_the_new_layout():
+    run, _, board = runner([True, True], evaluate=True)
+    run.loop.evaluations, run.loop.layouts = ["stale", 0.25], [True]
+    run.run(EpisodeStart(steps=2))
+    assert run.loop.followed == 1 and board.snapshot()["episode"]["done"]
+
+
+def test_an_evaluation_refused_by_a_layout_that_did_not_change_fails_the_episode():
+    run, _, board = runner([True], evaluate=True)
+    run.loop.evaluations, run.loop.layouts = ["stale"], [False]
+    with pytest.raises(StaleLayout, match="planned with layout 1"):
+        run.run(EpisodeStart(steps=1))
+    assert not board.snapshot()["episode"]["done"]

@@ -119,7 +119,16 @@ class EpisodeRunner:
 
     def _evaluate(self) -> None:
         self.board.update(evaluating=True)
-        self.progress.start("evaluate", None)
         with self.pause.quiet():     # evaluation changes neither parameters nor position
-            found = self.loop.task.evaluate(lambda: self.gate.closing, self.progress.advance)
+            while True:
+                self.progress.start("evaluate", None)
+                try:
+                    found = self.loop.task.evaluate(lambda: self.gate.closing, self.progress.advance)
+                    break
+                except StaleLayout:
+                    # A change of layout is not held back by an evaluation, which changes nothing:
+                    # it reads again from the start, by the leader's layout, as long as that moves.
+                    if not self.loop.model.client.follow_layout():
+                        raise
+                    log.info("a change of layout moved rows the evaluation read: evaluating again")
         self.board.update(evaluating=False, **found)
