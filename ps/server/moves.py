@@ -86,17 +86,18 @@ def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list
         is_hashed = table in state.get("hashed", {})
         if tables is not None and table not in tables:
             continue
+        def of_part(ids: torch.Tensor) -> torch.Tensor:     # which of ``ids`` the part holds
+            return torch.full((ids.numel(),), table_unit(table) in wanted, dtype=torch.bool) \
+                if isinstance(plan, WholePlan) else keep[ids % layout.slots.count]
         if only is not None and not is_hashed:
             # The few rows written since: picked by position, not by a pass over every row.
             pick = only[table].nonzero().squeeze(1)
             ids = plan.ids_at(state["shard"], pick)
-            inside = keep[ids % layout.slots.count] if not isinstance(plan, WholePlan) else \
-                torch.full((ids.numel(),), table_unit(table) in wanted, dtype=torch.bool)
+            inside = of_part(ids)
             pick, ids = pick[inside], ids[inside]
         else:
             ids = state["tables"][table]
-            pick = torch.full((ids.numel(),), table_unit(table) in wanted, dtype=torch.bool) \
-                if isinstance(plan, WholePlan) else keep[ids % layout.slots.count]
+            pick = of_part(ids)
             ids = ids[pick]
         out["tables"][table] = ids
         for name in layout.table_params[table]:

@@ -50,32 +50,6 @@ def every_unit(layout: Layout) -> list[str]:
     return [*(table_unit(t) for t in layout.plans), *(dense_unit(g) for g in range(len(layout.dense_groups)))]
 
 
-def overlaid(early: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """An early part brought up to date by the part of what changed since (``part_of``'s
-    ``only``): the changed rows written over theirs, in place, and everything else the later part
-    holds (hashed tables, dense groups, scalars, steps, marks) taken from it."""
-    out = {**changes, "tables": dict(early["tables"]), "params": dict(early["params"]),
-           "optim": {n: dict(v) for n, v in early["optim"].items()}}
-    for table, ids in changes["tables"].items():
-        names = changes["table_params"][table]
-        if table in changes["hashed"] or table not in early["tables"]:
-            out["tables"][table] = ids      # copied whole under the hold
-            out["params"].update({n: changes["params"][n] for n in names})
-            out["optim"].update({n: changes["optim"][n] for n in names if n in changes["optim"]})
-            continue
-        at = _positions(early["tables"][table], ids, table)
-        for name in names:
-            out["params"][name][at] = changes["params"][name]
-            _write_state(out["optim"].setdefault(name, {}), changes, name, at, None,
-                         early["params"][name].shape[0])
-    tabled = {n for t in changes["tables"] for n in changes["table_params"][t]}
-    for name in set(changes["params"]) - tabled:        # a dense group, whole
-        out["params"][name] = changes["params"][name]
-        if name in changes["optim"]:
-            out["optim"][name] = changes["optim"][name]
-    return out
-
-
 def patched(built: Gathered, held: Gathered, layout: Layout, shard: int, changes: list[dict[str, Any]]) -> Gathered:
     """The plain tables of ``shard`` built aside (``built``, from copies taken while training went
     on), with the rows written since written over theirs (``changes``: parts of only those rows,
@@ -97,25 +71,17 @@ def patched(built: Gathered, held: Gathered, layout: Layout, shard: int, changes
     return Gathered(params, optim, held.steps, held.hashed, held.marks)
 
 
-def _positions(had: torch.Tensor, ids: torch.Tensor, table: str) -> torch.Tensor:
-    """Where ``ids`` are among ``had`` (a plain shard's ids are sorted, and so is any pick of them)."""
-    at = torch.searchsorted(had, ids)
-    if ids.numel() and (int(at.max()) >= had.numel() or not torch.equal(had[at], ids)):
-        raise ValueError(f"rows of {table} changed since the early copy are not in it")
-    return at
-
-
 def _write_state(state: dict[str, torch.Tensor], change: dict[str, Any], name: str, at: torch.Tensor,
-                 pick: "torch.Tensor | None", rows: int) -> None:
+                 pick: torch.Tensor, rows: int) -> None:
     """``name``'s optimizer state in ``change`` written into ``state`` (of ``rows`` rows): the
-    values by row at ``at`` (``pick``: those of the change's rows; None: all), a scalar (a step
-    count) the larger of the two, as a restore takes it."""
+    values by row of the change's rows ``pick`` at ``at``, a scalar (a step count) the larger of
+    the two, as a restore takes it."""
     by_rows = change.get("row_state", {}).get(name, ())
     for key, value in change["optim"].get(name, {}).items():
         if key in by_rows:
             if key not in state:        # state that appeared since: zeros where no step was, as it makes
                 state[key] = value.new_zeros(rows, *value.shape[1:])
-            state[key][at] = value if pick is None else value[pick]
+            state[key][at] = value[pick]
         elif value.numel() == 1 and key in state and state[key].numel() == 1:
             state[key] = torch.maximum(state[key], value.reshape(state[key].shape))
         else:
@@ -134,17 +100,16 @@ def gathered_now(own: dict[str, Any], was: Layout, moving: "dict[str, torch.Tens
     """What ``shard`` holds by ``layout`` (the new), from its own live state ``own`` (``held_state``,
     under the old layout ``was``; ``moving``: its rows written since its copying began) and what it
     took (``Staged.take``): the shard built aside and the changes since, when everything was copied
-    ahead; else from the whole parts, the early ones brought up to date.
+    ahead (the leader asks for changes only then); else from the whole parts.
 
-    An early part not brought up to date, or a shard built aside by another layout, is of a change
-    whose leader was lost before its hold (the leader asks every source's changes before any
-    rebuild): unused. Rows counted since then were counted all along, since only a rebuild ends a
-    count, so a shard built then by this same layout is still brought up to date by them."""
+    Early parts not brought up to date, or a shard built aside by another layout, are of a change
+    whose leader was lost before its hold: unused. Rows counted since then were counted all along,
+    since only a rebuild ends a count, so a shard built then by this same layout is still brought
+    up to date by them."""
     if built_by(taken, layout.slots, moving):
         mine = part_of(own, was, list(range(was.slots.count)), every_unit(was), only=moving,
                        tables=plain_tables(was), dense=False)
         hashed = [t for t in layout.plans if t not in plain_tables(layout)]
         held = gather_shard([own, *taken.changes.values()], layout, shard, complete=False, tables=hashed)
         return patched(taken.built[1], held, layout, shard, [mine, *taken.changes.values()])
-    parts = [*taken.whole.values(), *(overlaid(taken.early[s], c) for s, c in taken.changes.items())]
-    return gather_shard([own, *parts], layout, shard, complete=False)
+    return gather_shard([own, *taken.whole.values()], layout, shard, complete=False)

@@ -55,16 +55,15 @@ def take(servers, old, new, stage):
             by_name[dest].staged.keep(new.epoch, source, stage, part)
 
 
-def move(servers, old, new, meanwhile=None, aside=True):
+def move(servers, old, new, meanwhile=None):
     """The change of ``old`` to ``new`` on ``servers``: all of it at once; or (``meanwhile``: what
     training does while the change copies ahead) the early parts, ``meanwhile()``, every shard
-    built aside (unless not ``aside``), ``meanwhile()`` again, then the changes since."""
+    built aside, ``meanwhile()`` again, then the changes since."""
     if meanwhile is not None:
         take(servers, old, new, "early")
         meanwhile()
-        if aside:
-            for s in servers:
-                ShardMoves(s).prepare(new.to_dict())
+        for s in servers:
+            ShardMoves(s).prepare(new.to_dict())
         meanwhile()
     take(servers, old, new, "all" if meanwhile is None else "changes")
     for s in servers:
@@ -194,14 +193,13 @@ def train(servers, seed):
         s.optimizer.apply(grads)
 
 
-@pytest.mark.parametrize("aside", [True, False], ids=["built-aside", "early-parts-brought-up-to-date"])
-def test_a_change_copied_ahead_while_rows_are_written_ends_with_every_write(aside):
+def test_a_change_copied_ahead_while_rows_are_written_ends_with_every_write():
     first = first_slots(model_spec(MODEL), 2)
     a, b, c = server("ps0", first), server("ps1", first), server("ps2", first)
     train([a, b], 1)
     seeds = iter(range(2, 100))
     grown = first.rebalanced(["ps0", "ps1", "ps2"])
-    move([a, b, c], first, grown, meanwhile=lambda: train([a, b], next(seeds)), aside=aside)
+    move([a, b, c], first, grown, meanwhile=lambda: train([a, b], next(seeds)))
     # The same writes on servers that never moved: what they hold, the moved hold, by id.
     x, y = server("ps0", first), server("ps1", first)
     for seed in range(1, next(seeds)):
@@ -217,7 +215,7 @@ def test_a_change_copied_ahead_while_rows_are_written_ends_with_every_write(asid
     def meanwhile():
         train([a, b, c], 50 + len(before_back))
         before_back.update(whole([a, b, c]))
-    move([a, b, c], grown, shrunk, meanwhile=meanwhile, aside=aside)
+    move([a, b, c], grown, shrunk, meanwhile=meanwhile)
     after = whole([a, c])
     for name, (value, acc) in before_back.items():
         assert torch.equal(after[name][0], value) and torch.equal(after[name][1], acc), name
