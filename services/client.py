@@ -88,7 +88,8 @@ class SidecarClient:
             if change.get("to") == asked["to"] and change.get("epoch", 0) > asked["epoch"] \
                     and change.get("state") in ("done", "failed"):
                 if change["state"] == "failed":
-                    raise ChangeFailed(f"the change onto {', '.join(asked['to'])} failed: {change.get('error')}")
+                    raise ChangeFailed(f"the change onto {', '.join(asked['to'])} failed, layout {asked['epoch']} "
+                                       f"stays in force: {change.get('error')}; ask again once every server serves")
                 return change
             time.sleep(0.5)  # noqa: sleep-ok (polling the leader's status, bounded by the deadline)
         raise ChangeFailed(f"the change onto {', '.join(asked['to'])} did not run within {timeout:.0f}s: is "

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from services.errors import ConfigError
+from services.failpoints import VARIABLE as FAILPOINTS
 from services.names import parse_name
 from services.workload import EXTRA
 
@@ -224,7 +225,7 @@ def load(model: type[ConfigBase], flags: Mapping[str, Any], environ: Mapping[str
         if flags.get(dest_name(field, info)) is not None:
             values[field], source[field] = flags[dest_name(field, info)], f"flag {flag_name(field, info)}"
     known = {v for f, i in model.model_fields.items() for v in (env_name(f, i), *(_extra(i, "env_aliases") or ()))}
-    known.add(EXTRA)          # read by the workload registry, not by a setting
+    known.update((EXTRA, FAILPOINTS))   # read by the workload registry and the failpoints, not by settings
     for var in environ:
         # Shared environments (compose, k8s) set variables for several roles at once; only warn.
         if var.startswith(ENV_PREFIX) and var not in known:

@@ -16,12 +16,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from ps.spec.sharding import Move, Slots
 from ps.spec.surface import ChangeSurface, MoveSurface
-from services.errors import BadRequest, NotReady
+from services.errors import BadRequest, NotReady, PeerUnavailable
+from services.failpoints import reached
 from services.membership import current_members
 from services.remote import call, remote
 
@@ -40,6 +42,12 @@ def by_destination(moves: list[Move]) -> dict[str, dict[str, tuple[list[int], li
         else:
             units.append(m.what)
     return out
+
+
+def change_name(epoch: int) -> str:
+    """A name for one attempt at a change of layout to ``epoch`` (what the servers keep for it is
+    kept under it): its epoch and a random tail, since a failed attempt and the next share the epoch."""
+    return f"{epoch}.{uuid.uuid4().hex[:8]}"
 
 
 class Mover(ChangeSurface):
@@ -87,7 +95,7 @@ class Mover(ChangeSurface):
             try:
                 self.change(wanted)
             except Exception as exc:  # noqa: BLE001 - said in the status (``last``) and the log
-                log.error("the change onto %s failed: %s", wanted, str(exc).splitlines()[0])
+                log.error("%s", str(exc).splitlines()[0])
         threading.Thread(target=run, name="layout-change", daemon=True).start()
 
     @remote
@@ -126,27 +134,31 @@ class Mover(ChangeSurface):
                      "moved_units": [m.what for m in moves if not m.what.startswith("slot:")]}
         log.info("layout %d -> %d: %s -> %s, %d slots and %d units move", old.epoch, new.epoch, list(old.servers),
                  servers, self.last["moved_slots"], len(self.last["moved_units"]))
-        ahead = self._ahead(old, new, moves)
+        change = change_name(new.epoch)
+        ahead = self._ahead(old, new, moves, change)
         try:
-            (sent, phases), pause = self._paused(lambda: self._switch(old, new, moves, ahead))
+            (sent, phases), pause = self._paused(lambda: self._switch(old, new, moves, change, ahead))
         except Exception as exc:
             self.last.update(state="failed", error=str(exc).splitlines()[0])
             self._ended(dict(self.last))
-            raise
+            # Nothing was adopted: the old layout is whole. Said so, and as a peer's absence (503),
+            # since what fails a change is a member gone or not yet known (a replacement joining).
+            raise PeerUnavailable(f"the change onto {', '.join(servers)} failed, layout {old.epoch} stays in "
+                                  f"force: {self.last['error']}; ask again once every server serves") from exc
         self.last.update(state="done", bytes=sent, pause_seconds=round(pause, 3), **phases,
                          seconds=round(time.monotonic() - started, 3))
         self._ended(dict(self.last))
         log.info("layout %d in force: %d bytes sent, trainers held %.3fs", new.epoch, sent, pause)
         return dict(self.last)
 
-    def _ahead(self, old: Slots, new: Slots, moves: list[Move]) -> bool:
+    def _ahead(self, old: Slots, new: Slots, moves: list[Move], change: str) -> bool:
         """While training goes on: the moving slots' plain rows copied to their destinations, and
         every server's shard by ``new`` built aside (``ps/server/precopy.py``), so that the hold
         copies only what training wrote meanwhile. Whether it did; if not, the hold copies all."""
         started = time.monotonic()
         try:
-            sent = self._take(moves, new, "early")
-            self._all([lambda n=n: self._call(n, MoveSurface.prepare, new.to_dict(), timeout=STEP_TIMEOUT)
+            sent = self._take(moves, change, "early")
+            self._all([lambda n=n: self._call(n, MoveSurface.prepare, new.to_dict(), change, timeout=STEP_TIMEOUT)
                        for n in dict.fromkeys([*old.servers, *new.servers])])
         except Exception as exc:  # noqa: BLE001 - the hold then copies everything, as it can
             log.warning("copying ahead for layout %d failed (%s): the trainers are held while all of it is copied",
@@ -155,27 +167,29 @@ class Mover(ChangeSurface):
         self.last.update(ahead_bytes=sent, ahead_seconds=round(time.monotonic() - started, 3))
         return True
 
-    def _take(self, moves: list[Move], new: Slots, stage: str) -> int:
+    def _take(self, moves: list[Move], change: str, stage: str) -> int:
         """Each destination's parts taken from their sources at ``stage``; the bytes sent."""
         takes = [(dest, source, slots, units) for dest, sources in by_destination(moves).items()
                  for source, (slots, units) in sources.items()]
-        return sum(self._all([lambda t=t: self._call(t[0], MoveSurface.take_part, t[1], t[2], t[3], new.epoch,
+        return sum(self._all([lambda t=t: self._call(t[0], MoveSurface.take_part, t[1], t[2], t[3], change,
                                                       stage, timeout=STEP_TIMEOUT) for t in takes]))
 
-    def _switch(self, old: Slots, new: Slots, moves: list[Move], ahead: bool) -> tuple[int, dict[str, float]]:
+    def _switch(self, old: Slots, new: Slots, moves: list[Move], change: str,
+                ahead: bool) -> tuple[int, dict[str, float]]:
         """Under the trainers' hold: the parts taken (``ahead``: only what changed since they were
         copied), every shard rebuilt, the layout adopted; the bytes sent, and the seconds of the
         taking and of the rebuilds (where a hold goes)."""
         started = time.monotonic()
-        sent = self._take(moves, new, "changes" if ahead else "all")
+        sent = self._take(moves, change, "changes" if ahead else "all")
         taken = time.monotonic()
         everyone = list(dict.fromkeys([*old.servers, *new.servers]))
-        failed = self._rebuild(everyone, new)
+        failed = self._rebuild(everyone, new, change)
         if len(failed) == len(everyone):
             raise next(iter(failed.values()))       # none rebuilt: the old layout is whole still
         # Once one server has rebuilt, the new layout is the only one whose slots each have one
         # owner: it is adopted. A server that did not rebuild (it died) starts again from the
         # last checkpoint by it, losing what it learned since, as any lost server does.
+        reached("adopt")
         self._adopt(new)
         if failed:
             self.last["not_rebuilt"] = sorted(failed)
@@ -184,13 +198,14 @@ class Mover(ChangeSurface):
                           "when it starts again", name, new.epoch, str(exc).splitlines()[0])
         return sent, {"take_seconds": round(taken - started, 3), "rebuild_seconds": round(time.monotonic() - taken, 3)}
 
-    def _rebuild(self, servers: list[str], new: Slots) -> dict[str, Exception]:
+    def _rebuild(self, servers: list[str], new: Slots, change: str) -> dict[str, Exception]:
         """Every one of ``servers`` rebuilt by ``new``; those that failed, tried once again if they
         are still members (a call that failed on its way, not in the server), with what failed."""
         failed: dict[str, Exception] = {}
         for attempt in range(2):
             names = servers if attempt == 0 else [n for n in failed if n in self._members()]
-            results = self._all([lambda n=n: self._call(n, MoveSurface.relayout, new.to_dict(), timeout=STEP_TIMEOUT)
+            results = self._all([lambda n=n: self._call(n, MoveSurface.relayout, new.to_dict(), change,
+                                                            timeout=STEP_TIMEOUT)
                                  for n in names], errors=True)
             for name, result in zip(names, results):
                 if isinstance(result, Exception):

@@ -144,57 +144,60 @@ STAGES = ("all", "early", "changes")
 
 
 class Staged:
-    """What a server took and built for a change of layout, by the epoch it is for, until it
-    rebuilds (anything kept for another epoch is of a change that failed, and is dropped)."""
+    """What a server took and built for a change of layout, kept for that change (named by the
+    leader, ``ps/leader/moves.py``'s ``change_name``) until it rebuilds. Anything kept for another change is of one that
+    failed, or whose leader was lost, and is dropped: a change that failed and its next attempt
+    have the same epoch, and parts of both mixed would leave rows out."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._epoch = -1
+        self._change = ""
         self._taken = Taken({}, {}, {}, None)
 
     def take_from(self, source: str, method: Callable[..., Any], slots: list[int], units: list[str],
-                  epoch: int, stage: str = "all", pieces: Optional[list[list[str]]] = None) -> int:
+                  change: str, stage: str = "all", pieces: Optional[list[list[str]]] = None) -> int:
         """``source``'s part of ``slots`` and ``units`` (``method``: ``MoveSurface.part``) at
-        ``stage``, kept for ``epoch``; the bytes sent. ``pieces``: taken a few tables at a time,
+        ``stage``, kept for ``change``; the bytes sent. ``pieces``: taken a few tables at a time,
         these, so that no one transfer holds the receiving process's copying thread for long (a
         trainer's request waits behind it)."""
         if stage not in STAGES:
             raise BadRequest(f"a part's stage is one of {', '.join(STAGES)}, not {stage!r}")
-        if stage == "changes" and source not in self.taken(epoch).early:
-            raise BadRequest(f"no early part of {source} for layout {epoch} to bring up to date")
+        if stage == "changes" and source not in self.taken(change).early:
+            raise BadRequest(f"no early part of {source} for change {change} to bring up to date")
         started = time.monotonic()
         part = merged([call(source, method, slots, units, stage, piece, timeout=MOVE_TIMEOUT)
                        for piece in pieces or [None]])
-        sent = self.keep(epoch, source, stage, part)
-        log.info("took %s of %d slots and %d units from %s for layout %d: %d bytes in %.3fs", stage, len(slots),
-                 len(units), source, epoch, sent, time.monotonic() - started)
+        sent = self.keep(change, source, stage, part)
+        log.info("took %s of %d slots and %d units from %s for change %s: %d bytes in %.3fs", stage, len(slots),
+                 len(units), source, change, sent, time.monotonic() - started)
         return sent
 
-    def keep(self, epoch: int, source: str, stage: str, part: dict[str, Any]) -> int:
-        """``source``'s ``part`` at ``stage`` kept for ``epoch``; its bytes."""
+    def keep(self, change: str, source: str, stage: str, part: dict[str, Any]) -> int:
+        """``source``'s ``part`` at ``stage`` kept for ``change``; its bytes."""
         with self._lock:
-            taken = self._for(epoch)
+            taken = self._for(change)
             {"all": taken.whole, "early": taken.early, "changes": taken.changes}[stage][source] = part
             if stage == "all":      # everything again: what it took ahead is of no use
                 taken.early.pop(source, None)
                 taken.changes.pop(source, None)
         return sum(v.numel() * v.element_size() for v in part["params"].values())
 
-    def keep_built(self, slots: Slots, built: Gathered) -> None:
+    def keep_built(self, change: str, slots: Slots, built: Gathered) -> None:
         with self._lock:
-            self._taken = self._for(slots.epoch)._replace(built=(slots, built))
+            self._taken = self._for(change)._replace(built=(slots, built))
 
-    def taken(self, epoch: int) -> Taken:
+    def taken(self, change: str) -> Taken:
         with self._lock:
-            return self._for(epoch)
+            return self._for(change)
 
-    def take(self, epoch: int) -> Taken:
-        """What it took for ``epoch``, given up (a rebuild uses it once)."""
+    def take(self, change: str) -> Taken:
+        """What it took for ``change``, given up (a rebuild uses it once)."""
         with self._lock:
-            taken, self._taken, self._epoch = self._for(epoch), Taken({}, {}, {}, None), -1
+            taken, self._taken, self._change = self._for(change), Taken({}, {}, {}, None), ""
         return taken
 
-    def _for(self, epoch: int) -> Taken:
-        if epoch != self._epoch:
-            self._epoch, self._taken = epoch, Taken({}, {}, {}, None)
+    def _for(self, change: str) -> Taken:
+        if change != self._change:
+            self._change, self._taken = change, Taken({}, {}, {}, None)
         return self._taken
+

@@ -102,10 +102,9 @@ def gathered_now(own: dict[str, Any], was: Layout, moving: "dict[str, torch.Tens
     took (``Staged.take``): the shard built aside and the changes since, when everything was copied
     ahead (the leader asks for changes only then); else from the whole parts.
 
-    Early parts not brought up to date, or a shard built aside by another layout, are of a change
-    whose leader was lost before its hold: unused. Rows counted since then were counted all along,
-    since only a rebuild ends a count, so a shard built then by this same layout is still brought
-    up to date by them."""
+    A count of rows written that a failed change began goes on (only a rebuild ends it), so a
+    row written since it began is sent once more, never left out; what that change took and built
+    was kept under its own name (``Staged``) and is dropped."""
     if built_by(taken, layout.slots, moving):
         mine = part_of(own, was, list(range(was.slots.count)), every_unit(was), only=moving,
                        tables=plain_tables(was), dense=False)

@@ -17,6 +17,7 @@ from ps.server.state import gather_shard
 from ps.spec.sharding import Layout, Slots
 from ps.spec.surface import MoveSurface
 from services.errors import BadRequest, NotSupported
+from services.failpoints import reached
 from services.remote import remote
 
 log = logging.getLogger("ps.server.role")
@@ -40,6 +41,7 @@ class ShardMoves(MoveSurface):
     @remote
     def part(self, slots: list[int], units: list[str], stage: str = "all",
              tables: Optional[list[str]] = None) -> dict[str, Any]:
+        reached(f"part:{stage}")
         server = self.server
         if stage == "early":        # training goes on: the rows written from now on are sent again
             with server.optimizer.lock:
@@ -66,33 +68,36 @@ class ShardMoves(MoveSurface):
         return part
 
     @remote
-    def take_part(self, source: str, slots: list[int], units: list[str], epoch: int, stage: str = "all") -> int:
+    def take_part(self, source: str, slots: list[int], units: list[str], change: str, stage: str = "all") -> int:
+        reached(f"take:{stage}")
         layout = self.server.layout
         pieces = by_rows(layout, layout.slots.position(source)) if stage == "early" else None
-        return self.server.staged.take_from(source, MoveSurface.part, slots, units, epoch, stage, pieces)
+        return self.server.staged.take_from(source, MoveSurface.part, slots, units, change, stage, pieces)
 
     @remote
-    def prepare(self, layout: dict[str, Any]) -> None:
+    def prepare(self, layout: dict[str, Any], change: str) -> None:
+        reached("prepare")
         server, slots = self.server, Slots.from_dict(layout)
         with server.optimizer.lock:
             server.params.touched.track()     # before its own rows are read, as a source's before its part
         started = time.monotonic()
         new = Layout.of(server.spec, slots)
         built = in_background(lambda: gather_shard(
-            [held_state(server), *server.staged.taken(slots.epoch).early.values()], new, slots.position(server.name),
+            [held_state(server), *server.staged.taken(change).early.values()], new, slots.position(server.name),
             complete=False, tables=plain_tables(new), dense=False))
-        server.staged.keep_built(slots, built)
+        server.staged.keep_built(change, slots, built)
         log.info("built its shard by layout %d aside in %.3fs", slots.epoch, time.monotonic() - started)
 
     @remote
-    def relayout(self, layout: dict[str, Any]) -> dict[str, Any]:
+    def relayout(self, layout: dict[str, Any], change: str) -> dict[str, Any]:
+        reached("relayout")
         server, slots = self.server, Slots.from_dict(layout)
         # Its own state and what it took, rebuilt by the new layout: with every core when it copies
         # the whole shard (the trainers are held), on one thread when it puts the rows written since
         # into the shard built aside (few rows).
         with server.gate.closed():
             started = time.monotonic()
-            shard, taken, moving = slots.position(server.name), server.staged.take(slots.epoch), \
+            shard, taken, moving = slots.position(server.name), server.staged.take(change), \
                 server.params.touched.moving
             aside = built_by(taken, slots, moving)
             own = held_state(server)

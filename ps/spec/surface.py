@@ -169,15 +169,16 @@ class MoveSurface(Service):
         raise NotImplementedError
 
     @remote
-    def take_part(self, source: str, slots: list[int], units: list[str], epoch: int, stage: str = "all") -> int:
-        """Take ``source``'s ``part`` of ``slots`` and ``units`` at ``stage`` and keep it for the
-        change of layout to ``epoch``; its bytes. The leader asks it of each destination of a change."""
+    def take_part(self, source: str, slots: list[int], units: list[str], change: str, stage: str = "all") -> int:
+        """Take ``source``'s ``part`` of ``slots`` and ``units`` at ``stage`` and keep it for
+        ``change`` (the leader's name for one attempt at a change of layout; what was kept for
+        another is dropped); its bytes. The leader asks it of each destination of a change."""
         raise NotImplementedError
 
     @remote
-    def prepare(self, layout: dict[str, Any]) -> None:
+    def prepare(self, layout: dict[str, Any], change: str) -> None:
         """While training goes on: build this server's shard by ``layout`` aside from its own rows
-        and the early parts it took, counting the rows written from then on; ``relayout`` then
+        and the early parts it took for ``change``, counting the rows written from then on; ``relayout`` then
         puts in only what changed since. The leader asks it of every server of either layout."""
         raise NotImplementedError
 
@@ -188,9 +189,9 @@ class MoveSurface(Service):
         raise NotImplementedError
 
     @remote
-    def relayout(self, layout: dict[str, Any]) -> dict[str, Any]:
+    def relayout(self, layout: dict[str, Any], change: str) -> dict[str, Any]:
         """Serve by ``layout`` (``Slots.to_dict``) from now on: this server's shard rebuilt from what it holds
-        and what it took for that epoch, behind a gate no request passes meanwhile. The leader asks
+        and what it took for ``change``, behind a gate no request passes meanwhile. The leader asks
         it of every server of the old layout and the new, with the trainers held at a step boundary."""
         raise NotImplementedError
 

@@ -145,13 +145,23 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     """As a user does it: `rpcps scale --servers 3` on a running `rpcps up` (async CTR) starts ps2
     where the placement puts a new member, moves a third of the slots to it, and `--servers 2` moves
     them back and lets it go: `rpcps up` does not start it again, and the trainers train on; then
-    `rpcps chaos --fault scale` changes the servers twice at random."""
-    up = UpProcess(tmp_path, *TINY_CTR, "--num-ps", "2", "--num-trainers", "2")
+    `rpcps chaos --fault scale` changes the servers twice at random. First of all, the new server
+    frozen as it takes its first part (a failpoint, once in the job) past --member-timeout (6 s): `rpcps
+    up` replaces it, the change fails and changes nothing, and asked again it is made."""
+    once = tmp_path / "frozen-once"
+    up = UpProcess(tmp_path, *TINY_CTR, "--num-ps", "2", "--num-trainers", "2", "--member-timeout", "6",
+                   env={"RPCPS_FAILPOINTS": f"take:early={once}"})
     cleanup(up)
     up.wait_event("started", 180)
     ps0 = SidecarClient(up.cluster()["sidecars"]["ps0"], timeout=10.0)
     trainer = SidecarClient(up.cluster()["sidecars"]["ctr0"], timeout=10.0)
     wait_until(lambda: trainer.status().get("step", 0) >= 2, 120, "training")
+    failed = scale(tmp_path, up, "--servers", "3", code=1)
+    assert once.exists() and "failed" in failed, failed
+    assert up.wait_event("lost", 60, name="ps2") and up.wait_event("restart", 60, name="ps2"), up.explain()
+    assert "failed, layout 1 stays in force" in failed and ps0.status()["layout"]["epoch"] == 1
+    wait_until(lambda: serving(up, "ps2"), 120, "ps2's replacement serving")
+    wait_until(lambda: trainer.status()["step"] >= 4, 120, "training after the change failed")
     grown = scale(tmp_path, up, "--servers", "3")
     assert grown["epoch"] == 2 and grown["to"] == ["ps0", "ps1", "ps2"] and grown["state"] == "done", grown
     assert up.wait_event("scale", 30, name="ps2", action="started")
@@ -167,7 +177,8 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     assert "ps2" not in up.cluster()["sidecars"]
     before = trainer.status()["step"]
     wait_until(lambda: trainer.status()["step"] >= before + 3, 120, "training on two servers again")
-    assert not any(e["event"] == "restart" for e in up.drain()), up.explain()
+    restarts = [e["name"] for e in up.drain() if e["event"] == "restart"]
+    assert restarts == ["ps2"], up.explain()        # the frozen one's, above: none since
     assert not trainer.status().get("lost_steps")
 
     # `rpcps chaos --fault scale`: two changes at random, each done with every row held once.
@@ -184,11 +195,19 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     assert up.terminate() == 0, up.logs()
 
 
-def scale(tmp_path, up, *args) -> dict:
+def serving(up, name) -> bool:
+    """Whether ``name`` as ``up``'s cluster.json names it now answers ready."""
+    with SidecarClient(up.cluster()["sidecars"][name], timeout=5.0) as c:
+        return c.ready()
+
+
+def scale(tmp_path, up, *args, code: int = 0):
+    """`rpcps scale` on the running ``up``: the leader's answer; with a ``code`` other than 0,
+    what it said on stderr."""
     done = subprocess.run([sys.executable, "-m", "services.cli", "scale", *args, "--state-dir", str(up.state_dir)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr + up.logs()
-    return json.loads(done.stdout.strip().splitlines()[-1])["ps0"]
+    assert done.returncode == code, done.stdout + done.stderr + up.logs()
+    return json.loads(done.stdout.strip().splitlines()[-1])["ps0"] if code == 0 else done.stderr
 
 
 CTR = {"workload": "ctr", "scale": 0.0005, "dim": 4, "bottom": "8", "top": "8", "consistency": "sync"}

@@ -7,7 +7,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from ps.leader.moves import by_destination
+from ps.leader.moves import by_destination, change_name
 from ps.server.metrics import PsMetrics
 from ps.server.moves import Gate, merged
 from ps.server.precopy import by_rows
@@ -43,31 +43,35 @@ def whole(servers):
     return out
 
 
-def take(servers, old, new, stage):
-    """Each destination's parts of ``old.moves(new)`` at ``stage``, as the leader asks them (an
-    early part a piece of tables at a time, as ``take_part`` takes it)."""
+def take(servers, old, new, stage, change, only=None):
+    """Each destination's parts of ``old.moves(new)`` at ``stage`` for ``change``, as the leader
+    asks them (an early part a piece of tables at a time, as ``take_part`` takes it); ``only``:
+    from these sources alone."""
     by_name = {s.name: s for s in servers}
     for dest, sources in by_destination(old.moves(new)).items():
         for source, (slots, units) in sources.items():
+            if only is not None and source not in only:
+                continue
             moves = ShardMoves(by_name[source])
             pieces = by_rows(by_name[dest].layout, old.position(source)) if stage == "early" else [None]
             part = merged([moves.part(slots, units, stage, piece) for piece in pieces])
-            by_name[dest].staged.keep(new.epoch, source, stage, part)
+            by_name[dest].staged.keep(change, source, stage, part)
 
 
 def move(servers, old, new, meanwhile=None):
     """The change of ``old`` to ``new`` on ``servers``: all of it at once; or (``meanwhile``: what
     training does while the change copies ahead) the early parts, ``meanwhile()``, every shard
     built aside, ``meanwhile()`` again, then the changes since."""
+    change = change_name(new.epoch)
     if meanwhile is not None:
-        take(servers, old, new, "early")
+        take(servers, old, new, "early", change)
         meanwhile()
         for s in servers:
-            ShardMoves(s).prepare(new.to_dict())
+            ShardMoves(s).prepare(new.to_dict(), change)
         meanwhile()
-    take(servers, old, new, "all" if meanwhile is None else "changes")
+    take(servers, old, new, "all" if meanwhile is None else "changes", change)
     for s in servers:
-        ShardMoves(s).relayout(new.to_dict())
+        ShardMoves(s).relayout(new.to_dict(), change)
 
 
 def test_a_server_joins_empty_takes_its_share_and_hands_it_back():
@@ -102,7 +106,7 @@ def test_a_rebuild_lacking_what_the_new_layout_gives_a_server_fails_and_keeps_it
     grown = first.rebalanced(["ps0", "ps1", "ps2"])
     shrunk = grown.rebalanced(["ps0"])            # ps0 would own everything, and took nothing
     with pytest.raises(ValueError, match="lack"):
-        ShardMoves(a).relayout(shrunk.to_dict())
+        ShardMoves(a).relayout(shrunk.to_dict(), change_name(shrunk.epoch))
     assert a.layout.slots == first and sum(a.info().tables.values()) == 30
 
 
@@ -227,9 +231,10 @@ def test_what_a_lost_leaders_change_left_aside_is_not_used_by_the_next():
     a, b, c = server("ps0", first), server("ps1", first), server("ps2", first)
     train([a, b], 1)
     grown = first.rebalanced(["ps0", "ps1", "ps2"])
-    take([a, b, c], first, grown, "early")            # the leader was lost here, after the shards were built
+    lost = change_name(grown.epoch)
+    take([a, b, c], first, grown, "early", lost)      # the leader was lost here, after the shards were built
     for s in (a, b, c):
-        ShardMoves(s).prepare(grown.to_dict())
+        ShardMoves(s).prepare(grown.to_dict(), lost)
     train([a, b], 2)
     before = whole([a, b])
     other = first.rebalanced(["ps0", "ps2"])          # its successor's change: the same epoch, other owners
@@ -239,6 +244,24 @@ def test_what_a_lost_leaders_change_left_aside_is_not_used_by_the_next():
     for name, (value, acc) in before.items():
         assert torch.equal(after[name][0], value) and torch.equal(after[name][1], acc), name
     assert sum(b.info().tables.values()) == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["all-held", "copied-ahead"])
+def test_a_change_that_failed_half_way_leaves_nothing_its_next_attempt_uses(ahead):
+    """A failed attempt and the next have the same epoch: what the first took from one source (it
+    failed on the other) must not stand in for that source's part in the second."""
+    first = first_slots(model_spec(MODEL), 2)
+    a, b, c = server("ps0", first), server("ps1", first), server("ps2", first)
+    train([a, b], 1)
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    take([a, b, c], first, grown, "all", change_name(grown.epoch), only=["ps0"])    # ps1 was lost here
+    train([a, b], 2)
+    before = whole([a, b])
+    move([a, b, c], first, grown, meanwhile=(lambda: None) if ahead else None)
+    after = whole([a, b, c])
+    for name, (value, acc) in before.items():
+        assert torch.equal(after[name][0], value) and torch.equal(after[name][1], acc), name
+    assert sorted(sum(s.info().tables.values()) for s in (a, b, c)) == [20, 20, 20]
 
 
 def test_an_early_part_taken_a_few_tables_at_a_time_moves_every_row_of_every_table(monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 from ps.leader.moves import Mover, by_destination
 from ps.spec.sharding import Slots
 from ps.spec.surface import MoveSurface
-from services.errors import BadRequest, NotReady
+from services.errors import BadRequest, NotReady, PeerUnavailable
 from tests.support.wait import wait_until
 
 
@@ -144,8 +144,9 @@ def test_a_rebuild_that_failed_on_its_way_is_asked_again():
 def test_a_change_no_server_rebuilt_for_fails_and_leaves_the_old_layout():
     fakes = Failing(["ps0", "ps1", "ps2"], dies=["ps0", "ps1", "ps2"])
     mover = fakes.mover()
-    with pytest.raises(ConnectionError):
+    with pytest.raises(PeerUnavailable, match="failed, layout 1 stays in force: ps[0-2] went away") as raised:
         mover.change(["ps0", "ps1", "ps2"])
+    assert isinstance(raised.value.__cause__, ConnectionError)
     assert fakes.slots.epoch == 1 and mover.last["state"] == "failed"
 
 
