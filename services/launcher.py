@@ -64,6 +64,15 @@ def _human(e: dict, workload: Optional[Launch]) -> str:
         return f"{e['name']} started for a change of layout ({e['sidecar']})"
     if kind == "scale":
         return f"{e['name']} stopped, not started again: {e['reason']}"
+    if kind == "move":
+        return (f"layout {e['epoch']}: moving {e.get('moved_slots', 0)} slots from {', '.join(e['from'])} onto "
+                f"{', '.join(e['to'])}")
+    if kind == "moved" and e["state"] == "done":
+        return (f"layout {e['epoch']} in force: trainers held {e.get('pause_seconds', 0):.2f}s, "
+                f"{(e.get('ahead_bytes', 0) + e.get('bytes', 0)) / 1e6:.1f} MB moved in {e.get('seconds', 0):.1f}s"
+                + (f"; not rebuilt: {', '.join(e['not_rebuilt'])}" if e.get("not_rebuilt") else ""))
+    if kind == "moved":
+        return f"the change to layout {e['epoch']} failed, the layout before stays in force: {e.get('error')}"
     if kind == "checkpoint":
         return f"checkpoint {e['id']} (step {e['step']}) in {e['path']}"
     if kind == "resuming":

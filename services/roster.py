@@ -293,6 +293,7 @@ class LeaderWants:
         self._wants = getattr(workload, "members", None)
         self.leader, self.roster, self.liveness, self.emit = leader, roster, liveness, emit
         self.wanted: Optional[set[str]] = None        # as the leader last said
+        self.changes = ChangeEvents(emit)
 
     def update(self) -> None:
         leader = next((m for m in self.roster.members if m.name == self.leader), None)
@@ -300,9 +301,11 @@ class LeaderWants:
             return
         try:
             with SidecarClient(leader.url, timeout=2.0) as c:
-                wanted = self._wants(c.status())
+                status = c.status()
+            wanted = self._wants(status)
         except Exception:  # noqa: BLE001 - restarting or busy: asked again at the next poll
             return
+        self.changes.seen(status.get("change"))
         if wanted is None:
             return
         self.wanted = {p.name for p in wanted}
@@ -326,6 +329,31 @@ class LeaderWants:
         self.emit({"event": "scale", "name": m.name, "action": "stopped",
                    "reason": "it holds nothing in the leader's layout"})
         return True
+
+
+class ChangeEvents:
+    """The leader's changes of layout, as its ``/status`` shows the last one, told as events:
+    ``move`` once one is under way, ``moved`` once it ended (done or failed), each once per
+    attempt (a failed attempt and the next share their epoch, not their name)."""
+
+    FIELDS = ("epoch", "from", "to", "moved_slots", "moved_units")
+    ENDED = ("state", "ahead_bytes", "ahead_seconds", "bytes", "pause_seconds", "seconds", "not_rebuilt", "error")
+
+    def __init__(self, emit: Callable[[dict], None]) -> None:
+        self.emit = emit
+        self._began: set[str] = set()
+        self._ended: set[str] = set()
+
+    def seen(self, change: Optional[dict]) -> None:
+        attempt = (change or {}).get("attempt")
+        if attempt is None or attempt in self._ended:
+            return
+        if attempt not in self._began:       # one that ended between two polls is told begun first
+            self._began.add(attempt)
+            self.emit({"event": "move", **{k: change[k] for k in self.FIELDS if k in change}})
+        if change.get("state") in ("done", "failed"):
+            self._ended.add(attempt)
+            self.emit({"event": "moved", "epoch": change["epoch"], **{k: change[k] for k in self.ENDED if k in change}})
 
 
 def resuming_newest(argv: list[str]) -> list[str]:

@@ -129,12 +129,13 @@ class Mover(ChangeSurface):
         new = old.rebalanced(servers)
         moves = old.moves(new)
         self._started = started = time.monotonic()
-        self.last = {"epoch": new.epoch, "from": list(old.servers), "to": list(servers), "state": "moving",
+        change = change_name(new.epoch)
+        self.last = {"epoch": new.epoch, "attempt": change, "from": list(old.servers), "to": list(servers),
+                     "state": "moving",
                      "moved_slots": sum(1 for m in moves if m.what.startswith("slot:")),
                      "moved_units": [m.what for m in moves if not m.what.startswith("slot:")]}
         log.info("layout %d -> %d: %s -> %s, %d slots and %d units move", old.epoch, new.epoch, list(old.servers),
                  servers, self.last["moved_slots"], len(self.last["moved_units"]))
-        change = change_name(new.epoch)
         ahead = self._ahead(old, new, moves, change)
         try:
             (sent, phases), pause = self._paused(lambda: self._switch(old, new, moves, change, ahead))

@@ -150,6 +150,7 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     up` replaces it, the change fails and changes nothing, and asked again it is made."""
     once = tmp_path / "frozen-once"
     up = UpProcess(tmp_path, *TINY_CTR, "--num-ps", "2", "--num-trainers", "2", "--member-timeout", "6",
+                   "--ready-timeout", "90",
                    env={"RPCPS_FAILPOINTS": f"take:early={once}"})
     cleanup(up)
     up.wait_event("started", 180)
@@ -160,11 +161,15 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     assert once.exists() and "failed" in failed, failed
     assert up.wait_event("lost", 60, name="ps2") and up.wait_event("restart", 60, name="ps2"), up.explain()
     assert "failed, layout 1 stays in force" in failed and ps0.status()["layout"]["epoch"] == 1
+    assert up.wait_event("moved", 30, epoch=2, state="failed"), up.explain()
     wait_until(lambda: serving(up, "ps2"), 120, "ps2's replacement serving")
     wait_until(lambda: trainer.status()["step"] >= 4, 120, "training after the change failed")
     grown = scale(tmp_path, up, "--servers", "3")
     assert grown["epoch"] == 2 and grown["to"] == ["ps0", "ps1", "ps2"] and grown["state"] == "done", grown
     assert up.wait_event("scale", 30, name="ps2", action="started")
+    moved = up.wait_event("moved", 30, epoch=2, state="done")      # `rpcps up` tells each change it saw
+    assert moved["pause_seconds"] == grown["pause_seconds"], (moved, grown)
+    assert [e["epoch"] for e in up.drain() if e["event"] == "move"] == [2, 2], up.explain()     # failed, then made
     sidecar = up.cluster()["sidecars"]["ps2"]
     with SidecarClient(sidecar, timeout=10.0) as c:
         assert c.status()["rows"] > 0 and c.status()["layout"]["epoch"] == 2

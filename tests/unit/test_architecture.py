@@ -141,7 +141,7 @@ SHARED_WORDS = {
     "optimizer": "the update rule (a ModelSpec names its optimizer)", "lr": "the update rule's learning rate",
     "loss": "the step protocol (StepSession.finish)", "clip": "the step protocol's gradient clipping",
     "grad_norm": "the step protocol's result", "data": "file contents", "env": "environment variables",
-    "start": "threads", "done": "events", "finished": "events",
+    "start": "threads", "done": "events", "finished": "events", "moved": "events (a change of layout ended)",
     "placement": "a table's placement over the servers (ps/spec/model.py)", "top": "the top of a stack or listing",
     "dim": "a tensor's dimension", "checkpoint": "the cluster's checkpoints (services/checkpoint/)",
     "source": "where a thing comes from", "snapshot": "a copy of state at one moment",

@@ -46,6 +46,19 @@ def test_any_answer_counts_and_silence_leaves_the_last_one(sidecar):
         live.close()
 
 
+def test_a_member_not_answering_is_asked_five_times_as_often_as_one_that_answers(sidecar):
+    # So a member is heard as soon as its sidecar listens, before it can freeze (and be judged by
+    # --ready-timeout instead of --member-timeout).
+    live = Liveness(15.0, 180.0, every=0.5, timeout=0.5)
+    try:
+        live.watch("ps1", sidecar)
+        live.watch("ps2", f"http://127.0.0.1:{free_port()}")       # nobody there yet
+        wait_until(lambda: live.asked("ps2") >= 15, 10, "fifteen asks of ps2")
+        assert live.asked("ps1") <= 6, live.asked("ps1")           # about 3 in the same 1.5 s
+    finally:
+        live.close()
+
+
 def test_a_member_is_judged_by_the_member_timeout_once_it_has_answered_since_its_start():
     live = Liveness(15.0, 180.0)            # no member watched: its answers set by hand
     assert live.overdue("ps1", 100.0, 200.0) is None, "not answered yet: --ready-timeout"
