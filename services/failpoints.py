@@ -7,7 +7,7 @@ creates ``PATH``: a supervisor's replacement of the member it stopped, started w
 environment, goes past it.
 
 Unset, as everywhere but the suite, a point costs one lookup in an empty set. The points are
-named where they are reached (``grep -rn 'reached("' ps services``); a change of layout's are
+named where they are reached (``grep -rn 'reached(' ps services``); a change of layout's are
 ``part:<stage>`` (a source asked for its part), ``take:<stage>`` (a destination taking one),
 ``prepare``, ``relayout`` (a server's rebuild, before its gate closes) and ``adopt`` (the
 leader, every server rebuilt, before it adopts the new layout).

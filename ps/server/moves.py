@@ -144,10 +144,10 @@ STAGES = ("all", "early", "changes")
 
 
 class Staged:
-    """What a server took and built for a change of layout, kept for that change (named by the
-    leader, ``ps/leader/moves.py``'s ``change_name``) until it rebuilds. Anything kept for another change is of one that
-    failed, or whose leader was lost, and is dropped: a change that failed and its next attempt
-    have the same epoch, and parts of both mixed would leave rows out."""
+    """What a server took and built for a change of layout, kept for that attempt at it (named by
+    the leader: ``ps/leader/moves.py``'s ``change_name``) until it rebuilds. Anything kept for
+    another is of an attempt that failed, or whose leader was lost, and is dropped: a failed
+    attempt and the next have the same epoch, and parts of both mixed would leave rows out."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -200,4 +200,3 @@ class Staged:
         if change != self._change:
             self._change, self._taken = change, Taken({}, {}, {}, None)
         return self._taken
-

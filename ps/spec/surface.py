@@ -178,8 +178,9 @@ class MoveSurface(Service):
     @remote
     def prepare(self, layout: dict[str, Any], change: str) -> None:
         """While training goes on: build this server's shard by ``layout`` aside from its own rows
-        and the early parts it took for ``change``, counting the rows written from then on; ``relayout`` then
-        puts in only what changed since. The leader asks it of every server of either layout."""
+        and the early parts it took for ``change``, counting the rows written from then on;
+        ``relayout`` then puts in only what changed since. The leader asks it of every server of
+        either layout."""
         raise NotImplementedError
 
     @remote
