@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from services.checkpoint.store import CheckpointStore
-from services.client import SidecarClient
+from services.client import SidecarClient, SidecarError
 from services.leader import LEADER_LOST
 from services.placement import Placed, placement_for
 from services.processes import free_port, stop_in_waves
@@ -245,7 +245,7 @@ def final_checkpoint(roster: Roster) -> None:
     leader = next(m for m in roster.members if m.name == roster.leader)
     try:
         with SidecarClient(leader.url, token=roster.token, timeout=FINAL_CHECKPOINT_TIMEOUT) as c:
-            result = c.checkpoint()
+            result = asked_while_busy(c.checkpoint, FINAL_CHECKPOINT_TIMEOUT)
         roster.emit({"event": "checkpoint", "id": result["id"], "step": result["step"], "path": result["path"]})
     except Exception as exc:  # noqa: BLE001 - stopping must go on; the previous checkpoint stays valid
         if _stopping_itself(leader):
@@ -255,6 +255,20 @@ def final_checkpoint(roster: Roster) -> None:
                                                         "final checkpoint stands for this one"})
         else:
             roster.fail(f"final checkpoint failed: {exc}")
+
+
+def asked_while_busy(ask: Callable[[], dict], within: float, every: float = 0.2) -> dict:
+    """``ask()``, asked again while a checkpoint under way refuses it (409: a periodic one that
+    fell as the workers stopped, which may have been taken before their final positions came),
+    for at most ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return ask()
+        except SidecarError as exc:
+            if exc.status != 409 or time.monotonic() + every > deadline:
+                raise
+        time.sleep(every)  # noqa: sleep-ok (the one under way ends by itself; bounded by the deadline)
 
 
 def _stopping_itself(m: Member, within: float = 10.0) -> bool:
