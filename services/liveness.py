@@ -24,7 +24,7 @@ PROBE_EVERY = 1.0       # seconds between asks of one member that answered the l
 # as its sidecar listens, so that one freezing a moment later (in the first steps of a change of
 # layout it was started for) is judged by --member-timeout, not by the longer --ready-timeout.
 # A frozen member's ask waits out its timeout anyway.
-UNANSWERED_EVERY = PROBE_EVERY / 5
+UNANSWERED_SOONER = 5
 PROBE_TIMEOUT = 2.0     # seconds one ask may take
 
 
@@ -99,4 +99,4 @@ class Liveness:
                     self._asked[name] = self._asked.get(name, 0) + 1
                     if answered:
                         self._answered[name] = time.monotonic()
-                self._stop.wait(self.every if answered else self.every * UNANSWERED_EVERY / PROBE_EVERY)
+                self._stop.wait(self.every if answered else self.every / UNANSWERED_SOONER)

@@ -95,13 +95,11 @@ def test_a_server_joins_takes_a_third_of_the_slots_and_drains_back(procs):
     ps2 = procs.start("ps", "ps2", 3, **MODEL)
     procs.wait_ready(ps2)
     os.kill(ps2.proc.pid, signal.SIGSTOP)
-    failed: list[BaseException] = []
-    asking = threading.Thread(target=lambda: _failing(lambda: ps0.client(timeout=300.0).scale(3), failed))
-    asking.start()
+    asking = Asking(ps0, 3)
     wait_until(lambda: (status(ps0).get("change") or {}).get("state") == "moving", 30, "the change under way")
     os.kill(ps2.proc.pid, signal.SIGKILL)
-    asking.join(120)
-    assert failed and not asking.is_alive(), "the change onto a killed server did not fail"
+    answer, error = asking.ended()
+    assert error is not None and answer is None, "the change onto a killed server did not fail"
     wait_until(lambda: status(ps0)["change"]["state"] == "failed", 10, "the change said failed")
     assert all(status(s)["layout"]["epoch"] == 3 for s in (ps0, ps1))
     assert sum(status(s)["rows"] for s in (ps0, ps1)) == MODEL["ntoken"]
@@ -109,11 +107,25 @@ def test_a_server_joins_takes_a_third_of_the_slots_and_drains_back(procs):
     wait_until(lambda: steps(trainer) >= before + 3, 90, "training on after the change failed")
 
 
-def _failing(ask, failed: list) -> None:
-    try:
-        ask()
-    except Exception as exc:     # noqa: BLE001 - the failure is what the test waits for
-        failed.append(exc)
+class Asking:
+    """The leader asked for a change in a thread of the test's (it returns once the change ends)."""
+
+    def __init__(self, ps0, servers: int) -> None:
+        self.answer, self.error = None, None
+        self._thread = threading.Thread(target=self._ask, args=(ps0, servers), daemon=True)
+        self._thread.start()
+
+    def _ask(self, ps0, servers: int) -> None:
+        try:
+            with ps0.client(timeout=300.0) as c:
+                self.answer = c.scale(servers)
+        except Exception as exc:  # noqa: BLE001 - what the test checks
+            self.error = exc
+
+    def ended(self, timeout: float = 120.0):
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the change did not end"
+        return self.answer, self.error
 
 
 def test_a_change_that_cannot_be_made_is_refused_and_one_that_waits_says_for_whom(procs):

@@ -12,10 +12,9 @@ by exactly one server at the layout in force, and training goes on once the lost
 """
 import os
 import signal
-import threading
 from pathlib import Path
 
-from tests.integration.test_live_scale import MODEL, TRAINER, status, steps
+from tests.integration.test_live_scale import MODEL, TRAINER, Asking, status, steps
 from tests.support.wait import wait_until
 
 
@@ -31,27 +30,6 @@ def killed(role) -> None:
 
 def rows(*servers) -> int:
     return sum(status(s)["rows"] for s in servers)
-
-
-class Asking:
-    """The leader asked for a change in a thread of the test's (it returns once the change ends)."""
-
-    def __init__(self, ps0, servers: int) -> None:
-        self.answer, self.error = None, None
-        self._thread = threading.Thread(target=self._ask, args=(ps0, servers), daemon=True)
-        self._thread.start()
-
-    def _ask(self, ps0, servers: int) -> None:
-        try:
-            with ps0.client(timeout=300.0) as c:
-                self.answer = c.scale(servers)
-        except Exception as exc:  # noqa: BLE001 - what the test checks
-            self.error = exc
-
-    def ended(self, timeout: float = 120.0):
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), "the change did not end"
-        return self.answer, self.error
 
 
 def trains_on(trainer, what: str, more: int = 3) -> None:
