@@ -136,8 +136,8 @@ class Mover(ChangeSurface):
                      "moved_units": [m.what for m in moves if not m.what.startswith("slot:")]}
         log.info("layout %d -> %d: %s -> %s, %d slots and %d units move", old.epoch, new.epoch, list(old.servers),
                  servers, self.last["moved_slots"], len(self.last["moved_units"]))
-        ahead = self._ahead(old, new, moves, change)
         try:
+            ahead = self._ahead(old, new, moves, change)
             (sent, phases), pause = self._paused(lambda: self._switch(old, new, moves, change, ahead))
         except Exception as exc:
             self.last.update(state="failed", error=str(exc).splitlines()[0])
@@ -155,13 +155,19 @@ class Mover(ChangeSurface):
     def _ahead(self, old: Slots, new: Slots, moves: list[Move], change: str) -> bool:
         """While training goes on: the moving slots' plain rows copied to their destinations, and
         every server's shard by ``new`` built aside (``ps/server/precopy.py``), so that the hold
-        copies only what training wrote meanwhile. Whether it did; if not, the hold copies all."""
+        copies only what training wrote meanwhile. Whether it did; if not, the hold copies all,
+        unless a server of the change has left the members: then holding the trainers to copy all
+        could only fail the same way, so the change fails at once."""
         started = time.monotonic()
+        everyone = list(dict.fromkeys([*old.servers, *new.servers]))
         try:
             sent = self._take(moves, change, "early")
             self._all([lambda n=n: self._call(n, MoveSurface.prepare, new.to_dict(), change, timeout=STEP_TIMEOUT)
-                       for n in dict.fromkeys([*old.servers, *new.servers])])
+                       for n in everyone])
         except Exception as exc:  # noqa: BLE001 - the hold then copies everything, as it can
+            gone = [n for n in everyone if n not in self._members()]
+            if gone:
+                raise NotReady(f"{', '.join(gone)} left the members while copying ahead") from exc
             log.warning("copying ahead for layout %d failed (%s): the trainers are held while all of it is copied",
                         new.epoch, str(exc).splitlines()[0])
             return False

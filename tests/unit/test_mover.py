@@ -74,6 +74,23 @@ def test_a_change_that_cannot_copy_ahead_copies_all_of_it_held():
     assert [(c[1], c[-2], c[-1]) for c in fakes.calls if c[1] == "take_part"] == [("take_part", "all", True)] * 2
 
 
+def test_a_change_whose_server_left_while_copying_ahead_fails_without_holding_the_trainers():
+    fakes = Fakes(["ps0", "ps1", "ps2"])
+    fakes.fail_ahead = True
+    call = fakes.call
+
+    def lost_ps2(to, method, *args, timeout=None):
+        if to == "ps2" and "ps2" in fakes.members:
+            fakes.members.remove("ps2")              # declared lost as its copy failed
+        return call(to, method, *args, timeout=timeout)
+    fakes.call = lost_ps2
+    mover = fakes.mover()
+    with pytest.raises(PeerUnavailable, match="layout 1 stays in force: ps2 left the members while copying ahead"):
+        mover.change(["ps0", "ps1", "ps2"])
+    assert [c for c in fakes.calls if c[-1]] == [], "nothing asked under the trainers' hold"
+    assert fakes.slots.epoch == 1 and mover.last["state"] == "failed" and fakes.done.is_set()
+
+
 def test_a_change_refused_changes_nothing():
     fakes = Fakes(["ps0", "ps1"])
     mover = fakes.mover()
