@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from services.errors import ConfigError
 from services.names import parse_name
-from services.placement import alive
+from services.placement import NotPossible, placement_class
 from services.workload import benches, commands, data_writers, roles, settings_of, workloads
 
 STATE_FILE = "cluster.json"
@@ -202,15 +202,13 @@ def cluster_state(state_dir: Path, running: bool = True) -> Optional[dict]:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CliError(f"{path} is not a cluster file `rpcps up` wrote ({str(exc).splitlines()[0]}): remove it, "
                        f"or start a cluster with `rpcps up`") from None
-    pid = state.get("launcher_pid")
     hosts = state.get("hosts")
-    jobs = {h["job"] for h in hosts.values() if isinstance(h, dict) and h.get("job")} if isinstance(hosts, dict) else set()
-    if jobs:        # `rpcps up --slurm`: it ran on a node, where its process id means nothing here
-        from services.placement.slurm import job_alive
-        ended = not any(job_alive(str(job)) for job in jobs)
-    else:
-        ended = (not alive(pid)) if isinstance(pid, int) else (
-            bool(state.get("pids")) and not any(alive(p) for p in state["pids"].values() if isinstance(p, int)))
+    # Where its placement ran it (a record of an older rpcps up names none: Slurm's hosts name a job).
+    slurm = isinstance(hosts, dict) and any(isinstance(h, dict) and h.get("job") for h in hosts.values())
+    try:
+        ended = placement_class(state.get("run_on") or ("slurm" if slurm else "local")).run_ended(state)
+    except NotPossible as exc:
+        raise CliError(f"{path}: {exc}") from None
     if ended and running:
         raise CliError(f"the cluster recorded in {path} is not running (the `rpcps up` that started it has "
                        f"ended): start one with `rpcps up`, or name a sidecar with --sidecar URL")

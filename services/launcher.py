@@ -144,7 +144,7 @@ class Launcher:
             try:
                 roster.plan()
             except Unavailable as exc:       # hosts that cannot be made, no Slurm allocation
-                self._fail(f"{'--slurm' if self.cfg.slurm else '--emulate-hosts'}: {exc}")
+                self._fail(f"{self.cfg.run_on_flag}: {exc}")
                 return 2
             for m in self.members:
                 roster.spawn(m)

@@ -286,7 +286,7 @@ def cluster_record(roster: Roster) -> dict[str, Any]:
     those failing, those answering, and the placement's hosts."""
     members = roster.members
     state = {"sidecars": {m.name: m.url for m in members}, "roles": {m.name: m.role for m in members},
-             "leader": roster.leader, "launcher_pid": os.getpid(),
+             "leader": roster.leader, "launcher_pid": os.getpid(), "run_on": roster.cfg.run_on,
              "checkpoint_dir": str(roster.checkpoint_dir.resolve()),
              "pids": {m.name: m.proc.pid for m in members if m.proc}, "master_port": roster.master_port,
              "placed": {m.name: m.proc.describe() for m in members if m.proc},

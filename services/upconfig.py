@@ -7,12 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import Field, SecretStr, ValidationError, create_model, field_validator, model_validator
+from pydantic import Field, SecretStr, TypeAdapter, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from services.config import ConfigBase, explain, flag_name, shown_default, writable_folder
 from services.hosts.emulated import HostsSettings, threads_for
+from services.placement import PLACEMENTS
 from services.workload import workloads
+
+
+# The flags that name a placement by themselves, by the placement they name.
+SHORTHANDS = {"slurm": "slurm", "emulate_hosts": "hosts"}
 
 
 class LauncherConfig(HostsSettings):
@@ -49,6 +54,9 @@ class LauncherConfig(HostsSettings):
     resume_from: Optional[str] = Field(None, description="resume from this checkpoint (step-N or its path)")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
     final_checkpoint: bool = Field(True, description="take a checkpoint when stopping")
+    run_on: str = Field("local", description=f"where the members run, the placement: {', '.join(PLACEMENTS)} "
+                                             "(processes of this machine; an emulated host each, as "
+                                             "--emulate-hosts; a step each of a Slurm allocation, as --slurm)")
     slurm: bool = Field(False, description="run inside a Slurm allocation (a batch script, or salloc): every member "
                                            "a job step on a node of it, servers first (see the Slurm guide)")
     local: bool = Field(False, description="train the same model on the same data in this one process instead of "
@@ -60,7 +68,7 @@ class LauncherConfig(HostsSettings):
     # Set on the composed ``UpConfig``: each workload's own settings, by name.
     workload_settings: ClassVar[dict[str, type[ConfigBase]]] = {}
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "cluster": ("workload", "local", "slurm", "threads", "rpc_transport", "rpc_channel", "master_addr",
+        "cluster": ("workload", "local", "run_on", "slurm", "threads", "rpc_transport", "rpc_channel", "master_addr",
                     "master_port", "sidecar_host", "sidecar_port", "http_read_timeout", "control_token"),
         "checkpoints": ("checkpoint_dir", "resume", "resume_from", "keep_checkpoints", "final_checkpoint"),
         "failures": ("restart_backoff", "restart_backoff_max", "restart_window", "max_restarts", "ready_timeout",
@@ -85,6 +93,44 @@ class LauncherConfig(HostsSettings):
 
     @model_validator(mode="before")
     @classmethod
+    def _placement_of_its_shorthands(cls, values: Any) -> Any:
+        """--slurm and --emulate-hosts name a placement; --run-on names it too, and then the
+        shorthand follows it, so that either way the two agree."""
+        if not isinstance(values, dict):
+            return values
+        on = []                         # (flag, placement) of each shorthand given
+        for field, name in SHORTHANDS.items():
+            try:
+                if TypeAdapter(bool).validate_python(values.get(field) or False):
+                    on.append((f"--{field.replace('_', '-')}", name))
+            except ValidationError:
+                pass                    # the field's own validation says what is wrong with it
+        given = values.get("run_on")
+        if len(on) > 1:
+            raise ValueError(f"{', '.join(flag for flag, _ in on)}: a run has one placement")
+        if on and given not in (None, on[0][1]):
+            raise ValueError(f"--run-on {given}: {on[0][0]} means --run-on {on[0][1]}")
+        if on:
+            return {**values, "run_on": on[0][1]}
+        if given in PLACEMENTS:
+            return {**values, **{field: given == name for field, name in SHORTHANDS.items()}}
+        return values
+
+    @property
+    def run_on_flag(self) -> str:
+        """The flag that names this run's placement, for its errors (``--slurm: no allocation``)."""
+        flags = {name: f"--{field.replace('_', '-')}" for field, name in SHORTHANDS.items()}
+        return flags.get(self.run_on, f"--run-on {self.run_on}")
+
+    @field_validator("run_on")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        if v not in PLACEMENTS:
+            raise ValueError(f"one of {', '.join(PLACEMENTS)}")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
     def _threads_of_the_hosts(cls, values: Any) -> Any:
         """On hosts of --host-cpus cores, torch's threads follow the cores unless --threads is given."""
         if isinstance(values, dict) and values.get("threads") is None and values.get("host_cpus") is not None:
@@ -93,7 +139,7 @@ class LauncherConfig(HostsSettings):
 
     @model_validator(mode="after")
     def _slurm(self) -> "LauncherConfig":
-        if not self.slurm:
+        if self.run_on != "slurm":
             return self
         if self.local or self.emulate_hosts:
             raise ValueError(f"--slurm: {'--local' if self.local else '--emulate-hosts'} runs no member on the "
@@ -105,7 +151,7 @@ class LauncherConfig(HostsSettings):
 
     @model_validator(mode="after")
     def _hosts(self) -> "LauncherConfig":
-        if not self.emulate_hosts:
+        if self.run_on != "hosts":
             given = [f"--{f.replace('_', '-')}" for f in ("host_cpus", "link_rate") if getattr(self, f) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)}: only with --emulate-hosts")

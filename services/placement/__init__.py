@@ -6,11 +6,14 @@ runs, says the addresses the others reach it at, and starts it. What it starts i
 the supervisor polls and stops it, fencing kills it, and ``rpcps chaos``, in a process of its own,
 finds it from what it describes in ``cluster.json`` (``found``) to kill, freeze or cut it off.
 Nothing outside this package knows how a member runs: a process id here, a PID namespace on a
-host, a job step on a node. A Kubernetes placement would be one more of each, not a fake process.
+host, a job step on a node. ``PLACEMENTS`` names each placement: ``rpcps up --run-on`` chooses one
+by its name, and a recorded handle is found again by its ``kind``, the same name. A Kubernetes
+placement would be one more entry and module, not a fake process.
 """
 from __future__ import annotations
 
 import abc
+import importlib
 import os
 import signal
 import subprocess
@@ -76,7 +79,19 @@ class Placed(abc.ABC):
 
 
 class Placement(Protocol):
-    """Where a run's members go. ``create`` once with every member's name, before any starts."""
+    """Where a run's members go. ``create`` once with every member's name, before any starts.
+    ``handle`` is the class of what it starts, whose ``kind`` is the placement's name."""
+
+    handle: ClassVar[type[Placed]]
+
+    @classmethod
+    def from_settings(cls, cfg: Any) -> "Placement":
+        """The placement ``rpcps up``'s settings describe (``--sidecar-port``, ``--host-cpus`` ...)."""
+
+    @staticmethod
+    def run_ended(state: dict[str, Any]) -> bool:
+        """Whether the run that wrote ``state`` (its ``cluster.json``) has ended, asked where the
+        placement ran it: ``rpcps status`` and ``chaos`` refuse a run that is over."""
 
     def create(self, names: list[str]) -> None: ...
 
@@ -103,29 +118,46 @@ class Placement(Protocol):
     def close(self) -> None: ...
 
 
+# Every placement, by its name: what ``rpcps up --run-on`` takes and what ``cluster.json``
+# records of each member's handle (its ``kind``). A new one (Kubernetes) is one more line here and
+# one more module beside these, imported when chosen.
+PLACEMENTS: dict[str, str] = {
+    "local": "services.placement.local:Local",          # processes of this machine (the default)
+    "hosts": "services.placement.hosts:OnHosts",        # an emulated host each (--emulate-hosts)
+    "slurm": "services.placement.slurm:OnSlurm",        # a step each of a Slurm allocation (--slurm)
+}
+
+
+def placement_class(name: str) -> Any:
+    """The placement registered as ``name``."""
+    if name not in PLACEMENTS:
+        raise NotPossible(f"no placement is named {name!r}; one of {', '.join(PLACEMENTS)}")
+    module, _, attr = PLACEMENTS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def placement_for(cfg: Any) -> Placement:
-    """The placement ``rpcps up``'s settings choose."""
-    from services.placement.hosts import OnHosts
-    from services.placement.local import Local
-    from services.placement.slurm import OnSlurm
-    if cfg.emulate_hosts:
-        return OnHosts(cfg.host_cpus, cfg.link_rate, cfg.sidecar_port)
-    if cfg.slurm:
-        return OnSlurm(cfg.sidecar_port)
-    return Local(cfg.master_addr, cfg.sidecar_host, cfg.sidecar_port)
+    """The placement ``rpcps up``'s settings choose (``--run-on``)."""
+    return placement_class(cfg.run_on).from_settings(cfg)
 
 
 def found(described: dict[str, Any]) -> Placed:
     """The handle ``describe`` recorded, in another process (``rpcps chaos``, ``status``); a
     record without a kind (``cluster.json`` of an older ``rpcps up``) is a local process."""
-    from services.placement.hosts import OnHost
-    from services.placement.local import LocalProcess
-    from services.placement.slurm import SlurmStep
-    kinds = {cls.kind: cls for cls in (LocalProcess, OnHost, SlurmStep)}
-    kind = described.get("kind", LocalProcess.kind)
-    if kind not in kinds:
+    kind = described.get("kind", "local")
+    if kind not in PLACEMENTS:
         raise NotPossible(f"cluster.json names a placement this rpcps does not know: {kind!r}")
-    return kinds[kind].found(described)
+    return placement_class(kind).handle.found(described)
+
+
+def launcher_ended(state: dict[str, Any]) -> bool:
+    """For a run whose ``rpcps up`` is a process of this machine: whether it has ended (a record of
+    an older ``rpcps up``, without its process id: whether every member has)."""
+    pid = state.get("launcher_pid")
+    if isinstance(pid, int):
+        return not alive(pid)
+    pids = state.get("pids") or {}
+    return bool(pids) and not any(alive(p) for p in pids.values() if isinstance(p, int))
 
 
 def alive(pid: int) -> bool:

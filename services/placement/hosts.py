@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from services.hosts.network import host_child, ip
-from services.placement import Placed
+from services.placement import Placed, launcher_ended
 from services.placement.local import _PortsInOrder
 
 
@@ -64,6 +64,14 @@ class OnHost(Placed):
 
 class OnHosts(_PortsInOrder):
     """Every member on an emulated host of its own (see the module)."""
+
+    handle = OnHost
+
+    run_ended = staticmethod(launcher_ended)
+
+    @classmethod
+    def from_settings(cls, cfg: Any) -> "OnHosts":
+        return cls(cfg.host_cpus, cfg.link_rate, cfg.sidecar_port)
 
     def __init__(self, cpus: Optional[float], rate: Optional[str], first_port: int = 0) -> None:
         super().__init__(first_port)

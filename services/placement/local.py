@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from services.placement import Placed
+from services.placement import Placed, launcher_ended
 from services.processes import free_port, spawn_role
 
 
@@ -52,6 +52,14 @@ class _PortsInOrder:
 
 class Local(_PortsInOrder):
     """Every member a process of this machine, its sidecar at ``--sidecar-host``."""
+
+    handle = LocalProcess
+
+    run_ended = staticmethod(launcher_ended)
+
+    @classmethod
+    def from_settings(cls, cfg: Any) -> "Local":
+        return cls(cfg.master_addr, cfg.sidecar_host, cfg.sidecar_port)
 
     def __init__(self, master_addr: str, sidecar_host: str, first_port: int = 0) -> None:
         super().__init__(first_port)

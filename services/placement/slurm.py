@@ -136,6 +136,21 @@ class SlurmStep(Placed):
 class OnSlurm:
     """Every member a step of this Slurm job, on a node of the allocation (see the module)."""
 
+    handle = SlurmStep
+
+    @classmethod
+    def from_settings(cls, cfg: Any) -> "OnSlurm":
+        return cls(cfg.sidecar_port)
+
+    @staticmethod
+    def run_ended(state: dict[str, Any]) -> bool:
+        """``rpcps up`` ran on the batch node, where its process id means nothing here: the run is
+        over once Slurm says its job is."""
+        hosts = state.get("hosts")
+        jobs = {h["job"] for h in hosts.values() if isinstance(h, dict) and h.get("job")} if isinstance(hosts, dict) \
+            else set()
+        return bool(jobs) and not any(job_alive(str(job)) for job in jobs)
+
     def __init__(self, sidecar_port: int = 0, environ: Mapping[str, str] = os.environ) -> None:
         self._environ = environ
         self._base = sidecar_port or SIDECAR_PORT

@@ -169,8 +169,10 @@ def resumed(slurm: SlurmCluster, work: Path, job: int, newest: dict) -> None:
     assert f"resuming from {newest['id']} (step {newest['step']})" in ps0, ps0[-3000:]
 
 
-def test_a_node_set_down_moves_its_member_and_a_requeued_job_resumes_from_the_newest_checkpoint(slurm, work):
-    with a_job(slurm, work, MOVIES) as job:
+def test_a_node_set_down_moves_its_member_a_requeue_and_the_batch_node_lost_resume_from_the_newest_checkpoint(
+        slurm, work):
+    # One job for three faults in a row (a job's start is what these tests spend most on).
+    with a_job(slurm, work, [*MOVIES, "--checkpoint-every-steps", "50"]) as job:
         wait_until(lambda: len([m for n, m in status(slurm, work).items() if n.startswith("ctr") and m.get("step")])
                    == 2, 180, "both trainers stepping")
         assert placed(work, "ctr1") == "node4"
@@ -208,28 +210,24 @@ def test_a_node_set_down_moves_its_member_and_a_requeued_job_resumes_from_the_ne
         requeued = time.monotonic()
         resumed(slurm, work, job, newest)
         again = time.monotonic() - requeued
-    print(f"\nSlurm: node4's slurmd hung: ctr1 on {moved}, training on after {going_on:.1f} s; "
-          f"requeued: training again {again:.1f} s after it was pending")
 
-
-def test_the_batch_node_lost_has_the_members_requeue_the_job_which_resumes_from_the_newest_checkpoint(slurm, work):
-    # rpcps up and the leader run on the batch node; the job outlives node failures (--no-kill),
-    # so Slurm would keep it running with nothing in it. The members, their leader lost and no
-    # supervisor asking, requeue it; it starts again when the nodes are back.
-    with a_job(slurm, work, [*MOVIES, "--checkpoint-every-steps", "50"]) as job:
-        wait_until(lambda: [c for c in checkpoints(slurm, work) if c["state"] == "complete"], 180, "a checkpoint")
-        slurm.crash("node1")
+        # The batch node lost: rpcps up and the leader run there, and the job outlives node
+        # failures (--no-kill), so Slurm would keep it running with nothing in it. The members,
+        # their leader lost and no supervisor asking, requeue it; it starts again when the node is back.
+        batch = placed(work, "ps0")
+        slurm.crash(batch)
         crashed = time.monotonic()
         try:
             wait_until(lambda: slurm.state(job) in ("COMPLETING", "PENDING"), 60, "the job requeued")
-            requeued = time.monotonic() - crashed
+            lost_requeued = time.monotonic() - crashed
             newest = next(c for c in checkpoints(slurm, work) if c["state"] == "complete")
         finally:
-            slurm.boot("node1")         # back, as a machine that restarts
+            slurm.boot(batch)         # back, as a machine that restarts
         resumed(slurm, work, job, newest)
-        again = time.monotonic() - crashed
-    print(f"\nSlurm: the batch node lost: the job requeued after {requeued:.1f} s, training again after "
-          f"{again:.1f} s")
+        lost_again = time.monotonic() - crashed
+    print(f"\nSlurm: node4's slurmd hung: ctr1 on {moved}, training on after {going_on:.1f} s; "
+          f"requeued: training again {again:.1f} s after it was pending; the batch node ({batch}) lost: the job "
+          f"requeued after {lost_requeued:.1f} s, training again after {lost_again:.1f} s")
 
 
 def test_a_member_on_a_node_cut_off_starts_again_on_another_node(slurm, work):

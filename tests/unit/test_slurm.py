@@ -67,7 +67,7 @@ def test_slurm_settings_are_checked_before_anything_starts():
     assert up("--slurm").slurm
     with pytest.raises(ConfigError, match="--slurm: --local runs no member on the allocation's nodes"):
         up("--slurm", "--local")
-    with pytest.raises(ConfigError, match="--slurm: --emulate-hosts"):
+    with pytest.raises(ConfigError, match="--slurm, --emulate-hosts: a run has one placement"):
         up("--slurm", "--emulate-hosts")
     with pytest.raises(ConfigError, match="--master-addr: with --slurm every member's address is its node's"):
         up("--slurm", "--master-addr", "10.0.0.1")
