@@ -8,7 +8,8 @@ by exactly one server at the layout in force, and training goes on once the lost
 - a server lost in its rebuild, once the others have rebuilt: the new layout is in force, the
   lost server named (``not_rebuilt``), and started again it holds its slots by the new layout;
 - the leader lost with every server rebuilt, before it adopted the new layout: started again,
-  the job is on the layout before, the rebuilt servers back on the last checkpoint.
+  the job is on the layout before, the rebuilt servers back on the last checkpoint;
+- a destination lost under the trainers' hold: the change fails, the trainers are let go.
 """
 import os
 import signal
@@ -99,10 +100,24 @@ def test_members_lost_in_the_middle_of_a_change(procs):
     killed(ps1)
     answer, error = asking.ended()
     assert error is None and answer["state"] == "done" and answer["not_rebuilt"] == ["ps1"], (answer, error)
-    ps1 = procs.start("ps", "ps1", 2, **MODEL)
+    ps1 = procs.start("ps", "ps1", 2, env={"RPCPS_FAILPOINTS": "take:changes"}, **MODEL)
     procs.wait_ready(ps1)
     assert all(status(s)["layout"]["epoch"] == 2 for s in (ps0, ps1, ps2))
     assert min(status(s)["rows"] for s in (ps0, ps1, ps2)) > 0 and rows(ps0, ps1, ps2) == MODEL["ntoken"]
     trainer = procs.start("trainer", "trainer0", 2, start=True, **TRAINER)
     procs.wait_ready(trainer)
     trains_on(trainer, "training on layout 2")
+
+    # A destination lost under the trainers' hold, as it takes what was written since its copy
+    # ahead: the change fails, the trainers are let go, layout 2 stays whole, and training goes on
+    # once the destination is back.
+    asking = Asking(ps0, 2)
+    wait_until(lambda: frozen(ps1), 60, "ps1 taking its changes, the trainers held")
+    killed(ps1)
+    answer, error = asking.ended()
+    assert error is not None and answer is None, answer
+    assert status(ps0)["change"]["state"] == "failed" and status(ps0)["layout"]["epoch"] == 2
+    ps1 = procs.start("ps", "ps1", 2, **MODEL)
+    procs.wait_ready(ps1)
+    assert all(status(s)["layout"]["epoch"] == 2 for s in (ps0, ps1, ps2)) and rows(ps0, ps1, ps2) == MODEL["ntoken"]
+    trains_on(trainer, "training after the change under the hold failed")

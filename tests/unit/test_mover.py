@@ -16,6 +16,7 @@ class Fakes:
         self.slots = Slots.even(2, 12)
         self.members = list(members)
         self.calls: list[tuple] = []
+        self.timeouts: list[tuple] = []
         self.held = False
         self.fail_ahead = False
         self.done = threading.Event()
@@ -34,6 +35,7 @@ class Fakes:
         assert self.held != (ahead or method is MoveSurface.retire), \
             f"{method.__name__} {'outside' if not self.held else 'inside'} the trainers' hold"
         self.calls.append((to, method.__name__, *args, self.held))
+        self.timeouts.append((method.__name__, args[-1] if method is MoveSurface.take_part else None, timeout))
         return 100 if method is MoveSurface.take_part else {}
 
     def adopt(self, slots):
@@ -60,6 +62,11 @@ def test_a_change_takes_the_parts_rebuilds_every_server_adopts_and_retires_who_l
     assert sorted(c[0] for c in rebuilt) == ["ps0", "ps0", "ps1", "ps1", "ps2", "ps2"]
     assert all(c[2]["epoch"] == 2 for c in rebuilt)
     assert fakes.slots.epoch == 2 and fakes.slots.servers == ("ps0", "ps1", "ps2")
+    # What is taken under the hold is small: a destination frozen then holds the trainers a minute
+    # at most, not the ten a copy of everything may take.
+    assert {(m, stage): t for m, stage, t in fakes.timeouts} == {
+        ("take_part", "early"): 600.0, ("prepare", None): 600.0, ("take_part", "changes"): 60.0,
+        ("relayout", None): 600.0}
     fakes.calls.clear()
     mover.change(["ps0", "ps2"])
     assert ("ps1", "retire") in [(c[0], c[1]) for c in fakes.calls]
