@@ -113,8 +113,10 @@ class Roster:
         self._place(m, anew=False)
 
     def remove(self, m: Member) -> None:
-        """A member that stopped for good (exit 0, wanted no more): not started again."""
+        """A member that stopped for good (exit 0, wanted no more): not started again, and its
+        place given back to its placement."""
         self.members.remove(m)
+        self.placement.remove(m.name)
         self.write_state()
 
     def _place(self, m: Member, anew: bool) -> None:

@@ -75,6 +75,12 @@ class EmulatedHosts:
         self.net.limit(name, self.rate)
         return address
 
+    def remove(self, name: str) -> None:
+        """Host ``name`` removed while the others run: what still runs in it ended, its CPU group,
+        namespace and link removed."""
+        self.quotas.pop(name).remove()
+        self.net.remove_host(name)
+
     def address(self, name: str) -> str:
         return self.net.addresses[name]
 

@@ -105,7 +105,10 @@ class HostNetwork:
         self.tag = tag or str(os.getpid() % 100000)
         self.subnet = subnet_of(self.tag, 231)
         self.gateway = str(self.subnet[1])          # the namespace that made the hosts
-        self.addresses = {n: str(self.subnet[10 + i]) for i, n in enumerate(names)}
+        # Each host's number (its address and its bridge port), never given to another: a host
+        # removed while the others run leaves a gap.
+        self._number = {n: i for i, n in enumerate(names)}
+        self.addresses = {n: str(self.subnet[10 + i]) for n, i in self._number.items()}
         self.switch = f"rpcps{self.tag}net"          # the bridge's namespace
         self.uplink = f"rp{self.tag}h"              # this namespace's link to the bridge
         self._made: list[str] = []
@@ -192,12 +195,23 @@ class HostNetwork:
         to a fresh one: its old host may be cut off); its address."""
         if name in self.addresses:
             raise ValueError(f"host {name} exists already")
-        self.addresses[name] = str(self.subnet[10 + len(self.addresses)])
+        number = max(self._number.values(), default=-1) + 1
+        if 10 + number >= self.subnet.num_addresses - 1:
+            raise Unavailable(f"no address is left for host {name} in {self.subnet}")
+        self._number[name], self.addresses[name] = number, str(self.subnet[10 + number])
         self._host(name)
         return self.addresses[name]
 
+    def remove_host(self, name: str) -> None:
+        """Host ``name``'s namespace (its link to the bridge goes with it) and ``/etc/netns`` files
+        removed; its processes must have ended."""
+        ns = self.namespace(name)
+        remove([ns], None)
+        self._made.remove(ns)
+        del self.addresses[name]
+
     def _host(self, name: str) -> None:
-        i, address, prefix = list(self.addresses).index(name), self.addresses[name], self.subnet.prefixlen
+        i, address, prefix = self._number[name], self.addresses[name], self.subnet.prefixlen
         ns = self.namespace(name)
         ip("netns", "add", ns)
         self._made.append(ns)
@@ -243,9 +257,11 @@ def _tcp_settings(namespace: str) -> None:
                    capture_output=True, timeout=30)
 
 
-def remove(namespaces: list[str], uplink: str) -> None:
-    """Namespaces and their ``/etc/netns`` files removed, newest first, and the uplink to their bridge."""
-    subprocess.run(["ip", "link", "del", uplink], capture_output=True, timeout=30)
+def remove(namespaces: list[str], uplink: Optional[str]) -> None:
+    """Namespaces and their ``/etc/netns`` files removed, newest first, and the uplink to their
+    bridge (None: it stays)."""
+    if uplink is not None:
+        subprocess.run(["ip", "link", "del", uplink], capture_output=True, timeout=30)
     for ns in reversed(namespaces):
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)

@@ -98,6 +98,11 @@ class Placement(Protocol):
     def add(self, name: str) -> None:
         """One more member, ``name``, while the run goes on: placed as ``create`` places each."""
 
+    def remove(self, name: str) -> None:
+        """Member ``name`` stopped for good (it exited, wanted no more): what ``add`` or ``create``
+        made for it given back (its emulated host), so that a member of that name can be added
+        again."""
+
     def master_addr(self, leader: str) -> str: ...
     def sidecar_host(self, name: str) -> str: ...
     def sidecar_port(self, name: str) -> int: ...

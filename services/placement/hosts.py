@@ -90,6 +90,13 @@ class OnHosts(_PortsInOrder):
         self.hosts.add(name)
         self.host_of[name] = name
 
+    def remove(self, name: str) -> None:
+        """Its host, and any it was fenced off before, removed: a server added again later gets a
+        fresh one of its name."""
+        for host in [h for h in self.hosts.names if h == name or h.startswith(f"{name}-")]:
+            self.hosts.remove(host)
+        self.host_of.pop(name, None)
+
     def master_addr(self, leader: str) -> str:
         return self.reach(leader)
 

@@ -68,6 +68,9 @@ class Local(_PortsInOrder):
     def create(self, names: list[str]) -> None:
         self._number(names)
 
+    def remove(self, name: str) -> None:
+        pass            # nothing of a process of this machine is left once it exited (its port is kept)
+
     def master_addr(self, leader: str) -> str:
         return self._master_addr
 

@@ -14,6 +14,7 @@ member the signal itself; ``kill()`` cancels the step.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -183,8 +184,15 @@ class OnSlurm:
     def add(self, name: str) -> None:
         """Placed by the same rule: the next node of the allocation in turn."""
         node = self._allocated[len(self.nodes) % len(self._allocated)]
+        taken = {self.ports[m] for m, at in self.nodes.items() if at == node}
         self.nodes[name] = node
-        self.ports[name] = self._base + sum(1 for n in self.nodes.values() if n == node) - 1
+        # the first port free on that node: a member removed there may have left a gap below another's
+        self.ports[name] = next(p for p in itertools.count(self._base) if p not in taken)
+
+    def remove(self, name: str) -> None:
+        """Its job step ended with it: only its place is given back."""
+        self.nodes.pop(name, None)
+        self.ports.pop(name, None)
 
     def master_addr(self, leader: str) -> str:
         return self.nodes[leader]

@@ -127,3 +127,45 @@ def test_the_ring_bench_times_an_all_reduce_across_hosts_with_and_without_their_
     assert summary["settings"]["quota"]["cpus"] == 0.5 and summary["settings"]["quota_with_work"]["work_ms"] == 20
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split())
     assert after <= before, f"namespaces left behind: {after - before}"
+
+
+def test_a_server_removed_gives_back_its_host_and_one_added_again_gets_a_fresh_one(tmp_path):
+    """What ``rpcps up`` does with its placement when ``rpcps scale`` adds a server, lets it go,
+    and adds it again: real hosts, a process started on each."""
+    _hosts_possible()
+    from services.placement.hosts import OnHosts
+    place = OnHosts(0.2, "100mbit")
+    place.create(["ps0", "ps1"])
+    tag = place.hosts.net.tag
+    try:
+        def serve_once(name: str) -> None:
+            """A process on ``name``'s host answers at its address, from this machine."""
+            member = place.hosts.spawn(name, [sys.executable, "-m", "http.server", "--bind", place.reach(name), "8000"],
+                                       tmp_path / f"{name}.log")
+            try:
+                wait_until(lambda: _answers(f"http://{place.reach(name)}:8000/"), 60, f"a server on {name}'s host")
+            finally:
+                member.send_signal(9)
+                member.wait(30)
+
+        place.add("ps2")
+        first = place.reach("ps2")
+        serve_once("ps2")
+        place.remove("ps2")
+        assert f"rpcps{tag}-ps2" not in _namespaces(tag) and f"rpcps{tag}-ps1" in _namespaces(tag), _namespaces(tag)
+        assert not (CGROUP / "cpu" / f"rpcps{tag}-ps2").exists(), "the removed host's CPU group was left"
+        place.add("ps2")
+        assert place.reach("ps2") != first, "a host added again has an address of its own"
+        serve_once("ps2")
+        assert place.describe()["ps2"]["link_rate"] == "100mbit"
+    finally:
+        place.close()
+    assert _namespaces(tag) == []
+    assert not list((CGROUP / "cpu").glob(f"rpcps{tag}-*")), "a CPU quota group was left behind"
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

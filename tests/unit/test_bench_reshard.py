@@ -2,7 +2,7 @@
 figures it prints come from these, so they are checked on counters read at known times."""
 import pytest
 
-from trainer.ctr.bench_reshard import Counters
+from trainer.ctr.bench_reshard import Counters, links, within_link
 
 
 def _counters(seen: dict[str, list[tuple[float, int]]], period: float = 0.1) -> Counters:
@@ -42,3 +42,18 @@ def test_the_wait_for_a_step_after_a_hold_returns_once_every_trainer_stepped():
     c.seen["ctr1"] = [(0.0, 5), (1.2, 6), (2.5, 6)]               # ctr1's last step was before
     with pytest.raises(RuntimeError, match="did not step"):
         c.stepped_after(1.5, 0.2)
+
+
+def test_a_move_is_judged_against_its_bytes_over_a_capped_link():
+    # 125 MB over 1 Gbit/s is 1 s: a move may take 1.5 s plus 5 s, and no more.
+    used = {"ps0": {"tx": 100e6, "cpu_s": 6.0}, "ps1": {"tx": 60e6, "cpu_s": 4.0}, "ctr0": {"tx": 5e6, "cpu_s": 6.0}}
+    link = links(used, 8.0, "1gbit", 125_000_000)
+    assert link["busiest"] == "ps0" and link["busiest_mean_bytes_per_s"] == 12_500_000
+    assert link["cores_used"] == 2.0 and link["cpu_s"]["ctr0"] == 6.0     # the 2 cores busy: CPU bounded it
+    assert abs(link["moved_over_link_s"] - 1.0) < 1e-9
+    assert within_link({"move_s": 6.5, "link": link}) is True
+    assert within_link({"move_s": 6.6, "link": link}) is False
+    # on local processes, or hosts without a cap, there is no link to judge a move by
+    assert links({}, 8.0, "1gbit", 125_000_000) is None and within_link({"move_s": 1.0, "link": None}) is None
+    uncapped = links({"ps0": {"tx": 10.0, "cpu_s": 0.5}}, 1.0, None, 125_000_000)
+    assert uncapped["moved_over_link_s"] is None and within_link({"move_s": 1.0, "link": uncapped}) is None

@@ -98,6 +98,22 @@ def test_more_members_than_nodes_share_them_on_ports_of_their_own(fake_slurm):
     assert place.ports == {"ps0": 9000, "ps1": 9000, "ctr0": 9001, "ctr1": 9001, "ctr2": 9002}
 
 
+def test_a_server_added_after_one_was_removed_takes_the_first_port_free_on_its_node(fake_slurm):
+    fake_slurm(nodes=["a", "b"])
+    place = OnSlurm(sidecar_port=9000, environ={"SLURM_JOB_ID": "8", "SLURM_JOB_NODELIST": "a,b",
+                                                "SLURMD_NODENAME": "a"})
+    place.create(["ps0", "ps1", "ctr0", "ctr1"])
+    place.add("ps2")                                              # the third on a: 9002
+    assert (place.reach("ps2"), place.sidecar_port("ps2")) == ("a", 9002)
+    place.remove("ctr0")                                          # a's 9001 is free now, below ps2's
+    place.add("ps3")                                              # the fifth member: on a again
+    assert (place.reach("ps3"), place.sidecar_port("ps3")) == ("a", 9001)
+    place.remove("ps2")
+    place.add("ps2")
+    assert (place.reach("ps2"), place.sidecar_port("ps2")) == ("a", 9002)
+    assert len({(place.reach(n), place.sidecar_port(n)) for n in place.nodes}) == len(place.nodes)
+
+
 def test_a_fenced_member_starts_again_on_the_least_busy_other_node_and_the_leader_stays(fake_slurm):
     fake_slurm(nodes=["n1", "n2", "n3", "n4"])
     place = OnSlurm(environ={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-4]", "SLURMD_NODENAME": "n1"})

@@ -16,6 +16,11 @@ in the window from the move's start (once its servers serve) at least 0.7 of bef
 from the request, with a new server's start, is beside it), and the time without training at least 20 times shorter than the
 restart's. ``limits`` says what bounded it: the bytes moved, the load, the cores.
 
+With ``--emulate-hosts`` every member runs on an emulated host of its own, and each move also
+reports what every host's link sent from its request to its end (``link``); with ``--link-rate``
+(each host's outgoing link capped, as a 1 Gbit network would), ``met`` also holds the move's time
+against its bytes over that rate: at most 1.5 times that, plus 5 s.
+
 A counter read every ``--sample`` seconds sees a step's length to within that: the longest still
 time is an upper bound on the longest step by one sample.
 """
@@ -34,11 +39,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from trainer.core.scale.fit import bytes_per_s
 from trainer.ctr.serving.bench import _wait
 
 PAUSE_OVER_MEDIAN_S = 0.5      # a move's longest step at most this much over the median step before
 DURING_OVER_BEFORE = 0.7       # samples/s while a move runs, against before it
 RESTART_OVER_LIVE = 20.0       # the restart's time without training, against the live move's
+LINK_SLACK, LINK_GRACE_S = 1.5, 5.0     # a move within 1.5× its bytes over the link rate, plus 5 s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-restart", action="store_true", help="leave out the stop-and-start side")
     p.add_argument("--keep", type=Path, help="keep the jobs' logs and the counters read in this folder")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the start, a move or the restart may take")
+    p.add_argument("--emulate-hosts", action="store_true", help="every member on an emulated host of its own "
+                                                                 "(rpcps up --emulate-hosts; needs root)")
+    p.add_argument("--host-cpus", type=float, help="cores each emulated host may use (default: no quota)")
+    p.add_argument("--link-rate", help="each emulated host's outgoing link, in tc's units (1gbit): the move's "
+                                       "time is then judged against its bytes over this rate")
     p.add_argument("--json", action="store_true", help="JSON only (the output is JSON anyway)")
 
 
@@ -136,7 +148,9 @@ def _up_argv(ns: argparse.Namespace, tmp: Path, servers: int, resume: bool) -> l
             "--num-ps", str(servers), "--num-trainers", str(ns.trainers), "--consistency", ns.consistency,
             "--batch-size", str(ns.batch_size), "--eval-samples", "0", "--checkpoint-dir", str(tmp / "ck"),
             "--state-dir", str(tmp / "state"), "--progress-interval", "60", "--json",
-            *(["--resume"] if resume else [])]
+            *(["--resume"] if resume else []), *(["--emulate-hosts"] if ns.emulate_hosts else []),
+            *(["--host-cpus", str(ns.host_cpus)] if ns.host_cpus is not None else []),
+            *(["--link-rate", ns.link_rate] if ns.link_rate else [])]
 
 
 class Up:
@@ -157,6 +171,23 @@ class Up:
 
     def trainers(self) -> dict[str, str]:
         return {n: u for n, u in self.sidecars().items() if n.startswith("ctr")}
+
+    def used(self) -> dict[str, dict[str, float]]:
+        """What each member's emulated host has used so far: bytes sent on its link (``tx``) and
+        CPU seconds (``cpu_s``); none on local processes."""
+        from services.hosts.emulated import usage_of
+        try:
+            hosts = json.loads((self.tmp / "state" / "cluster.json").read_text()).get("hosts") or {}
+        except (OSError, ValueError):
+            return {}
+        out = {}
+        for name, described in hosts.items():
+            try:
+                usage = usage_of(described)
+                out[name] = {"tx": float(usage["tx"]), "cpu_s": float(usage["cpu_s"])}
+            except (OSError, subprocess.CalledProcessError, ValueError, KeyError):
+                continue            # its host is going away: not counted
+        return out
 
     def stop(self, timeout: float) -> int:
         if self.proc.poll() is None:
@@ -184,13 +215,31 @@ def _steps_done(url: str) -> int:
                    if line.startswith("rpcps_trainer_steps_total{")))
 
 
+def _scaled(ns: argparse.Namespace, up: Up, servers: int) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+    """``rpcps scale --servers servers`` run to its end; and each host's usage as last read
+    meanwhile (a host is read every half second: a server let go takes its host with it)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "scale", "--servers", str(servers),
+                                 "--state-dir", str(up.tmp / "state")], stdout=out, stderr=err, text=True)
+        deadline, used = time.monotonic() + ns.timeout, up.used()
+        while proc.poll() is None and time.monotonic() < deadline:
+            used.update(up.used())
+            time.sleep(0.5)  # noqa: sleep-ok (reading the hosts while the move runs, to a deadline)
+        if proc.poll() is None:
+            proc.kill()
+        used.update(up.used())
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.wait(30), out.read(), err.read()), used
+
+
 def _move(ns: argparse.Namespace, up: Up, counters: Counters, servers: int) -> dict[str, Any]:
     """``rpcps scale --servers servers`` as a user runs it, measured."""
     time.sleep(ns.window)  # noqa: sleep-ok (the window measured before the move)
+    used_before = up.used()
     asked = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "services.cli", "scale", "--servers", str(servers),
-                           "--state-dir", str(up.tmp / "state")], capture_output=True, text=True, timeout=ns.timeout)
+    done, last_used = _scaled(ns, up, servers)
     ended = time.monotonic()
+    used = {n: {k: v - used_before.get(n, {}).get(k, 0.0) for k, v in u.items()} for n, u in last_used.items()}
     counters.marks += [(f"asked {servers}", asked), (f"done {servers}", ended)]
     if done.returncode != 0:
         raise RuntimeError(f"rpcps scale --servers {servers} failed: {done.stderr[-2000:]}")
@@ -212,11 +261,41 @@ def _move(ns: argparse.Namespace, up: Up, counters: Counters, servers: int) -> d
             "bytes_ahead": change.get("ahead_bytes", 0), "copying_ahead_s": change.get("ahead_seconds", 0.0),
             "trainers_held_s": change["pause_seconds"], "taking_s": change["take_seconds"],
             "rebuilding_s": change["rebuild_seconds"], "move_s": change["seconds"],
-            "asked_to_done_s": round(ended - asked, 3), "median_step_s": round(median, 4) if median else None,
+            "asked_to_done_s": round(ended - asked, 3), "link": links(used, ended - asked, ns.link_rate,
+                                                                      change.get("ahead_bytes", 0) + change["bytes"]),
+            "median_step_s": round(median, 4) if median else None,
             "longest_step_s": round(longest, 3), "samples_per_s": {
                 "before": round(before * ns.batch_size / ns.window, 1),
                 "during": round(during * ns.batch_size / ns.window, 1),
                 "from_asked": round(asking * ns.batch_size / ns.window, 1)}}
+
+
+def links(used: dict[str, dict[str, float]], seconds: float, rate: Optional[str],
+          moved: int) -> Optional[dict[str, Any]]:
+    """What the hosts used in the ``seconds`` from a move's request to its end (``used``: each
+    host's bytes sent and CPU seconds, training's included; None: local processes): the busiest
+    link's mean rate and the cores all used, the proof of which bounded the move; and, with a
+    capped ``rate``, the time its ``moved`` bytes take over one such link: the least a move
+    through one link can take."""
+    if not used:
+        return None
+    sent = {n: int(u.get("tx", 0)) for n, u in used.items()}
+    busiest = max(sent, key=sent.get)
+    over_link = moved / bytes_per_s(rate) if rate else None
+    return {"rate": rate, "sent_bytes": sent, "busiest": busiest,
+            "busiest_mean_bytes_per_s": round(sent[busiest] / max(seconds, 1e-3)),
+            "cpu_s": {n: round(u.get("cpu_s", 0.0), 2) for n, u in used.items()},
+            "cores_used": round(sum(u.get("cpu_s", 0.0) for u in used.values()) / max(seconds, 1e-3), 2),
+            "moved_over_link_s": round(over_link, 3) if over_link is not None else None}
+
+
+def within_link(move: dict[str, Any]) -> Optional[bool]:
+    """Whether a move took at most 1.5 times its bytes over the link rate, plus 5 s (None: no
+    capped link to judge it by)."""
+    link = move.get("link") or {}
+    if link.get("moved_over_link_s") is None:
+        return None
+    return move["move_s"] <= LINK_SLACK * link["moved_over_link_s"] + LINK_GRACE_S
 
 
 def _restart(ns: argparse.Namespace, up: Up, tmp: Path, servers: int) -> dict[str, Any]:
@@ -258,6 +337,9 @@ def _keep(folder: Path, tmp: Path, counters: Counters, moves: list[dict[str, Any
 
 def run(ns: argparse.Namespace) -> int:
     n = ns.servers
+    if not ns.emulate_hosts and (ns.host_cpus is not None or ns.link_rate):
+        print("rpcps bench reshard: --host-cpus and --link-rate are settings of --emulate-hosts", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="rpcps-bench-reshard-") as tmp_name:
         tmp = Path(tmp_name)
         up = Up(_up_argv(ns, tmp, n, resume=False), tmp, "up")
@@ -279,6 +361,8 @@ def run(ns: argparse.Namespace) -> int:
                                              <= m["median_step_s"] + PAUSE_OVER_MEDIAN_S for m in moves),
            "samples_during_at_least_0.7x": all(m["samples_per_s"]["during"]
                                                >= DURING_OVER_BEFORE * m["samples_per_s"]["before"] for m in moves)}
+    if ns.link_rate:
+        met["move_within_1.5x_bytes_over_link_plus_5s"] = all(within_link(m) for m in moves)
     if restart is not None:
         met["without_training_20x_shorter"] = restart["without_training_s"] >= RESTART_OVER_LIVE * max(live, 1e-3)
     print(json.dumps({
@@ -290,5 +374,6 @@ def run(ns: argparse.Namespace) -> int:
                    "checkpoint_bytes": checkpoint_bytes,
                    "bytes_per_held_s": [round(m["bytes"] / max(m["trainers_held_s"], 1e-3)) for m in moves]},
         "config": {"scale": ns.scale, "servers": n, "trainers": ns.trainers, "consistency": ns.consistency,
-                   "batch_size": ns.batch_size, "window_s": ns.window}}), flush=True)
+                   "batch_size": ns.batch_size, "window_s": ns.window, "emulate_hosts": ns.emulate_hosts,
+                   "host_cpus": ns.host_cpus, "link_rate": ns.link_rate}}), flush=True)
     return 0
