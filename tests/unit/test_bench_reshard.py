@@ -2,7 +2,11 @@
 figures it prints come from these, so they are checked on counters read at known times."""
 import pytest
 
-from trainer.ctr.bench_reshard import Counters, links, within_link
+import argparse
+
+import torch
+
+from trainer.ctr.bench_reshard import Counters, _refused, links, same_model, within_link
 
 
 def _counters(seen: dict[str, list[tuple[float, int]]], period: float = 0.1) -> Counters:
@@ -57,3 +61,27 @@ def test_a_move_is_judged_against_its_bytes_over_a_capped_link():
     assert links({}, 8.0, "1gbit", 125_000_000) is None and within_link({"move_s": 1.0, "link": None}) is None
     uncapped = links({"ps0": {"tx": 10.0, "cpu_s": 0.5}}, 1.0, None, 125_000_000)
     assert uncapped["moved_over_link_s"] is None and within_link({"move_s": 1.0, "link": uncapped}) is None
+
+
+def test_two_exported_models_are_the_same_only_bit_for_bit():
+    def model(bump: float = 0.0, extra: bool = False):
+        tables = {"weights.t0": torch.arange(12.0).reshape(6, 2), "weights.t1": {"ids": torch.tensor([7, 3]),
+                                                                                "rows": torch.ones(2, 2)}}
+        tables["weights.t0"][4, 1] += bump
+        dense = {"top.weight": torch.full((2, 2), 0.5), **({"top.bias": torch.zeros(2)} if extra else {})}
+        return {"format": 1, "tables": tables, "dense": dense}
+    same = same_model(model(), model(), steps=10)
+    assert same["bit_identical"] and same["tensors"] == 4 and same["values"] == 12 + 2 + 4 + 4
+    one_ulp = same_model(model(), model(bump=1e-6), steps=10)                 # 9.0 and 9.000001
+    assert not one_ulp["bit_identical"] and one_ulp["first_differing"] == ["tables/weights.t0"]
+    assert same_model(model(), model(extra=True), steps=10)["first_differing"] == ["dense/top.bias"]
+
+
+def test_a_comparison_is_refused_where_two_runs_would_differ_anyway():
+    def ns(**kw):
+        return argparse.Namespace(**{"emulate_hosts": False, "host_cpus": None, "link_rate": None,
+                                     "compare_steps": 100, "consistency": "sync", "trainers": 2, **kw})
+    assert _refused(ns()) is None and _refused(ns(consistency="async", trainers=1)) is None
+    assert "come in no fixed order" in _refused(ns(consistency="async"))
+    assert "at least 1" in _refused(ns(compare_steps=0))
+    assert "settings of --emulate-hosts" in _refused(ns(link_rate="1gbit"))

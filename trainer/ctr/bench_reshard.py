@@ -21,6 +21,10 @@ reports what every host's link sent from its request to its end (``link``); with
 (each host's outgoing link capped, as a 1 Gbit network would), ``met`` also holds the move's time
 against its bytes over that rate: at most 1.5 times that, plus 5 s.
 
+With ``--compare-steps N`` (sync, or one trainer) the job trains N steps with the moves among
+them, and the same job again without a move; both are exported (``rpcps export``) and ``met``
+says whether every table and dense tensor is the same, bit for bit (``compared``).
+
 A counter read every ``--sample`` seconds sees a step's length to within that: the longest still
 time is an upper bound on the longest step by one sample.
 """
@@ -60,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                               "and from its start")
     p.add_argument("--sample", type=float, default=0.05, help="seconds between reads of the trainers' counters")
     p.add_argument("--no-restart", action="store_true", help="leave out the stop-and-start side")
+    p.add_argument("--compare-steps", type=int, metavar="N",
+                   help="train N steps (the moves within them), then the same job again without moves, and compare "
+                        "the two models bit for bit (sync, or one trainer; instead of the stop-and-start side)")
     p.add_argument("--keep", type=Path, help="keep the jobs' logs and the counters read in this folder")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the start, a move or the restart may take")
     p.add_argument("--emulate-hosts", action="store_true", help="every member on an emulated host of its own "
@@ -144,11 +151,12 @@ class Counters:
 
 
 def _up_argv(ns: argparse.Namespace, tmp: Path, servers: int, resume: bool) -> list[str]:
+    steps = ["--steps", str(ns.compare_steps)] if ns.compare_steps and not resume else []
     return [sys.executable, "-m", "services.cli", "up", "--workload", "ctr", "--scale", str(ns.scale),
             "--num-ps", str(servers), "--num-trainers", str(ns.trainers), "--consistency", ns.consistency,
             "--batch-size", str(ns.batch_size), "--eval-samples", "0", "--checkpoint-dir", str(tmp / "ck"),
             "--state-dir", str(tmp / "state"), "--progress-interval", "60", "--json",
-            *(["--resume"] if resume else []), *(["--emulate-hosts"] if ns.emulate_hosts else []),
+            *(["--resume"] if resume else []), *steps, *(["--emulate-hosts"] if ns.emulate_hosts else []),
             *(["--host-cpus", str(ns.host_cpus)] if ns.host_cpus is not None else []),
             *(["--link-rate", ns.link_rate] if ns.link_rate else [])]
 
@@ -324,21 +332,85 @@ def _restart(ns: argparse.Namespace, up: Up, tmp: Path, servers: int) -> dict[st
             "until_every_trainer_s": round(max(first.values()) - stopped, 3)}
 
 
+def _compare(ns: argparse.Namespace, up: Up, counters: Counters, tmp: Path) -> dict[str, Any]:
+    """The moved job run on to its ``--compare-steps`` (its final checkpoint), and the same job
+    again on its first servers without a move, started beside it once the moves are measured (a
+    sync job's result does not depend on its speed); both exported as a user does (``rpcps
+    export``: every table whole, by id) and compared tensor by tensor."""
+    last = max((seen[-1][1] for seen in counters.seen.values() if seen), default=0)
+    if last >= ns.compare_steps:
+        raise RuntimeError(f"the moves ended at step {last}, not before the last ({ns.compare_steps}): "
+                           "give --compare-steps more")
+    runs = [(up, tmp)]
+    still_tmp = tmp / "still"
+    still_tmp.mkdir()
+    runs.append((Up(_up_argv(ns, still_tmp, ns.servers, resume=False), still_tmp, "still"), still_tmp))
+    models = []
+    for job, where in runs:
+        try:
+            code = job.proc.wait(ns.timeout)
+        finally:
+            job.stop(120)
+        if code != 0:
+            raise RuntimeError(f"rpcps up exited {code}: {job.log.read_text()[-2000:]}")
+        models.append(_exported(where))
+    return same_model(*models, steps=ns.compare_steps)
+
+
+def _exported(tmp: Path) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", "services.cli", "export", "--checkpoint", str(tmp / "ck"), "--out",
+                           str(tmp / "export")], capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"rpcps export failed: {done.stderr[-2000:]}")
+    import torch
+    return torch.load(tmp / "export" / "weights.pt", weights_only=True)
+
+
+def same_model(moved: dict[str, Any], unmoved: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Two exported models (``weights.pt``) compared: every table and dense tensor, bit for bit."""
+    import torch
+
+    def leaves(tree: Any, at: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            return {k: v for key, sub in tree.items() for k, v in leaves(sub, f"{at}/{key}" if at else str(key)).items()}
+        return {at: tree}
+    a, b = leaves(moved), leaves(unmoved)
+    tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
+    differ = sorted({*a.keys() ^ b.keys(), *(k for k in a.keys() & b.keys() if not (
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) and isinstance(b[k], torch.Tensor) else a[k] == b[k]))})
+    return {"steps": steps, "tensors": len(tensors), "values": sum(a[k].numel() for k in tensors),
+            "differing": len(differ), "first_differing": differ[:5], "bit_identical": not differ and bool(tensors)}
+
+
 def _keep(folder: Path, tmp: Path, counters: Counters, moves: list[dict[str, Any]]) -> None:
     """The jobs' logs and every counter read (seconds since the first read), for a look after."""
     import shutil
     folder.mkdir(parents=True, exist_ok=True)
-    for log in [*tmp.glob("*.log"), *(tmp / "state").rglob("*.log")]:
+    for log in [*tmp.glob("*.log"), *(tmp / "state").rglob("*.log"), *(tmp / "still").glob("*.log")]:
         shutil.copy(log, folder / log.name)
     first = min((seen[0][0] for seen in counters.seen.values() if seen), default=0.0)
     (folder / "counters.json").write_text(json.dumps(
         {"moves": moves, "marks": [(what, round(t - first, 3)) for what, t in counters.marks], "seen": {n: [(round(t - first, 3), s) for t, s in seen] for n, seen in counters.seen.items()}}))
 
 
+def _refused(ns: argparse.Namespace) -> Optional[str]:
+    """Why these settings cannot run, before anything starts (None: they can)."""
+    if not ns.emulate_hosts and (ns.host_cpus is not None or ns.link_rate):
+        return "--host-cpus and --link-rate are settings of --emulate-hosts"
+    if ns.compare_steps is not None:
+        if ns.compare_steps < 1:
+            return "--compare-steps: at least 1"
+        if ns.consistency != "sync" and ns.trainers != 1:
+            return (f"--compare-steps: {ns.trainers} {ns.consistency} trainers' updates come in no fixed order, so "
+                    "two runs differ moved or not: compare a sync job, or one trainer's")
+    return None
+
+
 def run(ns: argparse.Namespace) -> int:
     n = ns.servers
-    if not ns.emulate_hosts and (ns.host_cpus is not None or ns.link_rate):
-        print("rpcps bench reshard: --host-cpus and --link-rate are settings of --emulate-hosts", file=sys.stderr)
+    refused = _refused(ns)
+    if refused:
+        print(f"rpcps bench reshard: {refused}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="rpcps-bench-reshard-") as tmp_name:
         tmp = Path(tmp_name)
@@ -349,7 +421,8 @@ def run(ns: argparse.Namespace) -> int:
                   ns.timeout, lambda: up.proc.poll() is None, up.log)
             with Counters(up.trainers(), ns.sample) as counters:
                 moves = [_move(ns, up, counters, n + 1), _move(ns, up, counters, n)]
-            restart = None if ns.no_restart else _restart(ns, up, tmp, n + 1)
+            compared = _compare(ns, up, counters, tmp) if ns.compare_steps else None
+            restart = None if ns.no_restart or compared else _restart(ns, up, tmp, n + 1)
         finally:
             up.stop(120)
         checkpoint_bytes = sum(f.stat().st_size for f in (tmp / "ck").rglob("*.pt")) if (tmp / "ck").exists() else 0
@@ -363,10 +436,12 @@ def run(ns: argparse.Namespace) -> int:
                                                >= DURING_OVER_BEFORE * m["samples_per_s"]["before"] for m in moves)}
     if ns.link_rate:
         met["move_within_1.5x_bytes_over_link_plus_5s"] = all(within_link(m) for m in moves)
+    if compared is not None:
+        met["bit_identical_to_the_job_without_moves"] = compared["bit_identical"]
     if restart is not None:
         met["without_training_20x_shorter"] = restart["without_training_s"] >= RESTART_OVER_LIVE * max(live, 1e-3)
     print(json.dumps({
-        "bench": "reshard", "moves": moves, "restart": restart,
+        "bench": "reshard", "moves": moves, "restart": restart, "compared": compared,
         "without_training_s": {"live": round(live, 3),
                                "restart": restart["without_training_s"] if restart else None},
         "met": met,
@@ -375,5 +450,6 @@ def run(ns: argparse.Namespace) -> int:
                    "bytes_per_held_s": [round(m["bytes"] / max(m["trainers_held_s"], 1e-3)) for m in moves]},
         "config": {"scale": ns.scale, "servers": n, "trainers": ns.trainers, "consistency": ns.consistency,
                    "batch_size": ns.batch_size, "window_s": ns.window, "emulate_hosts": ns.emulate_hosts,
-                   "host_cpus": ns.host_cpus, "link_rate": ns.link_rate}}), flush=True)
+                   "host_cpus": ns.host_cpus, "link_rate": ns.link_rate, "compare_steps": ns.compare_steps}}),
+          flush=True)
     return 0
