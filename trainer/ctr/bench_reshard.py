@@ -339,21 +339,21 @@ def _compare(ns: argparse.Namespace, up: Up, counters: Counters, tmp: Path) -> d
     export``: every table whole, by id) and compared tensor by tensor."""
     last = max((seen[-1][1] for seen in counters.seen.values() if seen), default=0)
     if last >= ns.compare_steps:
-        raise RuntimeError(f"the moves ended at step {last}, not before the last ({ns.compare_steps}): "
-                           "give --compare-steps more")
-    runs = [(up, tmp)]
+        raise RuntimeError(f"the trainers were at step {last} once the moves were measured, past the last "
+                           f"({ns.compare_steps}): give --compare-steps more")
     still_tmp = tmp / "still"
     still_tmp.mkdir()
-    runs.append((Up(_up_argv(ns, still_tmp, ns.servers, resume=False), still_tmp, "still"), still_tmp))
-    models = []
-    for job, where in runs:
-        try:
+    runs = [(up, tmp), (Up(_up_argv(ns, still_tmp, ns.servers, resume=False), still_tmp, "still"), still_tmp)]
+    try:
+        models = []
+        for job, where in runs:
             code = job.proc.wait(ns.timeout)
-        finally:
+            if code != 0:
+                raise RuntimeError(f"rpcps up exited {code}: {job.log.read_text()[-2000:]}")
+            models.append(_exported(where))
+    finally:
+        for job, _ in runs:         # the job without moves too, whatever failed
             job.stop(120)
-        if code != 0:
-            raise RuntimeError(f"rpcps up exited {code}: {job.log.read_text()[-2000:]}")
-        models.append(_exported(where))
     return same_model(*models, steps=ns.compare_steps)
 
 
