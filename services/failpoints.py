@@ -4,7 +4,9 @@ with SIGSTOP the first time it reaches each named point. The test then kills it 
 go on (SIGCONT), instead of racing a step that lasts milliseconds with a signal from outside.
 A point given as ``name=PATH`` stops only the first process of a job to reach it, the one that
 creates ``PATH``: a supervisor's replacement of the member it stopped, started with the same
-environment, goes past it.
+environment, goes past it. A point given as ``name!`` does not stop: it fails (raises
+``FailpointError``) every time it is reached, as a step that keeps failing in a member that
+answers on.
 
 Unset, as everywhere but the suite, a point costs one lookup in an empty set. The points are
 named where they are reached (``grep -rn 'reached(' ps services``); a change of layout's are
@@ -24,12 +26,20 @@ log = logging.getLogger(__name__)
 VARIABLE = "RPCPS_FAILPOINTS"
 
 _lock = threading.Lock()        # RPC handler threads reach points at once
-_armed = dict((p.strip().partition("=")[::2]) for p in os.environ.get(VARIABLE, "").split(",") if p.strip())
+_given = [p.strip() for p in os.environ.get(VARIABLE, "").split(",") if p.strip()]
+_armed = dict(p.partition("=")[::2] for p in _given if not p.endswith("!"))
+_failing = {p[:-1] for p in _given if p.endswith("!")}
+
+
+class FailpointError(RuntimeError):
+    """A step failed on purpose, at a failpoint armed to fail (``name!``)."""
 
 
 def reached(point: str) -> None:
     """Stop this process here if ``point`` is armed and was not reached before (by this process;
-    by any, for one armed with a path)."""
+    by any, for one armed with a path); fail here if it is armed to fail."""
+    if point in _failing:
+        raise FailpointError(f"failed at failpoint {point} ({VARIABLE})")
     if not _armed:
         return
     with _lock:

@@ -190,6 +190,14 @@ class Membership(Service):
             raise NotSupported(f"{self.me} does not lead the group; ask {leader_of(self.me)}")
         self.leader.remove({name}, reason="left")
 
+    def evict(self, names: list[str], reason: str) -> None:
+        """The leader: ``names`` out of the group although they still answer (a server that did not
+        take the job's new layout). Each finds out from the store and leaves to rejoin, as a member
+        evicted while frozen does."""
+        if self.leader is None:
+            raise NotSupported(f"{self.me} does not lead the group; ask {leader_of(self.me)}")
+        self.leader.remove(set(names), reason=reason)
+
     def _notify(self, name: str) -> None:
         with self._listeners_lock:
             listeners = list(self._listeners)

@@ -91,7 +91,8 @@ class Leading:
                                        metrics=self.ctx.metrics, resumed=resumed, on_commit=publish,
                                        full_every=self.cfg.full_checkpoint_every)
         serve(self.coordinator)
-        self.mover = Mover(lambda: self.slots, self.adopt, self.coordinator.paused, ended=self._changed)
+        self.mover = Mover(lambda: self.slots, self.adopt, self.coordinator.paused, self.ctx.membership.evict,
+                           ended=self._changed)
         serve(self.mover)
         self._periodic = Periodic(take, lambda: self.server.optimizer.steps,
                                   self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_seconds).start()

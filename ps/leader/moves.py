@@ -56,12 +56,13 @@ def change_name(epoch: int) -> str:
 class Mover(ChangeSurface):
     def __init__(self, current: Callable[[], Slots], adopt: Callable[[Slots], None],
                  paused: Callable[[Callable[[], Any]], tuple[Any, float]],
-                 members: Callable[[], list[str]] = current_members, transport: Callable[..., Any] = call,
-                 ended: Callable[[dict[str, Any]], None] = lambda last: None) -> None:
+                 evict: Callable[[list[str], str], None], members: Callable[[], list[str]] = current_members,
+                 transport: Callable[..., Any] = call, ended: Callable[[dict[str, Any]], None] = lambda last: None) -> None:
         """``current``/``adopt``: the leader's layout, and its taking a new one; ``paused``: run an
-        action with the trainers held (``Coordinator.paused``); ``ended``: told of each change that
-        ran, done or failed (``last``)."""
-        self._current, self._adopt, self._paused = current, adopt, paused
+        action with the trainers held (``Coordinator.paused``); ``evict``: members out of the group
+        with a reason (``Membership.evict``); ``ended``: told of each change that ran, done or
+        failed (``last``)."""
+        self._current, self._adopt, self._paused, self._evict = current, adopt, paused, evict
         self._members, self._call, self._ended = members, transport, ended
         self._lock = threading.Lock()       # one change at a time
         self.last: dict[str, Any] = {}      # the last change, for /status
@@ -207,6 +208,12 @@ class Mover(ChangeSurface):
             for name, exc in failed.items():
                 log.error("%s did not rebuild its shard by layout %d: %s; it holds it from its last checkpoint "
                           "when it starts again", name, new.epoch, str(exc).splitlines()[0])
+            # One that failed twice and still answers holds the old layout's shard: the trainers,
+            # on the new one, would have their steps refused by it (for the slots it was to
+            # take). Out of the group, it starts again as a lost server does.
+            alive = [n for n in failed if n in self._members()]
+            if alive:
+                self._evict(alive, f"did not rebuild its shard by layout {new.epoch}")
         return sent, {"take_seconds": round(taken - started, 3), "rebuild_seconds": round(time.monotonic() - taken, 3)}
 
     def _rebuild(self, servers: list[str], new: Slots, change: str) -> dict[str, Exception]:

@@ -9,7 +9,10 @@ by exactly one server at the layout in force, and training goes on once the lost
   lost server named (``not_rebuilt``), and started again it holds its slots by the new layout;
 - the leader lost with every server rebuilt, before it adopted the new layout: started again,
   the job is on the layout before, the rebuilt servers back on the last checkpoint;
-- a destination lost under the trainers' hold: the change fails, the trainers are let go.
+- a destination lost under the trainers' hold: the change fails, the trainers are let go;
+- a server whose rebuild fails every time while it answers on: the new layout is in force, the
+  server named and put out of the group (it exits 75), and started again it holds its slots by
+  the new layout.
 """
 import os
 import signal
@@ -117,7 +120,20 @@ def test_members_lost_in_the_middle_of_a_change(procs):
     answer, error = asking.ended()
     assert error is not None and answer is None, answer
     assert status(ps0)["change"]["state"] == "failed" and status(ps0)["layout"]["epoch"] == 2
-    ps1 = procs.start("ps", "ps1", 2, **MODEL)
+    ps1 = procs.start("ps", "ps1", 2, env={"RPCPS_FAILPOINTS": "relayout!"}, **MODEL)
     procs.wait_ready(ps1)
     assert all(status(s)["layout"]["epoch"] == 2 for s in (ps0, ps1, ps2)) and rows(ps0, ps1, ps2) == MODEL["ntoken"]
     trains_on(trainer, "training after the change under the hold failed")
+
+    # A server whose rebuild fails twice while it answers on (back onto ps0 and ps1): layout 3 is
+    # in force, ps1 named, and the leader puts it out of the group, since it holds layout 2's
+    # shard (the trainers' steps that read the slots it was to take would be refused by it). It
+    # leaves to rejoin; started again, it holds its slots by layout 3 from the last checkpoint.
+    answer, error = Asking(ps0, 2).ended()
+    assert error is None and answer["state"] == "done" and answer["not_rebuilt"] == ["ps1"], (answer, error)
+    assert ps1.proc.wait(60) == 75, ps1.log_text()[-3000:]
+    assert ps2.proc.wait(60) == 0, ps2.log_text()[-3000:]      # drained: it holds nothing in layout 3
+    ps1 = procs.start("ps", "ps1", 2, **MODEL)
+    procs.wait_ready(ps1)
+    assert all(status(s)["layout"]["epoch"] == 3 for s in (ps0, ps1)) and rows(ps0, ps1) == MODEL["ntoken"]
+    trains_on(trainer, "training after a server failed its rebuild")

@@ -17,6 +17,7 @@ class Fakes:
         self.members = list(members)
         self.calls: list[tuple] = []
         self.timeouts: list[tuple] = []
+        self.evicted: list[tuple] = []
         self.held = False
         self.fail_ahead = False
         self.done = threading.Event()
@@ -42,8 +43,8 @@ class Fakes:
         self.slots = slots
 
     def mover(self):
-        return Mover(lambda: self.slots, self.adopt, self.paused, lambda: self.members, self.call,
-                     ended=lambda last: self.done.set())
+        return Mover(lambda: self.slots, self.adopt, self.paused, lambda names, why: self.evicted.append((names, why)),
+                     lambda: self.members, self.call, ended=lambda last: self.done.set())
 
 
 def test_a_change_takes_the_parts_rebuilds_every_server_adopts_and_retires_who_left():
@@ -132,15 +133,16 @@ def test_moves_are_grouped_by_destination_and_source():
 
 
 class Failing(Fakes):
-    """Servers whose rebuild fails: ``dies`` (it left the members as it failed) or ``once`` (a
-    call that failed on its way, answered when asked again)."""
+    """Servers whose rebuild fails: ``dies`` (it left the members as it failed), ``once`` (a
+    call that failed on its way, answered when asked again) or ``stays`` (it fails every time,
+    and answers on)."""
 
-    def __init__(self, members, dies=(), once=()):
+    def __init__(self, members, dies=(), once=(), stays=()):
         super().__init__(members)
-        self.dies, self.once = set(dies), set(once)
+        self.dies, self.once, self.stays = set(dies), set(once), set(stays)
 
     def call(self, to, method, *args, timeout=None):
-        if method is MoveSurface.relayout and (to in self.dies or to in self.once):
+        if method is MoveSurface.relayout and (to in self.dies or to in self.once or to in self.stays):
             self.calls.append((to, "relayout failed"))
             self.once.discard(to)
             if to in self.dies and to in self.members:
@@ -156,12 +158,23 @@ def test_a_server_lost_in_the_rebuilds_leaves_the_new_layout_in_force_and_named(
     assert grown["state"] == "done" and grown["not_rebuilt"] == ["ps1"], grown
     assert fakes.slots.epoch == 2
     assert [c for c in fakes.calls if c[0] == "ps1" and c[1].startswith("relayout")] == [("ps1", "relayout failed")]
+    assert fakes.evicted == [], "a server that left is not evicted again"
+
+
+def test_a_server_that_fails_its_rebuild_twice_and_answers_on_is_put_out_of_the_group():
+    # It holds layout 1's shard: kept in, the trainers (on layout 2) would be refused by it for
+    # good. Out of the group, it starts again and restores by layout 2, as a lost server does.
+    fakes = Failing(["ps0", "ps1", "ps2"], stays=["ps2"])
+    grown = fakes.mover().change(["ps0", "ps1", "ps2"])
+    assert grown["state"] == "done" and grown["not_rebuilt"] == ["ps2"] and fakes.slots.epoch == 2
+    assert [c[1] for c in fakes.calls if c[0] == "ps2" and c[1].startswith("relayout")] == ["relayout failed"] * 2
+    assert fakes.evicted == [(["ps2"], "did not rebuild its shard by layout 2")]
 
 
 def test_a_rebuild_that_failed_on_its_way_is_asked_again():
     fakes = Failing(["ps0", "ps1", "ps2"], once=["ps2"])
     grown = fakes.mover().change(["ps0", "ps1", "ps2"])
-    assert grown["state"] == "done" and "not_rebuilt" not in grown and fakes.slots.epoch == 2
+    assert grown["state"] == "done" and "not_rebuilt" not in grown and fakes.slots.epoch == 2 and not fakes.evicted
     assert [c[1] for c in fakes.calls if c[0] == "ps2" and c[1].startswith("relayout")] == ["relayout failed", "relayout"]
 
 
