@@ -212,8 +212,12 @@ class Mover(ChangeSurface):
             # on the new one, would have their steps refused by it (for the slots it was to
             # take). Out of the group, it starts again as a lost server does.
             alive = [n for n in failed if n in self._members()]
-            if alive:
-                self._evict(alive, f"did not rebuild its shard by layout {new.epoch}")
+            try:
+                if alive:
+                    self._evict(alive, f"did not rebuild its shard by layout {new.epoch}")
+            except Exception as exc:  # noqa: BLE001 - the layout is adopted: the change stands
+                log.error("could not put %s out of the group: %s; restart it", ", ".join(alive),
+                          str(exc).splitlines()[0])
         return sent, {"take_seconds": round(taken - started, 3), "rebuild_seconds": round(time.monotonic() - taken, 3)}
 
     def _rebuild(self, servers: list[str], new: Slots, change: str) -> dict[str, Exception]:

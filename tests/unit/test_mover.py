@@ -171,6 +171,14 @@ def test_a_server_that_fails_its_rebuild_twice_and_answers_on_is_put_out_of_the_
     assert fakes.evicted == [(["ps2"], "did not rebuild its shard by layout 2")]
 
 
+def test_a_change_adopted_stands_when_the_server_left_unrebuilt_cannot_be_put_out():
+    fakes = Failing(["ps0", "ps1", "ps2"], stays=["ps2"])
+    mover = Mover(lambda: fakes.slots, fakes.adopt, fakes.paused, lambda names, why: 1 / 0,
+                  lambda: fakes.members, fakes.call)
+    grown = mover.change(["ps0", "ps1", "ps2"])
+    assert grown["state"] == "done" and grown["not_rebuilt"] == ["ps2"] and fakes.slots.epoch == 2
+
+
 def test_a_rebuild_that_failed_on_its_way_is_asked_again():
     fakes = Failing(["ps0", "ps1", "ps2"], once=["ps2"])
     grown = fakes.mover().change(["ps0", "ps1", "ps2"])
