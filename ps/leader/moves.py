@@ -62,8 +62,9 @@ class Mover(ChangeSurface):
         action with the trainers held (``Coordinator.paused``); ``evict``: members out of the group
         with a reason (``Membership.evict``); ``ended``: told of each change that ran, done or
         failed (``last``)."""
-        self._current, self._adopt, self._paused, self._evict = current, adopt, paused, evict
-        self._members, self._call, self._ended = members, transport, ended
+        self._current, self._adopt, self._paused, self._ended = current, adopt, paused, ended
+        self._members = members
+        self._servers = ChangeCalls(members, transport, evict)
         self._lock = threading.Lock()       # one change at a time
         self.last: dict[str, Any] = {}      # the last change, for /status
         self._started = 0.0                 # when it began (monotonic)
@@ -113,7 +114,7 @@ class Mover(ChangeSurface):
             self._lock.release()
         for name in [n for n in old.servers if n not in servers] if retire else []:
             try:
-                self._call(name, MoveSurface.retire, timeout=STEP_TIMEOUT)
+                self._servers.retire(name)
             except Exception as exc:  # noqa: BLE001 - it holds nothing now; stopping it is the engine's then
                 log.warning("could not retire %s: %s", name, str(exc).splitlines()[0])
         return result
@@ -165,9 +166,8 @@ class Mover(ChangeSurface):
         started = time.monotonic()
         everyone = list(dict.fromkeys([*old.servers, *new.servers]))
         try:
-            sent = self._take(moves, change, "early")
-            self._all([lambda n=n: self._call(n, MoveSurface.prepare, new.to_dict(), change, timeout=STEP_TIMEOUT)
-                       for n in everyone])
+            sent = self._servers.take(moves, change, "early")
+            self._servers.prepare(everyone, new, change)
         except Exception as exc:  # noqa: BLE001 - the hold then copies everything, as it can
             gone = [n for n in everyone if n not in self._members()]
             if gone:
@@ -178,24 +178,16 @@ class Mover(ChangeSurface):
         self.last.update(ahead_bytes=sent, ahead_seconds=round(time.monotonic() - started, 3))
         return True
 
-    def _take(self, moves: list[Move], change: str, stage: str) -> int:
-        """Each destination's parts taken from their sources at ``stage``; the bytes sent."""
-        takes = [(dest, source, slots, units) for dest, sources in by_destination(moves).items()
-                 for source, (slots, units) in sources.items()]
-        timeout = HELD_TAKE_TIMEOUT if stage == "changes" else STEP_TIMEOUT
-        return sum(self._all([lambda t=t: self._call(t[0], MoveSurface.take_part, t[1], t[2], t[3], change,
-                                                      stage, timeout=timeout) for t in takes]))
-
     def _switch(self, old: Slots, new: Slots, moves: list[Move], change: str,
                 ahead: bool) -> tuple[int, dict[str, float]]:
         """Under the trainers' hold: the parts taken (``ahead``: only what changed since they were
         copied), every shard rebuilt, the layout adopted; the bytes sent, and the seconds of the
         taking and of the rebuilds (where a hold goes)."""
         started = time.monotonic()
-        sent = self._take(moves, change, "changes" if ahead else "all")
+        sent = self._servers.take(moves, change, "changes" if ahead else "all")
         taken = time.monotonic()
         everyone = list(dict.fromkeys([*old.servers, *new.servers]))
-        failed = self._rebuild(everyone, new, change)
+        failed = self._servers.rebuild(everyone, new, change)
         if len(failed) == len(everyone):
             raise next(iter(failed.values()))       # none rebuilt: the old layout is whole still
         # Once one server has rebuilt, the new layout is the only one whose slots each have one
@@ -205,30 +197,41 @@ class Mover(ChangeSurface):
         self._adopt(new)
         if failed:
             self.last["not_rebuilt"] = sorted(failed)
-            for name, exc in failed.items():
-                log.error("%s did not rebuild its shard by layout %d: %s; it holds it from its last checkpoint "
-                          "when it starts again", name, new.epoch, str(exc).splitlines()[0])
-            # One that failed twice and still answers holds the old layout's shard: the trainers,
-            # on the new one, would have their steps refused by it (for the slots it was to
-            # take). Out of the group, it starts again as a lost server does.
-            alive = [n for n in failed if n in self._members()]
-            try:
-                if alive:
-                    self._evict(alive, f"did not rebuild its shard by layout {new.epoch}")
-            except Exception as exc:  # noqa: BLE001 - the layout is adopted: the change stands
-                log.error("could not put %s out of the group: %s; restart it", ", ".join(alive),
-                          str(exc).splitlines()[0])
+            self._servers.not_rebuilt(failed, new.epoch)
         return sent, {"take_seconds": round(taken - started, 3), "rebuild_seconds": round(time.monotonic() - taken, 3)}
 
-    def _rebuild(self, servers: list[str], new: Slots, change: str) -> dict[str, Exception]:
+
+class ChangeCalls:
+    """What a change of layout asks of the servers, each step of every server at once."""
+
+    def __init__(self, members: Callable[[], list[str]], transport: Callable[..., Any],
+                 evict: Callable[[list[str], str], None]) -> None:
+        """``members``: who is in the group now; ``transport``: a call to a server (``call``);
+        ``evict``: members out of the group with a reason (``Membership.evict``)."""
+        self._members, self._call, self._evict = members, transport, evict
+
+    def take(self, moves: list[Move], change: str, stage: str) -> int:
+        """Each destination's parts taken from their sources at ``stage``; the bytes sent."""
+        takes = [(dest, source, slots, units) for dest, sources in by_destination(moves).items()
+                 for source, (slots, units) in sources.items()]
+        timeout = HELD_TAKE_TIMEOUT if stage == "changes" else STEP_TIMEOUT
+        return sum(self.at_once([lambda t=t: self._call(t[0], MoveSurface.take_part, t[1], t[2], t[3], change,
+                                                         stage, timeout=timeout) for t in takes]))
+
+    def prepare(self, servers: list[str], new: Slots, change: str) -> None:
+        """Every one of ``servers``' shard by ``new`` built aside, from what it took."""
+        self.at_once([lambda n=n: self._call(n, MoveSurface.prepare, new.to_dict(), change, timeout=STEP_TIMEOUT)
+                      for n in servers])
+
+    def rebuild(self, servers: list[str], new: Slots, change: str) -> dict[str, Exception]:
         """Every one of ``servers`` rebuilt by ``new``; those that failed, tried once again if they
         are still members (a call that failed on its way, not in the server), with what failed."""
         failed: dict[str, Exception] = {}
         for attempt in range(2):
             names = servers if attempt == 0 else [n for n in failed if n in self._members()]
-            results = self._all([lambda n=n: self._call(n, MoveSurface.relayout, new.to_dict(), change,
-                                                            timeout=STEP_TIMEOUT)
-                                 for n in names], errors=True)
+            results = self.at_once([lambda n=n: self._call(n, MoveSurface.relayout, new.to_dict(), change,
+                                                           timeout=STEP_TIMEOUT)
+                                    for n in names], errors=True)
             for name, result in zip(names, results):
                 if isinstance(result, Exception):
                     failed[name] = result
@@ -239,7 +242,7 @@ class Mover(ChangeSurface):
         return failed
 
     @staticmethod
-    def _all(calls: list[Callable[[], Any]], errors: bool = False) -> list[Any]:
+    def at_once(calls: list[Callable[[], Any]], errors: bool = False) -> list[Any]:
         """``calls`` at once; their results (``errors``: an exception in the place of a call that
         raised it, else the first raised once every call has ended)."""
         if not calls:
@@ -251,3 +254,21 @@ class Mover(ChangeSurface):
         if first is not None and not errors:
             raise first
         return out
+
+    def not_rebuilt(self, failed: dict[str, Exception], epoch: int) -> None:
+        """``failed`` did not rebuild by layout ``epoch``, which is adopted. One that left starts
+        again from the last checkpoint by it; one that failed twice and still answers holds the
+        old layout's shard, and the trainers, on the new one, would have their steps refused by
+        it (for the slots it was to take): out of the group, it starts again as a lost one does."""
+        for name, exc in failed.items():
+            log.error("%s did not rebuild its shard by layout %d: %s; it holds it from its last checkpoint "
+                      "when it starts again", name, epoch, str(exc).splitlines()[0])
+        alive = [n for n in failed if n in self._members()]
+        try:
+            if alive:
+                self._evict(alive, f"did not rebuild its shard by layout {epoch}")
+        except Exception as exc:  # noqa: BLE001 - the layout is adopted: the change stands
+            log.error("could not put %s out of the group: %s; restart it", ", ".join(alive), str(exc).splitlines()[0])
+
+    def retire(self, name: str) -> None:
+        self._call(name, MoveSurface.retire, timeout=STEP_TIMEOUT)

@@ -93,7 +93,7 @@ class OnHosts(_PortsInOrder):
     def remove(self, name: str) -> None:
         """Its host, and any it was fenced off before, removed: a server added again later gets a
         fresh one of its name."""
-        for host in [h for h in self.hosts.names if h == name or h.startswith(f"{name}-")]:
+        for host in self._hosts_of(name):
             self.hosts.remove(host)
         self.host_of.pop(name, None)
 
@@ -114,11 +114,14 @@ class OnHosts(_PortsInOrder):
     def renew(self, name: str) -> bool:
         """A fresh host for ``name``'s next start (``ps1-2``, ``ps1-3``, …); the old one stays, its
         processes ended, until the run ends."""
-        count = sum(1 for member in self.hosts.names if member == name or member.startswith(f"{name}-"))
-        host = f"{name}-{count + 1}"
+        host = f"{name}-{len(self._hosts_of(name)) + 1}"
         self.hosts.add(host)
         self.host_of[name] = host
         return True
+
+    def _hosts_of(self, name: str) -> list[str]:
+        """Every host ``name`` has run on in this run: its first, and those ``renew`` made."""
+        return [h for h in self.hosts.names if h == name or h.startswith(f"{name}-")]
 
     def gone(self, name: str) -> Optional[str]:
         return None         # a host lost is found by the deadline, and renewed by fencing
