@@ -64,6 +64,10 @@ class SidecarClient:
     def stop_episode(self) -> dict:
         return self._json("POST", "/episode/stop")
 
+    def counts(self) -> dict:
+        """A counting server's or trainer's ``GET /counts`` (``--count-updates``)."""
+        return self._json("GET", "/counts")
+
     def checkpoint(self) -> dict:
         return self._json("POST", "/checkpoint")
 

@@ -25,6 +25,7 @@ from ps.client.clock import StepClock
 from ps.client.fetching import Copies, Fetching
 from ps.client.lookups import plan_lookups
 from ps.client.losses import ServerLosses, check_server
+from ps.client.counts import UpdateCounts
 from ps.client.session import StepSession
 from ps.client.traffic import Traffic
 from ps.spec.consistency import Consistency
@@ -68,6 +69,8 @@ class PsClient:
         self.epoch = self.slots.epoch
         self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
         self.dense_shards = self.slots.dense_homes()
+        # The servers count their rows' updates (``--count-updates``): this trainer counts its own.
+        self.counts = UpdateCounts(infos[0].counted, self.table_of, self.slots.count) if infos[0].counted else None
         self.max_ids = min(info.max_ids for info in infos)     # the most ids one request may name
         self.row_shapes = infos[0].row_shapes
         self.losses = ServerLosses(self, infos[0])
@@ -131,7 +134,7 @@ class PsClient:
         (``ps/client/lookups.py``). Issued inside a step's autograd context, the answers carry the
         way back for that step's gradients. For a step (the one under way, or the one ``ahead``
         steps after the last begun) rows the cache holds fresh enough are taken from it instead."""
-        copies = None
+        copies, asked = None, lookups
         if self.cache is not None and (self.session is not None or ahead or self.cache.replicated):
             copies, lookups = Copies.take(self, lookups, ahead)
         plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids, self.row_shapes,
@@ -143,7 +146,7 @@ class PsClient:
         dense_shards = self.dense_shards if dense else []
         dense_futures = [self.ask(self.ps_names[k], PsSurface.dense_params) for k in dense_shards]
         fetching = Fetching(plan, answers, dense_futures, dense_shards, copies, stamped=self.local_backward,
-                            servers=tuple(self.ps_names), epoch=self.epoch)
+                            servers=tuple(self.ps_names), epoch=self.epoch, asked=asked)
         if self.session is not None:
             self.session.track(fetching)
         return fetching

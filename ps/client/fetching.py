@@ -25,8 +25,10 @@ class Fetching:
 
     def __init__(self, plan: LookupPlan, answers: list[torch.futures.Future],
                  dense: list[torch.futures.Future], dense_servers: list[int], copies: Optional[Copies] = None,
-                 stamped: bool = False, servers: tuple[str, ...] = (), epoch: int = 0) -> None:
-        """``servers``, ``epoch``: the layout the plan's server indices are of (``replanned``)."""
+                 stamped: bool = False, servers: tuple[str, ...] = (), epoch: int = 0,
+                 asked: Optional[dict[str, torch.Tensor]] = None) -> None:
+        """``servers``, ``epoch``: the layout the plan's server indices are of (``replanned``);
+        ``asked``: every id asked for, those the cache gave among them (for ``UpdateCounts``)."""
         # ``stamped``: each answer is (the server's updates when it read, the rows) (``read_rows``).
         self._stamps: list[Optional[int]] = [None] * len(answers)
         if stamped:
@@ -35,6 +37,7 @@ class Fetching:
         self.servers, self.epoch = servers, epoch
         self._dense_servers = dense_servers      # the server of each dense answer
         self.copies = copies                     # rows taken from the cache
+        self.asked = asked or {}
         self.issued_at = time.perf_counter()
         self._landed: list[float] = []       # when each answer came (RPC threads append)
         for f in (*answers, *dense):

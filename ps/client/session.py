@@ -42,6 +42,7 @@ class StepSession:
         self.context_id: Optional[int] = None     # distributed: the step's autograd context
         self._fetched: list[Fetching] = []      # what this step read, whose leaves it pushes the gradients of
         self._pushed: list[tuple[int, dict, dict]] = []   # local: ``push``ed, sent with the update
+        self._push_ids: list[dict[str, torch.Tensor]] = []   # the ids of every ``push``, for ``UpdateCounts``
 
     def __enter__(self) -> "StepSession":
         if not self.local:
@@ -74,6 +75,7 @@ class StepSession:
         step's update on each owning server, as if they had come back through distributed
         autograd; push before ``finish``."""
         client = self.client
+        self._push_ids.append(lookups)
         plan = plan_lookups(lookups, client.plans, client.table_of, client.max_ids)
         pushes = plan.spread({param: g.detach().float() for param, g in grads.items()})
         if self.local:
@@ -117,10 +119,19 @@ class StepSession:
                 raise
             raise end.lost(exc, replica) from exc
         backward, backward_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-        finished = end.hand_over(backward, clip, replica, leaves, mark) if averaged else \
-            end.apply_own(backward, clip, leaves, weights, mark, replica)
+        try:
+            finished = end.hand_over(backward, clip, replica, leaves, mark) if averaged else \
+                end.apply_own(backward, clip, leaves, weights, mark, replica)
+        except BaseException:
+            self._count(acked=False)        # sent: a server may have applied it
+            raise
+        self._count(acked=True)
         finished.backward_cpu = backward_cpu
         return finished
+
+    def _count(self, acked: bool) -> None:
+        if self.client.counts is not None:
+            self.client.counts.record([*(f.asked for f in self._fetched), *self._push_ids], acked)
 
     def _grads(self) -> Any:
         """The step's gradients by tensor: its context's, or (local) its leaves' own."""

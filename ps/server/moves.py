@@ -173,14 +173,15 @@ class Staged:
         return sent
 
     def keep(self, change: str, source: str, stage: str, part: dict[str, Any]) -> int:
-        """``source``'s ``part`` at ``stage`` kept for ``change``; its bytes."""
+        """``source``'s ``part`` at ``stage`` kept for ``change``; its bytes, rows and optimizer state."""
         with self._lock:
             taken = self._for(change)
             {"all": taken.whole, "early": taken.early, "changes": taken.changes}[stage][source] = part
             if stage == "all":      # everything again: what it took ahead is of no use
                 taken.early.pop(source, None)
                 taken.changes.pop(source, None)
-        return sum(v.numel() * v.element_size() for v in part["params"].values())
+        tensors = [*part["params"].values(), *(v for state in part["optim"].values() for v in state.values())]
+        return sum(v.numel() * v.element_size() for v in tensors)     # rows and their state (counts included)
 
     def keep_built(self, change: str, slots: Slots, built: Gathered) -> None:
         with self._lock:

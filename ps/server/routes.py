@@ -1,7 +1,8 @@
 """A parameter server's own routes: ``POST /scale`` on the leader (the job onto N servers while it
 trains) and ``POST /drain`` on any other server (its slots handed to the others, then it stops,
-exit 0, as a Kubernetes ``preStop`` hook or an operator asks). Each is a call on the role's
-``scaling`` (``ps/server/scaling.py``), behind the control token."""
+exit 0, as a Kubernetes ``preStop`` hook or an operator asks), each a call on the role's
+``scaling`` (``ps/server/scaling.py``), behind the control token; ``GET /counts``, the updates in
+its rows by slot, when it counts them (``--count-updates``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -32,3 +33,10 @@ def add_routes(app: FastAPI, control: Any) -> None:
     def drain() -> dict:
         """A server other than the leader: hand its slots to the others, then stop (exit 0)."""
         return control.scaling.drain()
+
+    @app.get("/counts", responses=error_answers(501, 503))
+    def counts() -> dict:
+        """Per table read by id, per slot of the layout, the updates this server's rows hold
+        (`applied`, zeros for the slots others own), read at one instant; 501 unless every server
+        was started with `--count-updates`."""
+        return control.counts()

@@ -19,6 +19,7 @@ import torch
 
 from ps.server.checks import RequestChecks
 from ps.spec.consistency import Async, Consistency
+from ps.spec.counting import COUNT_KEY, counted_tables
 from ps.server.contexts import Contexts
 from ps.server.delta import export_state
 from ps.server.gradients import StepGradients
@@ -247,7 +248,8 @@ def shard_info(server: ParameterServer) -> ShardInfo:
                      tuple(layout.dense_of(shard)), server.optimizer.steps, str(server.consistency),
                      {t: placement_of(p) for t, p in layout.plans.items()}, server.checks.max_ids,
                      {n: tuple(server.params[n].shape[1:]) for n in layout.row_params()},
-                     layout.epoch, {t: p.num_ids for t, p in layout.plans.items()})
+                     layout.epoch, {t: p.num_ids for t, p in layout.plans.items()},
+                     tuple(counted_tables(server.spec)))
 
 
 def build_shard(server: ParameterServer, slots: "Slots | int", shard: int,
@@ -270,6 +272,8 @@ def build_shard(server: ParameterServer, slots: "Slots | int", shard: int,
     server.params = params = ShardParams(spec, layout, shard, values)
     server.optimizer = SharedOptimizer([params[n] for n in params.names], params.rules, spec.lr,
                                        on_step=server._stepped, touched=params.touched.updated)
+    if not counted_tables(spec):    # restored from a counting job's checkpoint: rows' counts left behind
+        optim_state = {n: {k: v for k, v in s.items() if k != COUNT_KEY} for n, s in optim_state.items()}
     server.optimizer.load_state(steps, [optim_state.get(n, {}) for n in params.names], marks)
     server.sync = SyncSteps(server.optimizer)
     server.hashed = HashedTables(spec, layout, shard, params.of_tables(layout.hashed_tables()),

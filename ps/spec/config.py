@@ -7,6 +7,7 @@ from typing import ClassVar, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from ps.spec.consistency import checked
+from ps.spec.counting import check_mode
 from services.config import CommonConfig, ConfigBase, LeaderConfig, RestoringConfig
 from services.names import format_name, parse_name
 from services.workload import hosted
@@ -46,7 +47,7 @@ class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "cluster": ("workload",),
         "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds", "full_checkpoint_every"),
-        "failures": ("max_ids_per_request",), "consistency": ("consistency",)}
+        "failures": ("max_ids_per_request",), "consistency": ("consistency", "count_updates")}
     name: str = Field("ps0", description="RPC name: ps<index>; one past --num-ps joins a running job holding "
                                          "nothing until the leader moves slots to it (rpcps scale)")
     workload: Optional[str] = Field(None, description="the workload whose model this server hosts (default: the first "
@@ -62,11 +63,18 @@ class PsConfig(ServersConfig, RestoringConfig, LeaderConfig):
                                                   "trainers in lockstep) or ssp:K (no trainer more than K steps "
                                                   "ahead); every server the same")
 
+    count_updates: bool = Field(False, description="count, beside each row, the updates that changed it, and answer "
+                                                   "GET /counts with them by slot (trainers count the steps the "
+                                                   "servers acknowledged): that no update is lost or applied twice "
+                                                   "can be shown in async mode; every server the same")
+
     _consistency = field_validator("consistency")(classmethod(lambda cls, v: checked(v)))
 
     @model_validator(mode="after")
     def _check(self) -> "PsConfig":
         self._check_role("ps")
+        if self.count_updates:
+            check_mode(self.consistency)
         try:
             hosted(self.workload)
         except KeyError as exc:

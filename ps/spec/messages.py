@@ -22,6 +22,7 @@ class ShardInfo:
     row_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)   # a row's shape, per table parameter
     epoch: int = 1              # the layout it serves by (``ps/spec/sharding.py``'s ``Slots``)
     ids: dict[str, int] = field(default_factory=dict)    # each table's ids in all (a hashed table's capacity)
+    counted: tuple[str, ...] = ()   # the tables whose updates it counts (``ps/spec/counting.py``): trainers count theirs
 
 
 @dataclass(frozen=True)

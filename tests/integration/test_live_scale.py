@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from ps.spec.counting import job_tally
 from services.client import SidecarClient
 from tests.support.cluster import SMALL_MODEL
 from tests.support.upcli import UpProcess
@@ -159,10 +160,13 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     them back and lets it go: `rpcps up` does not start it again, and the trainers train on; then
     `rpcps chaos --fault scale` changes the servers twice at random. First of all, the new server
     frozen as it takes its first part (a failpoint, once in the job) past --member-timeout (6 s): `rpcps
-    up` replaces it, the change fails and changes nothing, and asked again it is made."""
+    up` replaces it, the change fails and changes nothing, and asked again it is made. The job
+    counts its updates (`--count-updates`): once the two async trainers stop, every row update
+    they were acknowledged is in the servers' rows, none twice, slot by slot, across the five
+    changes."""
     once = tmp_path / "frozen-once"
     up = UpProcess(tmp_path, *TINY_CTR, "--num-ps", "2", "--num-trainers", "2", "--member-timeout", "6",
-                   "--ready-timeout", "90",
+                   "--ready-timeout", "90", "--count-updates",
                    env={"RPCPS_FAILPOINTS": f"take:early={once}"})
     cleanup(up)
     up.wait_event("started", 180)
@@ -207,8 +211,19 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     assert len(changes) == 2 and all(c["done"] and c["rows_held_once"] for c in changes), changes
     before = trainer.status()["step"]
     wait_until(lambda: trainer.status()["step"] >= before + 3, 120, "training after the changes")
-    ps0.close()
-    trainer.close()
+
+    # The trainers stopped, every acknowledged row update is in the rows once.
+    sidecars = up.cluster()["sidecars"]
+    members = {n: SidecarClient(sidecars[n], timeout=10.0) for n in ("ps0", "ps1", "ctr0", "ctr1")}
+    for name in ("ctr0", "ctr1"):
+        members[name].stop_episode()
+        wait_until(lambda name=name: members[name].status().get("state") == "idle", 60, f"{name} idle")
+    counted = job_tally([members[n].counts() for n in ("ps0", "ps1")], [members[n].counts() for n in ("ctr0", "ctr1")])
+    print("counted:", counted)
+    assert counted["acknowledged"] > 1000 and counted["unsure"] == 0, counted
+    assert (counted["lost"], counted["twice"]) == (0, 0) and counted["applied"] == counted["acknowledged"], counted
+    for c in (ps0, trainer, *members.values()):
+        c.close()
     assert up.terminate() == 0, up.logs()
 
 

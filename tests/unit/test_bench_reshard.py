@@ -77,11 +77,14 @@ def test_two_exported_models_are_the_same_only_bit_for_bit():
     assert same_model(model(), model(extra=True), steps=10)["first_differing"] == ["dense/top.bias"]
 
 
-def test_a_comparison_is_refused_where_two_runs_would_differ_anyway():
+def test_a_comparison_is_refused_where_two_runs_would_differ_anyway_and_counts_where_updates_are_averaged():
     def ns(**kw):
         return argparse.Namespace(**{"emulate_hosts": False, "host_cpus": None, "link_rate": None,
-                                     "compare_steps": 100, "consistency": "sync", "trainers": 2, **kw})
+                                     "compare_steps": 100, "consistency": "sync", "trainers": 2,
+                                     "count_updates": False, **kw})
     assert _refused(ns()) is None and _refused(ns(consistency="async", trainers=1)) is None
     assert "come in no fixed order" in _refused(ns(consistency="async"))
     assert "at least 1" in _refused(ns(compare_steps=0))
     assert "settings of --emulate-hosts" in _refused(ns(link_rate="1gbit"))
+    assert "averages" in _refused(ns(count_updates=True))
+    assert _refused(ns(count_updates=True, consistency="ssp:1", compare_steps=None, trainers=3)) is None

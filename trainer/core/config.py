@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ps.spec.config import FULL_EVERY_HELP, ServersConfig
 from ps.spec.consistency import Consistency, checked
+from ps.spec.counting import check_mode
 from services.config import ConfigBase
 
 Dense = Literal["ps", "allreduce"]
@@ -76,7 +77,7 @@ class TrainersUpSettings(ConfigBase):
 
     flag_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "cluster": ("num_ps", "num_trainers"),
-        "consistency": ("consistency", "dense", "straggler", "jitter", "jitter_fraction"),
+        "consistency": ("consistency", "dense", "straggler", "jitter", "jitter_fraction", "count_updates"),
         "checkpoints": ("checkpoint_every_steps", "checkpoint_every_seconds", "full_checkpoint_every")}
 
     # The roles' names for the same counts; the old spellings still work.
@@ -98,6 +99,9 @@ class TrainersUpSettings(ConfigBase):
     jitter: float = Field(1.0, ge=1.0, le=100.0, description="every trainer runs at 1/N speed on a random "
                                                               "--jitter-fraction of its steps (benchmarks)")
     jitter_fraction: float = Field(0.25, gt=0.0, le=1.0, description="the fraction of steps --jitter slows")
+    count_updates: bool = Field(False, description="the servers count each row's updates and the trainers their "
+                                                   "acknowledged steps', by slot (GET /counts on each): that no "
+                                                   "update is lost or applied twice shown (async, ssp)")
 
     _consistency = field_validator("consistency")(classmethod(lambda cls, v: checked(v)))
 
@@ -106,6 +110,8 @@ class TrainersUpSettings(ConfigBase):
         if self.straggler > 1.0 and self.jitter > 1.0:
             raise ValueError("--straggler and --jitter both slow trainer 0 down: choose one")
         dense_for(self.dense, self.consistency)
+        if self.count_updates:
+            check_mode(self.consistency)
         return self
 
     @property

@@ -13,7 +13,8 @@ from services.workload import Planned
 from trainer.core.config import TrainersUpSettings
 
 LEADER = "ps0"
-SERVER_FLAGS = ("seed", "checkpoint_every_steps", "checkpoint_every_seconds", "full_checkpoint_every", "consistency")
+SERVER_FLAGS = ("seed", "checkpoint_every_steps", "checkpoint_every_seconds", "full_checkpoint_every", "consistency",
+                "count_updates")
 TRAINER_FLAGS = ("seed", "clip", "warmup_steps")
 
 

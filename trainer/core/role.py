@@ -23,7 +23,7 @@ from ps.client.client import PsClient
 from ps.client.clock import ClockPause
 from services.checkpoint.coordinator import Coordinator
 from services.control import EpisodeGate, EpisodeStart, StepPause
-from services.errors import BadRequest, ConfigError
+from services.errors import BadRequest, ConfigError, NotReady, NotSupported
 from services.lifecycle import RoleState
 from services.membership import current_members
 from services.remote import withdraw
@@ -49,6 +49,17 @@ class ServedTrainer(RoleBase):
         self.gate = EpisodeGate(self._wake, self.role, EpisodeStart(steps=cfg.steps) if cfg.start else None)
         self.pause = StepPause(self._wake, self.gate)
         self._episodes: Optional[EpisodeRunner] = None   # once joined and holding the model
+        self._client: Optional[PsClient] = None
+
+    def counts(self) -> dict[str, Any]:
+        """``GET /counts``: the row updates of this trainer's acknowledged steps, by slot, when
+        the servers count theirs (``ps/client/counts.py``)."""
+        client = self._client
+        if client is None:
+            raise NotReady(f"{self.cfg.name} has not reached the servers yet")
+        if client.counts is None:
+            raise NotSupported("the servers do not count updates: start every server with --count-updates")
+        return client.counts.snapshot()
 
     # What a workload's trainer adds.
     def prepare(self) -> None:
@@ -133,12 +144,16 @@ class ServedTrainer(RoleBase):
         servers = ps_names(cfg.num_ps)
         self._await_members(servers, cfg.join_timeout, self._wake, lambda: self.gate.closing)
         client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
+        self._client = client
         client.clock.start_with = cfg.num_trainers        # sync: the job's first step waits for them all
         task = self.task(client)
         self.place_backward(client)
         model = task.model
         cache = self.cache()
         replicated = cache is not None and cache.replicated
+        if replicated and client.counts is not None:
+            raise ConfigError("the servers count updates (--count-updates), and hot rows replicated on the trainers "
+                              "are written back to them whole, not by update: give --cache-staleness 1 or more")
         try:        # where the dense weights live is the servers' consistency's to allow, or to choose
             dense = dense_for(cfg.dense, str(client.consistency))
             replicated_rows_need_replica(replicated, 0, dense)

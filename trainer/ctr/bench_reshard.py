@@ -25,6 +25,12 @@ With ``--compare-steps N`` (sync, or one trainer) the job trains N steps with th
 them, and the same job again without a move; both are exported (``rpcps export``) and ``met``
 says whether every table and dense tensor is the same, bit for bit (``compared``).
 
+With ``--count-updates`` (async or ssp, any number of trainers) the servers count each row's
+updates and the trainers their acknowledged steps' (``ps/spec/counting.py``); once the moves are
+measured the trainers are stopped, and ``counted`` says, slot by slot, how many acknowledged row
+updates no row holds (``lost``) and how many a row holds past every step that could have made them
+(``twice``); ``met`` says whether both are zero.
+
 A counter read every ``--sample`` seconds sees a step's length to within that: the longest still
 time is an upper bound on the longest step by one sample.
 """
@@ -67,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-steps", type=int, metavar="N",
                    help="train N steps (the moves within them), then the same job again without moves, and compare "
                         "the two models bit for bit (sync, or one trainer; instead of the stop-and-start side)")
+    p.add_argument("--count-updates", action="store_true",
+                   help="count every row's updates and the trainers' acknowledged steps, and after the moves show "
+                        "that none was lost or applied twice (async or ssp; any number of trainers)")
     p.add_argument("--keep", type=Path, help="keep the jobs' logs and the counters read in this folder")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the start, a move or the restart may take")
     p.add_argument("--emulate-hosts", action="store_true", help="every member on an emulated host of its own "
@@ -157,6 +166,7 @@ def _up_argv(ns: argparse.Namespace, tmp: Path, servers: int, resume: bool) -> l
             "--batch-size", str(ns.batch_size), "--eval-samples", "0", "--checkpoint-dir", str(tmp / "ck"),
             "--state-dir", str(tmp / "state"), "--progress-interval", "60", "--json",
             *(["--resume"] if resume else []), *steps, *(["--emulate-hosts"] if ns.emulate_hosts else []),
+            *(["--count-updates"] if ns.count_updates else []),
             *(["--host-cpus", str(ns.host_cpus)] if ns.host_cpus is not None else []),
             *(["--link-rate", ns.link_rate] if ns.link_rate else [])]
 
@@ -393,10 +403,34 @@ def _keep(folder: Path, tmp: Path, counters: Counters, moves: list[dict[str, Any
         {"moves": moves, "marks": [(what, round(t - first, 3)) for what, t in counters.marks], "seen": {n: [(round(t - first, 3), s) for t, s in seen] for n, seen in counters.seen.items()}}))
 
 
+def _counted(up: Up, timeout: float) -> dict[str, Any]:
+    """Every trainer stopped, then the counts of every server and trainer added up (``job_tally``)."""
+    from ps.spec.counting import job_tally
+    from services.client import SidecarClient, SidecarError
+    trainers = up.trainers()
+    for url in trainers.values():
+        with SidecarClient(url, timeout=30.0) as c:
+            try:
+                c.stop_episode()
+            except SidecarError as exc:
+                if exc.status != 409:       # 409: its episode had ended already
+                    raise
+    _wait(lambda: all((_get(u, "/status") or {}).get("state") == "idle" for u in trainers.values()), timeout,
+          lambda: up.proc.poll() is None, up.log)
+    servers = [u for n, u in up.sidecars().items() if n.startswith("ps")]
+    return job_tally([_get(u, "/counts") for u in servers], [_get(u, "/counts") for u in trainers.values()])
+
+
 def _refused(ns: argparse.Namespace) -> Optional[str]:
     """Why these settings cannot run, before anything starts (None: they can)."""
     if not ns.emulate_hosts and (ns.host_cpus is not None or ns.link_rate):
         return "--host-cpus and --link-rate are settings of --emulate-hosts"
+    if ns.count_updates:
+        from ps.spec.counting import check_mode
+        try:
+            check_mode(ns.consistency)
+        except ValueError as exc:
+            return str(exc)
     if ns.compare_steps is not None:
         if ns.compare_steps < 1:
             return "--compare-steps: at least 1"
@@ -422,6 +456,7 @@ def run(ns: argparse.Namespace) -> int:
             with Counters(up.trainers(), ns.sample) as counters:
                 moves = [_move(ns, up, counters, n + 1), _move(ns, up, counters, n)]
             compared = _compare(ns, up, counters, tmp) if ns.compare_steps else None
+            counted = _counted(up, ns.timeout) if ns.count_updates else None
             restart = None if ns.no_restart or compared else _restart(ns, up, tmp, n + 1)
         finally:
             up.stop(120)
@@ -438,10 +473,13 @@ def run(ns: argparse.Namespace) -> int:
         met["move_within_1.5x_bytes_over_link_plus_5s"] = all(within_link(m) for m in moves)
     if compared is not None:
         met["bit_identical_to_the_job_without_moves"] = compared["bit_identical"]
+    if counted is not None:
+        met["no_acknowledged_update_lost"] = counted["lost"] == 0 and counted["acknowledged"] > 0
+        met["no_update_applied_twice"] = counted["twice"] == 0
     if restart is not None:
         met["without_training_20x_shorter"] = restart["without_training_s"] >= RESTART_OVER_LIVE * max(live, 1e-3)
     print(json.dumps({
-        "bench": "reshard", "moves": moves, "restart": restart, "compared": compared,
+        "bench": "reshard", "moves": moves, "restart": restart, "compared": compared, "counted": counted,
         "without_training_s": {"live": round(live, 3),
                                "restart": restart["without_training_s"] if restart else None},
         "met": met,
@@ -450,6 +488,7 @@ def run(ns: argparse.Namespace) -> int:
                    "bytes_per_held_s": [round(m["bytes"] / max(m["trainers_held_s"], 1e-3)) for m in moves]},
         "config": {"scale": ns.scale, "servers": n, "trainers": ns.trainers, "consistency": ns.consistency,
                    "batch_size": ns.batch_size, "window_s": ns.window, "emulate_hosts": ns.emulate_hosts,
-                   "host_cpus": ns.host_cpus, "link_rate": ns.link_rate, "compare_steps": ns.compare_steps}}),
+                   "host_cpus": ns.host_cpus, "link_rate": ns.link_rate, "compare_steps": ns.compare_steps,
+                   "count_updates": ns.count_updates}}),
           flush=True)
     return 0

@@ -22,6 +22,7 @@ SPEC = WorkloadSpec(
     roles=(RoleSpec("ctr", "trainer.ctr.config:CtrTrainerConfig", "trainer.ctr.status:CtrStatus",
                     "trainer.ctr.role:CtrTrainer", "run one click-through-rate trainer", episodes=True,
                     metric_families="trainer.ctr.metrics:CtrMetrics",
+                    routes="trainer.core.routes:add_routes",
                     torchrun=TorchrunSpec("num_trainers", (("start", "true"), ("exit_when_done", "true")))),
            RoleSpec("serve", "trainer.ctr.serving.config:ServeSettings", "trainer.ctr.serving.status:ServeStatus",
                     "trainer.ctr.serving.role:ServeRole", "answer POST /predict with a trained model's click "
