@@ -7,7 +7,8 @@ each to one member, through the handle its placement recorded in ``cluster.json`
 then SIGCONT after ``--for`` seconds, unless ``rpcps up`` has declared the member lost and
 replaced it by then: ``--member-timeout``); ``--fault partition`` (its host's link down for
 ``--for`` seconds, its process running on; emulated hosts only); ``--fault scale`` (the job moved
-onto one parameter server more or one fewer: ``services/chaos_scale.py``). After each, it waits until the
+onto one parameter server more or one fewer: ``services/chaos_scale.py``; ``--fault scale-kill``, with a
+member of the change killed as it moves). After each, it waits until the
 member runs again and every member is ready, then records what the fault cost, when the member
 was replaced (a frozen or cut-off one: when ``rpcps up`` detected it), when it counted its next
 step (an update applied, for a server; a step taken, for a trainer), and for a partition whether
@@ -21,6 +22,7 @@ language model's from the checkpoint).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -48,10 +50,11 @@ class ChaosConfig(ConfigBase):
 
     state_dir: Path = Field(Path(".rpcps"), description="where `rpcps up` wrote cluster.json")
     kills: int = Field(10, ge=1, le=10_000, description="faults in all", json_schema_extra={"env": "RPCPS_CHAOS_KILLS"})
-    fault: Literal["kill", "stop", "partition", "scale"] = Field(
+    fault: Literal["kill", "stop", "partition", "scale", "scale-kill"] = Field(
         "kill", description="kill: SIGKILL a member; stop: freeze it (SIGSTOP) for --for seconds, or until rpcps up "
                             "replaces it; partition: cut its host's link for --for seconds (--emulate-hosts); "
-                            "scale: move the job onto one parameter server more or one fewer")
+                            "scale: move the job onto one parameter server more or one fewer; scale-kill: the "
+                            "same, with a source, a destination, the leader or a trainer killed as it moves")
     for_seconds: float = Field(30.0, gt=0, le=3600, json_schema_extra={"flag": "--for"},
                                description="--fault stop: seconds a member stays frozen unless replaced first; "
                                            "--fault partition: seconds its link stays down")
@@ -158,8 +161,10 @@ class Chaos:
         return [n for n in names if n != state.get("leader")]
 
     def run(self) -> dict[str, Any]:
-        if self.cfg.fault == "scale":
-            records = Rescales(self.cluster, self._rng, self._pause, self.cfg.interval).run(self.cfg.kills)
+        if self.cfg.fault in ("scale", "scale-kill"):
+            during = functools.partial(self.fault_one, kind="kill") if self.cfg.fault == "scale-kill" else None
+            records = Rescales(self.cluster, self._rng, self._pause, self.cfg.interval, during=during,
+                               clock=self._clock).run(self.cfg.kills)
             for r in records:
                 self.emit({"event": "kill", **r})
             summary = scale_summary(records)
@@ -181,12 +186,14 @@ class Chaos:
         self.emit({"event": "summary", **summary})
         return summary
 
-    def fault_one(self, name: str) -> dict[str, Any]:
+    def fault_one(self, name: str, kind: Optional[str] = None) -> dict[str, Any]:
+        """``kind`` (default: ``--fault``'s) done to ``name``, and how it came back."""
+        kind = kind or self.cfg.fault
         state = self.cluster.state()
         pid, leader = state["pids"][name], state.get("leader")
         before = _steps(self.cluster.status(name))
         checkpoint = self.cluster.newest_checkpoint()
-        fault = _Fault(self.cfg.fault, self._handle(state, name), self._clock)
+        fault = _Fault(kind, self._handle(state, name), self._clock)
         killed_at = self._clock()
         lasts = self.cfg.for_seconds if fault.pending else 0.0
         deadline = killed_at + lasts + self.cfg.recover_timeout
@@ -194,7 +201,7 @@ class Chaos:
         try:
             replaced_at = self._until_back(name, pid, fault, killed_at, deadline)
             if replaced_at is False:
-                return {"member": name, "fault": self.cfg.fault, "killed_at": killed_at, "back_at": None,
+                return {"member": name, "fault": kind, "killed_at": killed_at, "back_at": None,
                         "seconds": None, "error": f"not back within {self.cfg.recover_timeout:.0f}s"}
             back_at = self._clock()
             after = self.cluster.status(name) or {}
@@ -210,7 +217,7 @@ class Chaos:
         # A member frozen and continued, not replaced, restored nothing: it goes on where it was.
         resumed = (after.get("resumed_from") or {}) if replaced_at is not None else {}
         resumed_step = resumed.get("step") if resumed else _steps(after) if replaced_at is not None else before
-        record = {"member": name, "fault": self.cfg.fault, "killed_at": killed_at, "back_at": back_at,
+        record = {"member": name, "fault": kind, "killed_at": killed_at, "back_at": back_at,
                   "seconds": round(back_at - killed_at, 2), "replaced": replaced_at is not None,
                   "detected_seconds": round(replaced_at - killed_at, 2) if lasts and replaced_at is not None else None,
                   "next_step_seconds": round(stepping - killed_at, 2) if stepping is not None else None,
@@ -224,6 +231,8 @@ class Chaos:
             record.update(lasted_seconds=round(undone_at - killed_at, 2),
                           stepped_during=stepping is not None and stepping < undone_at,
                           old_running=replaced_at is not None and fault.target.poll() is None)
+        if name not in self.cluster.state()["pids"]:
+            record["let_go"] = True     # it was leaving the job (a drained server): not started again
         if name == leader:
             record["kept_by"] = sorted(n for n in self.cluster.state()["pids"] if n != name
                                        and ((self.cluster.status(n) or {}).get("resumed_from") or {}).get("handover"))
@@ -242,7 +251,7 @@ class Chaos:
                     fault.pending = False       # stopped for good where it was: nothing to continue
             if fault.pending and replaced_at is None and self._clock() - at >= self.cfg.for_seconds:
                 fault.undo()
-            if (replaced_at is not None or self.cfg.fault != "kill" and not fault.pending) and \
+            if (replaced_at is not None or fault.kind != "kill" and not fault.pending) and \
                     all(self.cluster.ready(n) for n in now["pids"]):
                 return replaced_at
             if self._clock() > deadline:
@@ -274,7 +283,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def human(e: dict[str, Any]) -> str:
-    if e.get("fault") == "scale":
+    if e.get("fault") in ("scale", "scale-kill"):
         return scale_human(e)
     if e["event"] == "kill":
         did = {"stop": "froze", "partition": "cut off"}.get(e.get("fault"), "killed")

@@ -235,7 +235,7 @@ class Launcher:
                     self.roster.fence(m, cause(m.log_path, m.log_start))
                 if code == LEADER_LOST:
                     self.roster.rejoin(m)
-                elif code == 0 and self.wants.unwanted(m):
+                elif self.wants.unwanted(m, code):
                     continue                  # let go: the leader's layout holds nothing of it
                 elif not self.roster.schedule_restart(m, code):
                     return 1

@@ -309,6 +309,7 @@ class LeaderWants:
         self._wants = getattr(workload, "members", None)
         self.leader, self.roster, self.liveness, self.emit = leader, roster, liveness, emit
         self.wanted: Optional[set[str]] = None        # as the leader last said
+        self.last_change: dict[str, Any] = {}        # the leader's last change of layout, as it last said
         self.changes = ChangeEvents(emit)
 
     def update(self) -> None:
@@ -322,6 +323,7 @@ class LeaderWants:
         except Exception:  # noqa: BLE001 - restarting or busy: asked again at the next poll
             return
         self.changes.seen(status.get("change"))
+        self.last_change = status.get("change") or {}
         if wanted is None:
             return
         self.wanted = {p.name for p in wanted}
@@ -334,12 +336,19 @@ class LeaderWants:
             self.liveness.watch(m.name, m.url)
             self.emit({"event": "scale", "name": m.name, "action": "started", "sidecar": m.url})
 
-    def unwanted(self, m: Member) -> bool:
-        """Whether ``m``, which stopped with exit 0, is one of the leader's role it wants no more
-        (asked again now: it may have stopped a moment after the leader's layout changed)."""
+    def unwanted(self, m: Member, code: int) -> bool:
+        """Whether ``m``, which stopped with ``code``, is one of the leader's role it wants no more
+        (asked again now: it may have stopped a moment after the leader's layout changed): let go
+        if it stopped with exit 0, or by any cause once the leader's last change moved the job off
+        it (a drained server killed as it leaves: started again, it would hold nothing for good).
+        A server lost before it held anything (the new one of a change that failed) is replaced."""
         self.update()
         if self.wanted is None or m.role != next(x.role for x in self.roster.members if x.name == self.leader) \
                 or m.name in self.wanted:
+            return False
+        change = self.last_change
+        left = change.get("state") == "done" and m.name in change.get("from", ()) and m.name not in change.get("to", ())
+        if code != 0 and not left:
             return False
         self.roster.remove(m)
         self.emit({"event": "scale", "name": m.name, "action": "stopped",

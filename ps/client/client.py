@@ -22,10 +22,10 @@ import torch
 
 from ps.client.cache import HotRows
 from ps.client.clock import StepClock
+from ps.client.counts import UpdateCounts
 from ps.client.fetching import Copies, Fetching
 from ps.client.lookups import plan_lookups
 from ps.client.losses import ServerLosses, check_server
-from ps.client.counts import UpdateCounts
 from ps.client.session import StepSession
 from ps.client.traffic import Traffic
 from ps.spec.consistency import Consistency
@@ -39,6 +39,14 @@ log = logging.getLogger(__name__)
 
 
 WAIT_TIMEOUT = 60.0     # seconds a trainer waits at the step clock for the others, at least
+
+
+def leaders_layout(leader: str, timeout: float) -> Slots:
+    """The layout ``leader`` keeps: the servers a job runs on now, whatever it started on."""
+    slots = wait(call_async(leader, PsSurface.layout_now, timeout=timeout))
+    if slots.servers[0] != leader:
+        raise PeerUnavailable(f"{leader}'s layout {slots.epoch} is led by {slots.servers[0]}")
+    return slots
 
 
 class PsClient:
@@ -76,10 +84,7 @@ class PsClient:
         self.losses = ServerLosses(self, infos[0])
 
     def _leaders_layout(self) -> Slots:
-        slots = wait(call_async(self.leader, PsSurface.layout_now, timeout=self.timeout))
-        if slots.servers[0] != self.leader:
-            raise PeerUnavailable(f"{self.leader}'s layout {slots.epoch} is led by {slots.servers[0]}")
-        return slots
+        return leaders_layout(self.leader, self.timeout)
 
     def follow_layout(self) -> bool:
         """Take the leader's layout again (a server refused a request planned with this one,

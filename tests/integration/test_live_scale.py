@@ -163,7 +163,7 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     up` replaces it, the change fails and changes nothing, and asked again it is made. The job
     counts its updates (`--count-updates`): once the two async trainers stop, every row update
     they were acknowledged is in the servers' rows, none twice, slot by slot, across the five
-    changes."""
+    changes. Then `rpcps chaos --fault scale-kill` kills a member of a change as it moves."""
     once = tmp_path / "frozen-once"
     up = UpProcess(tmp_path, *TINY_CTR, "--num-ps", "2", "--num-trainers", "2", "--member-timeout", "6",
                    "--ready-timeout", "90", "--count-updates",
@@ -222,6 +222,22 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     print("counted:", counted)
     assert counted["acknowledged"] > 1000 and counted["unsure"] == 0, counted
     assert (counted["lost"], counted["twice"]) == (0, 0) and counted["applied"] == counted["acknowledged"], counted
+
+    # `rpcps chaos --fault scale-kill`: a change with one of its members killed as it moves; done
+    # or failed, once the member is back every row is held once, and the trainers train on.
+    for name in ("ctr0", "ctr1"):
+        members[name].start_episode()
+    before = trainer.status().get("step", 0)
+    wait_until(lambda: trainer.status().get("step", 0) > before, 60, "training again")
+    done = subprocess.run([sys.executable, "-m", "services.cli", "chaos", "--fault", "scale-kill", "--kills", "1",
+                           "--interval", "0.5", "--seed", "2", "--json", "--state-dir", str(up.state_dir)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr + up.logs()
+    killed = [e for e in map(json.loads, done.stdout.splitlines()) if e["event"] == "kill"]
+    print("scale-kill:", killed)
+    assert len(killed) == 1 and killed[0]["rows_held_once"] and killed[0]["kill"]["back_at"], killed
+    before = trainer.status().get("step", 0)
+    wait_until(lambda: trainer.status().get("step", 0) >= before + 3, 120, "training after the kill")
     for c in (ps0, trainer, *members.values()):
         c.close()
     assert up.terminate() == 0, up.logs()

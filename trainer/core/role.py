@@ -19,7 +19,7 @@ from torch.distributed import PrefixStore, Store
 from ps.spec.config import ps_names
 from ps.spec.surface import PsSurface
 from ps.client.cache import HotRows
-from ps.client.client import PsClient
+from ps.client.client import PsClient, leaders_layout
 from ps.client.clock import ClockPause
 from services.checkpoint.coordinator import Coordinator
 from services.control import EpisodeGate, EpisodeStart, StepPause
@@ -141,7 +141,11 @@ class ServedTrainer(RoleBase):
         cfg = self.cfg
         self.prepare()
         self._join("joining the RPC group")
-        servers = ps_names(cfg.num_ps)
+        # The servers are the leader's layout's, which a change may have made other than the
+        # --num-ps this trainer was started with (one started again after the job shrank).
+        leader = ps_names(cfg.num_ps)[0]
+        self._await_members([leader], cfg.join_timeout, self._wake, lambda: self.gate.closing)
+        servers = list(leaders_layout(leader, cfg.rpc_timeout).servers)
         self._await_members(servers, cfg.join_timeout, self._wake, lambda: self.gate.closing)
         client = PsClient(cfg.name, servers, timeout=cfg.rpc_timeout)
         self._client = client
