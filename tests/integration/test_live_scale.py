@@ -83,6 +83,13 @@ def test_a_server_joins_takes_a_third_of_the_slots_and_drains_back(procs):
     assert sum(status(s)["rows"] for s in (ps0, ps1)) == MODEL["ntoken"]
     assert not status(trainer).get("lost_steps")
 
+    # A trainer started again with the count the job had before it shrank (an engine's stale
+    # --num-ps 3) trains on the leader's layout, two servers, instead of waiting for ps2.
+    trainer.proc.kill()
+    trainer.proc.wait(30)
+    trainer = procs.start("trainer", "trainer0", 3, start=True, **TRAINER)
+    wait_until(lambda: steps(trainer) >= 3, 90, "a trainer started for three servers training on two")
+
     with ps0.client(timeout=120.0) as c:
         taken = c.checkpoint()
     manifest = json.loads((procs.tmp / "ckpt" / f"step-{taken['step']}" / "manifest.json").read_text())
