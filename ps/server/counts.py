@@ -15,14 +15,21 @@ def applied_counts(server: Any) -> dict[str, Any]:
     tables = counted_tables(server.spec)
     if not tables:
         raise NotSupported(f"{server.name} does not count updates: start every server with --count-updates")
-    layout, shard = server.layout, server.shard
+    # Inside the gate, as a request is: a change of layout does not rebuild the shard meanwhile.
+    # Copied under the optimizer's lock, summed after it: a sum over every row would hold updates.
+    server.gate.enter()
+    try:
+        with server.optimizer.lock:
+            layout, shard, steps = server.layout, server.shard, server.optimizer.steps
+            copied = {}
+            for table in tables:
+                rows = server.optimizer.live_state(server.params[layout.table_params[table][0]]).get(COUNT_KEY)
+                copied[table] = rows.clone() if rows is not None else None
+    finally:
+        server.gate.leave()
     count = layout.slots.count
-    with server.optimizer.lock:
-        applied = {}
-        for table in tables:
-            ids = layout.plans[table].global_ids(shard)
-            param = server.params[layout.table_params[table][0]]
-            rows = server.optimizer.live_state(param).get(COUNT_KEY)
-            applied[table] = slot_sums(ids, rows, count) if rows is not None and ids.numel() else [0] * count
-        return {"server": server.name, "epoch": layout.epoch, "slots": count, "steps": server.optimizer.steps,
-                "applied": applied}
+    applied = {}
+    for table, rows in copied.items():
+        ids = layout.plans[table].global_ids(shard)
+        applied[table] = slot_sums(ids, rows, count) if rows is not None and ids.numel() else [0] * count
+    return {"server": server.name, "epoch": layout.epoch, "slots": count, "steps": steps, "applied": applied}

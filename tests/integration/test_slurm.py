@@ -169,6 +169,7 @@ def resumed(slurm: SlurmCluster, work: Path, job: int, newest: dict) -> None:
     assert f"resuming from {newest['id']} (step {newest['step']})" in ps0, ps0[-3000:]
 
 
+@pytest.mark.timeout(600)      # three faults in one job: 203-223 s on a quiet day, 307 s on a slow one
 def test_a_node_set_down_moves_its_member_a_requeue_and_the_batch_node_lost_resume_from_the_newest_checkpoint(
         slurm, work):
     # One job for three faults in a row (a job's start is what these tests spend most on).
