@@ -23,4 +23,17 @@ def host(cfg: Any, ctx: Any) -> "PsRole":
     from ps.server.role import PsRole
     server = hosted(cfg.workload).server
     model = resolve(server.model)
-    return PsRole(cfg, ctx, lambda: model(cfg), client_role=server.client_role)
+    return PsRole(cfg, ctx, lambda: counted_if_asked(model(cfg), cfg.count_updates), client_role=server.client_role)
+
+
+def counted_if_asked(spec: Any, count: bool) -> Any:
+    """``spec``, its updates counted with ``--count-updates`` (``ps/spec/counting.py``); a model
+    that cannot be counted is a ``ConfigError`` saying why."""
+    if not count:
+        return spec
+    from ps.spec.counting import counting
+    from services.errors import ConfigError
+    try:
+        return counting(spec)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -10,7 +10,6 @@ from typing import Any, Callable, Optional
 from ps.leader import layout
 from ps.spec.config import PsConfig, ps_names
 from ps.spec.consistency import Consistency
-from ps.spec.counting import counting
 from ps.server.counts import applied_counts
 from ps.server.delta import apply_delta
 from ps.leader.leading import Leading
@@ -26,7 +25,7 @@ from services.checkpoint.handover import LEADER_LIFE, Handover, Standing
 from services.checkpoint.parts import restore_newest
 from services.checkpoint.periodic import take_final
 from services.checkpoint.store import CheckpointInfo
-from services.errors import CheckpointError, ConfigError, NotReady
+from services.errors import CheckpointError, NotReady
 from services.lifecycle import RoleState
 from services.names import leader_of
 from services.remote import local, remote_methods, serve, withdraw
@@ -80,11 +79,6 @@ class PsRole(RoleBase, WithoutEpisodes):
 
     def run(self) -> None:
         self.spec = self._model()
-        if self.cfg.count_updates:
-            try:
-                self.spec = counting(self.spec)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
         # Each operation is timed as a method of its own.
         self.metrics.init_ps([m for m in remote_methods(ParameterServer) if m != "op"] + list(self.spec.ops))
         # Build before joining: once trainers can see this server, it must be able to answer.
