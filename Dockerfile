@@ -44,6 +44,7 @@ RUN --mount=type=bind,target=/context \
 
 COPY pyproject.toml README.md LICENSE ./
 COPY services ./services
+COPY supervise ./supervise
 COPY ps ./ps
 COPY trainer ./trainer
 COPY rpcps ./rpcps

@@ -1,5 +1,5 @@
 import sys
 
-from services.cli import main
+from supervise.cli import main
 
 main(["ps", *sys.argv[1:]])

@@ -1,2 +1,3 @@
-"""What every rpcps role shares: configuration, RPC bootstrap and membership, the sidecar, metrics,
-the CLI and the local launcher."""
+"""What every rpcps member shares at run time: configuration, RPC bootstrap and membership, the
+lease, the sidecar, metrics and checkpoints. The command line and ``rpcps up``'s supervisor are
+``supervise/``'s."""

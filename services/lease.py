@@ -1,7 +1,7 @@
 """A member's lease with its supervisor, and what it does when the lease runs out: it fences itself.
 
 ``rpcps up`` asks every member's ``/healthz`` each second with the ``X-Rpcps-Lease`` header
-(``services/liveness.py``), and declares a member silent for ``--member-timeout`` lost, kills it
+(``supervise/liveness.py``), and declares a member silent for ``--member-timeout`` lost, kills it
 where it runs and starts a replacement. A member whose host cannot be reached cannot be killed,
 so the member keeps the other side of the bargain: started with a lease (``RPCPS_LEASE_TIMEOUT``,
 which ``rpcps up`` sets to its ``--member-timeout``), it exits with ``FENCED`` once it has not been
@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
+import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -125,3 +128,26 @@ class Lease:
         thread = threading.Thread(target=run, name="lease", daemon=True)
         thread.start()
         return thread
+
+
+def requeue_orphaned(job: Optional[str], store: tuple[str, int], wait: float = 2.0) -> Optional[str]:
+    """For a member of a Slurm job whose lease ran out: requeue the job if its batch node is lost.
+    ``rpcps up`` and the leader's store run on the batch node; when the store cannot be reached
+    either, but Slurm's controller can, the batch node is gone and nothing is left to supervise.
+    Slurm would keep a job that outlives node failures (``--no-kill``) running without its
+    batch script; requeued, it resumes from its newest checkpoint. A member cut off from
+    everything reaches neither, and only fences itself. Says what it did (None: nothing)."""
+    if not job or shutil.which("scontrol") is None:
+        return None
+    try:
+        socket.create_connection(store, timeout=wait).close()
+        return None                 # the batch node is there: this member alone was let go
+    except OSError:
+        pass
+    try:
+        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=2 * wait)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None                 # the controller is out of reach too, or the job is over or requeued
+    return f"its leader's store at {store[0]}:{store[1]} is out of reach: requeued Slurm job {job}"

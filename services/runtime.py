@@ -23,10 +23,9 @@ from services.config import CommonConfig
 from services.errors import RpcpsError
 from services.http_server import SidecarServer
 from services.leader import LEADER_LOST
-from services.lease import FENCED, Lease
+from services.lease import FENCED, Lease, requeue_orphaned
 from services.lifecycle import RoleState
 from services.log import init_logging
-from services.placement.slurm import requeue_orphaned
 from services.role import RoleContext
 from services.sidecar import create_app
 from services.workload import RoleSpec, resolve

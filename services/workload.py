@@ -241,7 +241,7 @@ def settings_of(role: RoleSpec, flags: Mapping[str, Any], environ: Mapping[str, 
 
 # Benchmarks of the shared services themselves, besides each workload's.
 SHARED_BENCHES = (BenchSpec("cli", "seconds the quick commands take to answer (--help, status, checkpoint --list)",
-                            "services.bench_cli"),
+                            "supervise.bench_cli"),
                   # Every workload's ``scale`` cases, each member on an emulated host (needs root).
                   BenchSpec("scale", "samples/s as trainer hosts are added, every member on an emulated host of its "
                                      "own: weak-scaling efficiency, CPU and bytes per host, slower links, serving "

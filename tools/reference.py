@@ -40,7 +40,7 @@ def _columns() -> Iterator[None]:
 
 
 def _help(argv: list[str]) -> str:
-    from services import cli
+    from supervise import cli
     out = io.StringIO()
     with _columns(), contextlib.redirect_stdout(out):
         try:
@@ -169,9 +169,9 @@ def metrics_page() -> str:
 
 
 def environment_page() -> str:
-    from services.chaos import ChaosConfig
+    from supervise.chaos import ChaosConfig
     from services.config import env_name, flag_name, shown_default
-    from services.upconfig import UpConfig
+    from supervise.upconfig import UpConfig
     from services.workload import roles
     from services.workload import hosted
     models = [("rpcps up", UpConfig),

@@ -17,7 +17,7 @@ FAST = ["--emsize", "32", "--nhid", "32", "--batch-size", "10", "--bptt", "20", 
 
 
 def cli(tmp_path, *args, env=None):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "supervise.cli", *args], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path, env={**os.environ, **(env or {})})
 
 
@@ -87,7 +87,7 @@ def test_episode_stop_and_start_from_the_cli(tmp_path, cleanup):
 
 
 def test_human_progress_output(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--steps", "3", "--ps", "1", "--trainers", "1",
+    r = subprocess.run([sys.executable, "-m", "supervise.cli", "up", "--steps", "3", "--ps", "1", "--trainers", "1",
                         "--state-dir", str(tmp_path / "s"), *FAST, "--synthetic-tokens", "5000"],
                        capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

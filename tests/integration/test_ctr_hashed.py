@@ -49,7 +49,7 @@ def test_hashed_tables_admit_evict_show_and_reshard(tmp_path, cleanup):
     assert math.isfinite(done["auc"]) and 0.4 < done["auc"] < 1, done
     saved = sorted((tmp_path / "ckpt").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     assert saved, "the final checkpoint"
-    listed = json.loads(subprocess.run([sys.executable, "-m", "services.cli", "checkpoint", "--list", "--json",
+    listed = json.loads(subprocess.run([sys.executable, "-m", "supervise.cli", "checkpoint", "--list", "--json",
                                         "--verify", "--checkpoint-dir", str(tmp_path / "ckpt")],
                                        capture_output=True, text=True, timeout=60, check=True).stdout)["checkpoints"]
     kinds = {c["id"]: (c["kind"], c.get("bases")) for c in listed}

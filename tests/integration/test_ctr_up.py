@@ -27,7 +27,7 @@ HASHED = ["--tables", "hashed", "--table-capacity", "300", "--admit-after", "2",
 
 
 def cli(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "supervise.cli", *args], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path, env=dict(os.environ))
 
 
@@ -188,7 +188,7 @@ def test_ctr_members_killed_at_random_and_the_leader_come_back(tmp_path, cleanup
     print("ps1 back -> the trainers' next step: " + ", ".join(f"{g:.2f}s" for g in gaps))
 
     def chaos(*flags: str) -> list[dict]:
-        done = subprocess.run([sys.executable, "-m", "services.cli", "chaos", "--json", "--state-dir",
+        done = subprocess.run([sys.executable, "-m", "supervise.cli", "chaos", "--json", "--state-dir",
                                str(up.state_dir), "--interval", "0.2", *flags], capture_output=True, text=True,
                               timeout=400)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -21,7 +21,7 @@ TINY = ["--emsize", "16", "--nhid", "16", "--batch-size", "4", "--bptt", "5", "-
 
 
 def test_allreduce_needs_sync_or_hybrid_and_says_so(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--dense", "allreduce", *TINY],
+    r = subprocess.run([sys.executable, "-m", "supervise.cli", "up", "--dense", "allreduce", *TINY],
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 2
     assert "--consistency async keeps the dense weights on the servers" in r.stderr, r.stderr

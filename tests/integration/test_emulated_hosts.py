@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.hosts.emulated import remove_all
-from services.hosts.network import Unavailable
-from services.hosts.quota import CGROUP
+from supervise.hosts.emulated import remove_all
+from supervise.hosts.network import Unavailable
+from supervise.hosts.quota import CGROUP
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def _hosts_possible() -> None:
-    from services.hosts.emulated import EmulatedHosts
+    from supervise.hosts.emulated import EmulatedHosts
     try:
         EmulatedHosts(["probe"], 0.1).create().close()
     except Unavailable as exc:
@@ -109,7 +109,7 @@ def test_two_trainer_hosts_train_across_their_links_within_their_quotas(tmp_path
 def test_the_ring_bench_times_an_all_reduce_across_hosts_with_and_without_their_quota(tmp_path):
     _hosts_possible()
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split())
-    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", "ring", "--hosts", "2", "--count", "3",
+    done = subprocess.run([sys.executable, "-m", "supervise.cli", "bench", "ring", "--hosts", "2", "--count", "3",
                            "--floats", "20000", "--cpus", "0.5", "--work-ms", "20"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -133,7 +133,7 @@ def test_a_server_removed_gives_back_its_host_and_one_added_again_gets_a_fresh_o
     """What ``rpcps up`` does with its placement when ``rpcps scale`` adds a server, lets it go,
     and adds it again: real hosts, a process started on each."""
     _hosts_possible()
-    from services.placement.hosts import OnHosts
+    from supervise.placement.hosts import OnHosts
     place = OnHosts(0.2, "100mbit")
     place.create(["ps0", "ps1"])
     tag = place.hosts.net.tag

@@ -26,7 +26,7 @@ CASES = [("criteo_dlrm", "criteo_dlrm.model:DLRM", "criteo.yaml", ["ctr", "--row
 
 
 def cli(cwd, *args):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "supervise.cli", *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(REPO)])})
 
 

@@ -32,7 +32,7 @@ def trained(url):
 @pytest.mark.parametrize("consistency,fmt", [("sync", "csv"), ("async", "parquet")])
 def test_files_landing_are_trained_once_though_a_trainer_dies_between_two(tmp_path, cleanup, consistency, fmt):
     staging, folder = tmp_path / "staging", tmp_path / "in"
-    made = subprocess.run([sys.executable, "-m", "services.cli", "data", "ratings", "--rows", str(ROWS * FILES),
+    made = subprocess.run([sys.executable, "-m", "supervise.cli", "data", "ratings", "--rows", str(ROWS * FILES),
                            "--files", str(FILES), "--format", fmt, "--row-group", "100", "--out", str(staging)],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert made.returncode == 0, made.stderr
@@ -127,7 +127,7 @@ def test_files_landing_are_trained_once_though_a_trainer_dies_between_two(tmp_pa
 def test_bench_stream_measures_event_to_prediction():
     # The benchmark as a user runs it, briefly: each landed file is served, and the figure is the
     # time to both every trainer past it and an answer that changed.
-    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", "stream", "--files", "2", "--rows", "512",
+    done = subprocess.run([sys.executable, "-m", "supervise.cli", "bench", "stream", "--files", "2", "--rows", "512",
                            "--batch-size", "256"], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     out = __import__("json").loads(done.stdout.strip().splitlines()[-1])
@@ -150,7 +150,7 @@ def test_a_source_of_your_own_trains_and_resumes_from_its_own_position(tmp_path)
              "--checkpoint-dir", str(tmp_path / "ck")]
 
     def up(steps):
-        done = subprocess.run([sys.executable, "-m", "services.cli", "up", *flags, "--steps", str(steps)],
+        done = subprocess.run([sys.executable, "-m", "supervise.cli", "up", *flags, "--steps", str(steps)],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
         assert done.returncode == 0, done.stderr[-3000:]
         return [__import__("json").loads(line) for line in done.stdout.splitlines() if '"done"' in line][-1]
@@ -164,13 +164,13 @@ def test_a_source_of_your_own_trains_and_resumes_from_its_own_position(tmp_path)
     assert re.search(r"resumed position from step-\d+ \(same trainers, same data\): offset 256, step 4", log), \
         log[-3000:]
     flags[flags.index("--source") + 1] = "tests.support.queue_source:Nothing"
-    wrong = subprocess.run([sys.executable, "-m", "services.cli", "up", *flags, "--steps", "1", "--no-resume"],
+    wrong = subprocess.run([sys.executable, "-m", "supervise.cli", "up", *flags, "--steps", "1", "--no-resume"],
                            capture_output=True, text=True, timeout=300, cwd=REPO)
     assert wrong.returncode != 0
     assert "--source tests.support.queue_source:Nothing: tests.support.queue_source has no Nothing" in wrong.stderr
     # A source that fails at every start: the run ends with its error, never a restart loop.
     flags[flags.index("--source") + 1] = "tests.support.queue_source:Dropping"
-    looped = subprocess.run([sys.executable, "-m", "services.cli", "up", *flags, "--steps", "50", "--no-resume",
+    looped = subprocess.run([sys.executable, "-m", "supervise.cli", "up", *flags, "--steps", "50", "--no-resume",
                              "--restart-backoff", "0.2"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert looped.returncode == 1, looped.stderr[-3000:]
     events = [__import__("json").loads(line) for line in looped.stdout.splitlines() if line.startswith("{")]

@@ -210,7 +210,7 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
     assert not trainer.status().get("lost_steps")
 
     # `rpcps chaos --fault scale`: two changes at random, each done with every row held once.
-    done = subprocess.run([sys.executable, "-m", "services.cli", "chaos", "--fault", "scale", "--kills", "2",
+    done = subprocess.run([sys.executable, "-m", "supervise.cli", "chaos", "--fault", "scale", "--kills", "2",
                            "--interval", "0.5", "--seed", "1", "--json", "--state-dir", str(up.state_dir)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr + up.logs()
@@ -236,7 +236,7 @@ def test_rpcps_scale_on_a_running_up_starts_a_server_moves_to_it_and_lets_it_go(
         members[name].start_episode()
     before = trainer.status().get("step", 0)
     wait_until(lambda: trainer.status().get("step", 0) > before, 60, "training again")
-    done = subprocess.run([sys.executable, "-m", "services.cli", "chaos", "--fault", "scale-kill", "--kills", "1",
+    done = subprocess.run([sys.executable, "-m", "supervise.cli", "chaos", "--fault", "scale-kill", "--kills", "1",
                            "--interval", "0.5", "--seed", "2", "--json", "--state-dir", str(up.state_dir)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr + up.logs()
@@ -259,7 +259,7 @@ def serving(up, name) -> bool:
 def scale(tmp_path, up, *args, code: int = 0):
     """`rpcps scale` on the running ``up``: the leader's answer; with a ``code`` other than 0,
     what it said on stderr."""
-    done = subprocess.run([sys.executable, "-m", "services.cli", "scale", *args, "--state-dir", str(up.state_dir)],
+    done = subprocess.run([sys.executable, "-m", "supervise.cli", "scale", *args, "--state-dir", str(up.state_dir)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == code, done.stdout + done.stderr + up.logs()
     return json.loads(done.stdout.strip().splitlines()[-1])["ps0"] if code == 0 else done.stderr

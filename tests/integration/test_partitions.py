@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from services.checkpoint.store import CheckpointStore
-from services.hosts.emulated import remove_all
-from services.hosts.quota import CGROUP
+from supervise.hosts.emulated import remove_all
+from supervise.hosts.quota import CGROUP
 from tests.integration.test_emulated_hosts import _hosts_possible, _namespaces
 from tests.support.upcli import UpProcess
 from tests.support.wait import wait_until
@@ -27,7 +27,7 @@ TIMEOUT = 6.0       # --member-timeout: short, so that the test is; the default 
 
 
 def chaos(up: UpProcess, member: str, seconds: float) -> dict:
-    done = subprocess.run([sys.executable, "-m", "services.cli", "chaos", "--json", "--state-dir", str(up.state_dir),
+    done = subprocess.run([sys.executable, "-m", "supervise.cli", "chaos", "--json", "--state-dir", str(up.state_dir),
                            "--fault", "partition", "--for", str(seconds), "--members", member, "--kills", "1",
                            "--interval", "0.1", "--recover-timeout", "120"], capture_output=True, text=True,
                           timeout=300)

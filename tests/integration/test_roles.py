@@ -155,7 +155,7 @@ def test_bad_flag_or_variable_is_refused_at_start(tmp_path):
                               [["trainer", "--name", "trainer-1"], {}, "flag --name"],
                               [["trainer"], {"RPCPS_BATCH_SIZE": "big"}, "RPCPS_BATCH_SIZE"],
                               [["up", "--steps", "-3"], {}, "flag --steps"]):
-        r = subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "supervise.cli", *argv], capture_output=True, text=True,
                            env={**os.environ, **env}, cwd=tmp_path, timeout=60)
         assert r.returncode == 2, (argv, r.stderr)
         assert needle in r.stderr and "invalid configuration" in r.stderr, r.stderr
@@ -189,14 +189,14 @@ def test_bad_data_and_checkpoint_folders_are_a_sentence_not_a_traceback(tmp_path
              (["up", "--checkpoint-dir"], (tmp_path / "a-file.txt" / "ckpt", "a-file.txt is a file")),
              (["trainer", "--name", "trainer0", "--checkpoint-dir"], (tmp_path / "a-file.txt", "is a file"))]
     for argv, (path, says) in runs:
-        r = subprocess.run([sys.executable, "-m", "services.cli", *argv, str(path)], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "supervise.cli", *argv, str(path)], capture_output=True, text=True,
                            cwd=tmp_path, timeout=60)
         assert r.returncode == 2, (argv, path, r.stderr)
         assert says in r.stderr and str(path) in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_up_reports_a_role_refusing_its_settings_with_the_roles_words(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--json", "--steps", "1",
+    r = subprocess.run([sys.executable, "-m", "supervise.cli", "up", "--json", "--steps", "1",
                         "--state-dir", str(tmp_path / "state"), "--checkpoint-dir", str(tmp_path / "ckpt")],
                        capture_output=True, text=True, cwd=REPO, timeout=120,
                        env={**os.environ, "RPCPS_MAX_IDS_PER_REQUEST": "0"})

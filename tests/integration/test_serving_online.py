@@ -24,7 +24,7 @@ SUPPORT = REPO / "tests" / "support"
 
 
 def cli(cwd, *args):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "supervise.cli", *args], capture_output=True, text=True, timeout=120,
                           cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 

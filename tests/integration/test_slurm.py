@@ -45,7 +45,7 @@ def slurm(tmp_path_factory):
 def work(tmp_path) -> Path:
     """The user's folder on shared storage: the example, and data made by `rpcps data`."""
     shutil.copytree(REPO / "examples" / "movies_deepfm", tmp_path / "movies_deepfm")
-    subprocess.run([sys.executable, "-m", "services.cli", "data", "ratings", "--rows", "20000", "--out", "ratings"],
+    subprocess.run([sys.executable, "-m", "supervise.cli", "data", "ratings", "--rows", "20000", "--out", "ratings"],
                    cwd=tmp_path, check=True, capture_output=True, timeout=120)
     return tmp_path
 
@@ -70,7 +70,7 @@ def members_left(slurm: SlurmCluster) -> list[str]:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "services.cli" in cmdline:
+            if "supervise.cli" in cmdline:
                 left.append(f"{node}: {cmdline}")
     return left
 

@@ -5,7 +5,7 @@ torchrun's RANK and WORLD_SIZE, each on its own share and sidecar port, reaching
 import re
 import subprocess
 
-from services.processes import free_port
+from supervise.processes import free_port
 from services.torchrun import command as torchrun_command
 from tests.support.cluster import REPO, SMALL_MODEL, Role
 from tests.support.wait import wait_until

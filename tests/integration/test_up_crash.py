@@ -106,7 +106,7 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     os.kill(back, signal.SIGKILL)
     third = restart_number(seen + 1)
     assert third["restarts"] == second["restarts"] + 1 and third["in"] == 2 * second["in"], trainer1_restarts()
-    shown = subprocess.run([sys.executable, "-m", "services.cli", "status", "--json", "--state-dir", str(up.state_dir)],
+    shown = subprocess.run([sys.executable, "-m", "supervise.cli", "status", "--json", "--state-dir", str(up.state_dir)],
                            capture_output=True, text=True, timeout=30)
     row = json.loads(shown.stdout)["trainer1"]
     assert row["state"] == "failing" and row["failing"]["deaths"] == third["restarts"], row
@@ -165,7 +165,7 @@ def test_killed_members_and_the_leader_are_restarted_and_training_goes_on(up):
     # recovers by itself; a server loses at most its updates since the newest checkpoint, and when
     # the leader dies the other server keeps everything (its handover).
     def chaos(*flags: str) -> list[dict]:
-        done = subprocess.run([sys.executable, "-m", "services.cli", "chaos", "--json", "--state-dir",
+        done = subprocess.run([sys.executable, "-m", "supervise.cli", "chaos", "--json", "--state-dir",
                                str(up.state_dir), "--interval", "0.2", *flags], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         return [json.loads(line) for line in done.stdout.splitlines()]

@@ -19,7 +19,7 @@ ENV = {"PYTHONPATH": str(REPO)}
 
 
 def cli(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "supervise.cli", *args], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path, env={**os.environ, **ENV})
 
 
@@ -51,7 +51,7 @@ def test_a_users_model_and_schema_train_check_and_resume_resharded(tmp_path, cle
     read, write = os.pipe()
     os.close(read)
     with os.fdopen(write, "w") as closed:
-        gone = subprocess.run([sys.executable, "-m", "services.cli", "data", "check", "--schema", str(SCHEMA),
+        gone = subprocess.run([sys.executable, "-m", "supervise.cli", "data", "check", "--schema", str(SCHEMA),
                                "--data", str(data)], stdout=closed, stderr=subprocess.PIPE, text=True, timeout=120,
                               cwd=tmp_path, env={**os.environ, **ENV})
     assert gone.returncode == 1 and "Traceback" not in gone.stderr, gone.stderr
@@ -101,7 +101,7 @@ def test_a_model_in_the_working_folder_runs_locally_and_a_broken_one_stops_up_be
     CTR workload alone."""
     data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = lambda *args: subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    run = lambda *args: subprocess.run([sys.executable, "-m", "supervise.cli", *args], capture_output=True, text=True,
                                        timeout=120, cwd=tmp_path, env=env)
     assert run("data", "ratings", "--rows", "1200", "--out", str(data)).returncode == 0
     assert run("data", "ratings", "--rows", "300", "--seed", "2", "--out", "held").returncode == 0

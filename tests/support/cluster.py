@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from services.client import SidecarClient
-from services.processes import free_port, spawn_role, stop_in_waves
+from supervise.processes import free_port, spawn_role, stop_in_waves
 from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ class Processes:
         port = free_port()
         log = self.tmp / f"{name}-{len(self.roles)}.log"
         argv = [role, *self._flags(name, None, port, extra)]
-        proc = spawn_role("services.cli", argv, log, proc_env)
+        proc = spawn_role("supervise.cli", argv, log, proc_env)
         rl = Role(name, proc, f"http://127.0.0.1:{port}", log)
         self.roles.append(rl)
         return rl

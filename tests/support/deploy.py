@@ -114,7 +114,7 @@ def host_process(service: dict, volumes: Path, environ: dict[str, str]) -> tuple
     command = [mapped(str(a)) for a in service.get("command") or []]
     image = interpolate(service.get("image", ""), environ)
     if image.startswith("rpcps"):
-        argv = [sys.executable, "-m", "services.cli", *command]
+        argv = [sys.executable, "-m", "supervise.cli", *command]
         env = {k: mapped(v) for k, v in service_env(service, environ).items()}
     elif image.startswith("prom/prometheus"):
         argv, env = [shutil.which("prometheus") or "prometheus", *command], {}

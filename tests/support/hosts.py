@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from services.processes import stop_in_waves
+from supervise.processes import stop_in_waves
 from tests.support.deploy import host_process, start_order
 from tests.support.netns import ComposeNetwork, HostProcess
 from tests.support.wait import wait_until

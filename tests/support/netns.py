@@ -1,4 +1,4 @@
-"""The hosts of a compose network (for tests; needs root): ``services/hosts/network.py``'s hosts,
+"""The hosts of a compose network (for tests; needs root): ``supervise/hosts/network.py``'s hosts,
 with what compose adds. Names resolve as compose's embedded DNS resolves them: a DNS server
 (dnslib, in this process) answers each host's name with its address, and every host's
 ``/etc/resolv.conf`` points at it (the network's files in ``/etc/netns/<namespace>/`` are mounted
@@ -18,7 +18,7 @@ from typing import Optional
 from dnslib import QTYPE, RCODE, RR, A
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
-from services.hosts.network import HostNetwork, HostProcess, Unavailable, ip, subnet_of
+from supervise.hosts.network import HostNetwork, HostProcess, Unavailable, ip, subnet_of
 
 __all__ = ["ComposeNetwork", "HostProcess", "Unavailable"]
 

@@ -1,5 +1,5 @@
 """A real container engine on this machine: Debian's podman (with podman-compose from PyPI) on an
-emulated host of its own (``services/hosts/``), as a Docker host on a LAN. Its containers, their
+emulated host of its own (``supervise/hosts/``), as a Docker host on a LAN. Its containers, their
 bridge, DNS and firewall rules live inside that host; its images, containers and volumes in a
 storage folder of its own, so nothing of a machine's own podman is touched. The host's address is
 where compose publishes ports (``RPCPS_PUBLISH_ADDR``), which this machine reaches over the
@@ -20,8 +20,8 @@ import textwrap
 from pathlib import Path
 from typing import Optional
 
-from services.hosts.emulated import EmulatedHosts
-from services.hosts.network import HostProcess
+from supervise.hosts.emulated import EmulatedHosts
+from supervise.hosts.network import HostProcess
 from tests.support.wait import wait_until
 
 ENGINE = "engine"

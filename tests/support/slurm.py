@@ -1,5 +1,5 @@
 """A real Slurm cluster on this machine (Debian's slurm-wlm and munge): a controller and one
-``slurmd`` per node, each on an emulated host of its own (``services/hosts/``: its own network,
+``slurmd`` per node, each on an emulated host of its own (``supervise/hosts/``: its own network,
 PID and UTS namespaces and CPU quota), as on separate machines. Debian's ``slurmd`` cannot run
 several daemons on one host, so each node needs a host. The controller's host is also the login
 node: jobs are submitted, watched and cancelled from it, where every node's name resolves. The
@@ -15,8 +15,8 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-from services.hosts.emulated import EmulatedHosts
-from services.processes import stop_in_waves
+from supervise.hosts.emulated import EmulatedHosts
+from supervise.processes import stop_in_waves
 from tests.support.wait import wait_until
 
 CONTROLLER = "slurmctl"

@@ -17,7 +17,7 @@ class UpProcess:
     def __init__(self, tmp: Path, *args: str, env: dict | None = None) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         self.state_dir = tmp / "state"
-        argv = [sys.executable, "-m", "services.cli", "up", "--json", "--state-dir", str(self.state_dir),
+        argv = [sys.executable, "-m", "supervise.cli", "up", "--json", "--state-dir", str(self.state_dir),
                 "--checkpoint-dir", str(tmp / "ckpt"), *args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True, cwd=tmp, env={**os.environ, **(env or {})})

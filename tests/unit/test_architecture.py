@@ -3,7 +3,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("services", "ps", "trainer", "rpcps")
+PACKAGES = ("services", "supervise", "ps", "trainer", "rpcps")
 
 # The seams: only these may touch torch RPC / distributed autograd directly.
 RPC_SEAMS = {
@@ -75,7 +75,16 @@ def test_services_know_no_workload_and_no_server():
     # Workloads and roles reach the CLI, the launcher and the benches through the registry
     # (services/workload.py, entry points in pyproject.toml), not by import, not even a lazy one.
     offenders = {rel: sorted(m for m in imported_modules(path) if m.split(".")[0] in ("ps", "trainer"))
-                 for rel, path in sources() if rel.startswith("services/")}
+                 for rel, path in sources() if rel.startswith(("services/", "supervise/"))}
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
+def test_the_members_runtime_knows_no_supervisor():
+    # A member runs on services/ and ps/ the same under rpcps up, compose, Kubernetes or by hand:
+    # what supervises it (supervise/) is above it, never imported by it, not even lazily. The
+    # entry points (`python -m ps`) hand over to the command line, which is the supervisor's.
+    offenders = {rel: sorted(m for m in imported_modules(path) if m.split(".")[0] == "supervise")
+                 for rel, path in sources() if rel.startswith(("services/", "ps/")) and rel != "ps/__main__.py"}
     assert not {k: v for k, v in offenders.items() if v}, offenders
 
 
@@ -115,7 +124,7 @@ def test_main_modules_only_delegate():
 
 def test_no_print_in_roles():
     # Logging only; printing is for the CLI's and the benchmark's own output.
-    allowed = {"services/cli.py", "services/launcher.py", "services/chaos.py"}   # commands with output of their own
+    allowed = {"supervise/cli.py", "supervise/launcher.py", "supervise/chaos.py"}   # commands with output of their own
     for rel, path in sources():
         # A benchmark prints its JSON, a data writer (`rpcps data`) its summary, a data check its
         # table, an export what it wrote.
@@ -252,7 +261,7 @@ def test_the_public_api_knows_only_the_servers_declarations():
     for rel, path in sources():
         if not rel.startswith("rpcps/"):
             continue
-        bad = sorted(m for m in imported_modules(path) if m and m.split(".")[0] in ("ps", "trainer", "services")
+        bad = sorted(m for m in imported_modules(path) if m and m.split(".")[0] in ("ps", "trainer", "services", "supervise")
                      and not any(m == a or m.startswith(a + ".") for a in allowed))
         if bad:
             offenders[rel] = bad
@@ -271,7 +280,7 @@ def test_the_public_modules_load_no_rpc_trainer_or_server(tmp_path):
     code = (f"import sys, rpcps, rpcps.data, rpcps.model, rpcps.saved, rpcps.quality, rpcps.local; "
             f"m = rpcps.load_model({str(model)!r}); "
             f"next(rpcps.batches(m.schema, {str(model / 'rows.csv')!r}, 4)); "
-            f"print(sorted(n for n in sys.modules if n.split('.')[0] in ('trainer', 'services') or "
+            f"print(sorted(n for n in sys.modules if n.split('.')[0] in ('trainer', 'services', 'supervise') or "
             f"n.startswith(('ps.client', 'ps.server', 'ps.leader'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
                          env={**__import__("os").environ, "PYTHONPATH": f"{REPO}:{tmp_path}"})

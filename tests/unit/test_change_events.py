@@ -1,7 +1,7 @@
 """`rpcps up`'s events for the leader's changes of layout, from what its /status shows of the last
 one as the supervisor polls it: `move` once under way, `moved` once ended, each once per attempt."""
-from services.launcher import _human
-from services.roster import ChangeEvents
+from supervise.launcher import _human
+from supervise.roster import ChangeEvents
 
 
 def change(attempt, state, **extra):

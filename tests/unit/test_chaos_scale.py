@@ -4,7 +4,7 @@ that held them once."""
 import random
 import threading
 
-from services.chaos_scale import Rescales, summarize
+from supervise.chaos_scale import Rescales, summarize
 from services.client import ChangeFailed
 
 

@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from services import cli
+from supervise import cli
 from services.checkpoint.store import CheckpointStore
 from services.config import ConfigError, load, shown_default
-from services.roster import cause
-from services.upconfig import UpConfig
+from supervise.member import cause
+from supervise.upconfig import UpConfig
 from services.workload import roles
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def rpcps(*argv: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "supervise.cli", *argv], capture_output=True, text=True, timeout=60,
                           cwd=cwd, env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)})
 
 
@@ -95,7 +95,7 @@ def test_old_spellings_fill_the_same_setting():
 
 
 def test_the_quick_commands_import_neither_torch_nor_pydantic():
-    code = ("import sys; from services import cli\n"
+    code = ("import sys; from supervise import cli\n"
             "try: cli.main(sys.argv[1:])\n"
             "except SystemExit: pass\n"
             "print('LOADED', 'torch' in sys.modules, 'pydantic' in sys.modules, file=sys.stderr)")

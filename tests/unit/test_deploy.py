@@ -7,7 +7,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from services import cli
+from supervise import cli
 from services.config import env_name, load
 from services.sidecar import create_app
 from services.workload import roles, settings_of

@@ -4,7 +4,7 @@ refusal is not."""
 import pytest
 
 from services.client import SidecarError
-from services.roster import asked_while_busy
+from supervise.roster import asked_while_busy
 
 
 def asker(*answers):

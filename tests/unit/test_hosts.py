@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from services import cli
+from supervise import cli
 from services.config import ConfigError, load
-from services.hosts.emulated import threads_for
-from services.upconfig import UpConfig
+from supervise.hosts.emulated import threads_for
+from supervise.upconfig import UpConfig
 from trainer.core.scale import fit
 
 
@@ -123,7 +123,7 @@ def test_up_says_what_is_missing_when_hosts_cannot_be_made(tmp_path):
     import sys
     # No iproute2 or util-linux on the PATH: nothing starts, and the one sentence says why.
     env = {**os.environ, "PATH": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--workload", "lm", "--emulate-hosts",
+    r = subprocess.run([sys.executable, "-m", "supervise.cli", "up", "--workload", "lm", "--emulate-hosts",
                         "--steps", "1", "--state-dir", str(tmp_path / "state"), "--checkpoint-dir",
                         str(tmp_path / "ck")], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert r.returncode == 2, r.stderr

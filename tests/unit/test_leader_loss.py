@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.checkpoint.handover import Handover, LeaderLife, Standing
-from services.roster import resuming_newest
+from supervise.roster import resuming_newest
 from services.leader import LeaderWatch
 
 
@@ -201,7 +201,7 @@ class FakeHandle:
 
 
 def test_chaos_reports_each_kill_and_what_it_cost():
-    from services.chaos import Chaos, ChaosConfig
+    from supervise.chaos import Chaos, ChaosConfig
     cluster, events = FakeCluster(), []
     clock = iter(range(100, 10_000))
     chaos = Chaos(ChaosConfig(kills=1, interval=1.0, seed=1), cluster, events.append,
@@ -218,7 +218,7 @@ def test_chaos_reports_each_kill_and_what_it_cost():
 def test_chaos_freezes_a_member_and_reports_whether_it_was_replaced_and_when():
     import signal
 
-    from services.chaos import Chaos, ChaosConfig, human
+    from supervise.chaos import Chaos, ChaosConfig, human
     cluster = FakeCluster()
     now = [100.0]
 
@@ -248,7 +248,7 @@ def test_chaos_freezes_a_member_and_reports_whether_it_was_replaced_and_when():
 
 
 def test_chaos_cuts_a_host_off_for_all_of_its_time_and_reports_steps_taken_meanwhile():
-    from services.chaos import Chaos, ChaosConfig, human
+    from supervise.chaos import Chaos, ChaosConfig, human
     cluster = FakeCluster()
     cluster.pids["ps1"] = 11
     now = [100.0]

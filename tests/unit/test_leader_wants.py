@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services import roster as roster_module
-from services.roster import LeaderWants, Member
+from supervise import roster as roster_module
+from supervise.member import Member
+from supervise.roster import LeaderWants
 from services.workload import Planned
 
 

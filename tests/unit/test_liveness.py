@@ -1,4 +1,4 @@
-"""Deadlines for members that hang (``services/liveness.py``): any answer of a sidecar counts, a
+"""Deadlines for members that hang (``supervise/liveness.py``): any answer of a sidecar counts, a
 503 included; a sidecar that does not answer leaves the last answer where it was; ``rpcps up``
 judges a member by --member-timeout after its first answer since its start, by --ready-timeout
 before it."""
@@ -9,8 +9,8 @@ import time
 import pytest
 
 from services.lease import Lease
-from services.liveness import Liveness
-from services.processes import free_port
+from supervise.liveness import Liveness
+from supervise.processes import free_port
 from services.runtime import _hear_supervisor
 from tests.support.wait import wait_until
 

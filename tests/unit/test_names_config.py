@@ -2,7 +2,7 @@ import pytest
 
 from ps.spec.config import PsConfig
 from services.config import ConfigError, load
-from services.upconfig import UpConfig
+from supervise.upconfig import UpConfig
 from trainer.lm.config import TrainerConfig
 from services.names import format_name, parse_name
 from services.torchrun import as_worker

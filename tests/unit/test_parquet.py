@@ -173,7 +173,7 @@ def test_bench_read_reports_both_formats_over_the_same_records():
     import json
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "services.cli", "bench", "read", "--rows", "3000", "--repeats", "1",
+    r = subprocess.run([sys.executable, "-m", "supervise.cli", "bench", "read", "--rows", "3000", "--repeats", "1",
                         "--row-group", "1000"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -7,13 +7,13 @@ import subprocess
 
 import pytest
 
-from services import cli
+from supervise import cli
 from services.config import ConfigError, load
-from services.placement import PLACEMENTS, NotPossible, found, placement_class, placement_for
-from services.placement.hosts import OnHost, OnHosts
-from services.placement.local import Local, LocalProcess
-from services.placement.slurm import OnSlurm, SlurmStep
-from services.upconfig import UpConfig
+from supervise.placement import PLACEMENTS, NotPossible, found, placement_class, placement_for
+from supervise.placement.hosts import OnHost, OnHosts
+from supervise.placement.local import Local, LocalProcess
+from supervise.placement.slurm import OnSlurm, SlurmStep
+from supervise.upconfig import UpConfig
 
 
 def up(*argv: str, environ=None) -> UpConfig:
@@ -65,7 +65,7 @@ def test_a_recorded_handle_is_found_again_by_its_kind():
 
 
 def test_rpcps_up_help_lists_the_placements():
-    shown = subprocess.run(["python", "-m", "services.cli", "up", "--help"], capture_output=True, text=True,
+    shown = subprocess.run(["python", "-m", "supervise.cli", "up", "--help"], capture_output=True, text=True,
                            timeout=60)
     said = " ".join(shown.stdout.split())
     assert "--run-on RUN_ON where the members run, the placement: local, hosts, slurm" in said, said[-2000:]

@@ -13,7 +13,7 @@ from rpcps.schema import load_schema
 from rpcps.tables import TableConfig as rpcps_table
 from services.config import load
 from services.errors import ConfigError
-from services.upconfig import UpConfig
+from supervise.upconfig import UpConfig
 from tests.support.cluster import REPO
 from trainer.ctr.config import CtrUpSettings
 from trainer.ctr.preflight import preflight

@@ -76,7 +76,7 @@ def test_bench_cache_reports_what_each_bound_gives_by_ids_and_by_lookups():
     import json
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "services.cli", "bench", "cache", "--scale", "0.01", "--steps", "12",
+    r = subprocess.run([sys.executable, "-m", "supervise.cli", "bench", "cache", "--scale", "0.01", "--steps", "12",
                         "--warmup", "4", "--tables", "1", "--shares", "0.05", "--staleness", "0,inf",
                         "--cache-rows", "200"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

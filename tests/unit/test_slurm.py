@@ -11,12 +11,13 @@ import stat
 
 import pytest
 
-from services import cli
+from supervise import cli
 from services.config import ConfigError, load
-from services.hosts.network import Unavailable
-from services.placement.local import Local
-from services.placement.slurm import OnSlurm, job_alive, requeue_orphaned
-from services.upconfig import UpConfig
+from supervise.hosts.network import Unavailable
+from supervise.placement.local import Local
+from services.lease import requeue_orphaned
+from supervise.placement.slurm import OnSlurm, job_alive
+from supervise.upconfig import UpConfig
 
 
 def up(*argv: str) -> UpConfig:

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Optional
 from ps.spec.config import ps_names
 from services.names import format_name
 from services.progress import ProgressStatus, combine, describe
-from services.upconfig import LauncherConfig, flags
+from supervise.upconfig import LauncherConfig, flags
 from services.workload import Planned
 from trainer.core.config import TrainersUpSettings
 

@@ -198,7 +198,7 @@ def account(done: dict, training: dict) -> dict:
 def bench_cluster(args: dict, extra: tuple[str, ...]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "state"
-        argv = [sys.executable, "-m", "services.cli", "up", "--workload", "ctr", "--json", "--num-ps", "2",
+        argv = [sys.executable, "-m", "supervise.cli", "up", "--workload", "ctr", "--json", "--num-ps", "2",
                 "--num-trainers", str(TRAINERS), "--steps", str(args["steps"]), "--warmup-steps", str(args["warmup"]),
                 "--scale", str(args["scale"]), "--batch-size", str(args["batch_size"]),
                 "--eval-samples", str(args["eval_samples"]), "--state-dir", str(state), "--progress-interval", "30",

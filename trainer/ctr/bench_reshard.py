@@ -161,7 +161,7 @@ class Counters:
 
 def _up_argv(ns: argparse.Namespace, tmp: Path, servers: int, resume: bool) -> list[str]:
     steps = ["--steps", str(ns.compare_steps)] if ns.compare_steps and not resume else []
-    return [sys.executable, "-m", "services.cli", "up", "--workload", "ctr", "--scale", str(ns.scale),
+    return [sys.executable, "-m", "supervise.cli", "up", "--workload", "ctr", "--scale", str(ns.scale),
             "--num-ps", str(servers), "--num-trainers", str(ns.trainers), "--consistency", ns.consistency,
             "--batch-size", str(ns.batch_size), "--eval-samples", "0", "--checkpoint-dir", str(tmp / "ck"),
             "--state-dir", str(tmp / "state"), "--progress-interval", "60", "--json",
@@ -193,7 +193,7 @@ class Up:
     def used(self) -> dict[str, dict[str, float]]:
         """What each member's emulated host has used so far: bytes sent on its link (``tx``) and
         CPU seconds (``cpu_s``); none on local processes."""
-        from services.hosts.emulated import usage_of
+        from supervise.hosts.emulated import usage_of
         try:
             hosts = json.loads((self.tmp / "state" / "cluster.json").read_text()).get("hosts") or {}
         except (OSError, ValueError):
@@ -237,7 +237,7 @@ def _scaled(ns: argparse.Namespace, up: Up, servers: int) -> tuple[subprocess.Co
     """``rpcps scale --servers servers`` run to its end; and each host's usage as last read
     meanwhile (a host is read every half second: a server let go takes its host with it)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "scale", "--servers", str(servers),
+        proc = subprocess.Popen([sys.executable, "-m", "supervise.cli", "scale", "--servers", str(servers),
                                  "--state-dir", str(up.tmp / "state")], stdout=out, stderr=err, text=True)
         deadline, used = time.monotonic() + ns.timeout, up.used()
         while proc.poll() is None and time.monotonic() < deadline:
@@ -368,7 +368,7 @@ def _compare(ns: argparse.Namespace, up: Up, counters: Counters, tmp: Path) -> d
 
 
 def _exported(tmp: Path) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "services.cli", "export", "--checkpoint", str(tmp / "ck"), "--out",
+    done = subprocess.run([sys.executable, "-m", "supervise.cli", "export", "--checkpoint", str(tmp / "ck"), "--out",
                            str(tmp / "export")], capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"rpcps export failed: {done.stderr[-2000:]}")

@@ -88,7 +88,7 @@ def run(ns: argparse.Namespace) -> int:
         tmp = Path(tmp_name)
         folder, state = tmp / "in", tmp / "state"
         folder.mkdir()
-        argv = [sys.executable, "-m", "services.cli", "up", "--workload", "ctr", "--scale", str(ns.scale),
+        argv = [sys.executable, "-m", "supervise.cli", "up", "--workload", "ctr", "--scale", str(ns.scale),
                 "--tables", "C3", "--data", str(folder), "--follow", "--num-ps", "2", "--num-trainers", "2",
                 "--batch-size", str(ns.batch_size), "--eval-samples", "0", "--serve", "1", "--serve-staleness",
                 str(ns.staleness), "--checkpoint-dir", str(tmp / "ck"), "--state-dir", str(state),

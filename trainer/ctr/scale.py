@@ -22,7 +22,7 @@ def movies(folder: Path) -> tuple[list[str], Path]:
         raise ConfigError(f"the user-model case trains the example in {model}, which is not here: run the bench "
                           f"from a source checkout, or leave the case out (--cases)")
     data = folder / "ratings"
-    done = subprocess.run([sys.executable, "-m", "services.cli", "data", "ratings", "--rows", str(RATINGS),
+    done = subprocess.run([sys.executable, "-m", "supervise.cli", "data", "ratings", "--rows", str(RATINGS),
                            "--out", str(data)], capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"rpcps data ratings failed: {done.stderr[-2000:]}")

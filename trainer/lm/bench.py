@@ -112,7 +112,7 @@ def bench_local(args: dict, data: Path | None) -> dict:
 
 def bench_seed(args: dict, data: Path | None) -> dict:
     from trainer.lm.bench_seed import run_seed
-    from services.processes import free_port
+    from supervise.processes import free_port
     from trainer.lm.data import batchify
 
     tokens = batchify(_tokens(data, args["ntoken"]), args["batch_size"])
@@ -123,7 +123,7 @@ def bench_seed(args: dict, data: Path | None) -> dict:
 def run_up(args: dict, data: Path | None, extra: tuple[str, ...] = (), eval_tokens: int = 1) -> dict:
     """``rpcps up`` with two servers and two trainers, to its end: its ``done`` event."""
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [sys.executable, "-m", "services.cli", "up", "--json", "--ps", "2", "--trainers", "2",
+        argv = [sys.executable, "-m", "supervise.cli", "up", "--json", "--ps", "2", "--trainers", "2",
                 "--steps", str(args["steps"]), "--warmup-steps", str(args["warmup"]), "--ntoken", str(args["ntoken"]),
                 "--eval-tokens", str(eval_tokens), "--state-dir", str(Path(tmp) / "state"),
                 "--progress-interval", "30", "--checkpoint-dir", str(Path(tmp) / "ckpt"), *extra]

@@ -45,7 +45,7 @@ TOKENS = 20_000          # each trainer's synthetic corpus
 
 def run(ns: argparse.Namespace) -> int:
     from services.client import SidecarClient
-    from services.processes import free_port, stop_in_waves
+    from supervise.processes import free_port, stop_in_waves
 
     with tempfile.TemporaryDirectory(prefix="rpcps-joins-") as tmp:
         root, port = Path(tmp), free_port()
@@ -80,12 +80,12 @@ def run(ns: argparse.Namespace) -> int:
 
 def _servers(root: Path, common: list[str]) -> dict[str, tuple]:
     """ps0 and ps1 started: each one's process and sidecar URL."""
-    from services.processes import free_port, spawn_role
+    from supervise.processes import free_port, spawn_role
     from trainer.lm.data import vocab_size
     servers: dict[str, tuple] = {}
     for name in ("ps0", "ps1"):
         url_port = free_port()
-        proc = spawn_role("services.cli", ["ps", "--name", name, "--sidecar-port", str(url_port), *common,
+        proc = spawn_role("supervise.cli", ["ps", "--name", name, "--sidecar-port", str(url_port), *common,
                                            "--ntoken", str(vocab_size(None)), "--no-resume", *MODEL,
                                            "--checkpoint-every-seconds", "1"], root / f"{name}.log")
         servers[name] = (proc, f"http://127.0.0.1:{url_port}")
@@ -96,7 +96,7 @@ def _joins(ns: argparse.Namespace, root: Path, common: list[str], leader: str, f
     """Trainers ``first`` .. ``first + count - 1`` join, train their episode and leave (killed, every
     ``--kill-every``-th), ``--parallel`` at a time, until the servers are alone again each time."""
     from services.client import SidecarClient
-    from services.processes import free_port, spawn_role
+    from supervise.processes import free_port, spawn_role
 
     def members_settled() -> bool:
         with SidecarClient(leader, timeout=2.0) as c:
@@ -109,7 +109,7 @@ def _joins(ns: argparse.Namespace, root: Path, common: list[str], leader: str, f
             argv = ["trainer", "--name", f"trainer{slot}", "--sidecar-port", str(sidecar), *common,
                     "--num-trainers", str(ns.parallel), "--start", "--steps", str(ns.steps),
                     "--synthetic-tokens", str(TOKENS), "--batch-size", "10", "--bptt", "10"]
-            running.append((i, spawn_role("services.cli", argv, root / f"trainer{slot}.log"),
+            running.append((i, spawn_role("supervise.cli", argv, root / f"trainer{slot}.log"),
                             f"http://127.0.0.1:{sidecar}"))
         for i, proc, url in running:
             poll_until(lambda: _episode_done(url) or proc.poll() is not None, 180, "a trainer's episode")

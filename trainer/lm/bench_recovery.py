@@ -82,7 +82,7 @@ def _furthest(urls: list[str]) -> int:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from services.processes import free_port, spawn_role, stop_in_waves
+    from supervise.processes import free_port, spawn_role, stop_in_waves
 
     ways = [w for w in ns.ways.split(",") if w]
     with tempfile.TemporaryDirectory(prefix="rpcps-recovery-") as tmp:
@@ -93,7 +93,7 @@ def run(ns: argparse.Namespace) -> int:
 
         def start_server(name: str) -> str:
             sidecar = free_port()
-            servers[name] = (spawn_role("services.cli", ["ps", "--name", name, "--sidecar-port", str(sidecar),
+            servers[name] = (spawn_role("supervise.cli", ["ps", "--name", name, "--sidecar-port", str(sidecar),
                                                          *common, "--consistency", "sync", "--no-resume"],
                                         root / f"{name}.log"), f"http://127.0.0.1:{sidecar}")
             return servers[name][1]
@@ -129,7 +129,7 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def _rpcps_way(kills: int, root: Path, port: int, flags: list[str]) -> list[dict]:
-    from services.processes import stop_in_waves
+    from supervise.processes import stop_in_waves
 
     procs: dict[str, subprocess.Popen] = {}
     urls: dict[str, str] = {}
@@ -165,12 +165,12 @@ def _rpcps_way(kills: int, root: Path, port: int, flags: list[str]) -> list[dict
 def _trainers(procs: dict[str, subprocess.Popen], urls: dict[str, str], root: Path, port: int, flags: list[str],
               count: int) -> Callable[[str], None]:
     """What starts trainer ``name`` of ``count``, recording its process and sidecar."""
-    from services.processes import free_port, spawn_role
+    from supervise.processes import free_port, spawn_role
 
     def start(name: str) -> None:
         sidecar = free_port()
         urls[name] = f"http://127.0.0.1:{sidecar}"
-        procs[name] = spawn_role("services.cli", ["trainer", "--name", name, "--sidecar-port", str(sidecar),
+        procs[name] = spawn_role("supervise.cli", ["trainer", "--name", name, "--sidecar-port", str(sidecar),
                                                   "--master-port", str(port), "--checkpoint-dir", str(root / "ckpt"),
                                                   "--num-trainers", str(count), "--start", *flags],
                                  root / f"{name}.log")
@@ -179,7 +179,7 @@ def _trainers(procs: dict[str, subprocess.Popen], urls: dict[str, str], root: Pa
 
 def _server_way(kills: int, root: Path, port: int, flags: list[str], ps1: Callable[[], subprocess.Popen],
                 restart_ps1: Callable[[], str]) -> list[dict]:
-    from services.processes import stop_in_waves
+    from supervise.processes import stop_in_waves
 
     procs: dict[str, subprocess.Popen] = {}
     urls: dict[str, str] = {}
@@ -211,7 +211,7 @@ def _server_way(kills: int, root: Path, port: int, flags: list[str], ps1: Callab
 
 
 def _torchrun_way(kills: int, root: Path, port: int, flags: list[str]) -> list[dict]:
-    from services.processes import free_port, stop_in_waves
+    from supervise.processes import free_port, stop_in_waves
     from services.torchrun import command
 
     sidecar = free_port(len(TRAINERS))     # worker k's sidecar listens at sidecar + k

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def measure(observers: int, batched: bool, ns: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="rpcps-bench-rl-") as tmp:
-        argv = [sys.executable, "-m", "services.cli", "up", "--workload", "rl", "--json", "--no-resume",
+        argv = [sys.executable, "-m", "supervise.cli", "up", "--workload", "rl", "--json", "--no-resume",
                 "--observers", str(observers), "--batched" if batched else "--no-batched",
                 "--episodes", str(ns.episodes), "--seed", str(ns.seed), "--env", ns.env,
                 "--rpc-transport", ns.rpc_transport, "--no-final-checkpoint", "--state-dir", str(Path(tmp) / "state"),

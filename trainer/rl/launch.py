@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from services.upconfig import LauncherConfig, flags
+from supervise.upconfig import LauncherConfig, flags
 from services.names import format_name
 from services.progress import combine, describe
 from services.workload import Planned

@@ -1,5 +1,5 @@
 """``rpcps bench scale``: how a job's throughput grows as trainer hosts are added, with every
-member on an emulated host of its own (``services/hosts/``: its own network namespace and
+member on an emulated host of its own (``supervise/hosts/``: its own network namespace and
 address, PID and UTS namespaces, ``--cpus`` cores as a CFS quota, torch's threads set to match).
 Needs root.
 

@@ -99,7 +99,7 @@ def summary(results: list[dict[str, Any]], hops: int) -> dict[str, Any]:
 
 def setting(hosts: int, cpus: Optional[float], ns: argparse.Namespace, work_s: float, folder: Path) -> dict[str, Any]:
     """One setting's processes, one per host, run to their end; each one's result."""
-    from services.hosts.emulated import EmulatedHosts
+    from supervise.hosts.emulated import EmulatedHosts
     from trainer.core.allreduce import halving_doubling_rounds, ring_rounds
     names = [f"ring{i}" for i in range(hosts)]
     made = EmulatedHosts(names, cpus).create()

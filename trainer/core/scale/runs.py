@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional
 import httpx
 
 from services.client import SidecarClient, SidecarError
-from services.hosts.emulated import EmulatedHosts, usage_of
-from services.hosts.network import host_child
-from services.hosts.quota import CpuQuota
+from supervise.hosts.emulated import EmulatedHosts, usage_of
+from supervise.hosts.network import host_child
+from supervise.hosts.quota import CpuQuota
 
 POLL = 0.5              # seconds between looks at the trainers' steps and the hosts' counters
 RUN_TIMEOUT = 1800.0
@@ -117,7 +117,7 @@ def cluster(plan: Plan, trainers: int, servers: int, rate: Optional[str] = None,
     gives its figures)."""
     with tempfile.TemporaryDirectory(prefix="rpcps-scale-") as tmp:
         state = Path(tmp) / "state"
-        argv = [sys.executable, "-m", "services.cli", "up", "--json", "--emulate-hosts", "--host-cpus", str(plan.cpus),
+        argv = [sys.executable, "-m", "supervise.cli", "up", "--json", "--emulate-hosts", "--host-cpus", str(plan.cpus),
                 "--num-ps", str(servers), "--num-trainers", str(trainers), "--steps", str(plan.steps),
                 "--warmup-steps", str(plan.warmup), "--state-dir", str(state), "--checkpoint-dir", str(Path(tmp) / "ck"),
                 "--no-final-checkpoint", "--progress-interval", "60", *plan.flags, *extra]
@@ -184,7 +184,7 @@ def one_process(plan: Plan, trainers: int = 1, on_host: bool = True) -> dict[str
     trainers' samples): on one host of the plan's share (the baseline), or (``on_host`` False) as
     a plain process of this machine (the exact reference of a sync run, where only its result counts)."""
     with tempfile.TemporaryDirectory(prefix="rpcps-scale-") as tmp:
-        argv = [sys.executable, "-m", "services.cli", "up", "--json", "--local", "--num-trainers", str(trainers),
+        argv = [sys.executable, "-m", "supervise.cli", "up", "--json", "--local", "--num-trainers", str(trainers),
                 "--steps", str(plan.steps), "--warmup-steps", str(plan.warmup), "--state-dir", str(Path(tmp) / "state"),
                 "--progress-interval", "60", *plan.flags]
         log = Path(tmp) / "out.log"

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import httpx
 import numpy as np
 
-from services.processes import free_port, spawn_role, stop_in_waves
+from supervise.processes import free_port, spawn_role, stop_in_waves
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cli(*args: str, timeout: float = 1800) -> str:
-    done = subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "supervise.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"rpcps {args[0]} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -171,7 +171,7 @@ def _snapshot(tmp: Path, ns: argparse.Namespace, rows: list[dict]) -> dict[str, 
     trained = _train(tmp, ns, "first")
     _cli("export", "--checkpoint", str(tmp / "ck-first"), "--out", str(tmp / "model"))
     port = free_port()
-    serve = spawn_role("services.cli", ["serve", "--snapshot", str(tmp / "model"), "--sidecar-port", str(port),
+    serve = spawn_role("supervise.cli", ["serve", "--snapshot", str(tmp / "model"), "--sidecar-port", str(port),
                                         "--checkpoint-dir", str(tmp / "ck-serve")], tmp / "serve.log")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -189,7 +189,7 @@ def _online(tmp: Path, ns: argparse.Namespace, rows: list[dict]) -> dict[str, An
     throughput while it trains, freshness by marker, and the trainers' steps/s with and without
     the batched load."""
     state = tmp / "state-online"
-    argv = [sys.executable, "-m", "services.cli", "up", "--workload", "ctr", "--scale", str(ns.scale), "--data",
+    argv = [sys.executable, "-m", "supervise.cli", "up", "--workload", "ctr", "--scale", str(ns.scale), "--data",
             str(tmp / "data"), "--num-ps", "2", "--num-trainers", "2", "--batch-size", "2048", "--eval-samples", "0",
             "--serve", "1", "--serve-staleness", str(ns.staleness), "--checkpoint-dir", str(tmp / "ck-online"),
             "--state-dir", str(state), "--no-final-checkpoint", "--progress-interval", "60", "--json"]

@@ -1,77 +1,42 @@
 """The members ``rpcps up`` runs, as processes: where each is planned (its argv, sidecar, log),
-started, restarted after a back-off when it dies (at once when it only lost its leader), recorded
-in ``cluster.json`` for ``rpcps status``/``chaos``/``down``, and stopped in waves."""
+started, started again when it dies (when the policy of ``restarts.py`` says; at once when it only
+lost its leader), stopped where it runs when it is judged lost, recorded in ``cluster.json`` for
+``rpcps status``/``chaos``/``down``, and stopped in waves."""
 from __future__ import annotations
 
 import json
 import logging
 import os
-import re
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from services.checkpoint.store import CheckpointStore
 from services.client import SidecarClient, SidecarError
 from services.leader import LEADER_LOST
-from services.placement import Placed, placement_for
-from services.processes import free_port, stop_in_waves
-from services.upconfig import LauncherConfig, flags
+from supervise.member import Member
+from supervise.placement import placement_for
+from supervise.processes import free_port, stop_in_waves
+from supervise.restarts import RestartPolicy
+from supervise.upconfig import LauncherConfig, flags
 from services.workload import Launch, Planned
 
-log = logging.getLogger("services.launcher")
+log = logging.getLogger("supervise.launcher")
 
 STOP_TIMEOUT = 9.0  # every process gone within 10 s of a stop
 FINAL_CHECKPOINT_TIMEOUT = 30.0
-SAME_FAILURES = 3   # deaths in a row, each of the same error, that end the run: it fails at every start
 _COMMON_FLAGS = ("threads", "log_level", "http_read_timeout", "rpc_transport", "rpc_channel")
-
-
-@dataclass
-class Member:
-    name: str
-    role: str
-    argv: list[str]
-    url: str
-    log_path: Path
-    proc: Optional[Placed] = None
-    started_at: float = 0.0                 # time.monotonic() of its last start
-    deaths: int = 0                         # in a row: each before it stayed up --restart-window
-    restarts: int = 0                       # in this run
-    last_exit: Optional[int] = None
-    restart_at: Optional[float] = None      # time.monotonic() its restart is due, while it waits
-    log_start: int = 0                      # the size of its log at its last start: what follows is this run's
-    causes: tuple[str, ...] = ()            # why it died, each of its deaths in a row
-    fenced: Optional[str] = None            # why it was stopped as lost, until it is restarted
-    answering: bool = False                 # its sidecar has answered since its last start: --member-timeout applies
-
-    def healthy(self) -> None:
-        """Up for --restart-window: its deaths no longer count as in a row."""
-        self.deaths, self.causes = 0, ()
-
-    def died_of(self, code: int) -> str:
-        """Why it died this time, in words: its log's since its last start, or the signal."""
-        if self.fenced is not None:
-            return self.fenced
-        if code < 0:
-            return f"killed by signal {-code}"
-        return cause(self.log_path, self.log_start)
-
-    def failing(self) -> Optional[dict]:
-        """What ``rpcps status`` shows of a member in a crash loop (None: not failing)."""
-        if not self.deaths:
-            return None
-        due = None if self.restart_at is None else time.time() + max(0.0, self.restart_at - time.monotonic())
-        return {"exit_code": self.last_exit, "deaths": self.deaths, "restart_at": due}
 
 
 class Roster:
     def __init__(self, cfg: LauncherConfig, workload: Launch, leader: str, checkpoint_dir: Path,
-                 emit: Callable[[dict], None], fail: Callable[[str], None]) -> None:
+                 emit: Callable[[dict], None], fail: Callable[[str], None],
+                 restarts: Optional[RestartPolicy] = None) -> None:
+        """``restarts``: when a member that died starts again (default: as ``cfg`` says)."""
         self.cfg, self.workload, self.leader, self.checkpoint_dir = cfg, workload, leader, checkpoint_dir
         self.emit, self.fail = emit, fail
+        self.restarts = restarts or RestartPolicy.of(cfg)
         self.members: list[Member] = []
         self.master_port = 0
         self.token = cfg.control_token.get_secret_value() if cfg.control_token else None
@@ -152,28 +117,20 @@ class Roster:
         log.info("started %s (pid %d), log %s", m.name, m.proc.pid, m.log_path)
 
     def schedule_restart(self, m: Member, code: int) -> bool:
-        """A member died: restart it after a back-off that doubles with each death in a row (as
-        Kubernetes does), while the others go on. False: the user set --max-restarts and it is spent."""
-        reason = m.died_of(code)
-        if self.cfg.max_restarts is not None and m.deaths >= self.cfg.max_restarts:
-            self.fail(f"{m.name} exited with code {code} after {m.deaths} restarts in a row ({reason}); giving up "
-                       f"(--max-restarts; see {m.log_path})")
+        """A member died: start it again when the policy says (``restarts.py``), while the others
+        go on. False: the policy ends the run (said through ``fail``)."""
+        verdict = self.restarts.after_death(m, code)
+        if verdict.delay is None:
+            self.fail(verdict.ends_run)
             return False
-        m.causes = (*m.causes, reason)
-        if code > 0 and m.fenced is None and len(m.causes) >= SAME_FAILURES and len(set(m.causes[-SAME_FAILURES:])) == 1:
-            # A restart cannot mend what fails the same way each time (the data, the settings, a bug):
-            # say it and end the run rather than loop.
-            self.fail(f"{m.name} failed the same way at each of its last {SAME_FAILURES} starts: {reason} "
-                       f"(log: {m.log_path})")
-            return False
+        m.causes = (*m.causes, verdict.reason)
         m.deaths += 1
         m.restarts += 1
         m.last_exit = code
-        delay = min(self.cfg.restart_backoff_max, self.cfg.restart_backoff * 2 ** (m.deaths - 1))
-        m.restart_at = time.monotonic() + delay
+        m.restart_at = time.monotonic() + verdict.delay
         self.on_restart(m)
-        self.emit({"event": "restart", "name": m.name, "exit_code": code, "reason": reason, "restarts": m.deaths,
-                   "in": delay})
+        self.emit({"event": "restart", "name": m.name, "exit_code": code, "reason": verdict.reason,
+                   "restarts": m.deaths, "in": verdict.delay})
         self.write_state()
         return True
 
@@ -189,7 +146,7 @@ class Roster:
         self.respawn(m)
 
     def fence(self, m: Member, why: str) -> None:
-        """``m`` is declared lost though its process lives (``services/liveness.py``): say so, and
+        """``m`` is declared lost though its process lives (``supervise/liveness.py``): say so, and
         stop it where it runs (a stopped process is killed all the same; a Slurm step is
         cancelled), so that the restart path replaces it and no second copy serves."""
         m.fenced = why
@@ -393,28 +350,3 @@ def resuming_newest(argv: list[str]) -> list[str]:
         elif arg not in ("--resume", "--no-resume"):
             out.append(arg)
     return out + ["--resume"]
-
-
-_TAIL = 1 << 16          # bytes of a log's end read for why its role died
-_LOGGED_ERROR = re.compile(r" (ERROR|CRITICAL) [\w.]+: (.*)$")
-
-
-def cause(log_path: Path, start: int = 0) -> str:
-    """Why a role died, from its log past byte ``start``: its last logged error, else the last
-    line of its last traceback, else its last line."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(start, f.seek(0, os.SEEK_END) - _TAIL))
-            text = f.read().decode(errors="replace")
-        lines = [line for line in text.splitlines()[-400:] if line.strip()]
-    except OSError as exc:
-        return f"its log cannot be read ({exc.strerror or exc})"
-    errors = [m.group(2) for line in lines if (m := _LOGGED_ERROR.search(line))]
-    if errors:
-        return errors[-1]
-    tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if tracebacks:
-        after = [line for line in lines[tracebacks[-1] + 1:] if not line.startswith((" ", "\t"))]
-        if after:
-            return after[0]
-    return lines[-1] if lines else "its log is empty"

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from services.errors import ConfigError
 from services.names import parse_name
-from services.placement import NotPossible, placement_class
+from supervise.placement import NotPossible, placement_class
 from services.workload import benches, commands, data_writers, roles, settings_of, workloads
 
 STATE_FILE = "cluster.json"
@@ -105,7 +105,7 @@ def _parser(argv: Sequence[str]) -> tuple[_Parser, dict[str, argparse.ArgumentPa
     up = command("up", "run a whole cluster as local processes, supervised, with progress",
                  usage="%(prog)s [--workload {" + ",".join(workloads()) + "}] [options]")
     if chosen == "up":
-        from services.upconfig import UpConfig
+        from supervise.upconfig import UpConfig
         up.epilog = _up_epilog()
         flags_of(up, UpConfig)
     _control_commands(command, chosen, flags_of)
@@ -142,7 +142,7 @@ def _control_commands(command: Callable[..., argparse.ArgumentParser], chosen: O
     _sidecar_flags(ep)
     chaos = command("chaos", "kill members of the local cluster at random and report how it recovers")
     if chosen == "chaos":
-        from services.chaos import ChaosConfig
+        from supervise.chaos import ChaosConfig
         flags_of(chaos, ChaosConfig, default_group="chaos")
 
 
@@ -407,9 +407,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             run_role(cfg, spec)          # exits the process with the role's code
         if cmd == "up":
             from services.config import load
-            from services.launcher import Launcher
+            from supervise.launcher import Launcher
             from services.log import init_logging
-            from services.upconfig import UpConfig
+            from supervise.upconfig import UpConfig
             cfg = load(UpConfig, vars(args), os.environ)
             init_logging("up", "warning" if cfg.as_json else cfg.log_level)
             launcher = Launcher(cfg)
@@ -417,7 +417,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             signal.signal(signal.SIGINT, lambda *_: launcher.request_stop())
             sys.exit(launcher.run())
         if cmd == "chaos":
-            from services.chaos import ChaosConfig, run_chaos
+            from supervise.chaos import ChaosConfig, run_chaos
             from services.config import load
             sys.exit(run_chaos(load(ChaosConfig, vars(args), os.environ)))
         if cmd in ("status", "episode", "scale", "checkpoint"):

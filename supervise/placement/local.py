@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from services.placement import Placed, launcher_ended
-from services.processes import free_port, spawn_role
+from supervise.placement import Placed, launcher_ended
+from supervise.processes import free_port, spawn_role
 
 
 class LocalProcess(Placed):
@@ -82,7 +82,7 @@ class Local(_PortsInOrder):
         return "127.0.0.1" if self._sidecar_host in ("0.0.0.0", "") else self._sidecar_host
 
     def spawn(self, name: str, argv: list[str], log_path: Path, env: dict) -> LocalProcess:
-        proc = spawn_role("services.cli", argv, log_path, env)
+        proc = spawn_role("supervise.cli", argv, log_path, env)
         return LocalProcess(proc.pid, proc)
 
     def renew(self, name: str) -> bool:

@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cli(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *argv]
+    return [sys.executable, "-m", "supervise.cli", *argv]
 
 
 def _start_cluster(folder: Path) -> subprocess.Popen:

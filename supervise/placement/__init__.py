@@ -109,7 +109,7 @@ class Placement(Protocol):
     def reach(self, name: str) -> str: ...
 
     def spawn(self, name: str, argv: list[str], log_path: Path, env: dict) -> Placed:
-        """Start ``python -m services.cli argv`` as member ``name``, output appended to ``log_path``."""
+        """Start ``python -m supervise.cli argv`` as member ``name``, output appended to ``log_path``."""
 
     def renew(self, name: str) -> bool:
         """Member ``name`` was fenced, and its old place may be cut off: place its next start
@@ -127,9 +127,9 @@ class Placement(Protocol):
 # records of each member's handle (its ``kind``). A new one (Kubernetes) is one more line here and
 # one more module beside these, imported when chosen.
 PLACEMENTS: dict[str, str] = {
-    "local": "services.placement.local:Local",          # processes of this machine (the default)
-    "hosts": "services.placement.hosts:OnHosts",        # an emulated host each (--emulate-hosts)
-    "slurm": "services.placement.slurm:OnSlurm",        # a step each of a Slurm allocation (--slurm)
+    "local": "supervise.placement.local:Local",          # processes of this machine (the default)
+    "hosts": "supervise.placement.hosts:OnHosts",        # an emulated host each (--emulate-hosts)
+    "slurm": "supervise.placement.slurm:OnSlurm",        # a step each of a Slurm allocation (--slurm)
 }
 
 

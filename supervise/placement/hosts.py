@@ -1,5 +1,5 @@
 """``OnHosts`` (``rpcps up --emulate-hosts``): every member on an emulated host of its own
-(``services/hosts/``), made when the members are planned and removed when the run ends; the
+(``supervise/hosts/``), made when the members are planned and removed when the run ends; the
 leader's store and every sidecar at its host's address, which this machine reaches over the
 hosts' bridge. A member fenced (it stopped answering: frozen, or its host cut off) starts again
 on a fresh host, as a cluster manager reschedules a pod off a node it lost: its old host may
@@ -12,9 +12,9 @@ import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-from services.hosts.network import host_child, ip
-from services.placement import Placed, launcher_ended
-from services.placement.local import _PortsInOrder
+from supervise.hosts.network import host_child, ip
+from supervise.placement import Placed, launcher_ended
+from supervise.placement.local import _PortsInOrder
 
 
 class OnHost(Placed):
@@ -80,7 +80,7 @@ class OnHosts(_PortsInOrder):
         self.host_of: dict[str, str] = {}       # member -> the host it runs on now
 
     def create(self, names: list[str]) -> None:
-        from services.hosts.emulated import EmulatedHosts
+        from supervise.hosts.emulated import EmulatedHosts
         self._number(names)
         self.hosts = EmulatedHosts(names, self.cpus, self.rate).create()
         self.host_of = {n: n for n in names}
@@ -108,7 +108,7 @@ class OnHosts(_PortsInOrder):
 
     def spawn(self, name: str, argv: list[str], log_path: Path, env: dict) -> OnHost:
         host = self.host_of[name]
-        proc = self.hosts.python(host, "services.cli", argv, log_path, env)
+        proc = self.hosts.python(host, "supervise.cli", argv, log_path, env)
         return OnHost(proc.pid, self.hosts.net.namespace(host), host, proc)
 
     def renew(self, name: str) -> bool:

@@ -33,7 +33,7 @@ class Rescales:
                  client: Callable[..., Any] = SidecarClient,
                  during: Optional[Callable[[str], dict[str, Any]]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``cluster``: ``services/chaos.py``'s ``Cluster`` (cluster.json and the sidecars);
+        """``cluster``: ``supervise/chaos.py``'s ``Cluster`` (cluster.json and the sidecars);
         ``client``: a sidecar's client, made as ``SidecarClient`` is; ``during``: kill this member
         and wait until it is back, its record (``Chaos.fault_one``): each change then has a member
         killed while it moves; ``clock``: seconds, as ``pause`` spends them."""

@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from services.hosts.network import Unavailable
-from services.placement import Placed
-from services.processes import spawn_logged
+from supervise.hosts.network import Unavailable
+from supervise.placement import Placed
+from supervise.processes import spawn_logged
 
 SIDECAR_PORT = 8080
 
@@ -50,29 +50,6 @@ def job_alive(job: str) -> bool:
         return "Invalid job id" not in r.stderr      # forgotten by the controller: long over
     return any(state not in ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")
                for state in r.stdout.split())
-
-
-def requeue_orphaned(job: Optional[str], store: tuple[str, int], wait: float = 2.0) -> Optional[str]:
-    """For a member of a Slurm job whose lease ran out: requeue the job if its batch node is lost.
-    ``rpcps up`` and the leader's store run on the batch node; when the store cannot be reached
-    either, but Slurm's controller can, the batch node is gone and nothing is left to supervise.
-    Slurm would keep a job that outlives node failures (``--no-kill``) running without its
-    batch script; requeued, it resumes from its newest checkpoint. A member cut off from
-    everything reaches neither, and only fences itself. Says what it did (None: nothing)."""
-    if not job or shutil.which("scontrol") is None:
-        return None
-    try:
-        socket.create_connection(store, timeout=wait).close()
-        return None                 # the batch node is there: this member alone was let go
-    except OSError:
-        pass
-    try:
-        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=2 * wait)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if r.returncode != 0:
-        return None                 # the controller is out of reach too, or the job is over or requeued
-    return f"its leader's store at {store[0]}:{store[1]} is out of reach: requeued Slurm job {job}"
 
 
 def _unusable(state: str) -> bool:
@@ -211,7 +188,7 @@ class OnSlurm:
         # or a restarted member while its old step is still being cleaned up).
         srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.nodes[name]}", "--overlap",
                 f"--job-name={name}", "--kill-on-bad-exit=0", "--quiet",
-                sys.executable, "-m", "services.cli", *argv]
+                sys.executable, "-m", "supervise.cli", *argv]
         proc = spawn_logged(srun, log_path, {**env, "RPCPS_REQUEUE_JOB": self.job})
         return SlurmStep(proc.pid, self.job, name, self.nodes[name], proc)
 

@@ -11,8 +11,8 @@ from pydantic import Field, SecretStr, TypeAdapter, ValidationError, create_mode
 from pydantic.fields import FieldInfo
 
 from services.config import ConfigBase, explain, flag_name, shown_default, writable_folder
-from services.hosts.emulated import HostsSettings, threads_for
-from services.placement import PLACEMENTS
+from supervise.hosts.emulated import HostsSettings, threads_for
+from supervise.placement import PLACEMENTS
 from services.workload import workloads
 
 

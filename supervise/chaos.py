@@ -3,11 +3,11 @@ how it recovers.
 
 Faults come at random intervals (exponential, mean ``--interval``), a bounded number of times,
 each to one member, through the handle its placement recorded in ``cluster.json``
-(``services/placement``), wherever it runs: ``--fault kill`` (SIGKILL); ``--fault stop`` (SIGSTOP,
+(``supervise/placement``), wherever it runs: ``--fault kill`` (SIGKILL); ``--fault stop`` (SIGSTOP,
 then SIGCONT after ``--for`` seconds, unless ``rpcps up`` has declared the member lost and
 replaced it by then: ``--member-timeout``); ``--fault partition`` (its host's link down for
 ``--for`` seconds, its process running on; emulated hosts only); ``--fault scale`` (the job moved
-onto one parameter server more or one fewer: ``services/chaos_scale.py``; ``--fault scale-kill``, with a
+onto one parameter server more or one fewer: ``supervise/chaos_scale.py``; ``--fault scale-kill``, with a
 member of the change killed as it moves). After each, it waits until the
 member runs again and every member is ready, then records what the fault cost, when the member
 was replaced (a frozen or cut-off one: when ``rpcps up`` detected it), when it counted its next
@@ -34,13 +34,13 @@ from typing import Any, Callable, Literal, Optional
 
 from pydantic import Field
 
-from services.chaos_scale import Rescales
-from services.chaos_scale import human as scale_human
-from services.chaos_scale import summarize as scale_summary
+from supervise.chaos_scale import Rescales
+from supervise.chaos_scale import human as scale_human
+from supervise.chaos_scale import summarize as scale_summary
 from services.checkpoint.store import CheckpointStore
 from services.client import SidecarClient
 from services.config import ConfigBase
-from services.placement import Placed, found
+from supervise.placement import Placed, found
 
 POLL = 0.2
 

@@ -13,9 +13,9 @@ from typing import Any, Optional
 from pydantic import Field, field_validator
 
 from services.config import ConfigBase
-from services.hosts.network import HostNetwork, HostProcess, link_counters, remove
-from services.hosts.quota import CGROUP, CpuQuota
-from services.processes import spawn_logged
+from supervise.hosts.network import HostNetwork, HostProcess, link_counters, remove
+from supervise.hosts.quota import CGROUP, CpuQuota
+from supervise.processes import spawn_logged
 
 RATE = r"^[0-9]+(\.[0-9]+)?[kmg]?bit$"
 

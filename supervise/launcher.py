@@ -2,13 +2,13 @@
 
 What to start and how to read its progress is the workload's (its ``Launch``, found through
 ``services/workload.py``); its settings join the launcher's own in ``UpConfig``. Roles run
-as ``python -m services.cli <role>`` in their own sessions (so a terminal's Ctrl-C reaches only the
+as ``python -m supervise.cli <role>`` in their own sessions (so a terminal's Ctrl-C reaches only the
 launcher, which then stops the workers first and the leader, the store host, last). A member that
 dies is restarted after a back-off that grows while it keeps dying; the others train on. When the
 leader dies, every other member leaves with ``LEADER_LOST`` (``services/leader.py``) and is started
 again at once, to join the restarted leader. The run ends when the user stops it, when the workload
 says it is finished, or when a member spends ``--max-restarts``. The processes themselves (planned,
-started, restarted, recorded, stopped) are its ``Roster`` (``services/roster.py``).
+started, restarted, recorded, stopped) are its ``Roster`` (``supervise/roster.py``).
 """
 from __future__ import annotations
 
@@ -23,14 +23,15 @@ from typing import Callable, Optional
 from services.client import SidecarClient
 from services.config import writable_folder
 from services.errors import ConfigError
-from services.hosts.network import Unavailable
+from supervise.hosts.network import Unavailable
 from services.leader import LEADER_LOST
 from services.lease import FENCED
 from services.lifecycle import RoleStatus
-from services.liveness import Liveness
+from supervise.liveness import Liveness
 from services.names import parse_name
-from services.roster import LeaderWants, Member, Roster, cause, final_checkpoint
-from services.upconfig import LauncherConfig
+from supervise.member import Member, cause
+from supervise.roster import LeaderWants, Roster, final_checkpoint
+from supervise.upconfig import LauncherConfig
 from services.workload import Launch, roles, workloads
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ class Launcher:
                     continue
                 code = m.proc.poll()
                 if code is None:
-                    if m.deaths and now - m.started_at >= self.cfg.restart_window:
+                    if self.roster.restarts.healthy_again(m, now):
                         m.healthy()           # up long enough: its deaths are no longer in a row
                         self.roster.write_state()
                     if not m.answering and self.liveness.heard_since(m.name, m.started_at):

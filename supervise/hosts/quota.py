@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from services.hosts.network import Unavailable
+from supervise.hosts.network import Unavailable
 
 CGROUP = Path("/sys/fs/cgroup")
 PERIOD_US = 100_000
