@@ -40,7 +40,7 @@ from supervise.chaos_scale import summarize as scale_summary
 from services.checkpoint.store import CheckpointStore
 from services.client import SidecarClient
 from services.config import ConfigBase
-from supervise.placement import Placed, found
+from supervise.placement import Placed, found, placed_of
 
 POLL = 0.2
 
@@ -109,10 +109,8 @@ def _steps(status: Optional[dict[str, Any]]) -> Optional[int]:
 
 
 def handle_of(state: dict[str, Any], name: str) -> Placed:
-    """Member ``name``'s handle, as its placement recorded it (a ``cluster.json`` of an older
-    ``rpcps up`` records only process ids: local processes)."""
-    described = (state.get("placed") or {}).get(name) or {"kind": "local", "pid": state["pids"][name]}
-    return found(described)
+    """Member ``name``'s handle, as its placement recorded it."""
+    return found(placed_of(state)[name])
 
 
 class _Fault:
@@ -151,7 +149,7 @@ class Chaos:
 
     def candidates(self) -> list[str]:
         state = self.cluster.state()
-        names = list(state["pids"])
+        names = list(placed_of(state))
         if self.cfg.members:
             wanted = [n.strip() for n in self.cfg.members.split(",") if n.strip()]
             unknown = [n for n in wanted if n not in names]
@@ -190,7 +188,7 @@ class Chaos:
         """``kind`` (default: ``--fault``'s) done to ``name``, and how it came back."""
         kind = kind or self.cfg.fault
         state = self.cluster.state()
-        pid, leader = state["pids"][name], state.get("leader")
+        start, leader = placed_of(state)[name], state.get("leader")
         before = _steps(self.cluster.status(name))
         checkpoint = self.cluster.newest_checkpoint()
         fault = _Fault(kind, self._handle(state, name), self._clock)
@@ -199,7 +197,7 @@ class Chaos:
         deadline = killed_at + lasts + self.cfg.recover_timeout
         fault.do()
         try:
-            replaced_at = self._until_back(name, pid, fault, killed_at, deadline)
+            replaced_at = self._until_back(name, start, fault, killed_at, deadline)
             if replaced_at is False:
                 return {"member": name, "fault": kind, "killed_at": killed_at, "back_at": None,
                         "seconds": None, "error": f"not back within {self.cfg.recover_timeout:.0f}s"}
@@ -231,28 +229,28 @@ class Chaos:
             record.update(lasted_seconds=round(undone_at - killed_at, 2),
                           stepped_during=stepping is not None and stepping < undone_at,
                           old_running=replaced_at is not None and fault.target.poll() is None)
-        if name not in self.cluster.state()["pids"]:
+        if name not in placed_of(self.cluster.state()):
             record["let_go"] = True     # it was leaving the job (a drained server): not started again
         if name == leader:
-            record["kept_by"] = sorted(n for n in self.cluster.state()["pids"] if n != name
+            record["kept_by"] = sorted(n for n in placed_of(self.cluster.state()) if n != name
                                        and ((self.cluster.status(n) or {}).get("resumed_from") or {}).get("handover"))
         return record
 
-    def _until_back(self, name: str, pid: int, fault: _Fault, at: float, deadline: float) -> Any:
+    def _until_back(self, name: str, start: dict[str, Any], fault: _Fault, at: float, deadline: float) -> Any:
         """When ``name`` was replaced (None: it was not, and goes on where it was) once every member
         is ready again; False past the deadline. A frozen member not replaced within --for is
         continued; a cut-off one is reconnected after --for, replaced or not."""
         replaced_at: Optional[float] = None
         while True:
-            now = self.cluster.state()
-            if replaced_at is None and now["pids"].get(name) != pid:
+            now = placed_of(self.cluster.state())
+            if replaced_at is None and now.get(name) != start:
                 replaced_at = self._clock()
                 if fault.kind == "stop":
                     fault.pending = False       # stopped for good where it was: nothing to continue
             if fault.pending and replaced_at is None and self._clock() - at >= self.cfg.for_seconds:
                 fault.undo()
             if (replaced_at is not None or fault.kind != "kill" and not fault.pending) and \
-                    all(self.cluster.ready(n) for n in now["pids"]):
+                    all(self.cluster.ready(n) for n in now):
                 return replaced_at
             if self._clock() > deadline:
                 return False

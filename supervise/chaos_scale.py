@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import httpx
 
 from services.client import ChangeFailed, SidecarClient, SidecarError
+from supervise.placement import placed_of
 
 MAX_SERVERS = 8             # the most servers a change moves onto
 WAIT = 600.0                # seconds a change (with its new server's start) may take
@@ -120,7 +121,7 @@ class Rescales:
         sources = [n for n in before if n != leader] if grows else [n for n in before if n not in after]
         destinations = [n for n in after if n not in before] if grows else [n for n in after if n != leader]
         playing = {"source": sources, "destination": destinations, "leader": [leader],
-                   "trainer": [n for n in self.cluster.state()["pids"] if not n.startswith("ps")]}
+                   "trainer": [n for n in placed_of(self.cluster.state()) if not n.startswith("ps")]}
         role = self._rng.choice([r for r in ROLES if playing[r]])
         return role, self._rng.choice(sorted(playing[role]))
 

@@ -146,6 +146,14 @@ def placement_for(cfg: Any) -> Placement:
     return placement_class(cfg.run_on).from_settings(cfg)
 
 
+def placed_of(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each member of a run, by the record its placement keeps of its handle (``cluster.json``'s
+    ``placed``): a new start of a member is a new record (a process, a Slurm step, on a host),
+    whatever the placement. A ``cluster.json`` of an older ``rpcps up`` records only process ids:
+    local processes."""
+    return state.get("placed") or {n: {"kind": "local", "pid": p} for n, p in (state.get("pids") or {}).items()}
+
+
 def found(described: dict[str, Any]) -> Placed:
     """The handle ``describe`` recorded, in another process (``rpcps chaos``, ``status``); a
     record without a kind (``cluster.json`` of an older ``rpcps up``) is a local process."""

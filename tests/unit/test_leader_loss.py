@@ -270,3 +270,37 @@ def test_chaos_cuts_a_host_off_for_all_of_its_time_and_reports_steps_taken_meanw
     local = Chaos(ChaosConfig(kills=1, fault="partition"), cluster, lambda e: None, handle=cluster.handle)
     with pytest.raises(SystemExit, match="--fault partition cuts a host's link, and ps1, trainer0 run on no host"):
         local.run()
+
+
+class StepsCluster(FakeCluster):
+    """A cluster whose members are Slurm steps: each start a step of its own, known by its record
+    (``cluster.json``'s ``placed``), the process ids of their ``srun``s saying nothing of it (here,
+    the same number each time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes = {"ps0": "n1", "ps1": "n2", "trainer0": "n3"}
+
+    def state(self) -> dict:
+        return {"leader": "ps0", "pids": {n: 7 for n in self.nodes},
+                "placed": {n: {"kind": "slurm", "pid": 7, "job": "9", "name": n, "node": node}
+                           for n, node in self.nodes.items()}}
+
+    def handle(self, state: dict, name: str) -> "FakeHandle":
+        return FakeHandle(self, self.pids[name])
+
+    def kill(self, pid: int) -> None:
+        name = next(n for n, p in self.pids.items() if p == pid)
+        self.nodes[name] = "n4"           # started again, as a new step on the node left
+        super().kill(pid)
+
+
+def test_chaos_knows_a_member_started_again_by_its_placements_record_not_a_process_id():
+    from supervise.chaos import Chaos, ChaosConfig
+    cluster = StepsCluster()
+    clock = iter(range(100, 10_000))
+    chaos = Chaos(ChaosConfig(kills=1, seed=1, recover_timeout=50.0), cluster, lambda e: None,
+                  clock=lambda: float(next(clock)), pause=lambda s: None, handle=cluster.handle)
+    assert set(chaos.candidates()) == {"ps1", "trainer0"}
+    record = chaos.fault_one("trainer0")
+    assert record["replaced"] and record["back_at"] is not None and record["steps_lost"] == 5, record
