@@ -24,15 +24,15 @@ from ps.client.cache import HotRows
 from ps.client.clock import StepClock
 from ps.client.counts import UpdateCounts
 from ps.client.fetching import Copies, Fetching
-from ps.client.lookups import plan_lookups
 from ps.client.losses import ServerLosses, check_server
+from ps.client.routes import Routes
 from ps.client.session import StepSession
 from ps.client.traffic import Traffic
 from ps.spec.consistency import Consistency
 from ps.spec.messages import ShardInfo
-from ps.spec.sharding import HashedPlan, Slots, client_plans
+from ps.spec.sharding import HashedPlan, Slots
 from ps.spec.surface import PsSurface
-from services.errors import PeerUnavailable
+from services.errors import PeerUnavailable, StepLost
 from services.remote import call_async, in_autograd_context, wait
 
 log = logging.getLogger(__name__)
@@ -56,32 +56,28 @@ class PsClient:
         self.me, self.timeout = me, timeout
         self.traffic = Traffic()
         self.leader = ps_names[0]                             # keeps the step clock and the layout
-        self.epoch = 0                                        # the layout's its requests are planned with
-        self.slots = self._leaders_layout()
-        if list(self.slots.servers) != list(ps_names):
-            log.info("the leader's layout %d is over %s (this trainer was started for %s)", self.slots.epoch,
-                     ", ".join(self.slots.servers), ", ".join(ps_names))
-        self.ps_names = ps_names = list(self.slots.servers)
+        self.routes: Routes = None  # type: ignore[assignment]   # the leader's layout's, once its servers answered
+        slots = self._leaders_layout()
+        if list(slots.servers) != list(ps_names):
+            log.info("the leader's layout %d is over %s (this trainer was started for %s)", slots.epoch,
+                     ", ".join(slots.servers), ", ".join(ps_names))
+        ps_names = list(slots.servers)
         infos: list[ShardInfo] = [wait(f) for f in [self.ask(n, PsSurface.info) for n in ps_names]]
         for k, info in enumerate(infos):
-            check_server(ps_names, k, info, infos[0], self.slots.epoch)
+            check_server(ps_names, k, info, infos[0], slots.epoch)
         self.consistency = Consistency.parse(infos[0].consistency)
-        self.clock = StepClock(self)
+        self.clock = StepClock(self.ask, self.leader, self.consistency)
         self.cache: Optional[HotRows] = None      # copies of the rows read most (``read_ahead``)
         self.steps = 0                             # steps begun: the cache counts its copies' ages in them
         self.session: Optional[StepSession] = None   # the step under way
         self.local_backward = False     # steps run backward here, not by distributed autograd (``backward_here``)
         self.model: dict[str, Any] = infos[0].model          # the workload's description of its model
-        self._placed, self._ids = infos[0].placement, infos[0].ids
-        self.plans = client_plans(self.slots, self._placed, self._ids)
-        self.epoch = self.slots.epoch
-        self.table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
-        self.dense_shards = self.slots.dense_homes()
+        table_of = {param: table for table, params in infos[0].table_params.items() for param in params}
+        self.routes = Routes.of(slots, infos[0].placement, infos[0].ids, table_of, min(i.max_ids for i in infos))
         # The servers count their rows' updates (``--count-updates``): this trainer counts its own.
-        self.counts = UpdateCounts(infos[0].counted, self.table_of, self.slots.count) if infos[0].counted else None
-        self.max_ids = min(info.max_ids for info in infos)     # the most ids one request may name
+        self.counts = UpdateCounts(infos[0].counted, table_of, slots.count) if infos[0].counted else None
         self.row_shapes = infos[0].row_shapes
-        self.losses = ServerLosses(self, infos[0])
+        self.losses = ServerLosses(lambda: self.routes, self.leader, infos[0], self._lose_step)
 
     def _leaders_layout(self) -> Slots:
         return leaders_layout(self.leader, self.timeout)
@@ -89,25 +85,35 @@ class PsClient:
     def follow_layout(self) -> bool:
         """Take the leader's layout again (a server refused a request planned with this one,
         ``StaleLayout``): the plans of every request from now on follow it. Whether it changed."""
-        slots = self._leaders_layout()
-        if slots.epoch == self.epoch:
+        slots, was = self._leaders_layout(), self.routes
+        if slots.epoch == was.epoch:
             return False
-        log.info("layout %d -> %d: %d moves, servers %s", self.epoch, slots.epoch, len(self.slots.moves(slots)),
+        log.info("layout %d -> %d: %d moves, servers %s", was.epoch, slots.epoch, len(was.slots.moves(slots)),
                  ", ".join(slots.servers))
         self.losses.track(list(slots.servers))
-        self.slots, self.plans, self.ps_names = slots, client_plans(slots, self._placed, self._ids), list(slots.servers)
-        # The cache's copies stay good: a move changes where a row lives, not its value, and held
-        # rows go back to wherever the plans put them now.
-        self.dense_shards, self.epoch = slots.dense_homes(), slots.epoch
+        # Replaced whole: a read planned with the routes before goes to their servers. The cache's
+        # copies stay good: a move changes where a row lives, not its value, and held rows go back
+        # to wherever the routes put them now.
+        self.routes = was.following(slots)
         return True
 
-    def ask(self, ps: str, method: Callable[..., Any], *args: Any, waits: bool = False) -> torch.futures.Future:
+    def _lose_step(self, why: BaseException, replica: Any = None) -> StepLost:
+        """The step under way ends without its update (servers went away, ``ServerLosses``)."""
+        if self.cache is not None:
+            self.cache.forget()      # a server back from a checkpoint holds other rows than the copies
+        return self.clock.lose_step(why, replica)
+
+    def ask(self, ps: str, method: Callable[..., Any], *args: Any, waits: bool = False,
+            epoch: Optional[int] = None) -> torch.futures.Future:
         """One method of one server, its answer to wait for (``services.remote.wait``), planned
-        with this client's layout (its epoch goes with the request). ``waits``: the server holds
-        the answer until other trainers arrive (the step clock's barrier), which can take longer
-        than one peer may stay silent (the RPC timeout); at least ``WAIT_TIMEOUT``."""
+        by the layout ``epoch`` (default: this client's now), which goes with the request: a
+        server that no longer owns what it names refuses it. ``waits``: the server holds the
+        answer until other trainers arrive (the step clock's barrier), which can take longer than
+        one peer may stay silent (the RPC timeout); at least ``WAIT_TIMEOUT``."""
+        if epoch is None:
+            epoch = self.routes.epoch if self.routes is not None else 0
         future = call_async(ps, method, *args, timeout=max(self.timeout, WAIT_TIMEOUT) if waits else self.timeout,
-                            version=self.epoch)
+                            version=epoch)
         self.traffic.call(args, future, in_autograd_context())
         return future
 
@@ -139,29 +145,23 @@ class PsClient:
         (``ps/client/lookups.py``). Issued inside a step's autograd context, the answers carry the
         way back for that step's gradients. For a step (the one under way, or the one ``ahead``
         steps after the last begun) rows the cache holds fresh enough are taken from it instead."""
-        copies, asked = None, lookups
+        copies, asked, routes = None, lookups, self.routes
         if self.cache is not None and (self.session is not None or ahead or self.cache.replicated):
-            copies, lookups = Copies.take(self, lookups, ahead)
-        plan = plan_lookups(lookups, self.plans, self.table_of, self.max_ids, self.row_shapes,
-                            copies.taken if copies is not None else ())
+            # What a read gives reflects every step applied before it: the one under way's not yet.
+            read_at = self.steps + (0 if self.session is not None else 1)
+            copies, lookups = Copies.take(self.cache, routes, lookups, self.steps + ahead, read_at)
+        plan = routes.plan(lookups, self.row_shapes, copies.taken if copies is not None else ())
         # A step whose backward runs here has no context to remember its first read at each
         # server: the answers say when they were read (``Fetching.stamps``).
         read = PsSurface.read_rows if self.local_backward else PsSurface.lookup_many
-        answers = [self.ask(self.ps_names[k], read, ask) for k, ask in plan.requests]
-        dense_shards = self.dense_shards if dense else []
-        dense_futures = [self.ask(self.ps_names[k], PsSurface.dense_params) for k in dense_shards]
+        answers = [self.ask(routes.servers[k], read, ask, epoch=routes.epoch) for k, ask in plan.requests]
+        dense_shards = routes.dense_shards if dense else []
+        dense_futures = [self.ask(routes.servers[k], PsSurface.dense_params, epoch=routes.epoch) for k in dense_shards]
         fetching = Fetching(plan, answers, dense_futures, dense_shards, copies, stamped=self.local_backward,
-                            servers=tuple(self.ps_names), epoch=self.epoch, asked=asked)
+                            servers=tuple(routes.servers), epoch=routes.epoch, asked=asked)
         if self.session is not None:
             self.session.track(fetching)
         return fetching
-
-    def pushable(self, lookups: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``lookups`` cut in two: those whose gradients a step may push, so it may read them before
-        it begins or take them from the cache, and those it must read in its own context: a
-        hashed table's, whose reading admits ids and whose rows change hands."""
-        early = {p: ids for p, ids in lookups.items() if not isinstance(self.plans[self.table_of[p]], HashedPlan)}
-        return early, {p: ids for p, ids in lookups.items() if p not in early}
 
     def fetch(self, lookups: dict[str, torch.Tensor], dense: bool = True
               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -176,7 +176,7 @@ class PsClient:
         for the gradients, one for the norm and one to release the step's context. Only for a
         model whose servers compute nothing of its forward, and ``ValueError`` with a hashed
         table, whose reads are recorded in the step's context (ids admitted, rows changing hands)."""
-        hashed = sorted(t for t, plan in self.plans.items() if isinstance(plan, HashedPlan))
+        hashed = sorted(t for t, plan in self.routes.plans.items() if isinstance(plan, HashedPlan))
         if hashed:
             more = f" and {len(hashed) - 1} more" if len(hashed) > 1 else ""
             raise ValueError(f"a hashed table's reads are recorded in the step's distributed autograd context "
@@ -185,8 +185,11 @@ class PsClient:
 
     def each_dense_shard(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         """``method`` of every server that holds dense tensors, at once; their answers."""
-        return [wait(f) for f in [self.ask(self.ps_names[k], method, *args) for k in self.dense_shards]]
+        routes = self.routes
+        return [wait(f) for f in [self.ask(routes.servers[k], method, *args, epoch=routes.epoch)
+                                  for k in routes.dense_shards]]
 
     def op(self, name: str, *args: Any) -> list[Any]:
         """The model's server-side operation ``name`` on every shard at once; their answers in shard order."""
-        return [wait(f) for f in [self.ask(n, PsSurface.op, name, *args) for n in self.ps_names]]
+        routes = self.routes
+        return [wait(f) for f in [self.ask(n, PsSurface.op, name, *args, epoch=routes.epoch) for n in routes.servers]]

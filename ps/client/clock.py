@@ -7,25 +7,31 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
+
+from ps.spec.consistency import Consistency
 from ps.spec.messages import FREEZE_SECONDS, Applied, Granted
 from ps.spec.surface import ClockSurface
 from services.errors import StepLost
 from services.remote import call_async, wait
 
 if TYPE_CHECKING:
-    from ps.client.client import PsClient
     from ps.client.step_end import Replica
+
+# One method of one server, its answer on its way (``PsClient.ask``: planned with its layout).
+Ask = Callable[..., "torch.futures.Future[Any]"]
 
 log = logging.getLogger(__name__)
 
 
 class StepClock:
-    """``client``'s steps as the leader's clock counts them."""
+    """A trainer's steps as the leader's clock counts them: asked of ``leader`` with ``ask``, as
+    ``consistency`` says (async: never)."""
 
-    def __init__(self, client: "PsClient") -> None:
-        self.client = client
+    def __init__(self, ask: Ask, leader: str, consistency: Consistency) -> None:
+        self._ask, self._leader, self._consistency = ask, leader, consistency
         self.granted: Optional[Granted] = None   # the step under way, as the clock granted it
         self.start_with = 0           # sync: the trainers the job starts with, whom its first step waits for
         self.lockstep = False         # sync: weights replicated among the trainers: steps begin in lockstep
@@ -33,7 +39,7 @@ class StepClock:
 
     @property
     def clocked(self) -> bool:
-        return self.client.consistency.clocked
+        return self._consistency.clocked
 
     def begin(self) -> float:
         """At a step boundary: wait until the job's consistency lets this trainer begin its next
@@ -42,8 +48,7 @@ class StepClock:
         if not self.clocked or self.granted is not None:
             return 0.0
         started = time.perf_counter()
-        client = self.client
-        self.granted = wait(client.ask(client.leader, ClockSurface.begin, self.start_with, self.ahead, self.lockstep,
+        self.granted = wait(self._ask(self._leader, ClockSurface.begin, self.start_with, self.ahead, self.lockstep,
                                       waits=True))
         return time.perf_counter() - started
 
@@ -52,9 +57,8 @@ class StepClock:
         """Report the step begun to the step clock; its answer (sync: once the step is applied
         everywhere) and when it was reported (``time.monotonic()``)."""
         arrived_at = time.monotonic()
-        client = self.client
         try:
-            applied: Applied = wait(client.ask(client.leader, ClockSurface.arrive, float(clip), refused,
+            applied: Applied = wait(self._ask(self._leader, ClockSurface.arrive, float(clip), refused,
                                                float(replica_sq), broken, waits=True))
         finally:
             self.granted = None      # reported, even if its step then failed: the clock knows
@@ -79,7 +83,7 @@ class StepClock:
         """This trainer takes no more steps for now (its episode ended): nobody waits for it."""
         if self.clocked:
             self.granted = None
-            self.client.call(self.client.leader, ClockSurface.leave)
+            wait(self._ask(self._leader, ClockSurface.leave))
 
 
 class ClockPause:
@@ -88,18 +92,17 @@ class ClockPause:
     this trainer waits at its next ``begin``. (A trainer's own step boundary would deadlock: the
     others in its barrier could never arrive.) ``hold``/``release`` as ``services.control.StepPause``."""
 
-    def __init__(self, client: "PsClient") -> None:
-        self.client = client
+    def __init__(self, ask: Ask, leader: str) -> None:
+        self._ask, self._leader = ask, leader
 
     def hold(self, timeout: float) -> bool:
-        client = self.client
-        client.call(client.leader, ClockSurface.freeze, FREEZE_SECONDS)
+        wait(self._ask(self._leader, ClockSurface.freeze, FREEZE_SECONDS))
         try:
-            return bool(wait(call_async(client.leader, ClockSurface.parked, timeout=timeout)))
+            return bool(wait(call_async(self._leader, ClockSurface.parked, timeout=timeout)))
         except Exception as exc:  # noqa: BLE001 - not held: say so, and let the others go on
             log.warning("not held at the step clock within %.0fs: %s", timeout, str(exc).splitlines()[0])
-            client.call(client.leader, ClockSurface.thaw)
+            wait(self._ask(self._leader, ClockSurface.thaw))
             return False
 
     def release(self) -> None:
-        self.client.call(self.client.leader, ClockSurface.thaw)
+        wait(self._ask(self._leader, ClockSurface.thaw))

@@ -4,17 +4,15 @@ pushes the gradients of (``ps/client/session.py``)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ps.client.cache import HotRows, Taken
-from ps.client.lookups import LookupPlan, plan_lookups
+from ps.client.lookups import LookupPlan
+from ps.client.routes import Routes
 from services.errors import StaleLayout
 from services.remote import wait
-
-if TYPE_CHECKING:
-    from ps.client.client import PsClient
 
 
 class Fetching:
@@ -118,22 +116,19 @@ class Copies:
         self._leaves: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def take(cls, client: PsClient, lookups: dict[str, torch.Tensor], ahead: int
+    def take(cls, cache: HotRows, routes: Routes, lookups: dict[str, torch.Tensor], step: int, read_at: int
              ) -> tuple[Optional["Copies"], dict[str, torch.Tensor]]:
-        """What ``client``'s cache gives of ``lookups`` for the step ``ahead`` after the last one
-        begun (0: the one under way), and the lookups left to read."""
-        cache = client.cache
-        early, _ = client.pushable(lookups)
-        taken = {p: cache.take(p, ids, client.steps + ahead) for p, ids in early.items() if ids.numel()}
+        """What ``cache`` gives of ``lookups`` for step ``step``, planned by ``routes``, and the
+        lookups left to read. ``read_at``: the step whose reads the copies stand for (a read
+        reflects every step applied before it)."""
+        early, _ = routes.pushable(lookups)
+        taken = {p: cache.take(p, ids, step) for p, ids in early.items() if ids.numel()}
         if not taken:
             return None, lookups
         left = {p: ids for p, ids in lookups.items() if p not in taken}
         left.update({p: t.miss_ids for p, t in taken.items() if t.miss_ids.numel()})
-        hits = plan_lookups({p: t.hit_ids for p, t in taken.items() if t.hit_ids.numel()}, client.plans,
-                            client.table_of, client.max_ids, distinct=taken)
-        # What a read gives reflects every step applied before it: the one under way's not yet.
-        read_at = client.steps + (0 if client.session is not None else 1)
-        return cls(cache, taken, hits, read_at, {p: client.plans[client.table_of[p]].num_ids for p in taken}), left
+        hits = routes.plan({p: t.hit_ids for p, t in taken.items() if t.hit_ids.numel()}, distinct=taken)
+        return cls(cache, taken, hits, read_at, {p: routes.plans[routes.table_of[p]].num_ids for p in taken}), left
 
     def assemble(self, rows: dict[str, torch.Tensor], answers: list[dict[str, torch.Tensor]]) -> None:
         """``rows`` (what the plan collected: a cached parameter's as its ``miss_ids``) completed in
@@ -191,23 +186,23 @@ class GradOf:
 
 def replanned(fetched: "Fetching", pushes: list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]],
                                                         dict[str, torch.Tensor]]],
-              client: "PsClient") -> list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
-    """``fetched``'s ``pushes``, planned by the client's layout now: a read planned before a change
+              routes: Routes) -> list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
+    """``fetched``'s ``pushes``, planned by ``routes`` (the client's now): a read planned before a change
     of layout (read ahead across it) sends each row's gradient to the server that owns the row
     now, and each dense tensor's to the server it was read from, by name."""
-    if fetched.epoch == client.epoch or not fetched.servers:
+    if fetched.epoch == routes.epoch or not fetched.servers:
         return pushes
     out = []
     for k, rows, dense in pushes:
         if rows:
-            plan = plan_lookups({p: ids for p, (ids, _) in rows.items()}, client.plans, client.table_of, client.max_ids)
+            plan = routes.plan({p: ids for p, (ids, _) in rows.items()})
             parts = plan.spread({p: g for p, (_, g) in rows.items()})
             out += [(r, part, {}) for (r, _), part in zip(plan.requests, parts)]
         if dense:
             name = fetched.servers[k]
-            if name not in client.ps_names:
+            if name not in routes.servers:
                 raise StaleLayout(f"dense tensors read from {name}, which the layout no longer names")
-            out.append((client.ps_names.index(name), {}, dense))
+            out.append((routes.servers.index(name), {}, dense))
     return out
 
 

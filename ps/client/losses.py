@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
+from ps.client.routes import Routes
 from ps.spec.messages import ShardInfo
 from ps.spec.surface import PsSurface
 from services.errors import PeerUnavailable, ServerLost, StepLost, UpdateRefused
@@ -15,7 +16,6 @@ from services.membership import member_ranks, probe
 from services.remote import call_async, wait
 
 if TYPE_CHECKING:
-    from ps.client.client import PsClient
     from ps.client.step_end import Replica
 
 log = logging.getLogger(__name__)
@@ -46,14 +46,16 @@ def check_server(ps_names: list[str], k: int, info: ShardInfo, first: ShardInfo,
 
 
 class ServerLosses:
-    """``client``'s servers, each known under the rank it had when this trainer last counted on
-    it (a server's rank changes when it restarts); ``first``: what every server, and one back
-    from a restart, must agree with."""
+    """A trainer's servers (those of its ``routes`` now), each known under the rank it had when
+    this trainer last counted on it (a server's rank changes when it restarts); ``first``: what
+    every server, and one back from a restart, must agree with; ``lose_step``: the step under
+    way ended without its update (``StepClock.lose_step``, the cache's copies dropped with it)."""
 
-    def __init__(self, client: "PsClient", first: ShardInfo) -> None:
-        self.client, self._first = client, first
+    def __init__(self, routes: Callable[[], Routes], leader: str, first: ShardInfo,
+                 lose_step: Callable[[BaseException, Optional["Replica"]], StepLost]) -> None:
+        self._routes, self._leader, self._first, self._lose_step = routes, leader, first, lose_step
         ranks = member_ranks()
-        self._ranks = {n: ranks.get(n) for n in client.ps_names}
+        self._ranks = {n: ranks.get(n) for n in routes().servers}
 
     def track(self, names: list[str]) -> None:
         """The servers of a new layout: one that joined is counted on under its rank now."""
@@ -66,13 +68,10 @@ class ServerLosses:
         to explain (a refusal, a step already lost, the leader gone, a bug): the caller raises it."""
         if isinstance(why, (UpdateRefused, StepLost)):
             return None
-        client = self.client
         lost = self.lost()
-        if not lost or client.leader in lost:
+        if not lost or self._leader in lost:
             return None
-        if client.cache is not None:
-            client.cache.forget()      # a server back from a checkpoint holds other rows than the copies
-        client.clock.lose_step(why, replica)
+        self._lose_step(why, replica)
         self._until_forgotten(lost)
         return ServerLost(f"{', '.join(lost)} went away, and this step was lost ({str(why).splitlines()[0]})",
                           tuple(lost))
@@ -95,7 +94,7 @@ class ServerLosses:
         """The servers this client can no longer count on: gone from the group, back under a new
         rank (restarted, so what a step had begun with it is gone), or silent to a probe."""
         ranks = member_ranks()
-        names = self.client.ps_names
+        names = self._routes().servers
         present = [n for n in names if ranks.get(n) == self._ranks[n]]
         answered = probe(present, timeout=PROBE_SECONDS)
         return [n for n in names if not answered.get(n, False)]
@@ -105,14 +104,15 @@ class ServerLosses:
         of the same model (``PeerUnavailable`` if one came back as another). Each one's new rank
         is remembered."""
         ranks = member_ranks()
-        ps_names = self.client.ps_names
+        routes = self._routes()
+        ps_names = routes.servers
         back = []
         for name in [n for n in names if n in ranks]:
             try:
                 info: ShardInfo = wait(call_async(name, PsSurface.info, timeout=PROBE_SECONDS))
             except Exception:  # noqa: BLE001 - joining, restoring its shard, or gone again: not yet
                 continue
-            check_server(ps_names, ps_names.index(name), info, self._first, self.client.epoch)
+            check_server(ps_names, ps_names.index(name), info, self._first, routes.epoch)
             self._ranks[name] = ranks[name]
             back.append(name)
         return back

@@ -12,7 +12,6 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from ps.client.fetching import Fetching, GradOf, Pushes, earliest, merged, replanned
-from ps.client.lookups import plan_lookups
 from ps.client.step_end import Finished, Replica, StepEnd
 from ps.spec.messages import Mark
 from ps.spec.surface import PsSurface
@@ -74,14 +73,14 @@ class StepSession:
         ``grads[param]`` [*ids' shape, *row shape] for ``lookups[param]``'s ids. They join the
         step's update on each owning server, as if they had come back through distributed
         autograd; push before ``finish``."""
-        client = self.client
+        client, routes = self.client, self.client.routes
         self._push_ids.append(lookups)
-        plan = plan_lookups(lookups, client.plans, client.table_of, client.max_ids)
+        plan = routes.plan(lookups)
         pushes = plan.spread({param: g.detach().float() for param, g in grads.items()})
         if self.local:
             self._pushed += [(k, part, {}) for (k, _), part in zip(plan.requests, pushes)]
             return
-        for f in [client.ask(client.ps_names[k], PsSurface.push, self.context_id, part)
+        for f in [client.ask(routes.servers[k], PsSurface.push, self.context_id, part, epoch=routes.epoch)
                   for (k, _), part in zip(plan.requests, pushes)]:
             wait(f)
 
@@ -144,5 +143,5 @@ class StepSession:
         if not any(f.has_leaves for f in self._fetched) and not self._pushed:
             return {}
         grads = self._grads()
-        return merged([push for f in self._fetched for push in replanned(f, f.pushes(grads), self.client)]
+        return merged([push for f in self._fetched for push in replanned(f, f.pushes(grads), self.client.routes)]
                       + self._pushed)

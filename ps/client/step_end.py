@@ -29,6 +29,7 @@ import torch
 
 from ps.client.fetching import Fetching, Pushes
 from ps.client.lookups import LookupPlan
+from ps.client.routes import Routes
 from ps.spec.messages import Mark
 from ps.spec.rules import clip_coef, grad_sq_norm
 from ps.spec.surface import PsSurface
@@ -103,12 +104,12 @@ class StepEnd:
                    mark: Optional[Mark]) -> Finished:
         """sync: hand the gradients to every server; the step clock has them applied, averaged
         with the other trainers', once every trainer has."""
-        client = self.client
+        client, routes = self.client, self.client.routes
         t1 = time.perf_counter()
         replicated = self._replicated(replica)
         _, refused = wait_all([client.ask(n, PsSurface.contribute, self.context_id, client.clock.granted.step,
-                                          *(leaves.get(k) or (None, None)), mark)
-                               for k, n in enumerate(client.ps_names)])
+                                          *(leaves.get(k) or (None, None)), mark, epoch=routes.epoch)
+                               for k, n in enumerate(routes.servers)])
         t3 = time.perf_counter()
         applied, arrived_at = client.clock.arrive(clip, refused is not None,
                                             replica.sq_norm(replicated) if replica is not None else 0.0)
@@ -120,18 +121,18 @@ class StepEnd:
             raise refused
         return Finished(applied.grad_norm, backward, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
 
-    def _grad_norm(self, leaves: Pushes) -> float:
+    def _grad_norm(self, leaves: Pushes, routes: Routes) -> float:
         """The global norm of every shard's gradients of this step, ``leaves`` (``StepSession._leaf_grads``)
-        pushed with the question (local: all of them, the norm taken here); ``UpdateRefused`` if
-        they are not finite (found by a server, or here)."""
+        pushed with the question to ``routes``' servers (local: all of them, the norm taken here);
+        ``UpdateRefused`` if they are not finite (found by a server, or here)."""
         client = self.client
         if self.local:
             # In fp32, as a server takes it: a half-precision wire's squares add up past fp16's range.
             parts = [grad_sq_norm([g.float() for _, g in rows.values()] + [g.float() for g in dense.values()])
                      for rows, dense in leaves.values()]
         else:
-            parts, refused = wait_all([client.ask(n, PsSurface.grad_sq_norm, self.context_id, *leaves.get(k, ()))
-                                       for k, n in enumerate(client.ps_names)])
+            parts, refused = wait_all([client.ask(n, PsSurface.grad_sq_norm, self.context_id, *leaves.get(k, ()),
+                                                  epoch=routes.epoch) for k, n in enumerate(routes.servers)])
             if refused is not None:
                 raise refused
         norm = sum(parts) ** 0.5
@@ -145,23 +146,24 @@ class StepEnd:
         servers hold), checked finite across every server, then applied on each, clipped as the
         norm says (in the same call); hybrid then updates the ``replica``; a clocked mode then
         reports the step to the clock."""
-        client = self.client
+        # One layout's servers for the norm round and the apply: ``leaves`` are planned by it.
+        client, routes = self.client, self.client.routes
         t1 = time.perf_counter()
         replicated = self._replicated(replica)
         replica_sq = replica.sq_norm(replicated) if replica is not None else 0.0
         try:
-            norm = self._grad_norm(leaves)
+            norm = self._grad_norm(leaves, routes)
         except UpdateRefused:
             self._step_replica(replica, replicated, clip, replica_sq)
             if client.consistency.clocked:
                 client.clock.arrive(clip, refused=True)      # its step is over, without an update of its own
             raise
         t2 = time.perf_counter()
-        dense = client.dense_shards if weights else []
+        dense = routes.dense_shards if weights else []
         # local: the whole update, and when the step first read there; else pushed with the norm round.
         carried = (lambda k: (*leaves.get(k, ({}, {})), self.read_at.get(k))) if self.local else (lambda k: ())
-        applies = [client.ask(n, PsSurface.apply, self.context_id, clip_coef(clip, norm), k in dense, mark, *carried(k))
-                   for k, n in enumerate(client.ps_names)]
+        applies = [client.ask(n, PsSurface.apply, self.context_id, clip_coef(clip, norm), k in dense, mark, *carried(k),
+                              epoch=routes.epoch) for k, n in enumerate(routes.servers)]
         for f in applies:
             wait(f)
         self._step_replica(replica, replicated, clip, replica_sq)

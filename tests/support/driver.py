@@ -36,10 +36,10 @@ from trainer.lm.task import LmTask
 
 def full_parameters(client: PsClient) -> dict[str, torch.Tensor]:
     """Reassemble the whole model's parameters from every shard."""
-    m, plan = LmModelConfig.model_validate(client.model), client.plans["vocabulary"]
+    m, plan = LmModelConfig.model_validate(client.model), client.routes.plans["vocabulary"]
     full = {"embedding.weight": torch.empty(m.ntoken, m.emsize), "decoder.weight": torch.empty(m.ntoken, m.nhid),
             "decoder.bias": torch.empty(m.ntoken)}
-    for k, name in enumerate(client.ps_names):
+    for k, name in enumerate(client.routes.servers):
         part = client.call(name, PsSurface.parameters)
         rows = plan.global_ids(k)
         for key in ("embedding.weight", "decoder.weight", "decoder.bias"):
@@ -198,7 +198,7 @@ def poison_hashed(client: PsClient, args: argparse.Namespace) -> dict:
                 refused.append(None)
             except UpdateRefused as exc:
                 refused.append(str(exc).splitlines()[0])
-        params.append([client.call(n, PsSurface.parameters) for n in client.ps_names])
+        params.append([client.call(n, PsSurface.parameters) for n in client.routes.servers])
     client.clock.end()
 
     def same(a: list[dict], b: list[dict]) -> bool:
@@ -219,7 +219,7 @@ def inspect(client: PsClient, args: argparse.Namespace) -> dict:
 
 
 def bad(client: PsClient, args: argparse.Namespace) -> dict:
-    ps, m = client.ps_names[0], LmModelConfig.model_validate(client.model)
+    ps, m = client.routes.servers[0], LmModelConfig.model_validate(client.model)
     lookup, decode, emb = PsSurface.lookup, PsSurface.op, "embedding.weight"
     cases = {
         "float ids": (lookup, emb, torch.tensor([0.0, 1.0])),
@@ -227,7 +227,7 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
         "2-d ids": (lookup, emb, torch.zeros(2, 2, dtype=torch.long)),
         "negative id": (lookup, emb, torch.tensor([-1])),
         "id past vocab": (lookup, emb, torch.tensor([m.ntoken + 5])),
-        "id of another shard": (lookup, emb, torch.tensor([1])) if len(client.ps_names) > 1 else (lookup, emb, torch.tensor([], dtype=torch.long)),
+        "id of another shard": (lookup, emb, torch.tensor([1])) if len(client.routes.servers) > 1 else (lookup, emb, torch.tensor([], dtype=torch.long)),
         "empty ids": (lookup, emb, torch.tensor([], dtype=torch.long)),
         "too many ids": (lookup, emb, torch.zeros(262_144, dtype=torch.long)),
         "too many targets": (decode, "decode", torch.zeros(262_144, m.nhid), torch.zeros(262_144, dtype=torch.long)),
@@ -258,7 +258,7 @@ def bad(client: PsClient, args: argparse.Namespace) -> dict:
         except Exception as exc:
             results[case] = {"error": type(exc).__name__, "message": str(exc).splitlines()[0]}
     # ...and the server still answers a good request.
-    rows = client.call(ps, PsSurface.lookup, emb, torch.tensor([0, 2 * len(client.ps_names)]))
+    rows = client.call(ps, PsSurface.lookup, emb, torch.tensor([0, 2 * len(client.routes.servers)]))
     return {"cases": results, "good_rows": list(rows.shape)}
 
 
@@ -293,11 +293,11 @@ def tiny(client: PsClient, args: argparse.Namespace) -> dict:
                 r.step(local[n], grad, state[n], spec.lr)
     client.clock.end()
     served: dict[str, dict[str, torch.Tensor]] = {}
-    for k, name in enumerate(client.ps_names):
+    for k, name in enumerate(client.routes.servers):
         served[name] = client.call(name, PsSurface.parameters)
     big = torch.empty_like(local["big.weight"])
-    for k, name in enumerate(client.ps_names):
-        big[client.plans["big"].global_ids(k)] = served[name]["big.weight"]
+    for k, name in enumerate(client.routes.servers):
+        big[client.routes.plans["big"].global_ids(k)] = served[name]["big.weight"]
     holder = [name for name, p in served.items() if p["flag.weight"].shape[0] == 1]
     flag = served[holder[0]]["flag.weight"]
     w = next(p["w"] for p in served.values() if "w" in p)
@@ -358,7 +358,7 @@ def ctr(client: PsClient, args: argparse.Namespace) -> dict:
     for name, tensor in sorted({**rows, **weights}.items()):
         digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
     result.update(local_losses=local_losses, param_diff=diffs, tables_moved=moved, digest=digest.hexdigest(),
-                  placements={t: type(plan).__name__ for t, plan in client.plans.items()})
+                  placements={t: type(plan).__name__ for t, plan in client.routes.plans.items()})
     return result
 
 
@@ -388,7 +388,7 @@ def pushed(client: PsClient, args: argparse.Namespace) -> dict:
     refused = []
     for grad in (torch.zeros(2, 5), torch.zeros(3, 4)):      # a row of the wrong width; more rows than ids
         try:
-            client.call(client.ps_names[0], PsSurface.push, 12345, {param: (torch.tensor([0, 2]), grad)})
+            client.call(client.routes.servers[0], PsSurface.push, 12345, {param: (torch.tensor([0, 2]), grad)})
         except Exception as exc:  # noqa: BLE001 - the sentence is the result
             refused.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
     return {"autograd": (read - start).tolist(), "pushed": (after - read).tolist(), "refused": refused}
@@ -446,7 +446,7 @@ def dies_cached(client: PsClient, args: argparse.Namespace) -> dict:
         rows, _ = step.fetch({param: x}, dense=False)
         dist_autograd.backward(step.context_id, [(rows[param] * w).sum()])
         # What finish does first, with the copies' gradients; its update next.
-        StepEnd(client, step.context_id, step._grads)._grad_norm(step._leaf_grads())
+        StepEnd(client, step.context_id, step._grads)._grad_norm(step._leaf_grads(), client.routes)
         print(json.dumps({"servers_before": before, "hits": client.cache.counts.hits, "rows": client.cache.rows}),
               flush=True)
         threading.Event().wait(120)     # killed here
@@ -522,7 +522,7 @@ def bagged(client: PsClient, args: argparse.Namespace) -> dict:
     ids = {t.name: torch.tensor(sorted(seen[t.name]) if t.hashed else range(t.rows)) for t in TABLES}
     diffs, moved = compared(client, local, ids)
     result.update(local_losses=local_losses, param_diff=diffs, tables_moved=moved,
-                  placements={t: type(plan).__name__ for t, plan in client.plans.items()})
+                  placements={t: type(plan).__name__ for t, plan in client.routes.plans.items()})
     return result
 
 

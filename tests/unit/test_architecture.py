@@ -240,6 +240,16 @@ def test_only_the_checkpoint_package_writes_checkpoints():
     assert not offenders, offenders
 
 
+def test_the_clients_parts_depend_on_the_layout_not_on_the_client():
+    # The client's parts plan by the routes they are handed (ps/client/routes.py) and call what
+    # they are given; only a step (its session and its end), which is its client's, names the
+    # client, so nothing imports ps.client.client back in a circle (not even for a type).
+    step = {"ps/client/client.py", "ps/client/session.py", "ps/client/step_end.py"}
+    offenders = sorted(rel for rel, path in sources() if rel.startswith("ps/client/") and rel not in step
+                       and "ps.client.client" in imported_modules(path))
+    assert not offenders, offenders
+
+
 def test_the_trainers_client_imports_no_server():
     # What calls a server names its surface (ps/spec/surface.py): importing the trainers' side of a
     # model must not load the server, nor the compiled loops its hashed tables run on.

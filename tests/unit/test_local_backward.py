@@ -70,8 +70,8 @@ class _Replica:
 
 def test_hybrid_rows_refused_still_step_the_replica_and_tell_the_clock():
     clock, replica, asked = _Clock(), _Replica(), []
-    client = SimpleNamespace(consistency=SimpleNamespace(clocked=True), clock=clock, ps_names=["ps0", "ps1"],
-                             dense_shards=[], ask=lambda *a: asked.append(a))
+    client = SimpleNamespace(consistency=SimpleNamespace(clocked=True), clock=clock,
+                             routes=SimpleNamespace(servers=["ps0", "ps1"], dense_shards=[], epoch=0), ask=lambda *a, **_: asked.append(a))
     w = torch.ones(2)
     end = StepEnd(client, None, lambda: {w: torch.full((2,), 3.0)})
     rows = {0: ({"t": (torch.tensor([1]), torch.tensor([[float("nan"), 1.0]]))}, {}),
@@ -112,8 +112,9 @@ def test_a_local_step_hands_each_server_its_earliest_read():
 
 def test_each_server_is_told_when_the_step_first_read_there():
     asked = []
-    client = SimpleNamespace(consistency=SimpleNamespace(clocked=False), ps_names=["ps0", "ps1"], dense_shards=[],
-                             ask=lambda *a: asked.append(a) or _answered(None))
+    client = SimpleNamespace(consistency=SimpleNamespace(clocked=False),
+                             routes=SimpleNamespace(servers=["ps0", "ps1"], dense_shards=[], epoch=0),
+                             ask=lambda *a, **_: asked.append(a) or _answered(None))
     end = StepEnd(client, None, lambda: {}, {1: 9})
     rows = {0: ({"t": (torch.tensor([1]), torch.ones(1, 2))}, {}),
             1: ({"t": (torch.tensor([2]), torch.ones(1, 2))}, {})}

@@ -122,22 +122,21 @@ def test_ids_already_distinct_plan_as_they_would_deduplicated(max_ids):
 
 
 def test_gradients_of_rows_read_before_a_change_of_layout_go_to_their_owners_now():
-    from types import SimpleNamespace
-
     from ps.client.fetching import Fetching, replanned
     from ps.client.lookups import LookupPlan
+    from ps.client.routes import Routes
     old = Slots.even(2, 12)
     new = old.rebalanced(["ps0", "ps1", "ps2"])
-    client = SimpleNamespace(epoch=2, plans={"a": ShardPlan(new, 50)}, table_of={"a.w": "a"}, max_ids=100,
-                             ps_names=["ps0", "ps1", "ps2"])
-    read = Fetching(LookupPlan([], {}), [], [], [], servers=("ps0", "ps1"), epoch=1)
+    routes = Routes(new, {"a": ShardPlan(new, 50)}, {"a.w": "a"}, 100, {}, {})
+    assert routes.servers == ["ps0", "ps1", "ps2"] and routes.epoch == new.epoch > old.epoch
+    read = Fetching(LookupPlan([], {}), [], [], [], servers=("ps0", "ps1"), epoch=old.epoch)
     ids = torch.arange(0, 24)
     pushes = [(0, {"a.w": (ids[ids % 2 == 0], torch.ones(12, 3))}, {}), (1, {}, {"w": torch.ones(2)})]
-    again = replanned(read, pushes, client)
+    again = replanned(read, pushes, routes)
     for k, rows, _ in again:
         for param, (sent, _) in rows.items():
             assert bool((ShardPlan(new, 50).owner(sent) == k).all())
     assert sorted(i for _, rows, _ in again for i in rows.get("a.w", (torch.tensor([]),))[0].tolist()) == \
         ids[ids % 2 == 0].tolist()
     assert [(k, list(d)) for k, r, d in again if d] == [(1, ["w"])]
-    assert replanned(Fetching(LookupPlan([], {}), [], [], [], servers=("ps0",), epoch=2), pushes, client) is pushes
+    assert replanned(Fetching(LookupPlan([], {}), [], [], [], servers=("ps0",), epoch=new.epoch), pushes, routes) is pushes

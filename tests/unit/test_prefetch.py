@@ -32,8 +32,10 @@ class FakeClient:
         self.cache = None
         self.issued = []         # the batches whose reads went out, in order
         self.steps_on = {}       # batch -> for which step after the last one begun its rows were read
+        self.routes = SimpleNamespace(pushable=self._pushable)
 
-    def pushable(self, lookups):
+    @staticmethod
+    def _pushable(lookups):
         early = {p: ids for p, ids in lookups.items() if not p.startswith("hashed")}
         return early, {p: ids for p, ids in lookups.items() if p not in early}
 

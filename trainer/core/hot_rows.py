@@ -26,8 +26,8 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 
 from ps.client.cache import HotRows, Taken, others
-from ps.client.lookups import plan_lookups
 from ps.client.client import PsClient
+from ps.client.routes import Routes
 from ps.spec.rules import UpdateRule, rule
 from ps.spec.surface import PsSurface
 from services.errors import ConfigError
@@ -60,8 +60,9 @@ class ServerRows:
 
     def hold(self, lookups: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """Rows [n, *row] and their state of ``lookups`` (parameter -> sorted unique ids)."""
-        plan = self._plan(lookups)
-        answers = [wait(f) for f in [self.client.ask(self.client.ps_names[k], PsSurface.hold_rows, ask)
+        routes = self.client.routes
+        plan = self._plan(routes, lookups)
+        answers = [wait(f) for f in [self.client.ask(routes.servers[k], PsSurface.hold_rows, ask, epoch=routes.epoch)
                                      for k, ask in plan.requests]]
         out: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         for (_, ask), answer in zip(plan.requests, answers):
@@ -79,7 +80,8 @@ class ServerRows:
     def give_back(self, held: Held, step: int) -> None:
         """``held`` rows (by sorted ids) and their state into the servers' tables, as of the step
         clock's ``step``."""
-        plan = self._plan({p: ids for p, (ids, _, _) in held.items() if ids.numel()})
+        routes = self.client.routes
+        plan = self._plan(routes, {p: ids for p, (ids, _, _) in held.items() if ids.numel()})
         sends = []
         for k, ask in plan.requests:
             sent = {}
@@ -87,13 +89,13 @@ class ServerRows:
                 ids, rows, state = held[param]
                 at = torch.searchsorted(ids, asked.long())
                 sent[param] = (asked, rows[at], {key: v[at] for key, v in state.items()})
-            sends.append(self.client.ask(self.client.ps_names[k], PsSurface.return_rows, sent, step))
+            sends.append(self.client.ask(routes.servers[k], PsSurface.return_rows, sent, step, epoch=routes.epoch))
         for f in sends:
             wait(f)
 
-    def _plan(self, lookups: dict[str, torch.Tensor]) -> Any:
-        c = self.client
-        return plan_lookups(lookups, c.plans, c.table_of, c.max_ids, c.row_shapes, distinct=tuple(lookups))
+    def _plan(self, routes: Routes, lookups: dict[str, torch.Tensor]) -> Any:
+        """``lookups`` planned by ``routes``: the requests then go to those routes' servers."""
+        return routes.plan(lookups, self.client.row_shapes, distinct=tuple(lookups))
 
 
 @dataclass

@@ -114,7 +114,7 @@ class Lookahead:
     def _take(self) -> Ahead:
         at = self.task.tell()
         batch = self.task.next_batch()
-        early, late = self.client.pushable(self.task.lookups(batch))
+        early, late = self.client.routes.pushable(self.task.lookups(batch))
         return Ahead(batch, at, early, late)
 
     def _top_up(self, first: int) -> None:

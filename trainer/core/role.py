@@ -116,7 +116,7 @@ class ServedTrainer(RoleBase):
         saved = self._ask_coordinator(Coordinator.positions, timeout=60)
         if getattr(task, "exactly_once", False):
             saved = resume_from(saved, [client.call(n, PsSurface.applied_mark, self.cfg.name)
-                                        for n in client.ps_names], self.cfg.name)
+                                        for n in client.routes.servers], self.cfg.name)
         return 0 if saved is None else task.restore(saved["states"], saved["checkpoint"])
 
     def _group_wait(self) -> float:
@@ -174,7 +174,7 @@ class ServedTrainer(RoleBase):
             self._episodes = EpisodeRunner(loop, cfg, self.board, self.metrics, self.gate, self.pause, self._wake,
                                            self.evaluates(), self._heartbeat, steps, tell=self._tell_position)
         # In sync and ssp modes a checkpoint holds trainers at the step clock, where no barrier waits.
-        hold = ClockPause(client) if client.consistency.clocked else self.pause
+        hold = ClockPause(client.ask, client.leader) if client.consistency.clocked else self.pause
         if model.replica is not None:
             hold = ReplicaHold(hold, model.write_replica)
         self.checkpoints.add(PositionPart(cfg.name, hold, self._position, before_resuming=client.follow_layout))

@@ -46,8 +46,9 @@ class ServedModel(nn.Module):
                               "names no optimizer and lr (its ModelSpec.meta)")
         rule, lr = model["optimizer"], float(model["lr"])
         if hot is not None:
+            routes = self.client.routes
             hot.bind(ServerRows(self.client), table_rules(model), lr,
-                     {p: self.client.plans[t].num_ids for p, t in self.client.table_of.items()})
+                     {p: routes.plans[t].num_ids for p, t in routes.table_of.items()})
         self.replica = DenseReplica(self.client.me, self.forward_module, rule, lr, weights, store_for, timeout,
                                     named=self.dense, hot=hot)
         for state in self.client.each_dense_shard(PsSurface.dense_state):

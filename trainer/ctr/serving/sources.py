@@ -196,7 +196,7 @@ class Online:
                 rows, weights = self.client.fetch(wanted, dense=dense)
             step = self.client.call(self.client.leader, PsSurface.info).steps if dense else None
         except Exception as exc:  # noqa: BLE001 - whatever broke the read, the answer is the same refusal
-            lost = getattr(exc, "servers", None) or self.client.losses.lost() or self.client.ps_names
+            lost = getattr(exc, "servers", None) or self.client.losses.lost() or self.client.routes.servers
             raise PeerUnavailable(f"cannot read the model from {', '.join(lost)}: {str(exc).splitlines()[0]}") from None
         for param, ids in wanted.items():
             found[param].update(self.cache.put(param, ids, rows[param].float(), at))
