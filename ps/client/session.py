@@ -12,6 +12,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from ps.client.fetching import Fetching, GradOf, Pushes, earliest, merged, replanned
+from ps.client.routes import Routes
 from ps.client.step_end import Finished, Replica, StepEnd
 from ps.spec.messages import Mark
 from ps.spec.surface import PsSurface
@@ -110,7 +111,7 @@ class StepSession:
                 torch.autograd.backward([loss])
             else:
                 dist_autograd.backward(self.context_id, [loss])
-            leaves = self._leaf_grads()
+            leaves = self._leaf_grads(end.routes)
         except Exception as exc:
             # A sync step that cannot hand its gradients over still ends at the clock, or every
             # other trainer would wait for it (with a replica: a peer in its all-reduce died).
@@ -136,12 +137,12 @@ class StepSession:
         """The step's gradients by tensor: its context's, or (local) its leaves' own."""
         return GradOf() if self.local else dist_autograd.get_gradients(self.context_id)
 
-    def _leaf_grads(self) -> Pushes:
+    def _leaf_grads(self, routes: Routes) -> Pushes:
         """The gradients of what the step adopted (read before it, or locally), took from the
         cache or ``push``ed, for the servers that own it, one message's worth each. They go with
         the step's norm round, update or hand-over, so they cost no round of their own."""
         if not any(f.has_leaves for f in self._fetched) and not self._pushed:
             return {}
         grads = self._grads()
-        return merged([push for f in self._fetched for push in replanned(f, f.pushes(grads), self.client.routes)]
+        return merged([push for f in self._fetched for push in replanned(f, f.pushes(grads), routes)]
                       + self._pushed)

@@ -29,7 +29,6 @@ import torch
 
 from ps.client.fetching import Fetching, Pushes
 from ps.client.lookups import LookupPlan
-from ps.client.routes import Routes
 from ps.spec.messages import Mark
 from ps.spec.rules import clip_coef, grad_sq_norm
 from ps.spec.surface import PsSurface
@@ -78,11 +77,13 @@ class Finished:
 class StepEnd:
     """The end of ``client``'s step: ``context_id`` its distributed autograd context (None: its
     backward ran on the trainer, and its gradients go with the update); ``grads()`` the step's
-    gradients by tensor."""
+    gradients by tensor. Its gradients are planned, and its rounds sent, by the client's routes
+    as the end began (``routes``): a layout followed meanwhile cannot mismatch the two."""
 
     def __init__(self, client: PsClient, context_id: Optional[int], grads: Callable[[], Any],
                  read_at: Optional[dict[int, int]] = None) -> None:
         self.client, self.context_id, self._grads = client, context_id, grads
+        self.routes = client.routes
         self.local = context_id is None
         self.read_at = read_at or {}      # local: by server, its updates when the step first read there
 
@@ -104,7 +105,7 @@ class StepEnd:
                    mark: Optional[Mark]) -> Finished:
         """sync: hand the gradients to every server; the step clock has them applied, averaged
         with the other trainers', once every trainer has."""
-        client, routes = self.client, self.client.routes
+        client, routes = self.client, self.routes
         t1 = time.perf_counter()
         replicated = self._replicated(replica)
         _, refused = wait_all([client.ask(n, PsSurface.contribute, self.context_id, client.clock.granted.step,
@@ -121,11 +122,11 @@ class StepEnd:
             raise refused
         return Finished(applied.grad_norm, backward, 0.0, t3 - t1, time.perf_counter() - t3, arrived_at)
 
-    def _grad_norm(self, leaves: Pushes, routes: Routes) -> float:
+    def _grad_norm(self, leaves: Pushes) -> float:
         """The global norm of every shard's gradients of this step, ``leaves`` (``StepSession._leaf_grads``)
-        pushed with the question to ``routes``' servers (local: all of them, the norm taken here);
+        pushed with the question to its servers (local: all of them, the norm taken here);
         ``UpdateRefused`` if they are not finite (found by a server, or here)."""
-        client = self.client
+        client, routes = self.client, self.routes
         if self.local:
             # In fp32, as a server takes it: a half-precision wire's squares add up past fp16's range.
             parts = [grad_sq_norm([g.float() for _, g in rows.values()] + [g.float() for g in dense.values()])
@@ -146,13 +147,12 @@ class StepEnd:
         servers hold), checked finite across every server, then applied on each, clipped as the
         norm says (in the same call); hybrid then updates the ``replica``; a clocked mode then
         reports the step to the clock."""
-        # One layout's servers for the norm round and the apply: ``leaves`` are planned by it.
-        client, routes = self.client, self.client.routes
+        client, routes = self.client, self.routes
         t1 = time.perf_counter()
         replicated = self._replicated(replica)
         replica_sq = replica.sq_norm(replicated) if replica is not None else 0.0
         try:
-            norm = self._grad_norm(leaves, routes)
+            norm = self._grad_norm(leaves)
         except UpdateRefused:
             self._step_replica(replica, replicated, clip, replica_sq)
             if client.consistency.clocked:

@@ -446,7 +446,8 @@ def dies_cached(client: PsClient, args: argparse.Namespace) -> dict:
         rows, _ = step.fetch({param: x}, dense=False)
         dist_autograd.backward(step.context_id, [(rows[param] * w).sum()])
         # What finish does first, with the copies' gradients; its update next.
-        StepEnd(client, step.context_id, step._grads)._grad_norm(step._leaf_grads(), client.routes)
+        end = StepEnd(client, step.context_id, step._grads)
+        end._grad_norm(step._leaf_grads(end.routes))
         print(json.dumps({"servers_before": before, "hits": client.cache.counts.hits, "rows": client.cache.rows}),
               flush=True)
         threading.Event().wait(120)     # killed here
