@@ -195,15 +195,21 @@ def replanned(fetched: "Fetching", pushes: list[tuple[int, dict[str, tuple[torch
     out = []
     for k, rows, dense in pushes:
         if rows:
-            plan = routes.plan({p: ids for p, (ids, _) in rows.items()})
-            parts = plan.spread({p: g for p, (_, g) in rows.items()})
-            out += [(r, part, {}) for (r, _), part in zip(plan.requests, parts)]
+            out += spread_by(routes, {p: ids for p, (ids, _) in rows.items()}, {p: g for p, (_, g) in rows.items()})
         if dense:
             name = fetched.servers[k]
             if name not in routes.servers:
                 raise StaleLayout(f"dense tensors read from {name}, which the layout no longer names")
             out.append((routes.servers.index(name), {}, dense))
     return out
+
+
+def spread_by(routes: Routes, lookups: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
+              ) -> list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
+    """The gradients ``grads`` of the rows ``lookups`` names, one push for each server ``routes``
+    puts them on."""
+    plan = routes.plan(lookups)
+    return [(k, part, {}) for (k, _), part in zip(plan.requests, plan.spread(grads))]
 
 
 def merged(pushes: list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]) -> Pushes:

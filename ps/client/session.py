@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed.autograd as dist_autograd
 
-from ps.client.fetching import Fetching, GradOf, Pushes, earliest, merged, replanned
+from ps.client.fetching import Fetching, GradOf, Pushes, earliest, merged, replanned, spread_by
 from ps.client.routes import Routes
 from ps.client.step_end import Finished, Replica, StepEnd
 from ps.spec.messages import Mark
@@ -41,7 +41,8 @@ class StepSession:
         self._context: Any = None
         self.context_id: Optional[int] = None     # distributed: the step's autograd context
         self._fetched: list[Fetching] = []      # what this step read, whose leaves it pushes the gradients of
-        self._pushed: list[tuple[int, dict, dict]] = []   # local: ``push``ed, sent with the update
+        # local: ``push``ed (ids, gradients), planned with the step's end by its routes and sent with the update
+        self._pushed: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
         self._push_ids: list[dict[str, torch.Tensor]] = []   # the ids of every ``push``, for ``UpdateCounts``
 
     def __enter__(self) -> "StepSession":
@@ -74,13 +75,16 @@ class StepSession:
         ``grads[param]`` [*ids' shape, *row shape] for ``lookups[param]``'s ids. They join the
         step's update on each owning server, as if they had come back through distributed
         autograd; push before ``finish``."""
-        client, routes = self.client, self.client.routes
         self._push_ids.append(lookups)
-        plan = routes.plan(lookups)
-        pushes = plan.spread({param: g.detach().float() for param, g in grads.items()})
+        grads = {param: g.detach().float() for param, g in grads.items()}
         if self.local:
-            self._pushed += [(k, part, {}) for (k, _), part in zip(plan.requests, pushes)]
+            # Not planned yet: a layout followed before the step ends would send them by its old
+            # shard numbers, where the step's other gradients go by the routes its end takes.
+            self._pushed.append((lookups, grads))
             return
+        client, routes = self.client, self.client.routes
+        plan = routes.plan(lookups)
+        pushes = plan.spread(grads)
         for f in [client.ask(routes.servers[k], PsSurface.push, self.context_id, part, epoch=routes.epoch)
                   for (k, _), part in zip(plan.requests, pushes)]:
             wait(f)
@@ -145,4 +149,4 @@ class StepSession:
             return {}
         grads = self._grads()
         return merged([push for f in self._fetched for push in replanned(f, f.pushes(grads), routes)]
-                      + self._pushed)
+                      + [push for lookups, pushed in self._pushed for push in spread_by(routes, lookups, pushed)])

@@ -121,3 +121,30 @@ def test_each_server_is_told_when_the_step_first_read_there():
     end.apply_own(0.0, 0.0, rows, False, None, None)
     # (server, method, context, coef, weights, mark, rows, dense, read_at): ps0 did not answer a read.
     assert [(a[0], a[-1]) for a in asked] == [("ps0", None), ("ps1", 9)]
+
+
+def test_gradients_pushed_before_a_change_of_layout_go_to_the_rows_owners_under_the_steps_end():
+    from ps.client.routes import Routes
+    from ps.client.session import StepSession
+    from ps.spec.sharding import ShardPlan, Slots
+    old = Slots.even(2, 12)
+    new = old.rebalanced(["ps0", "ps1", "ps2"])
+    routes = lambda slots: Routes(slots, {"a": ShardPlan(slots, 50)}, {"a.w": "a"}, 100, {}, {})  # noqa: E731
+    asked = []
+    client = SimpleNamespace(local_backward=True, steps=0, session=None, routes=routes(old), counts=None,
+                             consistency=SimpleNamespace(averaged=False, clocked=False, dense_modes=()),
+                             clock=SimpleNamespace(granted=None),
+                             ask=lambda *a, **kw: asked.append((a, kw)) or _answered(None))
+    ids = torch.arange(0, 24)
+    w = torch.ones(1, requires_grad=True)
+    with StepSession(client) as session:
+        session.push({"a.w": ids}, {"a.w": torch.ones(24, 3)})
+        client.routes = routes(new)          # the leader's layout followed before the step ends
+        session.finish((w * 2).sum(), clip=0.0)
+    sent = {a[0]: a[6] for a, kw in asked}
+    assert sorted(sent) == ["ps0", "ps1", "ps2"] and {kw["epoch"] for _, kw in asked} == {new.epoch}
+    plan = ShardPlan(new, 50)
+    for k, name in enumerate(["ps0", "ps1", "ps2"]):
+        rows = sent[name].get("a.w")
+        assert rows is None or bool((plan.owner(rows[0]) == k).all()), (name, rows)
+    assert sorted(i for rows in sent.values() if "a.w" in rows for i in rows["a.w"][0].tolist()) == ids.tolist()
