@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from ps.server.hashed.sketch import SKETCH
 from ps.server.state import FORMAT, export_shard
 from ps.spec.rules import by_row
 
@@ -136,7 +137,7 @@ def export_delta(server: Any, base: int, changed: tuple[dict[str, torch.Tensor],
             pick = server.params.touched.marks[t][live["rows"]] != CLEAN      # the changed among the live
             changed, tables[t] = live["rows"][pick], live["ids"][pick]
             kept[t] = {"last_seen": live["last_seen"][pick], "hits": live["hits"][pick], "counts": live["counts"],
-                       "gone": gone[t]}
+                       "gone": gone[t], **({SKETCH: live[SKETCH]} if SKETCH in live else {})}
         else:
             tables[t] = plan.global_ids(shard)[changed]
         for name in layout.table_params[t]:
@@ -224,4 +225,6 @@ def _hashed_place(out: dict[str, Any], table: str, ids: torch.Tensor, change: di
         if k in book:
             book[k] = torch.cat([book[k][keep], change[k]])
     book["counts"] = change["counts"]
+    if SKETCH in change:        # the sketch whole, as the delta's step left it
+        book[SKETCH] = change[SKETCH]
     return lambda values, new: torch.cat([values[keep].to(new.dtype), new])

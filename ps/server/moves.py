@@ -20,6 +20,7 @@ from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional
 
 import torch
 
+from ps.server.hashed.sketch import SKETCH
 from ps.server.state import Gathered
 from ps.spec.rules import by_row
 from ps.spec.sharding import Layout, Slots, WholePlan, dense_unit, table_unit
@@ -110,8 +111,9 @@ def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list
                 out["optim"][name] = {k: v[pick] if k in rows else v.clone() for k, v in saved.items()}
         if is_hashed:
             live = state["tables"][table].numel()
-            out["hashed"][table] = {k: v[pick] if isinstance(v, torch.Tensor) and v.numel() == live else v
-                                    for k, v in state["hashed"][table].items()}
+            # By row, but the sketch (whose counters no slot owns): whole.
+            out["hashed"][table] = {k: v[pick] if isinstance(v, torch.Tensor) and v.numel() == live and k != SKETCH
+                                    else v for k, v in state["hashed"][table].items()}
     for g, names in enumerate(layout.dense_groups):
         if dense_unit(g) in wanted:
             for name in names:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, NamedTuple
 
 import torch
 
+from ps.server.hashed.sketch import SKETCH, added
 from ps.server.marks import gather_marks
 from ps.spec.rules import by_row
 from ps.spec.sharding import HashedPlan, Layout, Slots
@@ -171,6 +172,11 @@ def _gather_hashed(states: list[dict[str, Any]], table: str, layout: Layout, cap
             optim[name][key] = torch.cat([value, value.new_zeros(capacity - pick.numel(), *value.shape[1:])])
     out = {"ids": ids[pick], "over_capacity": max(over, 0),
            **{k: torch.cat([kp[k] for kp in kept])[pick] for k in ("last_seen", "hits") if all(k in kp for kp in kept)}}
+    # Ids not admitted yet are known only to the sketches, which cannot be cut by slot: every one
+    # given is added in (the counts of ids that live elsewhere only add to collisions).
+    sketch = added([kp[SKETCH] for kp in kept if SKETCH in kp])
+    if sketch is not None:
+        out[SKETCH] = sketch
     if mine is not None:     # its own counts go on; a resharded shard's start again
         out["counts"] = dict(kept[0].get("counts", {}))
     return out

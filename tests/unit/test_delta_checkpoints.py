@@ -109,3 +109,17 @@ def test_a_server_that_did_not_save_in_the_base_gives_a_full_state():
     settle([s])
     assert "delta" not in s.export_state(since=s.params.touched.since + 1), "another base"
     assert "delta" in s.export_state(since=s.params.touched.since)
+
+
+def test_a_delta_carries_the_counts_of_ids_seen_since_its_base():
+    from tests.unit.test_live_relayout import sighted
+    model = spec(40_000, Lifecycle(admit_after=3))
+    group = servers(2, model)
+    ids = torch.arange(0, 300) * 5 + 1
+    chain = [[s.export_state() for s in group]]
+    settle(group)
+    early = sighted(group, ids) + sighted(group, ids)      # seen twice after the full checkpoint
+    assert len(early) < 5, early
+    chain.append(deltas(group))
+    for num in (2, 3):
+        assert sighted(servers(num, model, restore=replay(chain)), ids) == sorted(ids.tolist()), num

@@ -46,6 +46,13 @@ class Counts:
     requests: int = 0            # training requests
 
 
+def sketch_width(capacity: int) -> int:
+    """Counters per sketch row for a table of ``capacity`` rows in all, over every server: the same
+    on each of them and under every layout, so that their sketches add up when slots move (an
+    eighth of the capacity: on two servers, a quarter of each one's share, a byte per row of it)."""
+    return max(1024, capacity // 8)
+
+
 class HashedRows:
     def __init__(self, capacity: int, life: Lifecycle = Lifecycle(), sketch_width: int = 0) -> None:
         """``capacity``: rows on this shard; ``sketch_width``: counters per sketch row (default: a

@@ -16,7 +16,8 @@ import torch
 
 from services.remote import in_autograd_context
 from ps.server.delta import Touched
-from ps.server.hashed.rows import HashedRows, warm_up
+from ps.server.hashed.rows import HashedRows, sketch_width, warm_up
+from ps.server.hashed.sketch import SKETCH
 from ps.spec.sharding import Layout
 from ps.spec.model import ModelSpec
 from ps.server.tables import RowShard
@@ -44,7 +45,8 @@ class HashedTables:
         self.touched = touched
         self.cut = False             # a restore left saved rows out (over capacity)
         self.params = {n: s.weight for n, s in shards.items()}
-        self.tables = {t: HashedRows(layout.plans[t].rows(shard), spec.tables[t].hashed)
+        self.tables = {t: HashedRows(layout.plans[t].rows(shard), spec.tables[t].hashed,
+                                     sketch_width(layout.plans[t].num_ids))
                        for t in layout.hashed_tables()}
         if self.tables:
             warm_up()
@@ -127,13 +129,16 @@ class HashedTables:
         return gone
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Per table, for a checkpoint: live ``rows``, their ``ids``, ``last_seen``, ``hits`` and
-        the ``counts`` so far. Under the optimizer lock."""
+        """Per table, for a checkpoint: live ``rows``, their ``ids``, ``last_seen``, ``hits``, the
+        ``counts`` so far, and with admission the ``sketch``'s counters (of ids not admitted yet).
+        Under the optimizer lock."""
         out = {}
         for t, rows in self.tables.items():
             ids, live = rows.index.rows()
             out[t] = {"rows": live, "ids": ids, "last_seen": rows.last_seen[live].clone(),
                       "hits": rows.hits[live].clone(), "counts": dict(vars(rows.counts))}
+            if rows.sketch is not None:
+                out[t][SKETCH] = rows.sketch.counts.clone()
         return out
 
     def restore(self, saved: dict[str, dict[str, Any]]) -> None:
@@ -151,6 +156,10 @@ class HashedTables:
                 rows.hits[placed] = kept["hits"]
             for k, v in kept.get("counts", {}).items():
                 setattr(rows.counts, k, v)
+            # Saved by a server of another sketch width (an older rpcps): its ids are counted afresh.
+            sketch = kept.get(SKETCH)
+            if rows.sketch is not None and sketch is not None and sketch.shape == rows.sketch.counts.shape:
+                rows.sketch.counts = sketch.clone()
             rows.counts.evicted += kept.get("over_capacity", 0)
 
     def describe(self) -> dict[str, dict[str, Any]]:

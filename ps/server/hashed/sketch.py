@@ -5,10 +5,18 @@ count is the least of them. The count is never below the truth (collisions only 
 seen K times is always admitted at its K-th sighting; a few may be admitted early. Counters stop
 at 255, more than any admission threshold needs. ``halve`` ages every count, so that ids seen long
 ago do not stay half-admitted for ever.
+
+Sketches of one width add up (``absorb``): a server that takes slots from another takes its
+counts too, so an id half-admitted there is still counted where it lives now. What the other
+counted of ids that stay behind only adds to collisions: the count is still never below the truth.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+SKETCH = "sketch"        # a hashed table's counters in a shard state (``HashedTables.snapshot``)
 
 _SEEDS = (-7046029254386353131, -4658895280553007687, 7640891576956012809, -3372029247567499371)
 
@@ -57,5 +65,21 @@ class CountMinSketch:
             row = self.counts[d]
             row[touched] = (row[touched].to(torch.int32) - taken).clamp_(min=0).to(torch.uint8)
 
+    def absorb(self, counts: torch.Tensor) -> None:
+        """Another sketch's ``counts`` (of this width and depth) added in, capped at 255."""
+        both = added([self.counts, counts])
+        if both is None:
+            raise ValueError(f"a sketch of {tuple(counts.shape)} counters cannot add into one of "
+                             f"{tuple(self.counts.shape)}")
+        self.counts = both
+
     def halve(self) -> None:
         self.counts.bitwise_right_shift_(1)
+
+
+def added(counters: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Sketches' counters of one shape added up, capped at 255, as ``absorb`` adds; None if there
+    are none, or if their shapes differ (sketches of older servers: their ids are counted afresh)."""
+    if not counters or any(c.shape != counters[0].shape for c in counters):
+        return None
+    return torch.stack([c.to(torch.int32) for c in counters]).sum(dim=0).clamp_(max=255).to(torch.uint8)
