@@ -113,6 +113,8 @@ class Leading:
         self.ctx.metrics.layout_changes.labels(**self.ctx.metrics.labels, result=last["state"]).inc()
         if last["state"] == "done":
             self.ctx.metrics.layout_change_pause.set(last["pause_seconds"])
+            self.ctx.metrics.layout_change_seconds.set(last["seconds"])
+            self.ctx.metrics.layout_change_bytes.set(last.get("ahead_bytes", 0) + last["bytes"])
         self.ctx.board.update(change=last)
 
     def tick(self) -> None:

@@ -38,8 +38,14 @@ class PsMetrics(Metrics):
         # The leader's: its changes of layout while training goes on.
         self.layout_changes = self.counter("rpcps_ps_layout_changes_total", "changes of layout the leader made "
                                            "while training went on, by how they ended", ("result",))
+        for result in ("done", "failed"):       # at 0 from the start: a rate over the first change is right
+            self.layout_changes.labels(**self.labels, result=result)
         self.layout_change_pause = self.gauge("rpcps_ps_layout_change_pause_seconds",
                                               "seconds the last change of layout held the trainers")
+        self.layout_change_seconds = self.gauge("rpcps_ps_layout_change_seconds", "seconds the last change of "
+                                                "layout took, from its start to its end, the copying ahead included")
+        self.layout_change_bytes = self.gauge("rpcps_ps_layout_change_bytes",
+                                              "bytes of rows and their state the last change of layout moved")
         self.slots_owned = self.gauge("rpcps_ps_slots", "the layout's slots this server owns")
         # The step clock's, on the leader (sync and ssp modes); staleness is every server's.
         self.barrier_wait = self.histogram(

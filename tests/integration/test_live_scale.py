@@ -6,6 +6,7 @@ the leader lost after a change gives the job back on the servers it had,
 and a checkpoint records the layout in force."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,7 +49,12 @@ def test_a_server_joins_takes_a_third_of_the_slots_and_drains_back(procs):
     assert grown["moved_slots"] == count // 3 and grown["bytes"] > 0, grown
     assert status(ps0)["change"] == grown
     with ps0.client() as c:
-        assert 'rpcps_ps_layout_changes_total{name="ps0",result="done",role="ps"} 1.0' in c.metrics()
+        shown = c.metrics()
+    assert 'rpcps_ps_layout_changes_total{name="ps0",result="done",role="ps"} 1.0' in shown
+    said = {k: float(re.search(rf'^rpcps_ps_layout_change_{k}{{name="ps0",role="ps"}} (\S+)$', shown, re.M)[1])
+            for k in ("seconds", "bytes", "pause_seconds")}
+    assert said == {"seconds": grown["seconds"], "bytes": grown.get("ahead_bytes", 0) + grown["bytes"],
+                    "pause_seconds": grown["pause_seconds"]}, said
     before = steps(trainer)
     wait_until(lambda: steps(trainer) >= before + 3, 90, "training on three servers")
     rows = [status(s)["rows"] for s in (ps0, ps1, ps2)]
