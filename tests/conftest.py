@@ -1,3 +1,6 @@
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from tests.support.cluster import Processes
@@ -9,16 +12,28 @@ HOSTS = frozenset({"test_compose_engine", "test_compose_hosts", "test_emulated_h
                    "test_slurm"})
 
 
-@pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups
+def group_of(path: str) -> str:
+    """The work unit of a test in the file ``path`` (relative, as a node id begins): its module,
+    or ``hosts`` for the modules above."""
+    file = Path(path)
+    return "hosts" if file.stem in HOSTS and file.parent.name == "integration" else path
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each module's tests in one worker (they share its cluster or daemon start-ups), the hosts'
-    modules in one group for them all, ahead of the rest."""
-    def group(item: pytest.Item) -> str:
-        module = item.path.stem
-        return "hosts" if module in HOSTS and item.path.parent.name == "integration" else module
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: group(item) != "hosts")
+    """The hosts' modules ahead of the rest: the longest unit of work starts first."""
+    items.sort(key=lambda item: group_of(item.nodeid.split("::", 1)[0]) != "hosts")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's workers (``-n``) take whole units of work (``group_of``): a module's tests
+    share its cluster or daemon start-ups."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid.split("::", 1)[0])
+    return ByModule(config, log)
 
 
 @pytest.fixture
