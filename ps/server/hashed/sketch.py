@@ -6,7 +6,7 @@ seen K times is always admitted at its K-th sighting; a few may be admitted earl
 at 255, more than any admission threshold needs. ``halve`` ages every count, so that ids seen long
 ago do not stay half-admitted for ever.
 
-Sketches of one width add up (``absorb``): a server that takes slots from another takes its
+Sketches of one width add up (``added``): a server that takes slots from another takes its
 counts too, so an id half-admitted there is still counted where it lives now. What the other
 counted of ids that stay behind only adds to collisions: the count is still never below the truth.
 """
@@ -65,20 +65,12 @@ class CountMinSketch:
             row = self.counts[d]
             row[touched] = (row[touched].to(torch.int32) - taken).clamp_(min=0).to(torch.uint8)
 
-    def absorb(self, counts: torch.Tensor) -> None:
-        """Another sketch's ``counts`` (of this width and depth) added in, capped at 255."""
-        both = added([self.counts, counts])
-        if both is None:
-            raise ValueError(f"a sketch of {tuple(counts.shape)} counters cannot add into one of "
-                             f"{tuple(self.counts.shape)}")
-        self.counts = both
-
     def halve(self) -> None:
         self.counts.bitwise_right_shift_(1)
 
 
 def added(counters: list[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Sketches' counters of one shape added up, capped at 255, as ``absorb`` adds; None if there
+    """Sketches' counters of one shape added up, capped at 255; None if there
     are none, or if their shapes differ (sketches of older servers: their ids are counted afresh)."""
     if not counters or any(c.shape != counters[0].shape for c in counters):
         return None
