@@ -12,16 +12,16 @@ HOSTS = frozenset({"test_compose_engine", "test_compose_hosts", "test_emulated_h
                    "test_slurm"})
 
 
-def group_of(path: str) -> str:
-    """The work unit of a test in the file ``path`` (relative, as a node id begins): its module,
-    or ``hosts`` for the modules above."""
+def group_of(nodeid: str) -> str:
+    """The work unit of the test ``nodeid``: its module's file, or ``hosts`` for the modules above."""
+    path = nodeid.split("::", 1)[0]
     file = Path(path)
     return "hosts" if file.stem in HOSTS and file.parent.name == "integration" else path
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The hosts' modules ahead of the rest: the longest unit of work starts first."""
-    items.sort(key=lambda item: group_of(item.nodeid.split("::", 1)[0]) != "hosts")
+    items.sort(key=lambda item: group_of(item.nodeid) != "hosts")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -32,7 +32,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return group_of(nodeid.split("::", 1)[0])
+            return group_of(nodeid)
     return ByModule(config, log)
 
 

@@ -299,7 +299,7 @@ def sighted(servers, ids):
     """``ids`` read once by a training step on the servers that own them; the ids admitted by it."""
     admitted = []
     for s in servers:
-        mine = ids[s.layout.plans["t"].owner(ids) == s.shard] if s.layout.num_shards > s.shard else ids[:0]
+        mine = ids[s.layout.plans["t"].owner(ids) == s.shard]     # none on a server the layout does not name
         if mine.numel():
             _, read = s.hashed.lookup("t", "e.weight", mine, s.optimizer.steps)
             admitted += read.ids.tolist()        # the ids read have rows
