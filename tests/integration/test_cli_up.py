@@ -40,9 +40,11 @@ def test_up_steps_on_wikitext2_loss_falls_and_reports_perplexity(tmp_path, clean
     progress = [e for e in up.events if e["event"] == "progress"]
     assert progress and all({"step", "loss", "tokens_per_s", "percent", "eta_s", "elapsed_s"} <= set(e)
                             for e in progress), progress
-    # Training's share done grows with its steps, and an ETA follows from the recent rate.
+    # Training's share done grows with its steps, and an ETA follows from the recent rate once
+    # every trainer has one: a trainer still starting (no step yet) leaves the ETA unknown.
     training = [e for e in progress if e["phase"] == "train" and e["percent"] is not None and 0 < e["percent"] < 100]
-    assert training and all(e["eta_s"] is not None and e["eta_s"] >= 0 for e in training), training
+    rated = [e for e in training if all(step > 0 for step in e["trainers"].values())]
+    assert rated and all(e["eta_s"] is not None and e["eta_s"] >= 0 for e in rated), training
     assert [e["percent"] for e in training] == sorted(e["percent"] for e in training), training
     waiting = [e for e in up.events if e["event"] == "waiting"]
     assert waiting and waiting[0]["members"] == 4 and waiting[0]["ready"] < 4, waiting

@@ -101,8 +101,9 @@ class EpisodeRunner:
             episode["step"] += 1
             fields = self.report.add(episode["step"], result, started)
             self.metrics.per_second.set(self.report.per_s)
-            self.board.update(step=self.steps, episode=dict(episode), **fields)
+            # Progress first: a status read between the two never shows a step without its rate.
             self.progress.advance(episode["step"])
+            self.board.update(step=self.steps, episode=dict(episode), **fields)
             if time.monotonic() - last_log >= self.cfg.log_interval:
                 last_log = time.monotonic()
                 self._heartbeat()
