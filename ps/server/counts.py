@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ps.spec.counting import COUNT_KEY, counted_tables, slot_sums
+from ps.spec.sharding import NO_ID
 from services.errors import NotSupported
 
 
@@ -31,5 +32,6 @@ def applied_counts(server: Any) -> dict[str, Any]:
     applied = {}
     for table, rows in copied.items():
         ids = layout.plans[table].global_ids(shard)
-        applied[table] = slot_sums(ids, rows, count) if rows is not None and ids.numel() else [0] * count
+        held = ids != NO_ID         # an empty column's rows count nothing
+        applied[table] = slot_sums(ids[held], rows[held], count) if rows is not None and ids.numel() else [0] * count
     return {"server": server.name, "epoch": layout.epoch, "slots": count, "steps": steps, "applied": applied}

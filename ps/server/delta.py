@@ -21,6 +21,7 @@ import torch
 from ps.server.hashed.sketch import SKETCH
 from ps.server.state import FORMAT, export_shard
 from ps.spec.rules import by_row
+from ps.spec.sharding import NO_ID
 
 CLEAN, TAKEN, MARKED = 0, 1, 2     # as bits: taking and settling are each one pass
 
@@ -187,8 +188,7 @@ def apply_delta(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
         if t in delta["hashed"]:
             place = _hashed_place(out, t, ids, delta["hashed"][t])
         else:
-            at = torch.searchsorted(old_ids, ids)      # a plain shard's ids are sorted
-            place = functools.partial(_put, at=at)
+            place = functools.partial(_put, at=_positions(old_ids, ids))
         for n in delta["table_params"][t]:
             out["params"][n] = place(out["params"][n], delta["params"][n])
             given = delta["optim"].get(n, {})
@@ -207,10 +207,19 @@ def apply_delta(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _positions(old_ids: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Where each of ``ids`` is among a plain shard's rows ``old_ids`` (its columns need not keep
+    them rising); -1 for a row of no id (``NO_ID``: a whole tensor's gradient marks every row)."""
+    order = torch.argsort(old_ids)
+    found = order[torch.searchsorted(old_ids[order], ids).clamp(max=max(old_ids.numel() - 1, 0))]
+    return torch.where(ids == NO_ID, -1, found)
+
+
 def _put(values: torch.Tensor, new: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """A plain table's rows: ``new`` over ``values`` at ``at``."""
+    """A plain table's rows: ``new`` over ``values`` at ``at`` (none where ``at`` is -1)."""
     out = values.to(new.dtype, copy=True)      # the newer precision, if the table's changed between them
-    out[at] = new
+    keep = at >= 0
+    out[at[keep]] = new[keep]
     return out
 
 

@@ -23,7 +23,7 @@ import torch
 from ps.server.hashed.sketch import SKETCH
 from ps.server.state import Gathered
 from ps.spec.rules import by_row
-from ps.spec.sharding import Layout, Slots, WholePlan, dense_unit, table_unit
+from ps.spec.sharding import NO_ID, Columns, Layout, Slots, WholePlan, dense_unit, table_unit
 from services.errors import BadRequest
 from services.remote import call
 
@@ -94,11 +94,11 @@ def part_of(state: dict[str, Any], layout: Layout, slots: list[int], units: list
             # The few rows written since: picked by position, not by a pass over every row.
             pick = only[table].nonzero().squeeze(1)
             ids = plan.ids_at(state["shard"], pick)
-            inside = of_part(ids)
+            inside = of_part(ids) & (ids != NO_ID)
             pick, ids = pick[inside], ids[inside]
         else:
             ids = state["tables"][table]
-            pick = of_part(ids)
+            pick = of_part(ids) if is_hashed else of_part(ids) & (ids != NO_ID)    # a raw id may be -1
             ids = ids[pick]
         out["tables"][table] = ids
         for name in layout.table_params[table]:
@@ -139,7 +139,7 @@ class Taken(NamedTuple):
     whole: dict[str, dict[str, Any]]
     early: dict[str, dict[str, Any]]
     changes: dict[str, dict[str, Any]]
-    built: Optional[tuple[Slots, Gathered]]        # and the layout it was built by
+    built: Optional[tuple[Slots, Optional[Columns], Gathered]]     # and the layout and columns it was built by
 
 
 STAGES = ("all", "early", "changes")
@@ -185,9 +185,9 @@ class Staged:
         tensors = [*part["params"].values(), *(v for state in part["optim"].values() for v in state.values())]
         return sum(v.numel() * v.element_size() for v in tensors)     # rows and their state (counts included)
 
-    def keep_built(self, change: str, slots: Slots, built: Gathered) -> None:
+    def keep_built(self, change: str, slots: Slots, columns: Optional[Columns], built: Gathered) -> None:
         with self._lock:
-            self._taken = self._for(change)._replace(built=(slots, built))
+            self._taken = self._for(change)._replace(built=(slots, columns, built))
 
     def taken(self, change: str) -> Taken:
         with self._lock:

@@ -10,10 +10,9 @@ from typing import Any, Callable, Optional
 
 from ps.server.delta import held_state
 from ps.server.moves import part_of
-from ps.server.precopy import built_by, by_rows, gathered_now, plain_tables
+from ps.server.precopy import built_by, by_rows, gathered_now, laid_out, plain_tables
 from ps.server.service import ParameterServer, build_shard
 from ps.server.update import all_cores, in_background, release_later
-from ps.server.state import gather_shard
 from ps.spec.sharding import Layout, Slots
 from ps.spec.surface import MoveSurface
 from services.errors import BadRequest, NotSupported
@@ -81,12 +80,15 @@ class ShardMoves(MoveSurface):
         with server.optimizer.lock:
             server.params.touched.track()     # before its own rows are read, as a source's before its part
         started = time.monotonic()
-        new = Layout.of(server.spec, slots)
-        built = in_background(lambda: gather_shard(
-            [held_state(server), *server.staged.taken(change).early.values()], new, slots.position(server.name),
-            complete=False, tables=plain_tables(new), dense=False))
-        server.staged.keep_built(change, slots, built)
-        log.info("built its shard by layout %d aside in %.3fs", slots.epoch, time.monotonic() - started)
+        shard, early = slots.position(server.name), list(server.staged.taken(change).early.values())
+        # What stays keeps its columns, what comes fills empty ones: its own tensors, filled; with
+        # too few empty columns, its shard built again aside, in the first columns of the new layout.
+        columns = server.layout.columns_of(server.shard).after(slots, shard)
+        new = Layout.of(server.spec, slots, columns)
+        built = in_background(lambda: laid_out(held_state(server), early, new, shard, server.optimizer.lock))
+        server.staged.keep_built(change, slots, columns, built)
+        log.info("%s its shard by layout %d in %.3fs", "filled" if columns is not None else "built aside",
+                 slots.epoch, time.monotonic() - started)
 
     @remote
     def relayout(self, layout: dict[str, Any], change: str) -> dict[str, Any]:
@@ -100,12 +102,13 @@ class ShardMoves(MoveSurface):
             shard, taken, moving = slots.position(server.name), server.staged.take(change), \
                 server.params.touched.moving
             aside = built_by(taken, slots, moving)
+            columns = taken.built[1] if aside else None     # else gathered whole, in the first columns
             own = held_state(server)
             with contextlib.nullcontext() if aside else all_cores():
                 build_shard(server, slots, shard, None, gathered=gathered_now(
-                    own, server.layout, moving, Layout.of(server.spec, slots), shard, taken))
+                    own, server.layout, moving, Layout.of(server.spec, slots, columns), shard, taken), columns=columns)
         release_later(own["params"], own["optim"], taken)     # the old shard and what it took, after the hold
         log.info("rebuilt by layout %d in %.3fs%s", slots.epoch, time.monotonic() - started,
-                 " (built aside, the rows written since put in)" if aside else "")
+                 " (copied ahead, the rows written since put in)" if aside else "")
         self._relaid()
-        return {"epoch": slots.epoch, "rows": sum(p.rows(server.shard) for p in server.layout.plans.values())}
+        return {"epoch": slots.epoch, "rows": sum(p.held(server.shard) for p in server.layout.plans.values())}

@@ -29,7 +29,7 @@ from ps.server.metrics import PsMetrics
 from ps.server.moves import Gate, Staged
 from ps.server.refusals import Refusals
 from ps.server.replica_writes import ReplicaWrites
-from ps.spec.sharding import Layout, Slots, placement_of
+from ps.spec.sharding import Columns, Layout, Slots, placement_of
 from ps.spec.model import ModelSpec
 from ps.server.state import Gathered, gather_shard, initial_shard
 from ps.spec.surface import PsSurface
@@ -244,7 +244,7 @@ def shard_info(server: ParameterServer) -> ShardInfo:
     """What ``server`` says of its shard to its clients (``PsSurface.info``)."""
     layout, shard = server.layout, server.shard
     return ShardInfo(server.name, shard, layout.num_shards, server.spec.meta,
-                     {t: p.rows(shard) for t, p in layout.plans.items()}, dict(layout.table_params),
+                     {t: p.held(shard) for t, p in layout.plans.items()}, dict(layout.table_params),
                      tuple(layout.dense_of(shard)), server.optimizer.steps, str(server.consistency),
                      {t: placement_of(p) for t, p in layout.plans.items()}, server.checks.max_ids,
                      {n: tuple(server.params[n].shape[1:]) for n in layout.row_params()},
@@ -253,12 +253,14 @@ def shard_info(server: ParameterServer) -> ShardInfo:
 
 
 def build_shard(server: ParameterServer, slots: "Slots | int", shard: int,
-                restore: Optional[list[dict[str, Any]]], gathered: Optional[Gathered] = None) -> None:
+                restore: Optional[list[dict[str, Any]]], gathered: Optional[Gathered] = None,
+                columns: Optional[Columns] = None) -> None:
     """What ``server`` holds under the layout ``slots`` as shard ``shard``, and all that depends on
     it: fresh, from shard states (``gather_shard``), or as ``gathered`` already (a change of
-    layout's). Rebuilt behind the server's gate when its layout changes."""
+    layout's, by ``columns``: None, the first). Rebuilt behind the server's gate when its layout
+    changes."""
     spec = server.spec
-    layout = Layout.of(spec, slots)
+    layout = Layout.of(spec, slots, columns)
     # All that can fail comes first: a rebuild that fails changes nothing.
     if gathered is not None:
         values, optim_state, steps, kept, marks = gathered

@@ -17,7 +17,7 @@ import torch
 from ps.server.hashed.sketch import SKETCH, added
 from ps.server.marks import gather_marks
 from ps.spec.rules import by_row
-from ps.spec.sharding import HashedPlan, Layout, Slots
+from ps.spec.sharding import NO_ID, HashedPlan, Layout, Slots
 
 if TYPE_CHECKING:
     from ps.spec.model import ModelSpec
@@ -123,15 +123,15 @@ def gather_shard(states: list[dict[str, Any]], layout: Layout, shard: int, compl
             hashed[table] = _gather_hashed(states, table, layout, plan.rows(shard),
                                            (plan.owner(_ids(states[0], table, layout)) == shard) if own else None,
                                            shard, params, optim)
-        elif own:  # the same layout: this shard's own rows, as saved (the caller's to keep)
-            if not torch.equal(_ids(states[0], table, layout), plan.global_ids(shard)):
-                raise ValueError(f"shard {shard}'s saved rows do not match {plan.num_ids} {table} rows")
+        elif own and torch.equal(_ids(states[0], table, layout), plan.global_ids(shard)):
+            # The same layout and columns: this shard's own rows, as saved (the caller's to keep).
             for name in layout.table_params[table]:
                 params[name] = states[0]["params"][name]
                 if name in states[0]["optim"]:
                     optim[name] = dict(states[0]["optim"][name])
         else:
-            pick = _rows_here(states, table, layout, plan.global_ids(shard), plan.num_ids, complete)
+            # (its own state by other columns, too: a server that restarts keeps its ids rising)
+            pick = _rows_here(states, table, layout, plan.global_ids(shard), plan.num_ids, complete and not own)
             for name in layout.table_params[table]:
                 params[name] = _take([s["params"][name] for s in states], pick)
                 _gather_rows_state(states, name, pick, optim, layout.row_state.get(name))
@@ -187,15 +187,18 @@ def _rows_here(states: list[dict[str, Any]], table: str, layout: Layout, wanted:
     """Positions, in the old shards' rows laid end to end, of the global ids ``wanted`` (not
     ``complete``: the states hold some of the table's rows, ``wanted`` among them)."""
     ids = torch.cat([_ids(s, table, layout) for s in states])
+    held = (ids != NO_ID).nonzero().squeeze(1)      # a row of no id (``NO_ID``) is left out
+    ids = ids[held]
     if complete and (ids.numel() != rows or not torch.equal(torch.sort(ids).values, torch.arange(rows))):
         raise ValueError(f"the old shards hold {ids.numel()} {table} rows, this model has {rows}")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
         raise ValueError(f"the shards given hold {table} ids outside [0, {rows})")
-    where = torch.full((rows,), -1, dtype=torch.long)
-    where[ids] = torch.arange(ids.numel())
-    found = where[wanted]
-    if not complete and bool((found < 0).any()):
-        raise ValueError(f"the shards given lack {int((found < 0).sum())} of the {wanted.numel()} {table} rows "
+    where = torch.full((rows + 1,), -1, dtype=torch.long)       # the last: where NO_ID finds no row
+    where[ids] = held
+    found = where[torch.where(wanted == NO_ID, rows, wanted)]
+    lacking = int(((found < 0) & (wanted != NO_ID)).sum())
+    if not complete and lacking:
+        raise ValueError(f"the shards given lack {lacking} of the {int((wanted != NO_ID).sum())} {table} rows "
                          f"this shard owns")
     return found
 
@@ -203,10 +206,12 @@ def _rows_here(states: list[dict[str, Any]], table: str, layout: Layout, wanted:
 def _take(pieces: list[torch.Tensor], pick: torch.Tensor) -> torch.Tensor:
     """The rows ``pick`` of ``pieces`` laid end to end, as a new tensor, without laying them end to
     end first: a change of layout gathers a whole shard this way, and one copy less of it is most
-    of what the rebuild costs."""
-    if len(pieces) == 1:
+    of what the rebuild costs. A row picked -1 (one that holds no id) is zeros."""
+    holes = pick < 0
+    if len(pieces) == 1 and not bool(holes.any()):
         return pieces[0][pick]                    # indexing by positions copies
     out = pieces[0].new_empty((pick.numel(), *pieces[0].shape[1:]))
+    out[holes] = 0
     start = 0
     for piece in pieces:
         inside = ((pick >= start) & (pick < start + piece.size(0))).nonzero().squeeze(1)
@@ -257,11 +262,12 @@ def initial_shard(spec: "ModelSpec", layout: Layout, shard: int) -> dict[str, to
             continue
         rows = layout.plans[table_name].global_ids(shard)
         for name, shape in table.params.items():
-            values[name] = torch.empty(len(rows), *shape)
+            values[name] = torch.zeros(len(rows), *shape)      # a row of no id stays zeros
         for start in range(0, len(rows), INIT_ROWS):       # a slice at a time: bounded temporaries
-            part = table.init(rows[start:start + INIT_ROWS])
+            at = (rows[start:start + INIT_ROWS] != NO_ID).nonzero().squeeze(1) + start
+            part = table.init(rows[at])
             for name in table.params:
-                values[name][start:start + len(part[name])] = part[name]
+                values[name][at] = part[name]
     for g in layout.groups_of(shard):
         values.update(spec.dense[g].init())
     return values

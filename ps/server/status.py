@@ -65,7 +65,7 @@ def shard_status(layout: Any, shard: int, metrics: Any) -> dict[str, Any]:
     """What a server's /status says of its shard under ``layout`` (a ``Layout``), its metrics set
     to match: the layout, and the rows and dense tensors it holds."""
     slots = layout.slots
-    rows = {t: p.rows(shard) for t, p in layout.plans.items()}
+    rows = {t: p.held(shard) for t, p in layout.plans.items()}
     metrics.layout_epoch.set(slots.epoch)
     metrics.slots_owned.set(int(slots.owned[shard]) if shard < slots.num_shards else 0)     # past the end: none
     return {"layout": slots.describe(), "shard": shard, "num_shards": slots.num_shards, "rows": sum(rows.values()),

@@ -10,8 +10,11 @@ count is fixed for the life of a checkpoint chain, which records it.
 Each table is placed as its ``Table.placement`` says (as TorchRec's ``ParameterSharding``):
 
 * **row-wise** (``ShardPlan``), for big tables: row ``id`` on the owner of its slot. A server
-  keeps its ids in rising order, so local row ``(id // count) * m + b``, where ``m`` is how many
-  slots it owns and ``b`` how many of them come before ``id``'s (the id's rank among its own);
+  keeps a table's rows as a grid of ``W`` columns, a column for each slot it holds (its
+  ``Columns``, the same for every table): local row ``(id // count) * W + c``, where ``c`` is the
+  column of ``id``'s slot. Its first columns are its slots in rising order, so that it keeps its
+  ids in rising order; when a change of layout takes slots away their columns stay, empty, and
+  slots that come take empty columns, so that what stays never moves (``Columns.after``);
 * **table-wise** (``WholePlan``), for tables smaller than the server count: the whole table on its
   home server;
 * **hashed** (``HashedPlan``), for a table keyed by raw 64-bit ids: id ``id`` on the owner of slot
@@ -212,17 +215,87 @@ class Slots:
                             for k, n in enumerate(self.servers)}}
 
 
+NO_ID = -1     # the id of a row that holds none: an empty column's, or past a table's last id
+# A row-wise table of this many ids a slot or more is kept as a grid (``ShardPlan.gridded``): its
+# rows past its last id, at most one of the grid's, are under a sixteenth of it.
+GRID_DEPTH = 16
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Where one server keeps the slots it holds, in every row-wise table (``ShardPlan``): slot
+    ``s`` in column ``of[s]`` (-1: not here) of ``width``; server-local, never sent."""
+
+    shard: int
+    of: tuple[int, ...]         # slot -> its column here, or -1
+    width: int
+
+    @classmethod
+    def first(cls, slots: Slots, shard: int) -> "Columns":
+        """The slots ``shard`` owns in rising order, with no empty column: its ids rising."""
+        mine = slots.owner_of == shard
+        return cls(shard, tuple(torch.where(mine, slots.before, -1).tolist()), int(mine.sum()))
+
+    def after(self, slots: Slots, shard: int) -> Optional["Columns"]:
+        """The columns by the next layout ``slots``: the slots that stay where they were, those
+        that leave leave their columns empty, those that come take columns empty before the change
+        (lowest first); None when those are too few (the storage would grow: every row moves)."""
+        was = torch.tensor(self.of, dtype=torch.int64)
+        mine = slots.owner_of == shard
+        now = torch.where(mine, was, -1)
+        coming = (mine & (was < 0)).nonzero().squeeze(1)
+        # Those coming are copied in while those leaving are still served: only columns empty now.
+        used = torch.zeros(self.width, dtype=torch.bool)
+        used[was[was >= 0]] = True
+        empty = (~used).nonzero().squeeze(1)
+        if coming.numel() > empty.numel():
+            return None
+        now[coming] = empty[:coming.numel()]
+        return Columns(shard, tuple(now.tolist()), self.width)
+
+    @functools.cached_property
+    def column_of(self) -> torch.Tensor:
+        """[count] int64: each slot's column here, -1 where it is not held."""
+        return torch.tensor(self.of, dtype=torch.int64)
+
+    @functools.cached_property
+    def slot_at(self) -> torch.Tensor:
+        """[width] int64: each column's slot, -1 where it is empty."""
+        out = torch.full((self.width,), -1, dtype=torch.int64)
+        held = (self.column_of >= 0).nonzero().squeeze(1)
+        out[self.column_of[held]] = held
+        return out
+
+
 def _slot_sizes(num_ids: int, count: int) -> torch.Tensor:
     """[count]: how many of the ids 0 .. num_ids - 1 fall into each slot."""
     return ((num_ids - torch.arange(count) + count - 1) // count).clamp(min=0)
 
 
+@functools.lru_cache(maxsize=64)
+def _first_columns(slots: Slots, shard: int) -> Columns:
+    return Columns.first(slots, shard)
+
+
+def columns_on(columns: Optional[Columns], slots: Slots, shard: int) -> Columns:
+    """Where shard ``shard`` keeps its slots: ``columns`` if they are its own, else its first."""
+    return columns if columns is not None and columns.shard == shard else _first_columns(slots, shard)
+
+
 @dataclass(frozen=True)
 class ShardPlan:
-    """One id space (a table's rows, ids 0 .. num_ids - 1) over the slots of a layout."""
+    """One id space (a table's rows, ids 0 .. num_ids - 1) over the slots of a layout; on a server,
+    with that server's ``columns`` (for other shards, and without: their first columns).
+
+    A table of ``GRID_DEPTH`` ids a slot or more (``gridded``) is kept as a full grid, ``rows`` =
+    ``ceil(num_ids / count) * width``: the rows of a column past the table's last id, and an empty
+    column's, hold no id (``NO_ID``). A smaller one is *packed*: its ids in rising order, the grid
+    of its first columns cut after its last id, whatever ``columns`` say; a change of layout lays it
+    out again, which costs little."""
 
     slots: Slots
     num_ids: int
+    columns: Optional[Columns] = None
 
     def __post_init__(self) -> None:
         if self.num_ids < 1:
@@ -237,27 +310,53 @@ class ShardPlan:
         """The largest id a request may name."""
         return self.num_ids - 1
 
+    def columns_of(self, shard: int) -> Columns:
+        return columns_on(self.columns if self.gridded else None, self.slots, shard)
+
+    @property
+    def depth(self) -> int:
+        """A column's rows: ``ceil(num_ids / count)``."""
+        return -(-self.num_ids // self.slots.count)
+
+    @property
+    def gridded(self) -> bool:
+        """Whether it is kept as a grid whose columns a change of layout keeps (``Columns``)."""
+        return self.depth >= GRID_DEPTH
+
     def rows(self, shard: int) -> int:
+        """Shard ``shard``'s rows of storage (its tensors' length)."""
+        return self.depth * self.columns_of(shard).width if self.gridded else self.held(shard)
+
+    def held(self, shard: int) -> int:
         """How many ids shard ``shard`` owns."""
         return int(_slot_sizes(self.num_ids, self.slots.count)[self.slots.owner_of == shard].sum())
 
     def global_ids(self, shard: int) -> torch.Tensor:
-        """The ids shard ``shard`` owns, rising (its rows' order)."""
-        mine, count = self.slots.slots_of(shard), self.slots.count
-        ids = (torch.arange(-(-self.num_ids // count))[:, None] * count + mine[None, :]).reshape(-1)
-        return ids[ids < self.num_ids]
+        """The id of each of shard ``shard``'s rows, ``NO_ID`` where a row holds none."""
+        return self.ids_at(shard, torch.arange(self.rows(shard)))
 
     def ids_at(self, shard: int, rows: torch.Tensor) -> torch.Tensor:
         """The ids of shard ``shard``'s ``rows``: ``global_ids(shard)[rows]``, without them all."""
-        mine = self.slots.slots_of(shard)
-        return (rows // mine.numel()) * self.slots.count + mine[rows % mine.numel()]
+        if not self.gridded:
+            mine = self.slots.slots_of(shard)
+            return (rows // mine.numel()) * self.slots.count + mine[rows % mine.numel()]
+        columns = self.columns_of(shard)
+        if not columns.width:
+            return torch.full_like(rows, NO_ID)
+        slot = columns.slot_at[rows % columns.width]
+        ids = (rows // columns.width) * self.slots.count + slot
+        return torch.where((slot >= 0) & (ids < self.num_ids), ids, NO_ID)
 
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
         return self.slots.owner_of[ids % self.slots.count]
 
     def to_local(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` on this server (``columns``'; without, or packed, the first columns of
+        each id's owner)."""
         slot = ids % self.slots.count
-        return (ids // self.slots.count) * self.slots.owned[self.slots.owner_of[slot]] + self.slots.before[slot]
+        if self.columns is None or not self.gridded:
+            return (ids // self.slots.count) * self.slots.owned[self.slots.owner_of[slot]] + self.slots.before[slot]
+        return (ids // self.slots.count) * self.columns.width + self.columns.column_of[slot]
 
     def partition(self, unique_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per shard: (positions in ``unique_ids``, the global ids there), positions rising."""
@@ -284,7 +383,10 @@ class HashedPlan(ShardPlan):
     def rows(self, shard: int) -> int:
         """Its share of the capacity; one row at least (an index holds one), also on a server
         that owns no slot."""
-        return max(1, super().rows(shard))
+        return max(1, super().held(shard))
+
+    def held(self, shard: int) -> int:
+        return self.rows(shard)
 
     def global_ids(self, shard: int) -> torch.Tensor:
         raise TypeError("a hashed table's rows have no fixed ids: ask its index")
@@ -318,6 +420,9 @@ class WholePlan:
 
     def rows(self, shard: int) -> int:
         return self.num_ids if shard == self.home else 0
+
+    def held(self, shard: int) -> int:
+        return self.rows(shard)
 
     def global_ids(self, shard: int) -> torch.Tensor:
         return torch.arange(self.num_ids if shard == self.home else 0)
@@ -377,13 +482,15 @@ def resumed_slots(spec: ModelSpec, servers: Iterable[str], saved: Optional[dict[
     return slots if slots.servers == names else slots.rebalanced(names)
 
 
-def plan_of(slots: Slots, table: str, num_ids: int, hashed: bool = False) -> Plan:
-    """Table ``table``'s plan under ``slots``: kept whole if it has a home there."""
+def plan_of(slots: Slots, table: str, num_ids: int, hashed: bool = False,
+            columns: Optional[Columns] = None) -> Plan:
+    """Table ``table``'s plan under ``slots``: kept whole if it has a home there; ``columns``: a
+    server's own, for a row-wise table."""
     if slots.has_home(table_unit(table)):
         return WholePlan(slots, num_ids, slots.home(table_unit(table)))
     if hashed:       # raw ids spread over every shard: each needs a row at least
         return HashedPlan(slots, max(num_ids, slots.num_shards))
-    return ShardPlan(slots, num_ids)
+    return ShardPlan(slots, num_ids, columns)
 
 
 def placement_of(plan: Plan) -> tuple[str, int]:
@@ -405,18 +512,21 @@ class Layout:
     # saved before rules said it, told by its shape)
     row_state: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
+    columns: Optional[Columns] = None              # a server's own (``Columns``): None, the first
+
     @classmethod
-    def of(cls, spec: ModelSpec, slots: "Slots | int") -> "Layout":
-        """``spec``'s model under ``slots`` (a number of servers: their first layout)."""
+    def of(cls, spec: ModelSpec, slots: "Slots | int", columns: Optional[Columns] = None) -> "Layout":
+        """``spec``'s model under ``slots`` (a number of servers: their first layout); on a server,
+        with its ``columns``."""
         slots = first_slots(spec, slots) if isinstance(slots, int) else slots
         missing = [g for g in range(len(spec.dense)) if not slots.has_home(dense_unit(g))]
         if missing:
             raise ValueError(f"layout {slots.epoch} gives no home to dense group {missing[0]} of the model's "
                              f"{len(spec.dense)}")
-        return cls(slots, {t: plan_of(slots, t, table.rows, table.hashed) for t, table in spec.tables.items()},
+        return cls(slots, {t: plan_of(slots, t, table.rows, table.hashed, columns) for t, table in spec.tables.items()},
                    {t: tuple(table.params) for t, table in spec.tables.items()},
                    tuple(tuple(group.params) for group in spec.dense),
-                   {p: spec.rule_of(t).row_state for t, table in spec.tables.items() for p in table.params})
+                   {p: spec.rule_of(t).row_state for t, table in spec.tables.items() for p in table.params}, columns)
 
     @property
     def num_shards(self) -> int:
@@ -425,6 +535,9 @@ class Layout:
     @property
     def epoch(self) -> int:
         return self.slots.epoch
+
+    def columns_of(self, shard: int) -> Columns:
+        return columns_on(self.columns, self.slots, shard)
 
     def group_owner(self, group: int) -> int:
         return self.slots.home(dense_unit(group))

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from tests.support.rows import held
 import torch.nn.functional as F
 
 from ps.spec.config import ps_names
@@ -41,9 +43,9 @@ def full_parameters(client: PsClient) -> dict[str, torch.Tensor]:
             "decoder.bias": torch.empty(m.ntoken)}
     for k, name in enumerate(client.routes.servers):
         part = client.call(name, PsSurface.parameters)
-        rows = plan.global_ids(k)
+        rows, ids = held(plan.global_ids(k))
         for key in ("embedding.weight", "decoder.weight", "decoder.bias"):
-            full[key][rows] = part.pop(key)
+            full[key][ids] = part.pop(key)[rows]
         full.update({f"lstm.{n}": t for n, t in part.items()})
     return full
 
@@ -297,7 +299,8 @@ def tiny(client: PsClient, args: argparse.Namespace) -> dict:
         served[name] = client.call(name, PsSurface.parameters)
     big = torch.empty_like(local["big.weight"])
     for k, name in enumerate(client.routes.servers):
-        big[client.routes.plans["big"].global_ids(k)] = served[name]["big.weight"]
+        rows, ids = held(client.routes.plans["big"].global_ids(k))
+        big[ids] = served[name]["big.weight"][rows]
     holder = [name for name, p in served.items() if p["flag.weight"].shape[0] == 1]
     flag = served[holder[0]]["flag.weight"]
     w = next(p["w"] for p in served.values() if "w" in p)

@@ -5,6 +5,8 @@ import threading
 
 import pytest
 import torch
+
+from tests.support.rows import held
 from prometheus_client import CollectorRegistry
 
 from ps.leader.moves import by_destination, change_name
@@ -30,13 +32,13 @@ def whole(servers):
     """Every parameter and its Adagrad sum over the servers, rows by id."""
     out = {}
     for s in servers:
-        ids = s.layout.plans["vocabulary"].global_ids(s.shard)
+        rows, ids = held(s.layout.plans["vocabulary"].global_ids(s.shard))
         for name, p in zip(s.params.names, s.optimizer.params):
             acc = s.optimizer.optimizer.state.get(p, {}).get("sum", torch.zeros_like(p))
             if name in ROWS:
                 value, total = out.setdefault(name, (torch.full((MODEL.ntoken, *p.shape[1:]), float("nan")),
                                                      torch.full((MODEL.ntoken, *p.shape[1:]), float("nan"))))
-                value[ids], total[ids] = p.detach(), acc
+                value[ids], total[ids] = p.detach()[rows], acc[rows]
             else:
                 assert name not in out, f"{name} held twice"
                 out[name] = (p.detach().clone(), acc.clone())
@@ -188,22 +190,29 @@ def train(servers, seed):
             continue
         g = torch.Generator().manual_seed(seed * 10 + s.shard)
         grads = {}
+        mine, _ = held(s.layout.plans["vocabulary"].global_ids(s.shard))     # as requests name them
         for name, p in zip(s.params.names, s.optimizer.params):
             if name in ROWS:
-                rows = torch.randperm(p.shape[0], generator=g)[:3]
+                rows = mine[torch.randperm(mine.numel(), generator=g)[:3]]
                 grads[p] = torch.sparse_coo_tensor(rows[None], torch.randn(3, *p.shape[1:], generator=g), p.shape)
             else:
                 grads[p] = torch.randn(p.shape, generator=g)
         s.optimizer.apply(grads)
 
 
-def test_a_change_copied_ahead_while_rows_are_written_ends_with_every_write():
+@pytest.mark.parametrize("gridded", [True, False], ids=["gridded", "packed"])
+def test_a_change_copied_ahead_while_rows_are_written_ends_with_every_write(gridded, monkeypatch):
+    # Its 60 ids are too few for a grid (``GRID_DEPTH`` ids a slot): kept as one, and as they are.
+    monkeypatch.setattr("ps.spec.sharding.GRID_DEPTH", 1 if gridded else 16)
     first = first_slots(model_spec(MODEL), 2)
     a, b, c = server("ps0", first), server("ps1", first), server("ps2", first)
     train([a, b], 1)
     seeds = iter(range(2, 100))
     grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    storage = {s.name: s.param("embedding.weight").data_ptr() for s in (a, b)}
     move([a, b, c], first, grown, meanwhile=lambda: train([a, b], next(seeds)))
+    # What gave slots away kept its tensors, if gridded: the slots that stay were not copied.
+    assert ({s.name: s.param("embedding.weight").data_ptr() for s in (a, b)} == storage) == gridded
     # The same writes on servers that never moved: what they hold, the moved hold, by id.
     x, y = server("ps0", first), server("ps1", first)
     for seed in range(1, next(seeds)):
@@ -220,6 +229,9 @@ def test_a_change_copied_ahead_while_rows_are_written_ends_with_every_write():
         train([a, b, c], 50 + len(before_back))
         before_back.update(whole([a, b, c]))
     move([a, b, c], grown, shrunk, meanwhile=meanwhile)
+    # ps0 took its slots back into the columns they left empty; ps2, full, was built again.
+    assert (a.param("embedding.weight").data_ptr() == storage["ps0"]) == gridded
+    assert int((a.layout.columns.slot_at < 0).sum()) == 0 and c.layout.columns is None
     after = whole([a, c])
     for name, (value, acc) in before_back.items():
         assert torch.equal(after[name][0], value) and torch.equal(after[name][1], acc), name
@@ -281,9 +293,9 @@ def test_an_early_part_taken_a_few_tables_at_a_time_moves_every_row_of_every_tab
         out = {}
         for s in servers:
             for table, plan in s.layout.plans.items():
-                ids = plan.global_ids(s.shard)
+                rows, ids = held(plan.global_ids(s.shard))
                 for name in s.layout.table_params[table]:
-                    for i, row in zip(ids.tolist(), s.params[name].detach()):
+                    for i, row in zip(ids.tolist(), s.params[name].detach()[rows]):
                         assert (name, i) not in out, f"{name}[{i}] held twice"
                         out[name, i] = row.clone()
         return out
@@ -326,3 +338,47 @@ def test_an_id_seen_but_not_admitted_keeps_its_count_where_its_slot_moves(ahead)
     # the slots to ps2, and stayed on the servers that were rebuilt.
     assert sighted([*old, third], ids) == sorted(ids.tolist())
     assert sorted(third.hashed.tables["t"].index.rows()[0].tolist()) == sorted(moving.tolist())
+
+
+def test_a_table_kept_whole_moves_with_its_home_copied_ahead_into_a_server_that_fills():
+    import torch.nn as nn
+
+    import rpcps
+    from ps.spec.sharding import table_unit
+    from trainer.core.hosted import hosted_spec
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(3)
+            self.tables = rpcps.EmbeddingBags([rpcps.TableConfig(name="item", rows=40, dim=4, placement="table_wise"),
+                                               rpcps.TableConfig(name="genre", rows=30, dim=4)])
+            self.top = nn.Linear(8, 1)
+    spec = hosted_spec(Model(), optimizer="adagrad")
+    first = first_slots(spec, 2)
+    servers = [ParameterServer(n, k, first, spec, PsMetrics(CollectorRegistry(), "ps", n))
+               for k, n in enumerate(("ps0", "ps1", "ps2"))]
+
+    def by_id(among):
+        out = {}
+        for s in among:
+            for table, plan in s.layout.plans.items():
+                rows, ids = held(plan.global_ids(s.shard))
+                for name in s.layout.table_params[table]:
+                    out.update({(name, int(i)): s.param(name).detach()[r].clone() for r, i in zip(rows, ids)})
+        return out
+    before = by_id(servers[:2])
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    storage = servers[0].param("tables.weights.item").data_ptr()
+    move(servers, first, grown, meanwhile=lambda: None)
+    # It stays on its home, where it is: not copied.
+    assert grown.servers[grown.home(table_unit("item"))] == "ps0"
+    assert servers[0].param("tables.weights.item").data_ptr() == storage
+    # Its home leaves: the table goes to ps1, which fills the columns it gave ps2.
+    shrunk = grown.rebalanced(["ps1", "ps2"])
+    move(servers, grown, shrunk, meanwhile=lambda: None)
+    ps1 = servers[1]
+    assert ps1.layout.plans["item"].rows(ps1.shard) == 40 and ps1.layout.columns is not None
+    after = by_id(servers[1:])
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support.rows import held, each_storage  # noqa: F401 (autouse: packed and gridded)
 from prometheus_client import CollectorRegistry
 
 from ps.server.metrics import PsMetrics
@@ -45,7 +47,8 @@ def whole(shards: list[dict], part: str) -> dict[str, torch.Tensor]:
             if name in ROW_PARAMS:
                 if name not in out:
                     out[name] = torch.empty(shard["model"]["ntoken"], *value.shape[1:])
-                out[name][ids] = value
+                rows, at = held(ids)
+                out[name][at] = value[rows]
             else:
                 out[name] = value
     return out

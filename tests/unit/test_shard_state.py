@@ -4,6 +4,7 @@ import torch
 from ps.spec.sharding import Layout
 from ps.spec.model import DenseGroup, ModelSpec, Table
 from ps.server.state import export_shard, gather_shard
+from tests.support.rows import by_id, held, each_storage  # noqa: F401 (autouse: packed and gridded)
 
 NTOKEN, EM, NHID, NLAYERS = 23, 3, 4, 3
 ROW_PARAMS = ("embedding.weight", "decoder.weight", "decoder.bias")
@@ -32,8 +33,8 @@ def shard_states(num_shards):
     out = []
     for k in range(num_shards):
         rows = plan.global_ids(k)
-        sp = {n: params[n][rows] for n in ROW_PARAMS}
-        so = {n: {"sum": optim[n]["sum"][rows], "step": optim[n]["step"]} for n in ROW_PARAMS}
+        sp = {n: by_id(params[n], rows) for n in ROW_PARAMS}
+        so = {n: {"sum": by_id(optim[n]["sum"], rows), "step": optim[n]["step"]} for n in ROW_PARAMS}
         for name in lay.dense_of(k):
             sp[name] = params[name]
             so[name] = optim[name]
@@ -54,7 +55,7 @@ def test_resharding_reassembles_exactly_the_saved_model(old, new):
         rows = plan.global_ids(k)
         assert steps == 42
         for n in ROW_PARAMS:
-            assert torch.equal(p[n], params[n][rows]) and torch.equal(o[n]["sum"], optim[n]["sum"][rows])
+            assert torch.equal(p[n], by_id(params[n], rows)) and torch.equal(o[n]["sum"], by_id(optim[n]["sum"], rows))
         for n in dense:
             assert torch.equal(p[n], params[n]) and torch.equal(o[n]["sum"], optim[n]["sum"])
             seen_dense.add(n)
@@ -75,8 +76,8 @@ def test_same_shape_restores_from_the_shards_own_file_alone():
     plan = layout(2).plans["vocabulary"]
     p, o, steps, _, _ = gather_shard([states[1]], layout(2), 1)
     rows = plan.global_ids(1)
-    assert steps == 42 and torch.equal(p["decoder.bias"], params["decoder.bias"][rows])
-    assert torch.equal(o["embedding.weight"]["sum"], optim["embedding.weight"]["sum"][rows])
+    assert steps == 42 and torch.equal(p["decoder.bias"], by_id(params["decoder.bias"], rows))
+    assert torch.equal(o["embedding.weight"]["sum"], by_id(optim["embedding.weight"]["sum"], rows))
 
 
 def test_row_state_of_any_shape_reshards_and_a_shard_without_state_counts_as_zeros():
@@ -90,14 +91,14 @@ def test_row_state_of_any_shape_reshards_and_a_shard_without_state_counts_as_zer
     whole_sum = torch.empty(NTOKEN)
     bias_sum = torch.empty(NTOKEN)
     for k, state in enumerate(states):
-        ids = layout(3).plans["vocabulary"].global_ids(k)
+        rows, ids = held(layout(3).plans["vocabulary"].global_ids(k))
         whole_sum[ids] = float(k + 1)
-        bias_sum[ids] = state["optim"]["decoder.bias"]["sum"] if k != 1 else 0.0
+        bias_sum[ids] = state["optim"]["decoder.bias"]["sum"][rows] if k != 1 else 0.0
     for shard in range(2):
         _, optim, _, _, _ = gather_shard(states, lay, shard)
         ids = plan.global_ids(shard)
-        assert torch.equal(optim["decoder.weight"]["sum"], whole_sum[ids])
-        assert torch.equal(optim["decoder.bias"]["sum"], bias_sum[ids])
+        assert torch.equal(optim["decoder.weight"]["sum"], by_id(whole_sum, ids))
+        assert torch.equal(optim["decoder.bias"]["sum"], by_id(bias_sum, ids))
 
 
 class ColumnScale:

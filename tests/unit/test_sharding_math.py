@@ -4,8 +4,8 @@ import pytest
 
 
 from ps.spec.model import DenseGroup, Lifecycle, ModelSpec, Table
-from ps.spec.sharding import (MIN_SLOTS, HashedPlan, Layout, ShardPlan, Slots, WholePlan, client_plans,
-                              placement_of, resumed_slots)
+from ps.spec.sharding import (MIN_SLOTS, NO_ID, Columns, HashedPlan, Layout, ShardPlan, Slots, WholePlan,
+                              client_plans, placement_of, resumed_slots)
 from trainer.lm.softmax import DecoderShard, combine_partials
 
 
@@ -28,9 +28,9 @@ def test_plan_partitions_every_id_exactly_once(shards, placement):
     layout = Layout.of(_spec(placement), shards)
     plan = layout.plans["t"]
     assert client_plans(layout.slots, {"t": placement_of(plan)}, {"t": 23})["t"] == plan
-    assert sum(plan.rows(k) for k in range(shards)) == 23
+    assert sum(plan.held(k) for k in range(shards)) == 23
     owned = torch.cat([plan.global_ids(k) for k in range(shards)])
-    assert sorted(owned.tolist()) == list(range(23))
+    assert sorted(owned[owned != NO_ID].tolist()) == list(range(23))
     _partitions_every_id_once(plan, shards, torch.tensor([0, 4, 7, 22, 13]))
 
 
@@ -41,8 +41,10 @@ def test_the_first_layout_places_every_id_where_id_mod_n_did(shards):
     assert plan.slots.count % shards == 0 and plan.slots.count >= MIN_SLOTS
     for k in range(shards):
         ids = plan.global_ids(k)
-        assert torch.equal(ids, torch.arange(k, 10_007, shards))
-        assert torch.equal(plan.to_local(ids), ids // shards)
+        # its ids rising, then the rows of its last column past the table's end
+        assert torch.equal(ids[:plan.held(k)], torch.arange(k, 10_007, shards))
+        assert bool((ids[plan.held(k):] == NO_ID).all()) and ids.numel() - plan.held(k) < plan.slots.count
+        assert torch.equal(plan.to_local(ids[:plan.held(k)]), ids[:plan.held(k)] // shards)
 
 
 @pytest.mark.parametrize("old,new", [(2, 3), (3, 2), (1, 4), (4, 3), (3, 5)])
@@ -60,9 +62,44 @@ def test_a_change_of_servers_moves_a_share_of_the_slots_and_rows_stay_in_order(o
     plan = ShardPlan(after, 9_999)
     for k in range(new):
         ids = plan.global_ids(k)
+        rows = (ids != NO_ID).nonzero().squeeze(1)
+        ids = ids[rows]
         assert bool((ids[1:] > ids[:-1]).all()) and bool((plan.owner(ids) == k).all())
-        assert torch.equal(plan.to_local(ids), torch.arange(ids.numel()))
+        assert torch.equal(plan.to_local(ids), rows) and ids.numel() == plan.held(k)
     _partitions_every_id_once(plan, new, torch.randperm(9_999)[:500])
+
+
+def test_a_servers_columns_keep_what_stays_where_it_was_and_fill_the_empty_ones():
+    first = Slots.even(2)
+    grown = first.rebalanced(["ps0", "ps1", "ps2"])
+    back = grown.rebalanced(["ps0", "ps1"])
+    was = Columns.first(first, 0)
+    assert was.width == 2048 and was.of[:4] == (0, -1, 1, -1)
+    given = was.after(grown, 0)                    # slots leave: their columns are left empty
+    stay = (grown.owner_of == 0).nonzero().squeeze(1)
+    assert given.width == was.width and torch.equal(given.column_of[stay], was.column_of[stay])
+    assert int((given.column_of >= 0).sum()) == int(grown.owned[0]) and int((given.slot_at < 0).sum()) == 2048 - int(grown.owned[0])
+    taken = given.after(back, 0)                   # slots come: they fill the empty columns
+    assert taken.width == was.width and int((taken.slot_at < 0).sum()) == 0
+    assert torch.equal(taken.column_of[stay], was.column_of[stay])
+    assert sorted(taken.column_of[back.owner_of == 0].tolist()) == list(range(2048))
+    assert Columns.first(first, 0).after(Slots.even(2).rebalanced(["ps0"]), 0) is None    # more than fit
+    # A table by those columns: each id in one row, what stayed where it was, the rest of no id.
+    before, after = ShardPlan(first, 99_999, was), ShardPlan(back, 99_999, taken)
+    assert before.gridded and before.depth == 25
+    ids = torch.arange(99_999)
+    mine = ids[after.owner(ids) == 0]
+    assert before.rows(0) == after.rows(0) == before.depth * 2048
+    assert torch.equal(after.ids_at(0, after.to_local(mine)), mine)
+    kept = ids[(before.owner(ids) == 0) & (after.owner(ids) == 0)]
+    assert torch.equal(before.to_local(kept), after.to_local(kept))
+    held = after.global_ids(0)
+    assert sorted(held[held != NO_ID].tolist()) == mine.tolist()
+    # A small table is packed, whatever the columns: its ids rising, no row without one.
+    small = ShardPlan(back, 9_999, taken)
+    assert not small.gridded and small.rows(0) == small.held(0)
+    assert torch.equal(small.global_ids(0), ShardPlan(back, 9_999).global_ids(0))
+    assert torch.equal(small.to_local(small.global_ids(0)), torch.arange(small.rows(0)))
 
 
 def test_adding_one_server_moves_about_one_in_n_plus_one_of_the_rows():
@@ -131,7 +168,10 @@ def test_softmax_partials_equal_cross_entropy_and_its_gradients(shards):
     ref = F.cross_entropy(F.linear(ref_h, ref_w, ref_b), targets)
     ref.backward()
 
-    decoders = [DecoderShard(w[plan.global_ids(k)].clone(), b[plan.global_ids(k)].clone()) for k in range(shards)]
+    # A shard's rows of no id are -inf logits, as the server's decode makes them.
+    rows = [plan.global_ids(k) for k in range(shards)]
+    decoders = [DecoderShard(w[ids.clamp(min=0)].clone(), b[ids.clamp(min=0)].masked_fill(ids == NO_ID, float("-inf")))
+                for ids in rows]
     lse, tgt = [], []
     for k, d in enumerate(decoders):
         owned = plan.owner(targets) == k
@@ -144,9 +184,11 @@ def test_softmax_partials_equal_cross_entropy_and_its_gradients(shards):
 
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
     assert torch.allclose(h.grad, ref_h.grad, atol=1e-6)
-    for k, d in enumerate(decoders):
-        assert torch.allclose(d.weight.grad, ref_w.grad[plan.global_ids(k)], atol=1e-6)
-        assert torch.allclose(d.bias.grad, ref_b.grad[plan.global_ids(k)], atol=1e-6)
+    for ids, d in zip(rows, decoders):
+        word = ids != NO_ID
+        assert torch.allclose(d.weight.grad[word], ref_w.grad[ids[word]], atol=1e-6)
+        assert torch.allclose(d.bias.grad[word], ref_b.grad[ids[word]], atol=1e-6)
+        assert not d.weight.grad[~word].any() and not d.bias.grad[~word].any()     # no word: no gradient
 
 
 def test_buffer_pool_reuses_by_size_and_never_hands_out_one_buffer_twice():
@@ -169,7 +211,7 @@ def test_a_table_smaller_than_the_slot_count_spreads_over_every_server_after_a_c
     shrunk = grown.rebalanced(["ps0", "ps2"])
     for slots, rows in ((grown, [11, 11, 11]), (shrunk, [16, 17])):
         plan = ShardPlan(slots, 33)
-        assert sorted(plan.rows(k) for k in range(slots.num_shards)) == sorted(rows)
+        assert sorted(plan.held(k) for k in range(slots.num_shards)) == sorted(rows)
 
 
 def test_a_leader_started_again_after_a_change_starts_from_the_layout_it_kept(tmp_path):

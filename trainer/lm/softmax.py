@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from services.remote import in_autograd_context
 from ps.server.tables import BufferPool
+from ps.spec.sharding import NO_ID
 from services.errors import BadRequest
 from services.remote import describe
 
@@ -109,6 +110,9 @@ class Decode:
         local = torch.where(owned, plan.to_local(targets), torch.zeros_like(targets))
         decoder = DecoderShard(*(server.param(n) for n in DECODER), self._pool)
         w, b = server.snapshot(list(DECODER))
+        # Rows of no id (an empty column's, past the vocabulary's end) are no word: a logit of
+        # -inf adds nothing to the sum of exponentials, nor takes any gradient.
+        b = b.masked_fill(plan.global_ids(server.shard) == NO_ID, float("-inf"))
         # Outside a distributed autograd context (evaluation) nothing will ever call backward:
         # skip saving the [N, rows] probabilities.
         with torch.set_grad_enabled(in_autograd_context()):
