@@ -14,7 +14,8 @@ Each table is placed as its ``Table.placement`` says (as TorchRec's ``ParameterS
   ``Columns``, the same for every table): local row ``(id // count) * W + c``, where ``c`` is the
   column of ``id``'s slot. Its first columns are its slots in rising order, so that it keeps its
   ids in rising order; when a change of layout takes slots away their columns stay, empty, and
-  slots that come take empty columns, so that what stays never moves (``Columns.after``);
+  slots that come take empty columns, so that what stays never moves (``Columns.after``). A
+  table of fewer than ``GRID_DEPTH`` ids a slot is packed instead: its ids rising, no row empty;
 * **table-wise** (``WholePlan``), for tables smaller than the server count: the whole table on its
   home server;
 * **hashed** (``HashedPlan``), for a table keyed by raw 64-bit ids: id ``id`` on the owner of slot
