@@ -262,12 +262,18 @@ def initial_shard(spec: "ModelSpec", layout: Layout, shard: int) -> dict[str, to
             continue
         rows = layout.plans[table_name].global_ids(shard)
         for name, shape in table.params.items():
-            values[name] = torch.zeros(len(rows), *shape)      # a row of no id stays zeros
+            values[name] = torch.empty(len(rows), *shape)
         for start in range(0, len(rows), INIT_ROWS):       # a slice at a time: bounded temporaries
-            at = (rows[start:start + INIT_ROWS] != NO_ID).nonzero().squeeze(1) + start
-            part = table.init(rows[at])
+            ids = rows[start:start + INIT_ROWS]
+            at = (ids != NO_ID).nonzero().squeeze(1)
+            part = table.init(ids[at])
             for name in table.params:
-                values[name][at] = part[name]
+                piece = values[name][start:start + ids.numel()]
+                if at.numel() == ids.numel():
+                    piece.copy_(part[name])
+                else:                   # a row of no id is zeros
+                    piece.zero_()
+                    piece[at] = part[name]
     for g in layout.groups_of(shard):
         values.update(spec.dense[g].init())
     return values

@@ -45,6 +45,19 @@ def whole(servers):
     return out
 
 
+def rows_by_id(servers):
+    """Every row of the servers' tables but the hashed, by (parameter, id); each held once."""
+    out = {}
+    for s in servers:
+        for table, plan in s.layout.plans.items():
+            rows, ids = held(plan.global_ids(s.shard))
+            for name in s.layout.table_params[table]:
+                for i, row in zip(ids.tolist(), s.params[name].detach()[rows]):
+                    assert (name, i) not in out, f"{name}[{i}] held twice"
+                    out[name, i] = row.clone()
+    return out
+
+
 def take(servers, old, new, stage, change, only=None):
     """Each destination's parts of ``old.moves(new)`` at ``stage`` for ``change``, as the leader
     asks them (an early part a piece of tables at a time, as ``take_part`` takes it); ``only``:
@@ -289,20 +302,10 @@ def test_an_early_part_taken_a_few_tables_at_a_time_moves_every_row_of_every_tab
     group = [ParameterServer(n, k, first, spec, PsMetrics(CollectorRegistry(), "ps", n))
              for k, n in enumerate(("ps0", "ps1", "ps2"))]
 
-    def rows(servers):
-        out = {}
-        for s in servers:
-            for table, plan in s.layout.plans.items():
-                rows, ids = held(plan.global_ids(s.shard))
-                for name in s.layout.table_params[table]:
-                    for i, row in zip(ids.tolist(), s.params[name].detach()[rows]):
-                        assert (name, i) not in out, f"{name}[{i}] held twice"
-                        out[name, i] = row.clone()
-        return out
-    before = rows(group[:2])
+    before = rows_by_id(group[:2])
     grown = first.rebalanced(["ps0", "ps1", "ps2"])
     move(group, first, grown, meanwhile=lambda: None)
-    after = rows(group)
+    after = rows_by_id(group)
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     assert all(s.layout.epoch == 2 and not s.empty for s in group)
 
@@ -358,16 +361,7 @@ def test_a_table_kept_whole_moves_with_its_home_copied_ahead_into_a_server_that_
     first = first_slots(spec, 2)
     servers = [ParameterServer(n, k, first, spec, PsMetrics(CollectorRegistry(), "ps", n))
                for k, n in enumerate(("ps0", "ps1", "ps2"))]
-
-    def by_id(among):
-        out = {}
-        for s in among:
-            for table, plan in s.layout.plans.items():
-                rows, ids = held(plan.global_ids(s.shard))
-                for name in s.layout.table_params[table]:
-                    out.update({(name, int(i)): s.param(name).detach()[r].clone() for r, i in zip(rows, ids)})
-        return out
-    before = by_id(servers[:2])
+    before = rows_by_id(servers[:2])
     grown = first.rebalanced(["ps0", "ps1", "ps2"])
     storage = servers[0].param("tables.weights.item").data_ptr()
     move(servers, first, grown, meanwhile=lambda: None)
@@ -379,6 +373,6 @@ def test_a_table_kept_whole_moves_with_its_home_copied_ahead_into_a_server_that_
     move(servers, grown, shrunk, meanwhile=lambda: None)
     ps1 = servers[1]
     assert ps1.layout.plans["item"].rows(ps1.shard) == 40 and ps1.layout.columns is not None
-    after = by_id(servers[1:])
+    after = rows_by_id(servers[1:])
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], v) for k, v in before.items())

@@ -110,9 +110,10 @@ class Decode:
         local = torch.where(owned, plan.to_local(targets), torch.zeros_like(targets))
         decoder = DecoderShard(*(server.param(n) for n in DECODER), self._pool)
         w, b = server.snapshot(list(DECODER))
-        # Rows of no id (an empty column's, past the vocabulary's end) are no word: a logit of
-        # -inf adds nothing to the sum of exponentials, nor takes any gradient.
-        b = b.masked_fill(plan.global_ids(server.shard) == NO_ID, float("-inf"))
+        # Rows of no id (an empty column's, past the vocabulary's end; only a grid has them) are
+        # no word: a logit of -inf adds nothing to the sum of exponentials, nor takes any gradient.
+        if plan.gridded:
+            b = b.masked_fill(plan.global_ids(server.shard) == NO_ID, float("-inf"))
         # Outside a distributed autograd context (evaluation) nothing will ever call backward:
         # skip saving the [N, rows] probabilities.
         with torch.set_grad_enabled(in_autograd_context()):
